@@ -1,0 +1,29 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	# torch first, pinned: the CPU/GPU build on the local disk (other versions download gigabytes)
+	$(BIN)/pip install torch==2.14.1 torchvision==0.29.1
+	$(BIN)/pip install -e ".[cpu,dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/dmlsearch demo
+
+test: setup
+	$(BIN)/pytest
+
+lint: setup
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+clean:
+	rm -rf artifacts .pytest_cache

@@ -1,0 +1,1 @@
+"""HTTP API (FastAPI) and Streamlit UI over the search engine."""

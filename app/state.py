@@ -1,0 +1,29 @@
+"""The engine the server shares across requests, loaded once at start-up."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from app.settings import Settings
+from engine.search import SearchService
+
+log = logging.getLogger("dmlsearch.app")
+
+
+@dataclass
+class EngineState:
+    """Either a ready :class:`SearchService` or the reason there is none (reported by ``/readyz``)."""
+
+    service: SearchService | None = None
+    not_ready_reason: str | None = "not loaded yet"
+
+    @classmethod
+    def load(cls, settings: Settings) -> EngineState:
+        try:
+            service = SearchService.open(settings.model_path, settings.index_path, threads=settings.threads)
+        except Exception as err:  # any load failure leaves the process up and not ready
+            log.error("search engine not ready: %s", err)
+            return cls(None, f"{type(err).__name__}: {err}")
+        service.max_pixels = settings.max_image_pixels
+        return cls(service, None)

