@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -14,7 +15,36 @@ class Settings(BaseSettings):
     index_path: Path = Path("artifacts/index")
     model_path: Path = Path("artifacts/model/model.onnx")
     threads: int = Field(0, ge=0, description="onnxruntime intra-op threads (0 = all cores)")
-    max_upload_bytes: int = Field(20 * 1024 * 1024, gt=0)
-    max_image_pixels: int = Field(50_000_000, gt=0)
-    max_k: int = Field(100, ge=1)
-    cors_origins: list[str] = Field(default_factory=list)
+    api_key: SecretStr | None = Field(
+        None, description="X-API-Key required by POST/DELETE /v1/items; writes are disabled when unset"
+    )
+    max_upload_bytes: int = Field(20 * 1024 * 1024, gt=0, description="largest single image")
+    max_request_bytes: int = Field(
+        64 * 1024 * 1024, gt=0, description="largest request body (a batch, base64 inflates by 4/3)"
+    )
+    max_image_pixels: int = Field(50_000_000, gt=0, description="refuse images with more pixels")
+    max_k: int = Field(1000, ge=1, le=10_000)
+    max_offset: int = Field(10_000, ge=0)
+    max_batch: int = Field(64, ge=1, description="most images in one batch search or add")
+    jpeg_draft: bool = Field(True, description="decode large JPEGs at reduced DCT scale (much faster)")
+    vote_sigma2: float = Field(
+        0.05, gt=0, description="sigma^2 of the predict=true vote: neighbour weight exp(-|q-x|^2/2sigma^2)"
+    )
+    rate_limit_per_second: float = Field(
+        20.0, ge=0, description="sustained requests per second per client on /v1 (0 disables limiting)"
+    )
+    rate_limit_burst: int = Field(100, ge=1, description="requests a client may make at once")
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="origins allowed by CORS, comma-separated in the environment"
+    )
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [origin.strip() for origin in value.split(",") if origin.strip()]
+        return value
+
+    @property
+    def writes_enabled(self) -> bool:
+        return self.api_key is not None and bool(self.api_key.get_secret_value())

@@ -9,8 +9,18 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif"})
-ALLOWED_FORMATS = frozenset({"JPEG", "PNG", "WEBP", "BMP", "GIF", "MPO", "TIFF"})
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+# Pillow format name -> the suffix a stored file of that format gets (MPO is a multi-picture JPEG).
+FORMAT_SUFFIXES = {
+    "JPEG": ".jpg",
+    "MPO": ".jpg",
+    "PNG": ".png",
+    "WEBP": ".webp",
+    "BMP": ".bmp",
+    "GIF": ".gif",
+    "TIFF": ".tif",
+}
+ALLOWED_FORMATS = frozenset(FORMAT_SUFFIXES)
 DEFAULT_MAX_PIXELS = 50_000_000
 
 
@@ -26,14 +36,11 @@ class ImageDecodeError(ValueError):
         self.message = message
 
 
-def decode_image(
-    data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS, draft_size: int | None = None
-) -> Image.Image:
-    """Decode ``data`` into an RGB image with its EXIF orientation applied.
+def open_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """Read only the header of ``data``: a lazily decoded image whose format and size have been checked.
 
-    ``draft_size``: for JPEGs, let libjpeg decode at a reduced DCT scale that still keeps the short
-    side >= ``draft_size`` (a large speed-up for phone photos that will be resized anyway).
-    Raises :class:`ImageDecodeError` for empty, corrupt, truncated, unsupported or oversized input.
+    Raises :class:`ImageDecodeError` for empty, unrecognised, unsupported or oversized input, before
+    any pixel is decoded (so a decompression bomb never allocates its pixels).
     """
     if not data:
         raise ImageDecodeError("empty_image", "the upload is empty (0 bytes)")
@@ -43,6 +50,8 @@ def decode_image(
         raise ImageDecodeError("not_an_image", "the upload is not a recognised image format") from None
     except Image.DecompressionBombError as err:
         raise ImageDecodeError("image_too_large", str(err)) from None
+    except Exception as err:  # Pillow's plugins raise many types on malformed headers; all mean corrupt
+        raise ImageDecodeError("corrupt_image", f"the image header could not be read: {err}") from None
     if image.format not in ALLOWED_FORMATS:
         raise ImageDecodeError("unsupported_format", f"image format {image.format} is not supported")
     width, height = image.size
@@ -50,16 +59,31 @@ def decode_image(
         raise ImageDecodeError(
             "image_too_large", f"image is {width}x{height} pixels, more than the limit of {max_pixels}"
         )
-    if draft_size is not None and image.format == "JPEG":
+    return image
+
+
+def decode_image(
+    data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS, draft_size: int | None = None
+) -> Image.Image:
+    """Decode ``data`` into an RGB image with its EXIF orientation applied.
+
+    ``draft_size``: for JPEGs, let libjpeg decode at a reduced DCT scale that still keeps the short
+    side >= ``draft_size`` (a large speed-up for phone photos that will be resized anyway).
+    Raises :class:`ImageDecodeError` for empty, corrupt, truncated, unsupported or oversized input.
+    """
+    image = open_image(data, max_pixels=max_pixels)
+    if draft_size is not None and image.format in ("JPEG", "MPO"):
         image.draft("RGB", (draft_size, draft_size))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image.load()
-            image = ImageOps.exif_transpose(image)
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning) as err:
+            # Pixel-mode conversion can fail too (an exotic mode in an otherwise readable file).
+            return to_rgb(ImageOps.exif_transpose(image))
+    except Image.DecompressionBombWarning as err:
+        raise ImageDecodeError("image_too_large", str(err)) from None
+    except Exception as err:  # untrusted bytes: any decoder failure (OSError, struct.error...) is corruption
         raise ImageDecodeError("corrupt_image", f"the image could not be decoded: {err}") from None
-    return to_rgb(image)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -79,6 +103,15 @@ def to_rgb(image: Image.Image) -> Image.Image:
         background = Image.new("RGBA", image.size, (255, 255, 255, 255))
         image = Image.alpha_composite(background, image)
     return image.convert("RGB")
+
+
+def thumbnail_jpeg(data: bytes, size: int, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> bytes:
+    """A JPEG at most ``size`` pixels on its longer side, EXIF orientation applied."""
+    image = decode_image(data, max_pixels=max_pixels, draft_size=size)
+    image.thumbnail((size, size), Image.Resampling.LANCZOS)
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=85)
+    return buffer.getvalue()
 
 
 def load_image_file(

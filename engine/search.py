@@ -1,16 +1,52 @@
-"""The search service used by the API, the UI and ``dmlsearch query`` alike."""
+"""The search service used by the API, the UI and ``dmlsearch query`` alike.
+
+It joins an :class:`Embedder` to a :class:`GalleryIndex` built with the same model, and owns the rules of
+serving: decoding untrusted uploads, batching, paging, the kNN label vote, and adding/removing items
+under a readers-writer lock (searches run side by side; a write waits for them and runs alone).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import re
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from engine.embedder import Embedder
-from engine.images import DEFAULT_MAX_PIXELS, decode_image
+from engine.images import DEFAULT_MAX_PIXELS, FORMAT_SUFFIXES, ImageDecodeError, decode_image, open_image
+from engine.locks import ReadWriteLock
+from engine.voting import Prediction, knn_vote
+from index.atomic import atomic_write_bytes
 from index.gallery import GalleryIndex
+from index.items import Item
+
+# Stages of a query, in order; each request reports its milliseconds per stage.
+STAGES = ("decode", "preprocess", "embed", "search")
+RERANKERS = ("pddm",)
+# A label becomes a folder name under the gallery root: no separators, no hidden or relative names.
+_LABEL_PATTERN = re.compile(r"^(?![.])[^/\\\x00-\x1f]{1,100}$")
+
+
+class ItemNotFoundError(LookupError):
+    """No indexed item has this id."""
+
+
+class RerankUnavailableError(ValueError):
+    """A re-ranking was asked for that the served model cannot do."""
+
+
+class InvalidItemError(ValueError):
+    """An item to add is unacceptable (a bad label, no gallery folder to store it in)."""
+
+
+class DuplicateItemError(ValueError):
+    """An item with the same content and label is already indexed."""
 
 
 @dataclass(frozen=True)
@@ -23,57 +59,276 @@ class SearchResult:
 
 
 @dataclass(frozen=True)
+class SearchOptions:
+    k: int = 10
+    min_score: float = -1.0
+    offset: int = 0  # skip this many of the best results (paging); ranks stay global
+    predict: bool = False
+    rerank: str | None = None
+
+
+@dataclass(frozen=True)
+class QueryHits:
+    results: list[SearchResult]
+    prediction: Prediction | None = None
+
+
+@dataclass(frozen=True)
 class SearchResponse:
     results: list[SearchResult]
     took_ms: float
     model_fingerprint: str
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    prediction: Prediction | None = None
+
+
+@dataclass(frozen=True)
+class BatchResponse:
+    queries: list[QueryHits]
+    took_ms: float
+    model_fingerprint: str
+    timings_ms: dict[str, float]
+
+
+@dataclass(frozen=True)
+class NewItem:
+    data: bytes
+    label: str | None = None
+
+
+class StageTimer:
+    """Wall-clock milliseconds per named stage of one request."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.ms: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - start) * 1000.0
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.started) * 1000.0
 
 
 class SearchService:
     """An embedder joined to an index built with the same model."""
 
     def __init__(
-        self, embedder: Embedder, index: GalleryIndex, *, max_pixels: int = DEFAULT_MAX_PIXELS
+        self,
+        embedder: Embedder,
+        index: GalleryIndex,
+        *,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+        jpeg_draft: bool = True,
+        vote_sigma2: float = 0.05,
     ) -> None:
         index.check_model(embedder.fingerprint, embedder.dim)
         self.embedder = embedder
         self.index = index
         self.max_pixels = max_pixels
+        # JPEG draft decoding: libjpeg scales by 1/2..1/8 while decoding, keeping the short side at least
+        # the model's resize size, so a 12-MP photo is not decoded in full only to be shrunk to 224 px.
+        self.draft_size = embedder.card.preprocessing.resize_size if jpeg_draft else None
+        self.vote_sigma2 = vote_sigma2
+        self.lock = ReadWriteLock()
 
     @classmethod
-    def open(cls, model_path: Path, index_dir: Path, *, threads: int = 0) -> SearchService:
-        return cls(Embedder(model_path, threads=threads), GalleryIndex.open(index_dir))
+    def open(cls, model_path: Path, index_dir: Path, *, threads: int = 0, **options: object) -> SearchService:
+        return cls(Embedder(model_path, threads=threads), GalleryIndex.open(index_dir), **options)
 
-    def search(self, image_bytes: bytes, k: int = 10, min_score: float = -1.0) -> SearchResponse:
+    @property
+    def model_fingerprint(self) -> str:
+        return self.embedder.fingerprint
+
+    # -- queries -----------------------------------------------------------------------------------
+
+    def search(
+        self,
+        image_bytes: bytes,
+        k: int = 10,
+        min_score: float = -1.0,
+        *,
+        offset: int = 0,
+        predict: bool = False,
+        rerank: str | None = None,
+    ) -> SearchResponse:
         """Decode, embed and search one image; raises ``ImageDecodeError`` for a bad upload."""
-        started = time.perf_counter()
-        image = decode_image(
-            image_bytes, max_pixels=self.max_pixels, draft_size=self.embedder.card.preprocessing.resize_size
+        batch = self.search_batch([image_bytes], SearchOptions(k, min_score, offset, predict, rerank))
+        (hits,) = batch.queries
+        return SearchResponse(
+            hits.results, batch.took_ms, batch.model_fingerprint, batch.timings_ms, hits.prediction
         )
-        vector = self.embedder.embed([image])
-        results = self.search_vectors(vector, k, min_score)[0]
-        return SearchResponse(results, (time.perf_counter() - started) * 1000.0, self.embedder.fingerprint)
 
-    def search_vectors(
-        self, vectors: np.ndarray, k: int, min_score: float = -1.0
-    ) -> list[list[SearchResult]]:
-        return [
-            [
-                SearchResult(hit.item.id, hit.item.path, hit.item.label, hit.score, hit.rank)
-                for hit in hits
-                if hit.score >= min_score
+    def search_batch(self, images: Sequence[bytes], options: SearchOptions) -> BatchResponse:
+        """Many query images: decoded one by one, embedded as one batch, searched as one batch.
+
+        A bad image fails the whole batch with an ``ImageDecodeError`` naming its position (``image 2:``),
+        before any model work is done.
+        """
+        self._check_options(options)
+        timer = StageTimer()
+        with timer.stage("decode"):
+            decoded = self._decode_all(images)
+        with timer.stage("preprocess"):
+            tensor = self.embedder.preprocess(decoded)
+        with timer.stage("embed"):
+            vectors = self.embedder.embed_tensor(tensor)
+        with timer.stage("search"):
+            queries = self._search_vectors(vectors, options)
+        return BatchResponse(queries, timer.elapsed_ms(), self.model_fingerprint, timer.ms)
+
+    def similar(self, item_id: int, options: SearchOptions) -> SearchResponse:
+        """Search by an indexed item: its stored image is the query, and the item itself is left out."""
+        self._check_options(options)
+        timer = StageTimer()
+        path = self.image_path(item_id)
+        with timer.stage("decode"):
+            image = decode_image(path.read_bytes(), max_pixels=self.max_pixels, draft_size=self.draft_size)
+        with timer.stage("preprocess"):
+            tensor = self.embedder.preprocess([image])
+        with timer.stage("embed"):
+            vector = self.embedder.embed_tensor(tensor)
+        with timer.stage("search"):
+            (hits,) = self._search_vectors(vector, options, exclude=item_id)
+        return SearchResponse(
+            hits.results, timer.elapsed_ms(), self.model_fingerprint, timer.ms, hits.prediction
+        )
+
+    def _check_options(self, options: SearchOptions) -> None:
+        if options.k < 1 or options.offset < 0:
+            raise ValueError(f"k must be >= 1 and offset >= 0, got k={options.k}, offset={options.offset}")
+        if options.rerank is not None:
+            if options.rerank not in RERANKERS:
+                raise RerankUnavailableError(
+                    f"unknown rerank {options.rerank!r}; choose one of {', '.join(RERANKERS)}"
+                )
+            # The PDDM unit is trained with the pddm loss but is not part of the exported model yet, so
+            # no served model can re-score with it; say so instead of silently ignoring the request.
+            raise RerankUnavailableError(
+                f"the served model ({self.embedder.card.backbone}, loss {self.embedder.card.loss or 'none'}) "
+                "has no PDDM unit: rerank=pddm needs a model exported with its PDDM scoring unit"
+            )
+
+    def _decode_all(self, images: Sequence[bytes]) -> list[Image.Image]:
+        decoded = []
+        for position, data in enumerate(images):
+            try:
+                decoded.append(decode_image(data, max_pixels=self.max_pixels, draft_size=self.draft_size))
+            except ImageDecodeError as err:
+                if len(images) == 1:
+                    raise
+                raise ImageDecodeError(err.code, f"image {position}: {err.message}") from None
+        return decoded
+
+    def _search_vectors(
+        self, vectors: np.ndarray, options: SearchOptions, exclude: int | None = None
+    ) -> list[QueryHits]:
+        # One extra neighbour when the query item itself will be dropped from its own results.
+        depth = options.offset + options.k + (exclude is not None)
+        with self.lock.read():
+            hit_lists = self.index.search(vectors, depth)
+        queries = []
+        for hits in hit_lists:
+            ranked = [
+                SearchResult(hit.item.id, hit.item.path, hit.item.label, hit.score, rank)
+                for rank, hit in enumerate((hit for hit in hits if hit.item.id != exclude), start=1)
+                if hit.score >= options.min_score
             ]
-            for hits in self.index.search(vectors, k)
-        ]
+            prediction = None
+            if options.predict:
+                voters = ranked[: options.offset + options.k]
+                prediction = knn_vote(
+                    [r.label for r in voters], [r.score for r in voters], sigma2=self.vote_sigma2
+                )
+            page = ranked[options.offset : options.offset + options.k]
+            queries.append(QueryHits(page, prediction))
+        return queries
 
-    def image_path(self, item_id: int) -> Path | None:
-        """The gallery file of an item, refusing anything that resolves outside the gallery root."""
+    # -- items -------------------------------------------------------------------------------------
+
+    def item(self, item_id: int) -> Item:
         item = self.index.items.get(item_id)
+        if item is None:
+            raise ItemNotFoundError(f"no item with id {item_id}")
+        return item
+
+    def image_path(self, item_id: int) -> Path:
+        """The gallery file of an item, refusing anything that resolves outside the gallery root."""
+        item = self.item(item_id)
         root = self.index.manifest.gallery_root
-        if item is None or root is None:
-            return None
+        if root is None:
+            raise ItemNotFoundError(f"item {item_id} has no stored image (the index records no gallery)")
         root_path = Path(root).resolve()
         path = (root_path / item.path).resolve()
+        # resolve() follows symlinks and "..", so a path or link pointing outside the gallery is refused.
         if not path.is_relative_to(root_path) or not path.is_file():
-            return None
+            raise ItemNotFoundError(f"the image of item {item_id} is not available in the gallery")
         return path
+
+    def add_items(self, new_items: Sequence[NewItem]) -> list[Item]:
+        """Store the images under the gallery root (``<label>/<content hash>.<ext>``) and index them.
+
+        Everything is validated, decoded and embedded before the index is touched, so a bad image leaves
+        the index unchanged. Files are written atomically; the index is saved before returning.
+        """
+        root = self._gallery_root()
+        prepared = []
+        for position, new in enumerate(new_items):
+            if new.label is not None and not _LABEL_PATTERN.match(new.label):
+                raise InvalidItemError(
+                    f"item {position}: label {new.label!r} must be 1-100 characters, without path separators "
+                    "or control characters, and must not start with '.'"
+                )
+            fmt = open_image(new.data, max_pixels=self.max_pixels).format
+            digest = hashlib.sha256(new.data).hexdigest()
+            relative = Path(new.label or ".") / f"{digest[:20]}{FORMAT_SUFFIXES[fmt]}"
+            target = (root / relative).resolve()
+            if not target.is_relative_to(root):
+                raise InvalidItemError(f"item {position}: label {new.label!r} leaves the gallery folder")
+            prepared.append((relative.as_posix(), new.label, digest, target, new.data))
+        vectors = self.embedder.embed(self._decode_all([new.data for new in new_items]))
+        with self.lock.write():
+            for relative, *_ in prepared:
+                if self._indexed_path(relative):
+                    raise DuplicateItemError(f"{relative} is already indexed")
+            written = []
+            try:
+                for _, _, _, target, data in prepared:
+                    if not target.exists():
+                        atomic_write_bytes(target, data)
+                        written.append(target)
+                ids = self.index.add(
+                    vectors, [(relative, label, digest) for relative, label, digest, *_ in prepared]
+                )
+                self.index.save()
+            except BaseException:
+                for target in written:  # files of items that never made it into the index
+                    target.unlink(missing_ok=True)
+                raise
+        return [self.item(item_id) for item_id in ids]
+
+    def remove_item(self, item_id: int) -> Item:
+        """Remove an item from the index (its gallery file stays on disk) and save the index."""
+        with self.lock.write():
+            item = self.item(item_id)
+            self.index.vectors.remove(np.array([item_id], dtype=np.int64))
+            self.index.items.remove([item_id])
+            self.index.save()
+        return item
+
+    def _gallery_root(self) -> Path:
+        root = self.index.manifest.gallery_root
+        if root is None:
+            raise InvalidItemError("the index records no gallery folder to store new images in")
+        return Path(root).resolve()
+
+    def _indexed_path(self, relative: str) -> bool:
+        row = self.index.items.connection.execute(
+            "SELECT 1 FROM items WHERE path = ?", (relative,)
+        ).fetchone()
+        return row is not None

@@ -1,0 +1,150 @@
+"""Serving commands: the HTTP API, the Streamlit UI and the end-to-end demo."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.common import DEFAULT_MODEL, fail
+from cli.index_commands import build_index
+from cli.model_commands import export
+
+commands = typer.Typer()
+
+
+@commands.command()
+def serve(
+    index: Annotated[Path, typer.Option(help="Index directory.")],
+    model: Annotated[Path, typer.Option(help="Exported model.onnx.")] = DEFAULT_MODEL,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    threads: Annotated[int, typer.Option(min=0)] = 0,
+) -> None:
+    """Serve the HTTP API (FastAPI under uvicorn)."""
+    import uvicorn
+
+    from app.api import create_app
+    from app.settings import Settings
+
+    settings = Settings(index_path=index, model_path=model, threads=threads)
+    uvicorn.run(create_app(settings), host=host, port=port)
+
+
+@commands.command()
+def ui(
+    api_url: Annotated[
+        str, typer.Option(help="Base URL of the dmlsearch HTTP API.")
+    ] = "http://127.0.0.1:8000",
+    port: int = 8501,
+    host: str = "127.0.0.1",
+) -> None:
+    """Start the Streamlit page (a client of the HTTP API)."""
+    page = importlib.util.find_spec("app.ui").origin
+    env = {**os.environ, "DMLSEARCH_API_URL": api_url}
+    command = [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(page),
+        "--server.port",
+        str(port),
+        "--server.address",
+        host,
+        "--server.headless",
+        "true",
+        "--browser.gatherUsageStats",
+        "false",
+    ]
+    raise typer.Exit(subprocess.call(command, env=env))
+
+
+@commands.command("demo-gallery")
+def demo_gallery(
+    out: Annotated[Path, typer.Argument(help="Folder to create.")] = Path("artifacts/gallery"),
+) -> None:
+    """Assemble the demo gallery from permissively licensed photos in scikit-image and scikit-learn."""
+    from engine.demo_gallery import write_demo_gallery
+
+    count = write_demo_gallery(out)
+    typer.echo(f"wrote {count} images to {out} (licences in {out / 'LICENSES.md'})")
+
+
+def _wait_until_ready(url: str, process: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise fail(f"server exited with code {process.returncode} before {url} answered")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise fail(f"{url} did not answer within {timeout_s:.0f} s")
+
+
+@commands.command()
+def demo(
+    workdir: Annotated[Path, typer.Option(help="Where the model, gallery and index go.")] = Path("artifacts"),
+    api_port: int = 8000,
+    ui_port: int = 8501,
+    host: str = "127.0.0.1",
+    serve_after: Annotated[
+        bool, typer.Option("--serve/--no-serve", help="Start the API and UI at the end.")
+    ] = True,
+) -> None:
+    """The main job end to end: export the pretrained embedder, index the demo gallery, serve API + UI."""
+    model = workdir / "model" / "model.onnx"
+    gallery = workdir / "gallery"
+    index_dir = workdir / "index"
+    export(out=model)
+    if not gallery.is_dir():
+        demo_gallery(out=gallery)
+    build_index(gallery=gallery, out=index_dir, model=model)
+    if not serve_after:
+        return
+    cli = [sys.executable, "-m", "cli.main"]
+    api = subprocess.Popen(
+        [
+            *cli,
+            "serve",
+            "--index",
+            str(index_dir),
+            "--model",
+            str(model),
+            "--host",
+            host,
+            "--port",
+            str(api_port),
+        ]
+    )
+    api_url = f"http://{host}:{api_port}"
+    ui_process = None
+    try:
+        _wait_until_ready(f"{api_url}/readyz", api)
+        ui_process = subprocess.Popen(
+            [*cli, "ui", "--api-url", api_url, "--port", str(ui_port), "--host", host]
+        )
+        _wait_until_ready(f"http://{host}:{ui_port}/_stcore/health", ui_process)
+        typer.secho(f"API: {api_url}  (OpenAPI docs at {api_url}/docs)", fg=typer.colors.GREEN)
+        typer.secho(f"UI:  http://{host}:{ui_port}", fg=typer.colors.GREEN)
+        typer.echo("Press Ctrl-C to stop.")
+        api.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for process in (ui_process, api):
+            if process is not None and process.poll() is None:
+                process.terminate()
+                process.wait(timeout=10)

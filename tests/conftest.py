@@ -1,0 +1,86 @@
+"""Shared fixtures: an exported pretrained model, generated galleries, a built index, free ports."""
+
+from __future__ import annotations
+
+import io
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+
+def make_image(seed: int, size: tuple[int, int] = (96, 80), mode: str = "RGB") -> Image.Image:
+    """A deterministic synthetic photo-like image: smooth colour gradients plus seeded blobs."""
+    rng = np.random.default_rng(seed)
+    width, height = size
+    y, x = np.mgrid[0:height, 0:width] / max(width, height)
+    channels = []
+    for _ in range(3):
+        a, b, c = rng.uniform(-3, 3, size=3)
+        channels.append(np.sin(a * x * 6 + b * y * 6 + c))
+    array = (np.stack(channels, axis=-1) * 0.5 + 0.5) * 255
+    return Image.fromarray(array.astype(np.uint8), "RGB").convert(mode)
+
+
+def image_bytes(image: Image.Image, fmt: str = "PNG", **save_args: object) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **save_args)
+    return buffer.getvalue()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def exported_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pretrained EfficientNet-Lite0 embedder exported to ONNX (model.onnx + model.json)."""
+    from training.backbone import BACKBONES, create_backbone
+    from training.export import export_onnx
+    from training.model import EmbeddingModel
+
+    path = tmp_path_factory.mktemp("model") / "model.onnx"
+    export_onnx(
+        EmbeddingModel(create_backbone("efficientnet_lite0")),
+        path,
+        preprocessing=BACKBONES["efficientnet_lite0"].preprocessing,
+        backbone="efficientnet_lite0",
+    )
+    return path
+
+
+@pytest.fixture(scope="session")
+def demo_gallery(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.demo_gallery import write_demo_gallery
+
+    root = tmp_path_factory.mktemp("demo_gallery")
+    write_demo_gallery(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def demo_index(tmp_path_factory: pytest.TempPathFactory, exported_model: Path, demo_gallery: Path) -> Path:
+    from engine.embedder import Embedder
+    from engine.indexing import build_index
+
+    out = tmp_path_factory.mktemp("demo_index") / "index"
+    build_index(demo_gallery, Embedder(exported_model), out, progress=False)
+    return out
+
+
+@pytest.fixture
+def synthetic_gallery(tmp_path: Path) -> Path:
+    """Three labelled folders of generated images, plus one corrupt and one non-image file."""
+    root = tmp_path / "gallery"
+    for label_index, label in enumerate(["alpha", "beta", "gamma"]):
+        folder = root / label
+        folder.mkdir(parents=True)
+        for i in range(3):
+            make_image(100 * label_index + i).save(folder / f"{label}_{i}.png")
+    (root / "beta" / "corrupt.jpg").write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg")
+    (root / "notes.txt").write_text("not an image")
+    return root

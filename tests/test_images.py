@@ -1,0 +1,62 @@
+"""Decoding untrusted image bytes."""
+
+from __future__ import annotations
+
+import pytest
+from PIL import Image
+
+from engine.images import ImageDecodeError, decode_image
+from tests.conftest import image_bytes, make_image
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P", "CMYK", "LA", "I;16"])
+def test_every_mode_becomes_rgb(mode: str) -> None:
+    fmt = "JPEG" if mode == "CMYK" else "TIFF" if mode == "I;16" else "PNG"
+    image = make_image(1, mode="RGB")
+    source = image.convert(mode) if mode != "I;16" else image.convert("L").convert("I;16")
+    decoded = decode_image(image_bytes(source, fmt))
+    assert decoded.mode == "RGB"
+    assert decoded.size == image.size
+
+
+def test_exif_orientation_is_applied() -> None:
+    image = make_image(2, size=(120, 60))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    decoded = decode_image(image_bytes(image, "JPEG", exif=exif))
+    assert decoded.size == (60, 120)
+
+
+@pytest.mark.parametrize(
+    ("data", "code"),
+    [
+        (b"", "empty_image"),
+        (b"hello, I am a text file", "not_an_image"),
+        (b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF", "not_an_image"),
+    ],
+)
+def test_non_images_are_refused(data: bytes, code: str) -> None:
+    with pytest.raises(ImageDecodeError) as info:
+        decode_image(data)
+    assert info.value.code == code
+
+
+def test_truncated_jpeg_is_refused() -> None:
+    data = image_bytes(make_image(3, size=(256, 256)), "JPEG")
+    with pytest.raises(ImageDecodeError) as info:
+        decode_image(data[: len(data) // 2])
+    assert info.value.code == "corrupt_image"
+
+
+def test_pixel_limit_refuses_decompression_bombs() -> None:
+    data = image_bytes(Image.new("L", (4000, 4000)), "PNG")
+    with pytest.raises(ImageDecodeError) as info:
+        decode_image(data, max_pixels=1_000_000)
+    assert info.value.code == "image_too_large"
+
+
+def test_draft_decoding_keeps_enough_resolution() -> None:
+    data = image_bytes(make_image(4, size=(1600, 1200)), "JPEG")
+    decoded = decode_image(data, draft_size=224)
+    assert min(decoded.size) >= 224
+    assert decoded.size[0] < 1600

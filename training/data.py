@@ -1,0 +1,175 @@
+"""Labelled image collections and the deep-metric-learning class split.
+
+A collection comes from an ImageFolder-style directory (label = the image's folder, relative to the root)
+or from a CSV with the columns ``path,label`` and optionally ``split`` (paths relative to the CSV file).
+The papers' protocol splits *classes*, not images: training sees the first half of the classes (sorted by
+name), retrieval is evaluated on the unseen second half. Checkpoints are selected on a validation split of
+whole classes carved from the training classes, so that selection mimics the unseen-class test and never
+touches the test classes.
+"""
+
+from __future__ import annotations
+
+import csv
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.images import list_images
+
+SPLITS = ("train", "val", "test")
+MIN_VAL_CLASSES = 2  # Recall@1 over a single class is trivially 100%
+MIN_TRAIN_CLASSES = 2  # pair/triplet losses need negatives
+
+
+class DataError(ValueError):
+    """The data source is missing, malformed or too small for the requested split."""
+
+
+@dataclass(frozen=True)
+class LabelledImages:
+    """Image files with integer labels; ``class_names[label]`` names each class."""
+
+    root: Path
+    paths: tuple[str, ...]  # relative to ``root``
+    labels: np.ndarray  # int64, indices into class_names
+    class_names: tuple[str, ...]
+    splits: tuple[str, ...] | None = None  # per image, from a CSV split column
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def files(self, indices: Sequence[int] | np.ndarray | None = None) -> list[Path]:
+        chosen = range(len(self)) if indices is None else indices
+        return [self.root / self.paths[i] for i in chosen]
+
+
+@dataclass(frozen=True)
+class ClassSplit:
+    """Image indices of each split of a :class:`LabelledImages`; the splits share no class."""
+
+    train: np.ndarray
+    val: np.ndarray
+    test: np.ndarray
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in SPLITS:
+            raise KeyError(name)
+        return getattr(self, name)
+
+
+def load_labelled_images(source: Path) -> LabelledImages:
+    """Read an ImageFolder-style directory or a ``path,label[,split]`` CSV file."""
+    if source.is_dir():
+        return _from_folder(source)
+    if source.is_file() and source.suffix.lower() == ".csv":
+        return _from_csv(source)
+    raise DataError(f"{source} is neither an image folder nor a .csv file")
+
+
+def _from_folder(root: Path) -> LabelledImages:
+    paths, names = [], []
+    unlabelled = 0
+    for path in list_images(root):
+        if path.parent == root:
+            unlabelled += 1
+            continue
+        paths.append(path.relative_to(root).as_posix())
+        names.append(path.parent.relative_to(root).as_posix())
+    if unlabelled:
+        warnings.warn(f"ignored {unlabelled} images directly under {root} (no class folder)", stacklevel=3)
+    return _index_labels(root, paths, names, None, source=root)
+
+
+def _from_csv(table: Path) -> LabelledImages:
+    with table.open(newline="") as handle:
+        reader = csv.DictReader(handle)
+        columns = {name.strip() for name in reader.fieldnames or ()}
+        if not {"path", "label"} <= columns:
+            raise DataError(f"{table} needs the columns path,label[,split]; it has {sorted(columns)}")
+        rows = [{key.strip(): (value or "").strip() for key, value in row.items()} for row in reader]
+    root = table.parent
+    missing = [row["path"] for row in rows if not (root / row["path"]).is_file()]
+    if missing:
+        raise DataError(f"{len(missing)} files listed in {table} do not exist, e.g. {missing[:3]}")
+    splits = None
+    if "split" in columns:
+        splits = tuple(row["split"].lower() for row in rows)
+        unknown = sorted(set(splits) - set(SPLITS))
+        if unknown:
+            raise DataError(f"{table}: unknown split value(s) {unknown}; use {', '.join(SPLITS)}")
+    return _index_labels(
+        root, [row["path"] for row in rows], [row["label"] for row in rows], splits, source=table
+    )
+
+
+def _index_labels(
+    root: Path, paths: list[str], names: list[str], splits: tuple[str, ...] | None, *, source: Path
+) -> LabelledImages:
+    if not paths:
+        raise DataError(f"no labelled images in {source}")
+    class_names = tuple(sorted(set(names)))
+    lookup = {name: index for index, name in enumerate(class_names)}
+    labels = np.array([lookup[name] for name in names], dtype=np.int64)
+    return LabelledImages(root, tuple(paths), labels, class_names, splits)
+
+
+def split_classes(
+    data: LabelledImages,
+    *,
+    train_classes: int | None = None,
+    val_fraction: float = 0.2,
+    seed: int = 0,
+) -> ClassSplit:
+    """The DML split: train / val / test image indices over disjoint classes.
+
+    Without a split column the first half of the classes (sorted by name), or the first
+    ``train_classes``, are for training and the rest for testing. A CSV split column decides per image
+    instead (a class must not appear in two splits). Unless the CSV names ``val`` images, a seeded random
+    ``val_fraction`` of the training classes (at least two) is held out for validation.
+    """
+    num_classes = len(data.class_names)
+    if data.splits is not None and train_classes is None:
+        split_of = np.asarray(data.splits)
+        train, val, test = (np.flatnonzero(split_of == name) for name in SPLITS)
+    else:
+        cut = num_classes // 2 if train_classes is None else train_classes
+        if not 0 < cut < num_classes:
+            raise DataError(f"--train-classes must be between 1 and {num_classes - 1}, got {cut}")
+        train = np.flatnonzero(data.labels < cut)
+        test = np.flatnonzero(data.labels >= cut)
+        val = np.zeros(0, dtype=np.int64)
+    _check_disjoint(data, {"train": train, "val": val, "test": test})
+    if len(val) == 0:
+        train, val = _carve_validation(data, train, val_fraction, seed)
+    for name, indices in (("train", train), ("val", val), ("test", test)):
+        if len(indices) == 0:
+            raise DataError(f"the {name} split is empty")
+    return ClassSplit(train=train, val=val, test=test)
+
+
+def _check_disjoint(data: LabelledImages, splits: dict[str, np.ndarray]) -> None:
+    classes = {name: set(data.labels[indices].tolist()) for name, indices in splits.items()}
+    for first, second in (("train", "val"), ("train", "test"), ("val", "test")):
+        shared = classes[first] & classes[second]
+        if shared:
+            examples = [data.class_names[label] for label in sorted(shared)[:3]]
+            raise DataError(f"classes {examples} appear in both the {first} and the {second} split")
+
+
+def _carve_validation(
+    data: LabelledImages, train: np.ndarray, val_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    classes = np.unique(data.labels[train])
+    count = max(MIN_VAL_CLASSES, round(val_fraction * len(classes)))
+    if len(classes) - count < MIN_TRAIN_CLASSES:
+        raise DataError(
+            f"{len(classes)} training classes are too few to hold out {count} for validation and keep "
+            f"{MIN_TRAIN_CLASSES} to train on"
+        )
+    held_out = np.random.default_rng(seed).choice(classes, size=count, replace=False)
+    is_val = np.isin(data.labels[train], held_out)
+    return train[~is_val], train[is_val]
