@@ -7,27 +7,57 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from starlette.concurrency import run_in_threadpool
 
 from app.errors import install_error_handlers
+from app.metrics import Metrics
+from app.middleware import BodySizeLimitMiddleware, RateLimitMiddleware, RequestMetricsMiddleware
+from app.ratelimit import TokenBucketLimiter
 from app.routes import router
 from app.settings import Settings
 from app.state import EngineState
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
+    """The API over one model and one index, both loaded once at start-up and shared by all requests."""
     settings = settings or Settings()
+    metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.engine = EngineState.load(settings)
+        app.state.engine = await run_in_threadpool(EngineState.load, settings)
         yield
+        if app.state.engine.service is not None:
+            app.state.engine.service.index.close()
 
-    app = FastAPI(title="dmlsearch", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(
+        title="dmlsearch",
+        version="0.1.0",
+        summary="Image search with deep-metric-learning embeddings.",
+        lifespan=lifespan,
+    )
     app.state.settings = settings
+    app.state.metrics = metrics
     app.state.engine = EngineState()
+    metrics.track_index_size(lambda: app.state.engine.size())
+    # Starlette wraps each new middleware around the previous ones: the last added runs first. CORS is
+    # outermost so that refusals (413, 429) carry CORS headers too and browsers can read them.
+    app.add_middleware(BodySizeLimitMiddleware, limit=settings.max_request_bytes)
+    if settings.rate_limit_per_second > 0:
+        app.add_middleware(
+            RateLimitMiddleware,
+            limiter=TokenBucketLimiter(settings.rate_limit_per_second, settings.rate_limit_burst),
+            metrics=metrics,
+            api_key=settings.api_key.get_secret_value() if settings.writes_enabled else None,
+        )
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     if settings.cors_origins:
         app.add_middleware(
-            CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"], allow_headers=["*"]
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Content-Type", "X-API-Key"],
+            expose_headers=["Retry-After"],
         )
     install_error_handlers(app)
     app.include_router(router)

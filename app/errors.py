@@ -2,35 +2,70 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.images import ImageDecodeError
+from engine.search import DuplicateItemError, InvalidItemError, ItemNotFoundError, RerankUnavailableError
+
+log = logging.getLogger("dmlsearch.app")
+
+# Image problems the client can fix: a format we do not take is 415, an oversized image 413, the rest 400.
+_IMAGE_ERROR_STATUS = {"unsupported_format": 415, "image_too_large": 413}
+# Codes for errors Starlette raises itself (unknown route, wrong method, unreadable multipart body).
+_HTTP_ERROR_CODES = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.headers = headers
 
 
-def error_response(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"code": code, "message": message}})
+def error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        status_code=status, content={"error": {"code": code, "message": message}}, headers=headers
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, err: ApiError) -> JSONResponse:
-        return error_response(err.status, err.code, err.message)
+        return error_response(err.status, err.code, err.message, err.headers)
 
     @app.exception_handler(ImageDecodeError)
     async def bad_image(_: Request, err: ImageDecodeError) -> JSONResponse:
-        status = 413 if err.code == "image_too_large" else 415 if err.code == "unsupported_format" else 400
-        return error_response(status, err.code, err.message)
+        return error_response(_IMAGE_ERROR_STATUS.get(err.code, 400), err.code, err.message)
+
+    @app.exception_handler(ItemNotFoundError)
+    async def not_found(_: Request, err: ItemNotFoundError) -> JSONResponse:
+        return error_response(404, "item_not_found", str(err))
+
+    @app.exception_handler(RerankUnavailableError)
+    async def rerank_unavailable(_: Request, err: RerankUnavailableError) -> JSONResponse:
+        return error_response(422, "rerank_unavailable", str(err))
+
+    @app.exception_handler(InvalidItemError)
+    async def invalid_item(_: Request, err: InvalidItemError) -> JSONResponse:
+        return error_response(422, "invalid_item", str(err))
+
+    @app.exception_handler(DuplicateItemError)
+    async def duplicate_item(_: Request, err: DuplicateItemError) -> JSONResponse:
+        return error_response(409, "duplicate_item", str(err))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, err: RequestValidationError) -> JSONResponse:
@@ -41,4 +76,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        return error_response(err.status_code, "http_error", str(err.detail))
+        code = _HTTP_ERROR_CODES.get(err.status_code, "http_error")
+        return error_response(err.status_code, code, str(err.detail), err.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception) -> JSONResponse:
+        # A bug, not bad input: log the traceback, tell the client only that it was our fault.
+        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=err)
+        return error_response(500, "internal_error", "internal server error")

@@ -1,22 +1,116 @@
-"""Response bodies of the HTTP API (the OpenAPI contract)."""
+"""Request and response bodies of the HTTP API (the OpenAPI contract)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+
+from engine.search import BatchResponse, QueryHits, SearchResponse
+from engine.voting import Prediction
+from index.items import Item
 
 
 class ResultOut(BaseModel):
     id: int
     path: str
     label: str | None
-    score: float
-    rank: int
+    score: float = Field(description="cosine similarity to the query, in [-1, 1]")
+    rank: int = Field(description="1-based position among all results (paging keeps ranks global)")
+
+
+class PredictionOut(BaseModel):
+    label: str
+    confidence: float = Field(description="the label's share of the neighbours' softmax weight")
+    votes: dict[str, float]
+
+    @classmethod
+    def of(cls, prediction: Prediction | None) -> PredictionOut | None:
+        return None if prediction is None else cls(**vars(prediction))
 
 
 class SearchOut(BaseModel):
     results: list[ResultOut]
+    prediction: PredictionOut | None = None
     took_ms: float
+    timings_ms: dict[str, float] = Field(description="milliseconds per stage of this query")
     model_fingerprint: str
+
+    @classmethod
+    def of(cls, response: SearchResponse, upload_ms: float | None = None) -> SearchOut:
+        """``upload_ms``: time spent receiving the query image, when there was one."""
+        uploaded = {} if upload_ms is None else {"upload": upload_ms}
+        return cls(
+            results=[ResultOut(**vars(result)) for result in response.results],
+            prediction=PredictionOut.of(response.prediction),
+            took_ms=response.took_ms + (upload_ms or 0.0),
+            timings_ms={**uploaded, **response.timings_ms},
+            model_fingerprint=response.model_fingerprint,
+        )
+
+
+class QueryOut(BaseModel):
+    results: list[ResultOut]
+    prediction: PredictionOut | None = None
+
+    @classmethod
+    def of(cls, hits: QueryHits) -> QueryOut:
+        return cls(
+            results=[ResultOut(**vars(result)) for result in hits.results],
+            prediction=PredictionOut.of(hits.prediction),
+        )
+
+
+class BatchSearchOut(BaseModel):
+    queries: list[QueryOut] = Field(description="one entry per uploaded image, in upload order")
+    took_ms: float
+    timings_ms: dict[str, float]
+    model_fingerprint: str
+
+    @classmethod
+    def of(cls, response: BatchResponse, upload_ms: float) -> BatchSearchOut:
+        return cls(
+            queries=[QueryOut.of(hits) for hits in response.queries],
+            took_ms=response.took_ms + upload_ms,
+            timings_ms={"upload": upload_ms, **response.timings_ms},
+            model_fingerprint=response.model_fingerprint,
+        )
+
+
+class ItemOut(BaseModel):
+    id: int
+    path: str = Field(description="relative to the gallery folder")
+    label: str | None
+    content_hash: str
+    added: str
+
+    @classmethod
+    def of(cls, item: Item) -> ItemOut:
+        return cls(
+            id=item.id, path=item.path, label=item.label, content_hash=item.content_hash, added=item.added
+        )
+
+
+class ItemPageOut(BaseModel):
+    items: list[ItemOut]
+    total: int
+    offset: int
+
+
+class AddedItemsOut(BaseModel):
+    items: list[ItemOut]
+    count: int = Field(description="items in the index after the addition")
+
+
+class DeletedItemOut(BaseModel):
+    deleted: ItemOut
+    count: int = Field(description="items in the index after the removal")
+
+
+class ModelOut(BaseModel):
+    fingerprint: str
+    backbone: str
+    head: str
+    loss: str | None
+    embedding_dim: int
 
 
 class StatsOut(BaseModel):
@@ -27,6 +121,34 @@ class StatsOut(BaseModel):
     metric: str
     model_fingerprint: str
     achieved_recall: float | None
+    model: ModelOut
+    rerankers: list[str] = Field(description="rerank= values the served model supports")
+    writes_enabled: bool
+
+
+class ReadyOut(BaseModel):
+    status: str
+    model_fingerprint: str
+    count: int
+
+
+class ImageJsonIn(BaseModel):
+    """A query image as base64 (a ``data:image/...;base64,`` prefix is accepted)."""
+
+    image: str
+
+
+class ImagesJsonIn(BaseModel):
+    """Several images as base64."""
+
+    images: list[str] = Field(min_length=1)
+
+
+class NewItemsJsonIn(BaseModel):
+    """Images to add as base64, with no label, one label for all, or one label per image."""
+
+    images: list[str] = Field(min_length=1)
+    labels: list[str | None] = Field(default_factory=list)
 
 
 class ErrorBody(BaseModel):

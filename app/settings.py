@@ -23,7 +23,7 @@ class Settings(BaseSettings):
         64 * 1024 * 1024, gt=0, description="largest request body (a batch, base64 inflates by 4/3)"
     )
     max_image_pixels: int = Field(50_000_000, gt=0, description="refuse images with more pixels")
-    max_k: int = Field(1000, ge=1, le=10_000)
+    max_k: int = Field(1000, ge=1, le=1000, description="largest k a client may ask for")
     max_offset: int = Field(10_000, ge=0)
     max_batch: int = Field(64, ge=1, description="most images in one batch search or add")
     jpeg_draft: bool = Field(True, description="decode large JPEGs at reduced DCT scale (much faster)")

@@ -21,9 +21,18 @@ class EngineState:
     @classmethod
     def load(cls, settings: Settings) -> EngineState:
         try:
-            service = SearchService.open(settings.model_path, settings.index_path, threads=settings.threads)
+            service = SearchService.open(
+                settings.model_path,
+                settings.index_path,
+                threads=settings.threads,
+                max_pixels=settings.max_image_pixels,
+                jpeg_draft=settings.jpeg_draft,
+                vote_sigma2=settings.vote_sigma2,
+            )
         except Exception as err:  # any load failure leaves the process up and not ready
             log.error("search engine not ready: %s", err)
             return cls(None, f"{type(err).__name__}: {err}")
-        service.max_pixels = settings.max_image_pixels
         return cls(service, None)
+
+    def size(self) -> int:
+        return len(self.service.index) if self.service is not None else -1

@@ -1,4 +1,4 @@
-"""Streamlit page: upload an image, see the most similar gallery images with their scores.
+"""Streamlit page: query by an uploaded image or a gallery item, see the most similar images with scores.
 
 A pure client of the HTTP API (``DMLSEARCH_API_URL``), so it works against a remote server too.
 Run with ``dmlsearch ui`` or ``streamlit run app/ui.py``.
@@ -8,85 +8,149 @@ from __future__ import annotations
 
 import os
 
-import httpx
 import streamlit as st
+
+from app.client import ApiCallError, SearchClient
 
 API_URL = os.environ.get("DMLSEARCH_API_URL", "http://127.0.0.1:8000").rstrip("/")
 COLUMNS = 4
+THUMBNAIL_SIZE = 256
+UPLOAD, GALLERY = "Upload an image", "Pick a gallery item"
 
 
-def api_error_message(response: httpx.Response) -> str:
-    try:
-        return response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {response.status_code}"
+@st.cache_resource
+def api_client(api_url: str) -> SearchClient:
+    return SearchClient(api_url)
 
 
 @st.cache_data(ttl=30, show_spinner=False)
-def fetch_stats(api_url: str) -> dict | None:
+def fetch_stats(api_url: str) -> dict | str:
+    """The index stats, or the reason they are unavailable."""
     try:
-        response = httpx.get(f"{api_url}/v1/stats", timeout=5)
-    except httpx.HTTPError:
+        return api_client(api_url).stats()
+    except ApiCallError as err:
+        return str(err)
+
+
+@st.cache_data(ttl=30, show_spinner=False)
+def fetch_items(api_url: str) -> dict[int, dict]:
+    try:
+        return {item["id"]: item for item in api_client(api_url).items()["items"]}
+    except ApiCallError:
+        return {}
+
+
+@st.cache_data(max_entries=1024, show_spinner=False)
+def fetch_thumbnail(api_url: str, item_id: int, path: str) -> bytes | None:
+    """``path`` is part of the cache key: an id reused after a delete must not show the old picture."""
+    try:
+        return api_client(api_url).thumbnail(item_id, THUMBNAIL_SIZE)
+    except ApiCallError:
         return None
-    return response.json() if response.status_code == 200 else None
 
 
-@st.cache_data(max_entries=512, show_spinner=False)
-def fetch_item_image(api_url: str, item_id: int) -> bytes | None:
-    response = httpx.get(f"{api_url}/v1/items/{item_id}/image", timeout=10)
-    return response.content if response.status_code == 200 else None
+def search_by_item(item_id: int) -> None:
+    """Clicking "Similar" under a result makes that result the query."""
+    st.session_state.source = GALLERY
+    st.session_state.item_id = item_id
 
 
-def render_results(results: list[dict]) -> None:
+def render_sidebar(stats: dict | str) -> dict:
+    with st.sidebar:
+        st.header("Index")
+        if isinstance(stats, str):
+            st.error(f"The API at {API_URL} is not ready: {stats}")
+        else:
+            st.metric("Images", stats["count"])
+            st.write(f"{stats['dim']}-d · {stats['backend']} {stats['index_type']} · {stats['metric']}")
+            if stats["achieved_recall"] is not None:
+                st.write(f"index recall {stats['achieved_recall']:.3f}")
+            st.caption(f"model {stats['model']['backbone']} · {stats['model_fingerprint'][:12]}")
+        st.header("Search")
+        return {
+            "k": st.slider("Results (K)", min_value=1, max_value=48, value=12),
+            "min_score": st.slider("Minimum score", min_value=-1.0, max_value=1.0, value=0.0, step=0.05),
+            "predict": st.checkbox("Predict the label", value=True),
+        }
+
+
+def render_results(body: dict) -> None:
+    results = body["results"]
+    timings = " · ".join(f"{stage} {ms:.0f}" for stage, ms in body["timings_ms"].items())
+    st.caption(f"{len(results)} results in {body['took_ms']:.0f} ms ({timings} ms)")
+    if body.get("prediction"):
+        prediction = body["prediction"]
+        st.success(f"Predicted label: **{prediction['label']}** ({prediction['confidence']:.0%} of the vote)")
     if not results:
         st.info("No gallery image scored above the minimum score.")
         return
     for start in range(0, len(results), COLUMNS):
         for column, result in zip(st.columns(COLUMNS), results[start : start + COLUMNS], strict=False):
             with column:
-                image = fetch_item_image(API_URL, result["id"])
-                if image is not None:
-                    st.image(image, use_container_width=True)
+                thumbnail = fetch_thumbnail(API_URL, result["id"], result["path"])
+                if thumbnail is not None:
+                    st.image(thumbnail, width="stretch")
                 st.markdown(f"**#{result['rank']} · score {result['score']:.3f}**")
                 st.caption(f"{result['label'] or '-'} · {result['path']}")
+                st.button(
+                    "Similar", key=f"similar-{result['id']}", on_click=search_by_item, args=(result["id"],)
+                )
+
+
+def run_query(params: dict) -> dict | None:
+    """Show the query picker and the query image; return the API's answer (None: nothing to show)."""
+    client = api_client(API_URL)
+    source = st.radio("Query", [UPLOAD, GALLERY], horizontal=True, key="source")
+    if source == UPLOAD:
+        upload = st.file_uploader(
+            "Query image", type=["jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"]
+        )
+        if upload is None:
+            st.write("Upload an image to find visually similar gallery images.")
+            return None
+        data = upload.getvalue()
+        try:
+            body = client.search(upload.name, data, **params)
+        except ApiCallError as err:
+            st.error(f"This image could not be searched: {err}")
+            return None
+        st.image(data, caption="query", width=240)
+        return body
+    items = fetch_items(API_URL)
+    options = sorted(items)
+    if st.session_state.get("item_id") not in items and st.session_state.get("item_id") is not None:
+        options.append(st.session_state.item_id)  # a result beyond the listed page
+    if not options:
+        st.info("The gallery is empty or unavailable.")
+        return None
+    item_id = st.selectbox(
+        "Gallery item",
+        options,
+        key="item_id",
+        format_func=lambda i: (
+            f"{items[i]['label'] or '-'} · {items[i]['path']}" if i in items else f"item {i}"
+        ),
+    )
+    thumbnail = fetch_thumbnail(API_URL, item_id, items.get(item_id, {}).get("path", ""))
+    if thumbnail is not None:
+        st.image(thumbnail, caption=f"query: item {item_id}", width=240)
+    try:
+        return client.similar(item_id, **params)
+    except ApiCallError as err:
+        st.error(f"Search by item {item_id} failed: {err}")
+        return None
 
 
 def main() -> None:
     st.set_page_config(page_title="dmlsearch", layout="wide")
     st.title("dmlsearch: image search")
     stats = fetch_stats(API_URL)
-    with st.sidebar:
-        st.header("Index")
-        if stats is None:
-            st.error(f"The API at {API_URL} is not reachable or not ready.")
-        else:
-            st.metric("Images", stats["count"])
-            st.write(f"{stats['dim']}-d · {stats['backend']} {stats['index_type']} · {stats['metric']}")
-            st.caption(f"model {stats['model_fingerprint'][:12]}")
-        k = st.slider("Results (K)", min_value=1, max_value=48, value=12)
-        min_score = st.slider("Minimum score", min_value=-1.0, max_value=1.0, value=0.0, step=0.05)
-
-    upload = st.file_uploader("Query image", type=["jpg", "jpeg", "png", "webp", "bmp", "gif"])
-    if upload is None:
-        st.write("Upload an image to find visually similar gallery images.")
+    params = render_sidebar(stats)
+    if isinstance(stats, str):
         return
-    st.image(upload.getvalue(), caption="query", width=240)
-    try:
-        response = httpx.post(
-            f"{API_URL}/v1/search",
-            params={"k": k, "min_score": min_score},
-            files={"image": (upload.name, upload.getvalue(), upload.type or "application/octet-stream")},
-            timeout=60,
-        )
-    except httpx.HTTPError as err:
-        st.error(f"Could not reach the API: {err}")
-        return
-    if response.status_code != 200:
-        st.error(f"Search failed: {api_error_message(response)}")
-        return
-    body = response.json()
-    st.caption(f"{len(body['results'])} results in {body['took_ms']:.0f} ms")
-    render_results(body["results"])
+    body = run_query(params)
+    if body is not None:
+        render_results(body)
 
 
 main()

@@ -1,9 +1,10 @@
-"""Model commands: export (and, with the training issue, train and eval)."""
+"""Model commands: train an embedding with a metric-learning loss, evaluate it, export it to ONNX."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -11,21 +12,129 @@ from cli.common import DEFAULT_MODEL, fail
 
 commands = typer.Typer()
 
+METRIC_ORDER = ("recall@1", "recall@2", "recall@4", "recall@8", "nmi", "f1", "map@r")
+
+
+def _metrics_line(metrics: dict[str, float]) -> str:
+    return "  ".join(f"{name} {100 * metrics[name]:.2f}" for name in METRIC_ORDER if name in metrics)
+
 
 @commands.command()
 def export(
+    run_dir: Annotated[
+        Path | None, typer.Argument(help="Training run to export (default: the pretrained backbone only).")
+    ] = None,
     out: Annotated[
-        Path, typer.Option(help="Where to write model.onnx (model.json goes beside it).")
-    ] = DEFAULT_MODEL,
-    backbone: Annotated[str, typer.Option(help="Backbone name.")] = "efficientnet_lite0",
+        Path | None,
+        typer.Option(help=f"Where to write model.onnx (default: RUN_DIR/model.onnx, else {DEFAULT_MODEL})."),
+    ] = None,
+    backbone: Annotated[str, typer.Option(help="Backbone name (without RUN_DIR).")] = "efficientnet_lite0",
 ) -> None:
-    """Export the pretrained backbone (global-average-pooled features, L2-normalised) to ONNX."""
+    """Export the search model to ONNX: backbone (+ trained head) + L2 normalisation, with its model.json."""
     from training.backbone import BACKBONES, create_backbone
-    from training.export import export_onnx
+    from training.export import export_onnx, export_run
     from training.model import EmbeddingModel
+    from training.run_dir import RunDirError
 
-    if backbone not in BACKBONES:
-        raise fail(f"unknown backbone {backbone!r}; choose one of {sorted(BACKBONES)}")
-    model = EmbeddingModel(create_backbone(backbone))
-    card = export_onnx(model, out, preprocessing=BACKBONES[backbone].preprocessing, backbone=backbone)
+    if run_dir is not None:
+        out = out or run_dir / "model.onnx"
+        try:
+            card = export_run(run_dir, out)
+        except RunDirError as err:
+            raise fail(str(err)) from None
+    else:
+        out = out or DEFAULT_MODEL
+        if backbone not in BACKBONES:
+            raise fail(f"unknown backbone {backbone!r}; choose one of {sorted(BACKBONES)}")
+        model = EmbeddingModel(create_backbone(backbone))
+        card = export_onnx(model, out, preprocessing=BACKBONES[backbone].preprocessing, backbone=backbone)
     typer.echo(f"wrote {out} ({card.embedding_dim}-d, fingerprint {card.fingerprint[:12]})")
+
+
+@commands.command()
+def train(
+    loss: Annotated[str, typer.Option(help="Loss name (see the loss registry).")],
+    data: Annotated[Path, typer.Option(help="Image folder (label = sub-folder) or CSV path,label[,split].")],
+    out: Annotated[Path, typer.Option(help="Run directory (an existing run there is resumed).")],
+    mode: Annotated[
+        Literal["frozen", "finetune"] | None,
+        typer.Option(help="frozen: train the head on cached features; finetune: the whole network "
+                     "(default: finetune with a GPU, frozen without)."),
+    ] = None,
+    hparam: Annotated[
+        list[str] | None,
+        typer.Option("--hparam", "-p", help="key=value for the loss or the trainer, e.g. -p lr=1e-4 -p beta=0."),
+    ] = None,
+    train_classes: Annotated[
+        int | None, typer.Option(min=1, help="Train on the first N classes (default: half; CSV split wins).")
+    ] = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="Feature cache to share between runs.")] = None,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+) -> None:
+    """Train an embedding head (and, fine-tuning, the backbone) with a deep-metric-learning loss.
+
+    Classes are split as in the papers: training (and validation) on the first half, test on the rest.
+    Works under torchrun for multi-process DistributedDataParallel training.
+    """
+    import torch
+    from pydantic import ValidationError
+
+    from training.config import TrainConfig, parse_hparams
+    from training.data import DataError
+    from training.run_dir import RunDirError
+    from training.trainer import train as run_training
+
+    if not data.exists():
+        raise fail(f"data {data} does not exist")
+    try:
+        settings, loss_hparams = parse_hparams(loss, hparam or [])
+        config = TrainConfig(
+            loss=loss,
+            data=str(data.resolve()),
+            mode=mode or ("finetune" if torch.cuda.is_available() else "frozen"),
+            loss_hparams=loss_hparams,
+            train_classes=train_classes,
+            cache_dir=str(cache_dir.resolve()) if cache_dir else None,
+            seed=seed,
+            **settings,
+        )
+        summary = run_training(config, out)
+    except ValidationError as err:
+        raise fail(f"invalid training setting: {err}") from None
+    except (DataError, RunDirError, ValueError) as err:
+        raise fail(str(err)) from None
+    typer.echo(f"best step {summary['best_step']} of {summary['steps']} ({summary['train_seconds']} s training)")
+    typer.echo(f"validation  {_metrics_line(summary['val'])}")
+    typer.echo(f"test        {_metrics_line(summary['test'])}")
+    typer.echo(f"untrained   {_metrics_line(summary['test_backbone'])}")
+    typer.echo(f"run in {out}; export it with: dmlsearch export {out}")
+
+
+@commands.command("eval")
+def evaluate(
+    target: Annotated[Path, typer.Argument(help="A training run directory or an exported model.onnx.")],
+    data: Annotated[
+        Path | None, typer.Option(help="Images to evaluate on (default for a run: its training data).")
+    ] = None,
+    split: Annotated[
+        Literal["test", "val", "all"], typer.Option(help="Which classes: the unseen test half, val, or all.")
+    ] = "test",
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Recall@K, NMI, F1 and MAP@R by the papers' protocol (query = each image, gallery = the others)."""
+    from training.data import DataError
+    from training.evaluation import evaluate_onnx, evaluate_run
+    from training.run_dir import RunDirError
+
+    try:
+        if target.is_dir():
+            metrics = evaluate_run(target, data, split=split)
+        elif target.is_file() and target.suffix == ".onnx":
+            if data is None:
+                raise fail("--data is required to evaluate a model.onnx")
+            metrics = evaluate_onnx(target, data, split=split)
+        else:
+            raise fail(f"{target} is neither a run directory nor a .onnx model")
+    except (DataError, RunDirError, FileNotFoundError, ValueError) as err:
+        raise fail(str(err)) from None
+    typer.echo(json.dumps(metrics, indent=2) if as_json else _metrics_line(metrics))

@@ -19,7 +19,14 @@ import numpy as np
 from PIL import Image
 
 from engine.embedder import Embedder
-from engine.images import DEFAULT_MAX_PIXELS, FORMAT_SUFFIXES, ImageDecodeError, decode_image, open_image
+from engine.images import (
+    DEFAULT_MAX_PIXELS,
+    FORMAT_SUFFIXES,
+    ImageDecodeError,
+    decode_image,
+    open_image,
+    thumbnail_jpeg,
+)
 from engine.locks import ReadWriteLock
 from engine.voting import Prediction, knn_vote
 from index.atomic import atomic_write_bytes
@@ -28,7 +35,6 @@ from index.items import Item
 
 # Stages of a query, in order; each request reports its milliseconds per stage.
 STAGES = ("decode", "preprocess", "embed", "search")
-RERANKERS = ("pddm",)
 # A label becomes a folder name under the gallery root: no separators, no hidden or relative names.
 _LABEL_PATTERN = re.compile(r"^(?![.])[^/\\\x00-\x1f]{1,100}$")
 
@@ -145,6 +151,14 @@ class SearchService:
     def model_fingerprint(self) -> str:
         return self.embedder.fingerprint
 
+    @property
+    def rerankers(self) -> list[str]:
+        """The ``rerank`` values the served model supports.
+
+        None yet: the PDDM unit is trained with the pddm loss but not exported with the model.
+        """
+        return []
+
     # -- queries -----------------------------------------------------------------------------------
 
     def search(
@@ -202,16 +216,11 @@ class SearchService:
     def _check_options(self, options: SearchOptions) -> None:
         if options.k < 1 or options.offset < 0:
             raise ValueError(f"k must be >= 1 and offset >= 0, got k={options.k}, offset={options.offset}")
-        if options.rerank is not None:
-            if options.rerank not in RERANKERS:
-                raise RerankUnavailableError(
-                    f"unknown rerank {options.rerank!r}; choose one of {', '.join(RERANKERS)}"
-                )
-            # The PDDM unit is trained with the pddm loss but is not part of the exported model yet, so
-            # no served model can re-score with it; say so instead of silently ignoring the request.
+        if options.rerank is not None and options.rerank not in self.rerankers:
             raise RerankUnavailableError(
                 f"the served model ({self.embedder.card.backbone}, loss {self.embedder.card.loss or 'none'}) "
-                "has no PDDM unit: rerank=pddm needs a model exported with its PDDM scoring unit"
+                f"cannot re-rank with {options.rerank!r}: rerank=pddm needs a model exported with its PDDM "
+                "scoring unit"
             )
 
     def _decode_all(self, images: Sequence[bytes]) -> list[Image.Image]:
@@ -269,6 +278,18 @@ class SearchService:
         if not path.is_relative_to(root_path) or not path.is_file():
             raise ItemNotFoundError(f"the image of item {item_id} is not available in the gallery")
         return path
+
+    def thumbnail(self, item_id: int, size: int) -> bytes:
+        """A JPEG of the item's image, at most ``size`` pixels on its longer side."""
+        return thumbnail_jpeg(self.image_path(item_id).read_bytes(), size, max_pixels=self.max_pixels)
+
+    def list_items(self, offset: int, limit: int) -> tuple[list[Item], int]:
+        """A page of items in id order, and the total count."""
+        rows = self.index.items.connection.execute(
+            "SELECT id FROM items ORDER BY id LIMIT ? OFFSET ?", (limit, offset)
+        ).fetchall()
+        by_id = self.index.items.get_many([row[0] for row in rows])
+        return [by_id[row[0]] for row in rows if row[0] in by_id], len(self.index.items)
 
     def add_items(self, new_items: Sequence[NewItem]) -> list[Item]:
         """Store the images under the gallery root (``<label>/<content hash>.<ext>``) and index them.

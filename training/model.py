@@ -17,3 +17,35 @@ class EmbeddingModel(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return F.normalize(self.head(self.backbone(images)), dim=1)
+
+
+class TrainingObjective(nn.Module):
+    """What training optimises: ``loss(head(backbone(inputs)), labels, **batch_info)``.
+
+    One module, so that DistributedDataParallel sees every trained parameter (the head, the backbone when
+    fine-tuning, and the loss's own parameters such as the PDDM unit) and checkpoints hold all of them.
+    ``backbone`` is ``nn.Identity`` when training on cached backbone features. The loss receives the head's
+    raw output (losses that need unit vectors normalise themselves; N-pair style losses use the norm).
+    """
+
+    def __init__(self, backbone: nn.Module, head: nn.Module, loss: nn.Module) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+        self.loss = loss
+
+    def train(self, mode: bool = True) -> TrainingObjective:
+        """Batch-norm statistics of the backbone stay frozen: class-balanced batches of a few classes
+        are not the image distribution they were estimated on (the usual practice in metric learning)."""
+        super().train(mode)
+        for module in self.backbone.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.eval()
+        return self
+
+    def embed(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(inputs))
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor, **batch_info: torch.Tensor) -> torch.Tensor:
+        # Mixed precision stops at the loss: distances and log-sum-exps want float32.
+        return self.loss(self.embed(inputs).float(), labels, **batch_info)

@@ -12,7 +12,8 @@ import torch
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:
-    return x / x.norm()
+    """r(x) = x / |x|_2; a zero vector (all ReLUs off) stays zero, as with F.normalize."""
+    return x / torch.clamp(x.norm(), min=1e-12)
 
 
 def _relu(x: torch.Tensor) -> torch.Tensor:
@@ -67,17 +68,25 @@ def pddm_loss_reference(
     def squared_distance(i: int, j: int) -> torch.Tensor:
         return ((_unit(embeddings[i]) - _unit(embeddings[j])) ** 2).sum()
 
-    groups = [list(range(n))] if not per_class else [[i for i in range(n) if labels[i] == c] for c in sorted(set(labels))]
+    groups = (
+        [list(range(n))]
+        if not per_class
+        else [[i for i in range(n) if labels[i] == c] for c in sorted(set(labels))]
+    )
     terms = []
     for group in groups:
         hardest = None  # (i^, j^) = argmin over positive pairs of S_ij
         for i in group:
             for j in range(n):
-                if j != i and labels[j] == labels[i] and (hardest is None or scores[i, j].item() < scores[hardest].item()):
+                if (
+                    j != i
+                    and labels[j] == labels[i]
+                    and (hardest is None or scores[i, j].item() < scores[hardest].item())
+                ):
                     hardest = (i, j)
         if hardest is None:
             continue
-        i, j = hardest
+        i_hat, j_hat = hardest
 
         def most_similar_negative(a: int) -> int | None:
             best = None
@@ -86,12 +95,14 @@ def pddm_loss_reference(
                     best = b
             return best
 
-        k, l = most_similar_negative(i), most_similar_negative(j)
-        if k is None or l is None:
+        k_hat, l_hat = most_similar_negative(i_hat), most_similar_negative(j_hat)
+        if k_hat is None or l_hat is None:
             continue
-        e_m = _relu(alpha + scaled(i, k) - scaled(i, j)) + _relu(alpha + scaled(j, l) - scaled(i, j))
-        e_e = _relu(beta + squared_distance(i, j) - squared_distance(i, k)) + _relu(
-            beta + squared_distance(i, j) - squared_distance(j, l)
+        s_ij = scaled(i_hat, j_hat)
+        e_m = _relu(alpha + scaled(i_hat, k_hat) - s_ij) + _relu(alpha + scaled(j_hat, l_hat) - s_ij)
+        d_ij = squared_distance(i_hat, j_hat)
+        e_e = _relu(beta + d_ij - squared_distance(i_hat, k_hat)) + _relu(
+            beta + d_ij - squared_distance(j_hat, l_hat)
         )
         terms.append(e_m + lam * e_e)
     if not terms:

@@ -35,7 +35,14 @@ def _batch(seed: int, classes: int, per_class: int, dim: int) -> tuple[torch.Ten
 def _reference(loss: PDDMLoss, embeddings: torch.Tensor, labels: torch.Tensor, masks=None) -> torch.Tensor:
     params = dict(loss.unit.named_parameters())
     return pddm_loss_reference(
-        embeddings, labels.tolist(), params, loss.alpha, loss.beta, loss.lam, loss.quadruplets == "per_class", masks
+        embeddings,
+        labels.tolist(),
+        params,
+        loss.alpha,
+        loss.beta,
+        loss.lam,
+        loss.quadruplets == "per_class",
+        masks,
     )
 
 
@@ -131,14 +138,14 @@ def test_hard_quadruplets_on_hand_built_graph() -> None:
     # Positive pairs: (0,1)=.9, (0,2)=.3, (1,2)=.8 in class 0; (3,4)=.2 in class 1; class 2 has none.
     link(0, 1, 0.9), link(0, 2, 0.3), link(1, 2, 0.8), link(3, 4, 0.2)
     link(3, 0, 0.7), link(4, 5, 0.95), link(0, 5, 0.85), link(2, 4, 0.6), link(3, 5, 0.1)
-    i, j, k, l = hard_quadruplets(graph, labels)
+    quadruplet = hard_quadruplets(graph, labels)
     # Least similar positive (3,4); 3's most similar negative 0 (.7), 4's is 5 (.95).
-    assert (i.tolist(), j.tolist(), k.tolist(), l.tolist()) == ([3], [4], [0], [5])
-    i, j, k, l = hard_quadruplets(graph, labels, per_class=True)
+    assert [t.tolist() for t in quadruplet] == [[3], [4], [0], [5]]
+    quadruplets = hard_quadruplets(graph, labels, per_class=True)
     # Class 0: (0,2); 0's hardest negative 5 (.85), 2's is 4 (.6). Class 1 as above. Class 2: none.
-    assert (i.tolist(), j.tolist(), k.tolist(), l.tolist()) == ([0, 3], [2, 4], [5, 0], [4, 5])
-    low, high = graph_extremes(graph)
-    assert (low.tolist(), high.tolist()) == ([3, 5], [4, 5])  # (3,5)=.1, (4,5)=.95
+    assert [t.tolist() for t in quadruplets] == [[0, 3], [2, 4], [5, 0], [4, 5]]
+    rows, cols = graph_extremes(graph)
+    assert (rows.tolist(), cols.tolist()) == ([3, 4], [5, 5])  # min (3,5)=.1, max (4,5)=.95
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -168,7 +175,8 @@ def test_per_class_holds_the_batch_quadruplet() -> None:
     assert batch[:, 0].tolist() in per_class.T.tolist()
     assert torch.equal(labels[per_class[0]], labels.unique())
     assert (labels[per_class[0]] == labels[per_class[1]]).all()
-    assert (labels[per_class[0]] != labels[per_class[2]]).all() and (labels[per_class[1]] != labels[per_class[3]]).all()
+    assert (labels[per_class[0]] != labels[per_class[2]]).all()
+    assert (labels[per_class[1]] != labels[per_class[3]]).all()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -198,11 +206,11 @@ def test_affine_rescaling_of_scores_leaves_loss_unchanged() -> None:
 
 
 def test_dropout_uses_one_mask_per_batch() -> None:
-    loss = _loss(5, 6, "per_class", seed=6, dropout=0.5)
+    loss = _loss(5, 32, "per_class", seed=6, dropout=0.5)  # wide: few ReLU-dead ties
     embeddings, labels = _batch(6, 4, 4, 5)
     torch.manual_seed(11)
     masks = loss.unit.sample_dropout(embeddings)
-    assert masks is not None and masks.shape == (3, 6) and set(masks.unique().tolist()) <= {0.0, 2.0}
+    assert masks is not None and masks.shape == (3, 32) and set(masks.unique().tolist()) <= {0.0, 2.0}
     torch.manual_seed(11)
     ours = loss(embeddings, labels)  # samples the same masks first thing
     torch.testing.assert_close(ours, _reference(loss, embeddings, labels, masks), rtol=1e-6, atol=1e-6)
@@ -236,7 +244,7 @@ def test_no_nan_for_coinciding_or_zero_inputs(mode: str, case: str) -> None:
     embeddings = {
         "identical": base.repeat(6, 1),
         "antipodal": torch.cat((base, base, -base, -base, base, -base)),
-        "zero-rows": torch.cat((torch.zeros(2, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64))),
+        "zero-rows": torch.cat((torch.zeros(2, 4), torch.randn(4, 4))).double(),
     }[case].requires_grad_(True)
     value = loss(embeddings, labels)
     value.backward()
@@ -245,6 +253,22 @@ def test_no_nan_for_coinciding_or_zero_inputs(mode: str, case: str) -> None:
     assert all(torch.isfinite(p.grad).all() for p in loss.parameters())
     if case == "identical":  # every pair scores the same: scaled scores 0, E_m = 2 alpha, E_e = 2 beta
         assert value.item() == pytest.approx(2 * loss.alpha + loss.lam * 2 * loss.beta)
+
+
+def test_dead_relus_give_a_constant_graph_and_finite_gradients() -> None:
+    # Every ReLU of the u and v branches off: u' = v' = 0 (r(0) = 0), so every pair scores the same.
+    loss = _loss(4, 5, "batch", seed=10)
+    with torch.no_grad():
+        loss.unit.fc_u.bias.fill_(-100.0)
+        loss.unit.fc_v.bias.fill_(-100.0)
+    embeddings, labels = _batch(10, 3, 3, 4)
+    embeddings.requires_grad_(True)
+    graph = loss.unit.similarity_graph(embeddings)
+    assert torch.equal(graph, graph[0, 0].expand_as(graph))
+    value = loss(embeddings, labels)
+    value.backward()
+    assert math.isfinite(value.item()) and torch.isfinite(embeddings.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in loss.parameters())
 
 
 def test_paper_layout_float32_batch() -> None:

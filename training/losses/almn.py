@@ -63,14 +63,15 @@ class ALMNLoss(nn.Module):
     batch (whose data term is 0 anyway).
 
     Gradient: autograd through everything, including theta_i and theta_nn inside M (and so through the
-    nearest negative). The paper's Eq. 11 differentiates M through ||x_i|| and ||x_i - c|| only,
+    nearest negative). The paper's Eq. 11 (as we read it) differentiates M through ||x_i|| and ||x_i - c||,
     treating sqrt(2 - 2 cos(theta_nn - theta_i)) as a constant; we keep the exact gradient of the
     loss so it is gradcheck-able. ``sqrt(2 - 2 cos t)`` is evaluated as ``2 sin(t / 2)`` (t >= 0), which
     has a finite derivative at t = 0.
 
-    Degenerate inputs: a single class or no negative gives a data term of exactly 0 (connected to the
-    input), so the loss is the L2 term alone; x_i = c gives x_g = x_i; cosines are clamped before
-    acos, so identical or antipodal inputs stay finite.
+    Degenerate inputs: a single class or a single sample (no negative) gives a data term of exactly 0
+    (connected to the input), so the loss is the L2 term alone; an empty batch gives a connected 0;
+    x_i = c gives x_g = x_i; cosines are clamped before acos, so identical or antipodal inputs stay
+    finite.
     """
 
     centres: torch.Tensor
@@ -87,13 +88,15 @@ class ALMNLoss(nn.Module):
         self.register_buffer("seen", torch.zeros(0, dtype=torch.bool))
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, **_: object) -> torch.Tensor:
-        if labels.numel() and int(labels.min()) < 0:
+        if len(labels) == 0:
+            return embeddings.sum() * 0.0
+        if int(labels.min()) < 0:
             raise ValueError("ALMN labels index the centre buffer and must be >= 0")
         classes, index = torch.unique(labels, return_inverse=True)  # batch class k, sample -> k
         x = embeddings.detach()
         sums = x.new_zeros(len(classes), x.shape[1]).index_add_(0, index, x)
         counts = torch.bincount(index, minlength=len(classes)).to(x.dtype).unsqueeze(1)
-        centres = self._batch_centres(classes, sums / counts.clamp_min(1.0)).to(embeddings.dtype)
+        centres = self._batch_centres(classes, sums / counts)
 
         loss = self._loss(embeddings, index, centres)
         if self.training:
@@ -109,13 +112,13 @@ class ALMNLoss(nn.Module):
         norms = embeddings.norm(dim=1)
         cos = sims / (norms.unsqueeze(1) * centres.norm(dim=1).unsqueeze(0)).clamp_min(_DIST_EPS)
         negative = index.unsqueeze(1) != index.unsqueeze(0)  # [i, j]: y_j != y_i
-        negative_sims = sims[:, index].T  # [i, j] = x_j^T c_{y_i}
+        negative_sims = sims.index_select(1, index).T  # [i, j] = x_j^T c_{y_i}
 
         # theta_nn per batch class: the smallest angle to its centre among the other classes' samples
         # (cos 1, i.e. theta_nn = 0 and so no margin, for a class without negatives in the batch).
         other_class = index.unsqueeze(1) != torch.arange(len(centres), device=index.device)  # (B, K)
         cos_nn = cos.masked_fill(~other_class, -1.0).amax(0)
-        cos_nn = torch.where(other_class.any(0), cos_nn, 1.0)[index]
+        cos_nn = torch.where(other_class.any(0), cos_nn, 1.0).index_select(0, index)
         cos_i = cos.gather(1, index.unsqueeze(1)).squeeze(1)
         theta_i = torch.acos(cos_i.clamp(-1.0 + _COS_EPS, 1.0 - _COS_EPS))
         theta_nn = torch.acos(cos_nn.clamp(-1.0 + _COS_EPS, 1.0 - _COS_EPS))
@@ -141,9 +144,10 @@ class ALMNLoss(nn.Module):
         Only training mode grows the buffers, so eval mode reads them without changing anything.
         """
         if self.training:
-            self._grow(int(classes.max()) + 1 if len(classes) else 0, batch_means)
-        stored = classes < len(self.seen)
-        stored[stored.clone()] = self.seen[classes[stored]]
+            self._grow(int(classes.max()) + 1, batch_means)
+        in_buffer = classes < len(self.seen)
+        stored = torch.zeros_like(in_buffer)
+        stored[in_buffer] = self.seen[classes[in_buffer]]
         centres = batch_means.clone()
         if stored.any():
             centres[stored] = self.centres[classes[stored]].to(centres.dtype)

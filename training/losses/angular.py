@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from training.losses.npair import NPairLoss, log1p_sum_exp, positive_pairs
+from training.losses.npair import NPairLoss, gram_matrix, log1p_sum_exp, positive_pairs
 from training.losses.registry import BatchLayout, register_loss
 
 Form = Literal["npair", "triplet"]
@@ -61,9 +61,11 @@ class AngularLoss(nn.Module):
         negatives = labels[anchors].unsqueeze(1) != labels.unsqueeze(0)  # (pairs, B)
         if not negatives.any():
             return embeddings.sum() * 0.0
-        gram = embeddings @ embeddings.T
-        ap = gram[anchors, positives].unsqueeze(1)  # x_a^T x_p
-        apn = gram[anchors] + gram[positives]  # (x_a + x_p)^T x_n, for every sample n
+        gram = gram_matrix(embeddings)
+        # index_select/gather rather than advanced indexing: their backward is a cheap index_add/scatter_add.
+        an = gram.index_select(0, anchors)  # x_a^T x_n, for every sample n
+        ap = an.gather(1, positives.unsqueeze(1))  # x_a^T x_p
+        apn = an + gram.index_select(0, positives)  # (x_a + x_p)^T x_n
         t2 = self.sq_tan_alpha
         if self.form == "npair":
             f = 4.0 * t2 * apn - 2.0 * (1.0 + t2) * ap  # f_{a,p,n}, Eq. 8

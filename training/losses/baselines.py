@@ -17,15 +17,17 @@ Conventions shared by all five losses:
 * Pairs are ordered and exclude ``i == j``; a mean over ordered pairs equals the mean over unordered
   pairs because every matrix used is symmetric.
 * Degenerate batches (one sample, one class, no positive pair) give a zero whose gradient is
-  connected to the input (``dist.sum() * 0``), never NaN. Such a zero is returned exactly when the
-  loss has no term to average (no positive pair, no negative pair or no valid triplet/anchor).
+  connected to the input (``dist.sum() * 0``), never NaN: a loss with nothing to average (no
+  positive or no negative pair, no valid triplet or anchor) is 0. Contrastive averages its two terms
+  separately, so it keeps whichever term still has pairs (e.g. only the pull term in a one-class batch).
+  An empty batch (B = 0) raises ValueError.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from training.losses.pairs import label_masks, pairwise_distances
 from training.losses.registry import BatchLayout, register_loss
@@ -35,17 +37,17 @@ from training.losses.registry import BatchLayout, register_loss
 # ---------------------------------------------------------------------------------------------------
 
 
-def zero_loss(reference: torch.Tensor) -> torch.Tensor:
+def zero_loss(reference: Tensor) -> Tensor:
     """A scalar zero whose graph reaches ``reference`` (so ``backward()`` works and gives zero grads)."""
     return reference.sum() * 0
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``values`` where ``mask`` is true; 0 (graph kept) when the mask is empty."""
     return torch.where(mask, values, 0).sum() / mask.sum().clamp_min(1)
 
 
-def masked_logsumexp(x: torch.Tensor, mask: torch.Tensor, dim: int = -1, add_one: bool = False) -> torch.Tensor:
+def masked_logsumexp(x: Tensor, mask: Tensor, dim: int = -1, add_one: bool = False) -> Tensor:
     """``log(sum_{mask} exp(x))`` along ``dim``, or ``log(1 + sum_{mask} exp(x))`` with ``add_one``.
 
     Rows whose mask is empty give 0 (``log 1`` with ``add_one``; by definition without, as pml's
@@ -65,13 +67,13 @@ def masked_logsumexp(x: torch.Tensor, mask: torch.Tensor, dim: int = -1, add_one
 
 
 def contrastive_loss(
-    dist: torch.Tensor,
-    pos_mask: torch.Tensor,
-    neg_mask: torch.Tensor,
+    dist: Tensor,
+    pos_mask: Tensor,
+    neg_mask: Tensor,
     pos_margin: float,
     neg_margin: float,
     power: float,
-) -> torch.Tensor:
+) -> Tensor:
     """Contrastive loss (Hadsell, Chopra & LeCun, CVPR 2006, Eq. 4; Chopra et al., CVPR 2005).
 
     ``L = mean_{(i,j) in P} [D_ij - m_pos]_+^p / p  +  mean_{(i,j) in N} [m_neg - D_ij]_+^p / p``.
@@ -89,7 +91,7 @@ def contrastive_loss(
     return masked_mean(pull, pos_mask) + masked_mean(push, neg_mask)
 
 
-def triplet_loss(dist: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor, margin: float) -> torch.Tensor:
+def triplet_loss(dist: Tensor, pos_mask: Tensor, neg_mask: Tensor, margin: float) -> Tensor:
     """Triplet loss over all valid triplets (Weinberger & Saul 2009; Schroff et al. 2015; LoOp Eq. 14).
 
     ``L = mean_{(a,p,n): y_a = y_p, p != a, y_n != y_a} [D_ap - D_an + m]_+``.
@@ -112,15 +114,14 @@ def triplet_loss(dist: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Ten
     pos_idx = pos_mask.to(torch.uint8).sort(dim=1, descending=True, stable=True).indices[:, :k]
     pos_valid = pos_mask.gather(1, pos_idx)
     d_ap = dist.gather(1, pos_idx)  # (B, K)
-    violation = (d_ap.unsqueeze(2) - dist.unsqueeze(1) + margin).relu()  # (B, K, B): anchor, positive, negative
+    # (B, K, B): anchor, positive, negative
+    violation = (d_ap.unsqueeze(2) - dist.unsqueeze(1) + margin).relu()
     valid = pos_valid.unsqueeze(2) & neg_mask.unsqueeze(1)
     return torch.where(valid, violation, 0).sum() / n_triplets
 
 
-def batch_hard_triplet_loss(
-    dist: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor, margin: float
-) -> torch.Tensor:
-    """Batch-hard triplet loss (Hermans, Beyer & Leibe 2017, Eq. 5), the LoOp paper's "HPHN-triplet".
+def batch_hard_triplet_loss(dist: Tensor, pos_mask: Tensor, neg_mask: Tensor, margin: float) -> Tensor:
+    """Batch-hard triplet loss (Hermans, Beyer & Leibe 2017, "Batch Hard"), LoOp's "HPHN-triplet".
 
     ``L = mean_a [max_{p: y_p = y_a} D_ap - min_{n: y_n != y_a} D_an + m]_+`` over anchors that have at
     least one positive and one negative. This is exactly pml's ``TripletMarginLoss(margin,
@@ -138,12 +139,12 @@ def batch_hard_triplet_loss(
 
 
 def lifted_structure_loss(
-    dist: torch.Tensor,
-    pos_mask: torch.Tensor,
-    neg_mask: torch.Tensor,
+    dist: Tensor,
+    pos_mask: Tensor,
+    neg_mask: Tensor,
     pos_margin: float,
     neg_margin: float,
-) -> torch.Tensor:
+) -> Tensor:
     """Lifted structured loss, smooth form (Song et al., CVPR 2016, Eq. 4), as pml's LiftedStructureLoss.
 
     For each positive pair (i, j):
@@ -162,9 +163,9 @@ def lifted_structure_loss(
 
 
 def multi_similarity_mining(
-    sim: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor, epsilon: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """MS pair mining (Wang et al., CVPR 2019, Eqs. 7-8; LoOp Sec. 3.3.4): the informative pairs.
+    sim: Tensor, pos_mask: Tensor, neg_mask: Tensor, epsilon: float
+) -> tuple[Tensor, Tensor]:
+    """MS pair mining (Wang et al., CVPR 2019, Sec. 4; LoOp Sec. 3.3.4): keep the informative pairs.
 
     A negative (i, k) is kept when ``S_ik > min_{y_j = y_i} S_ij - epsilon``, a positive (i, j) when
     ``S_ij < max_{y_k != y_i} S_ik + epsilon``. Anchors with no negative keep no positive and vice
@@ -177,14 +178,14 @@ def multi_similarity_mining(
 
 
 def multi_similarity_loss(
-    sim: torch.Tensor,
-    pos_mask: torch.Tensor,
-    neg_mask: torch.Tensor,
+    sim: Tensor,
+    pos_mask: Tensor,
+    neg_mask: Tensor,
     alpha: float,
     beta: float,
     base: float,
-) -> torch.Tensor:
-    """Multi-similarity loss (Wang et al., CVPR 2019, Eq. 9; LoOp Sec. 3.3.4) on the given pair masks.
+) -> Tensor:
+    """Multi-similarity loss (Wang et al., CVPR 2019, Sec. 4; LoOp Sec. 3.3.4) on the given pair masks.
 
     ``L = 1/m sum_i [ 1/alpha log(1 + sum_{j in P_i} exp(-alpha (S_ij - lambda)))
                     + 1/beta  log(1 + sum_{k in N_i} exp( beta (S_ik - lambda))) ]``, ``lambda = base``.
@@ -211,10 +212,10 @@ class _BatchPairLoss(nn.Module):
         super().__init__()
         self.normalize = normalize
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, **batch_info: object) -> torch.Tensor:
-        if embeddings.ndim != 2 or labels.shape != embeddings.shape[:1]:
+    def forward(self, embeddings: Tensor, labels: Tensor, **batch_info: object) -> Tensor:
+        if embeddings.ndim != 2 or labels.shape != embeddings.shape[:1] or len(labels) == 0:
             raise ValueError(
-                f"expected embeddings (B, d) and labels (B,), got {tuple(embeddings.shape)} "
+                f"expected embeddings (B, d) and labels (B,) with B >= 1, got {tuple(embeddings.shape)} "
                 f"and {tuple(labels.shape)}"
             )
         x = F.normalize(embeddings, dim=1) if self.normalize else embeddings
@@ -222,7 +223,7 @@ class _BatchPairLoss(nn.Module):
         geometry = x @ x.T if self.uses_similarity else pairwise_distances(x)
         return self.pair_loss(geometry, pos_mask, neg_mask)
 
-    def pair_loss(self, geometry: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
+    def pair_loss(self, geometry: Tensor, pos_mask: Tensor, neg_mask: Tensor) -> Tensor:
         raise NotImplementedError
 
 
@@ -237,7 +238,7 @@ class ContrastiveLoss(_BatchPairLoss):
             raise ValueError(f"power must be >= 1 (the hinge's gradient is unbounded below 1), got {power}")
         self.pos_margin, self.neg_margin, self.power = pos_margin, neg_margin, power
 
-    def pair_loss(self, geometry: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
+    def pair_loss(self, geometry: Tensor, pos_mask: Tensor, neg_mask: Tensor) -> Tensor:
         return contrastive_loss(geometry, pos_mask, neg_mask, self.pos_margin, self.neg_margin, self.power)
 
 
@@ -248,7 +249,7 @@ class TripletLoss(_BatchPairLoss):
         super().__init__(normalize)
         self.margin = margin
 
-    def pair_loss(self, geometry: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
+    def pair_loss(self, geometry: Tensor, pos_mask: Tensor, neg_mask: Tensor) -> Tensor:
         return triplet_loss(geometry, pos_mask, neg_mask, self.margin)
 
 
@@ -259,7 +260,7 @@ class BatchHardTripletLoss(_BatchPairLoss):
         super().__init__(normalize)
         self.margin = margin
 
-    def pair_loss(self, geometry: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
+    def pair_loss(self, geometry: Tensor, pos_mask: Tensor, neg_mask: Tensor) -> Tensor:
         return batch_hard_triplet_loss(geometry, pos_mask, neg_mask, self.margin)
 
 
@@ -270,7 +271,7 @@ class LiftedStructureLoss(_BatchPairLoss):
         super().__init__(normalize)
         self.neg_margin, self.pos_margin = neg_margin, pos_margin
 
-    def pair_loss(self, geometry: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
+    def pair_loss(self, geometry: Tensor, pos_mask: Tensor, neg_mask: Tensor) -> Tensor:
         return lifted_structure_loss(geometry, pos_mask, neg_mask, self.pos_margin, self.neg_margin)
 
 
@@ -296,7 +297,7 @@ class MultiSimilarityLoss(_BatchPairLoss):
         super().__init__(normalize)
         self.alpha, self.beta, self.base, self.epsilon = alpha, beta, base, epsilon
 
-    def pair_loss(self, geometry: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
+    def pair_loss(self, geometry: Tensor, pos_mask: Tensor, neg_mask: Tensor) -> Tensor:
         pos_mask, neg_mask = multi_similarity_mining(geometry, pos_mask, neg_mask, self.epsilon)
         return multi_similarity_loss(geometry, pos_mask, neg_mask, self.alpha, self.beta, self.base)
 

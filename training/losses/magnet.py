@@ -123,7 +123,7 @@ class MagnetLoss(nn.Module):
 
         means = cluster_means(embeddings, assignment, len(cluster_labels))
         # Own-cluster distances directly (not by expansion): they are the small ones sigma^2 is made of.
-        own = (embeddings - means.index_select(0, assignment)).pow(2).sum(1)  # index_add backward
+        own = (embeddings - means.index_select(0, assignment)).pow(2).sum(1)  # backward: a cheap index_add
         variance = (own.sum() / (len(embeddings) - 1)).clamp_min(_VARIANCE_EPS)
         if self.training:
             self._track_variance(variance.detach())

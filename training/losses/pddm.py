@@ -25,8 +25,15 @@ Quadruplets = Literal["batch", "per_class"]
 # The batch graph's score range is 0 only when every pair scores the same (e.g. all embeddings coincide,
 # or every ReLU of the unit is dead); the floor keeps the [0, 1] scaling finite there (scores then map to 0).
 _RANGE_EPS = 1e-12
-# Elements of the largest (pairs x width) intermediate the mining pass materialises at once (64 MiB in float32).
+# Elements of the largest (pairs x width) intermediate the mining pass holds at once (64 MiB in float32).
 _GRAPH_BLOCK_ELEMENTS = 1 << 24
+# Row blocks of the graph pass: with k blocks, (k + 1) / 2k of the B^2 pairs are scored.
+_GRAPH_MIN_BLOCKS = 8
+
+
+def _inverse_norm(x: torch.Tensor) -> torch.Tensor:
+    """``1 / max(|x|_2, 1e-12)`` over the last dimension (keepdim), as in ``F.normalize``: 0 stays 0."""
+    return x.norm(dim=-1, keepdim=True).clamp_min(1e-12).reciprocal()
 
 
 class PDDMUnit(nn.Module):
@@ -68,15 +75,22 @@ class PDDMUnit(nn.Module):
         ``masks``: (3, hidden) dropout masks for the u, v and c layers, or None for the full unit.
         """
         a, b = F.normalize(a, dim=-1), F.normalize(b, dim=-1)
-        u = self.fc_u((a - b).abs())
-        v = (F.linear(a, self.fc_v.weight) + F.linear(b, self.fc_v.weight)) / 2 + self.fc_v.bias
-        u, v, keep_c = F.relu(u), F.relu(v), None
+        w_u, b_u, w_v, b_v = self.fc_u.weight, self.fc_u.bias, self.fc_v.weight, self.fc_v.bias
+        w_s = self.fc_s.weight
         if masks is not None:
-            u, v, keep_c = u * masks[0], v * masks[1], masks[2]
-        c = F.relu(self.fc_c(torch.cat((F.normalize(u, dim=-1), F.normalize(v, dim=-1)), dim=-1)))
-        if keep_c is not None:
-            c = c * keep_c
-        return self.fc_s(c).squeeze(-1)
+            # A non-negative mask commutes with ReLU: scaling the rows of a layer (columns of W_s for c)
+            # drops its units for every pair at no per-pair cost.
+            w_u, b_u = w_u * masks[0].unsqueeze(1), b_u * masks[0]
+            w_v, b_v = w_v * masks[1].unsqueeze(1), b_v * masks[1]
+            w_s = w_s * masks[2]
+        h_u = F.relu(F.linear(torch.sub(a, b).abs_(), w_u, b_u), inplace=True)
+        # W_v v + b_v = (W_v a + b_v)/2 + (W_v b + b_v)/2: each side is projected before broadcasting.
+        h_v = F.relu(F.linear(a, w_v, b_v) / 2 + F.linear(b, w_v, b_v) / 2, inplace=True)
+        # W_c [r(h_u); r(h_v)] = W_c^u h_u / |h_u| + W_c^v h_v / |h_v|: no normalised copies, no concat.
+        w_cu, w_cv = self.fc_c.weight.split(self.hidden, dim=1)
+        c = torch.addcmul(self.fc_c.bias, F.linear(h_u, w_cu), _inverse_norm(h_u))
+        c = F.relu(c.addcmul_(F.linear(h_v, w_cv), _inverse_norm(h_v)), inplace=True)
+        return F.linear(c, w_s, self.fc_s.bias).squeeze(-1)
 
     def score(self, queries: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """PDDM scores for re-ranking: queries (q, d) against their candidates (q, k, d), or against a
@@ -92,11 +106,13 @@ class PDDMUnit(nn.Module):
     def similarity_graph(self, x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
         """The batch similarity graph: S for every pair of rows of x, a symmetric (B, B) matrix.
 
-        Only the upper triangle is evaluated, in blocks of rows that bound the (rows x B x d) difference
-        tensor to about ``_GRAPH_BLOCK_ELEMENTS``, and mirrored. The diagonal holds the self scores S(i, i).
+        Only the upper triangle is evaluated, in blocks of rows (block i against columns i.., mirrored): at
+        least ``_GRAPH_MIN_BLOCKS`` of them, so about half the B^2 pairs are scored, and small enough that the
+        (rows x B x d) difference tensor stays near ``_GRAPH_BLOCK_ELEMENTS``. The diagonal holds S(i, i).
         """
         size = len(x)
-        rows = max(1, _GRAPH_BLOCK_ELEMENTS // (size * max(self.dim, 2 * self.hidden)))
+        budget = _GRAPH_BLOCK_ELEMENTS // (size * max(self.dim, 2 * self.hidden))
+        rows = max(1, min(budget, -(-size // _GRAPH_MIN_BLOCKS)))
         graph = x.new_zeros(size, size)
         for start in range(0, size, rows):
             stop = min(start + rows, size)
@@ -133,17 +149,18 @@ def hard_quadruplets(
     else:
         groups = torch.ones(1, len(labels), dtype=torch.bool, device=labels.device)
     candidates = torch.where(groups, row_min, inf)
-    i = candidates.argmin(dim=1)
-    valid = torch.isfinite(candidates.gather(1, i.unsqueeze(1)).squeeze(1)) & negative.any()
-    i = i[valid]
-    j = hardest_positive[i]
+    i_hat = candidates.argmin(dim=1)
+    valid = torch.isfinite(candidates.gather(1, i_hat.unsqueeze(1)).squeeze(1)) & negative.any()
+    i_hat = i_hat[valid]
+    j_hat = hardest_positive[i_hat]
     negative_scores = torch.where(negative, graph, -inf)
-    return i, j, negative_scores[i].argmax(dim=1), negative_scores[j].argmax(dim=1)
+    return i_hat, j_hat, negative_scores[i_hat].argmax(dim=1), negative_scores[j_hat].argmax(dim=1)
 
 
 @torch.no_grad()
 def graph_extremes(graph: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index pairs (2,) ``[row, col]`` of the least and the most similar pair (i != j) of the graph."""
+    """``(rows, cols)``, each (2,): the graph's least similar pair (i != j) is ``(rows[0], cols[0])``, its
+    most similar ``(rows[1], cols[1])``."""
     size = len(graph)
     off_diagonal = ~torch.eye(size, dtype=torch.bool, device=graph.device)
     inf = torch.tensor(float("inf"), dtype=graph.dtype, device=graph.device)
@@ -217,22 +234,28 @@ class PDDMLoss(nn.Module):
         masks = self.unit.sample_dropout(embeddings)
         with torch.no_grad():
             graph = self.unit.similarity_graph(embeddings, masks)
-        i, j, k, l = hard_quadruplets(graph, labels, per_class=self.quadruplets == "per_class")
-        if len(i) == 0:
+        i_hat, j_hat, k_hat, l_hat = hard_quadruplets(
+            graph, labels, per_class=self.quadruplets == "per_class"
+        )
+        if len(i_hat) == 0:
             connected = sum(p.sum() for p in self.unit.parameters())
             return (embeddings.sum() + connected) * 0.0
 
-        low, high = graph_extremes(graph)
-        n = len(i)
-        # Re-score the selected pairs with gradient: (i^,j^), (i^,k^), (j^,l^) per quadruplet, then min, max.
-        scores = self.unit(embeddings[torch.cat((i, i, j, low))], embeddings[torch.cat((j, k, l, high))], masks)
-        s_ij, s_ik, s_jl, (s_min, s_max) = scores[:n], scores[n : 2 * n], scores[2 * n : 3 * n], scores[3 * n :]
+        rows, cols = graph_extremes(graph)
+        n = len(i_hat)
+        # Re-score with gradient only the selected pairs: (i^,j^), (i^,k^), (j^,l^), the graph's min and max.
+        first = torch.cat((i_hat, i_hat, j_hat, rows))
+        second = torch.cat((j_hat, k_hat, l_hat, cols))
+        scores = self.unit(embeddings[first], embeddings[second], masks)
+        s_ij, s_ik, s_jl, (s_min, s_max) = scores.split([n, n, n, 2])
         scale = (s_max - s_min).clamp_min(_RANGE_EPS)
         s_ij, s_ik, s_jl = (s_ij - s_min) / scale, (s_ik - s_min) / scale, (s_jl - s_min) / scale
         metric = F.relu(self.alpha + s_ik - s_ij) + F.relu(self.alpha + s_jl - s_ij)
 
         f = F.normalize(embeddings, dim=1)
-        d_ij, d_ik, d_jl = ((f[a] - f[b]).pow(2).sum(1) for a, b in ((i, j), (i, k), (j, l)))
+        d_ij, d_ik, d_jl = (
+            (f[a] - f[b]).pow(2).sum(1) for a, b in ((i_hat, j_hat), (i_hat, k_hat), (j_hat, l_hat))
+        )
         embedding = F.relu(self.beta + d_ij - d_ik) + F.relu(self.beta + d_ij - d_jl)
         return (metric + self.lam * embedding).mean()
 

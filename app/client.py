@@ -1,0 +1,48 @@
+"""A small client of the dmlsearch HTTP API (what the Streamlit page uses; usable from scripts too)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+
+class ApiCallError(Exception):
+    """The API answered with an error, or could not be reached; ``str()`` is a message for people."""
+
+
+class SearchClient:
+    def __init__(self, base_url: str, *, timeout: float = 60.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.http = httpx.Client(base_url=self.base_url, timeout=timeout)
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as err:
+            raise ApiCallError(f"could not reach the API at {self.base_url}: {err}") from None
+        if response.status_code >= 400:
+            raise ApiCallError(_error_message(response))
+        return response
+
+    def stats(self) -> dict:
+        return self._call("GET", "/v1/stats").json()
+
+    def items(self, offset: int = 0, limit: int = 1000) -> dict:
+        return self._call("GET", "/v1/items", params={"offset": offset, "limit": limit}).json()
+
+    def search(self, name: str, data: bytes, **params: Any) -> dict:
+        return self._call("POST", "/v1/search", params=params, files={"image": (name, data)}).json()
+
+    def similar(self, item_id: int, **params: Any) -> dict:
+        return self._call("GET", f"/v1/items/{item_id}/similar", params=params).json()
+
+    def thumbnail(self, item_id: int, size: int = 256) -> bytes:
+        return self._call("GET", f"/v1/items/{item_id}/thumbnail", params={"size": size}).content
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {response.status_code}"

@@ -1,0 +1,73 @@
+"""FastAPI dependencies shared by the routes: the ready service, query options, the write key."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Literal
+
+from fastapi import Depends, Header, Path, Query, Request
+
+from app.errors import ApiError
+from app.metrics import Metrics
+from app.settings import Settings
+from app.state import EngineState
+from engine.search import SearchOptions, SearchService
+
+INT64_MAX = 2**63 - 1
+ItemId = Annotated[int, Path(ge=0, le=INT64_MAX, description="The item's id in the index.")]
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_metrics(request: Request) -> Metrics:
+    return request.app.state.metrics
+
+
+def ready_service(request: Request) -> SearchService:
+    state: EngineState = request.app.state.engine
+    if state.service is None:
+        raise ApiError(503, "not_ready", f"the search engine is not ready: {state.not_ready_reason}")
+    return state.service
+
+
+def search_options(
+    settings: Annotated[Settings, Depends(get_settings)],
+    k: Annotated[int, Query(ge=1, le=1000, description="How many results (per page).")] = 10,
+    min_score: Annotated[
+        float, Query(ge=-1.0, le=1.0, description="Drop results whose cosine score is below this.")
+    ] = -1.0,
+    offset: Annotated[int, Query(ge=0, description="Skip this many best results (paging).")] = 0,
+    predict: Annotated[
+        bool, Query(description="Also predict the query's label by a score-weighted kNN vote.")
+    ] = False,
+    rerank: Annotated[
+        Literal["pddm"] | None,
+        Query(description="Re-score the candidates with the model's PDDM unit (when it has one)."),
+    ] = None,
+) -> SearchOptions:
+    if k > settings.max_k:
+        raise ApiError(422, "invalid_request", f"k must be at most {settings.max_k}")
+    if offset > settings.max_offset:
+        raise ApiError(422, "invalid_request", f"offset must be at most {settings.max_offset}")
+    return SearchOptions(k=k, min_score=min_score, offset=offset, predict=predict, rerank=rerank)
+
+
+def require_api_key(
+    settings: Annotated[Settings, Depends(get_settings)],
+    x_api_key: Annotated[str | None, Header(description="The server's API key (writes only).")] = None,
+) -> None:
+    """Writes need the configured key; with no key configured, writes are off altogether."""
+    if not settings.writes_enabled:
+        raise ApiError(403, "writes_disabled", "this server accepts no writes (no API key is configured)")
+    if x_api_key is None:
+        raise ApiError(401, "missing_api_key", "send the API key in the X-API-Key header")
+    if not secrets.compare_digest(x_api_key.encode(), settings.api_key.get_secret_value().encode()):
+        raise ApiError(401, "invalid_api_key", "the X-API-Key header does not match the server's key")
+
+
+Service = Annotated[SearchService, Depends(ready_service)]
+Options = Annotated[SearchOptions, Depends(search_options)]
+AppSettings = Annotated[Settings, Depends(get_settings)]
+AppMetrics = Annotated[Metrics, Depends(get_metrics)]

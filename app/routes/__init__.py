@@ -1,0 +1,11 @@
+"""HTTP routes, thin wrappers over :class:`engine.search.SearchService`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from app.routes import health, items, search
+
+router = APIRouter()
+for module in (health, search, items):
+    router.include_router(module.router)

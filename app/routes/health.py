@@ -1,0 +1,53 @@
+"""Liveness, readiness, index statistics and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+
+from app.deps import AppMetrics, AppSettings, Service
+from app.schemas import ErrorOut, ModelOut, ReadyOut, StatsOut
+
+router = APIRouter()
+
+
+@router.get("/healthz", tags=["health"])
+def healthz() -> dict[str, str]:
+    """The process is up (it may still be loading or misconfigured: see /readyz)."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", response_model=ReadyOut, tags=["health"], responses={503: {"model": ErrorOut}})
+def readyz(service: Service) -> ReadyOut:
+    """The model and the index are loaded and agree with each other (503 with the reason otherwise)."""
+    return ReadyOut(status="ready", model_fingerprint=service.model_fingerprint, count=len(service.index))
+
+
+@router.get("/v1/stats", response_model=StatsOut, tags=["index"], responses={503: {"model": ErrorOut}})
+def stats(service: Service, settings: AppSettings) -> StatsOut:
+    """Index size, dimension, type, the model it was built with and its measured recall."""
+    manifest = service.index.manifest
+    card = service.embedder.card
+    return StatsOut(
+        count=len(service.index),
+        dim=manifest.dim,
+        backend=manifest.backend,
+        index_type=manifest.index_type,
+        metric=manifest.metric,
+        model_fingerprint=manifest.model_fingerprint,
+        achieved_recall=manifest.achieved_recall,
+        model=ModelOut(
+            fingerprint=card.fingerprint,
+            backbone=card.backbone,
+            head=card.head,
+            loss=card.loss,
+            embedding_dim=card.embedding_dim,
+        ),
+        rerankers=service.rerankers,
+        writes_enabled=settings.writes_enabled,
+    )
+
+
+@router.get("/metrics", tags=["health"], response_class=Response)
+def metrics(collectors: AppMetrics) -> Response:
+    """Prometheus metrics: request latency by route, query latency by stage, rate-limit refusals."""
+    return Response(collectors.render(), media_type=collectors.content_type)

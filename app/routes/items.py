@@ -1,0 +1,100 @@
+"""Item routes: metadata, original image and thumbnail; adding and removing items (API key required)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.responses import FileResponse
+from starlette.concurrency import run_in_threadpool
+
+from app.deps import AppSettings, ItemId, Service, require_api_key
+from app.schemas import AddedItemsOut, DeletedItemOut, ErrorOut, ItemOut, ItemPageOut, NewItemsJsonIn
+from app.uploads import read_uploads, request_body_spec
+from engine.search import NewItem
+
+router = APIRouter(tags=["items"])
+ERRORS = {code: {"model": ErrorOut} for code in (400, 404, 422, 429, 503)}
+WRITE_ERRORS = {code: {"model": ErrorOut} for code in (400, 401, 403, 404, 409, 413, 415, 422, 429, 503)}
+# Thumbnails are derived from immutable content (the file name is its hash), so clients may keep them.
+THUMBNAIL_CACHE = "public, max-age=86400"
+
+
+@router.get("/v1/items", response_model=ItemPageOut, responses=ERRORS)
+def list_items(
+    service: Service,
+    offset: Annotated[int, Query(ge=0)] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> ItemPageOut:
+    """A page of indexed items in id order (to browse the gallery or pick a query item)."""
+    items, total = service.list_items(offset, limit)
+    return ItemPageOut(items=[ItemOut.of(item) for item in items], total=total, offset=offset)
+
+
+@router.get("/v1/items/{item_id}", response_model=ItemOut, responses=ERRORS)
+def get_item(item_id: ItemId, service: Service) -> ItemOut:
+    """One item's metadata."""
+    return ItemOut.of(service.item(item_id))
+
+
+@router.get("/v1/items/{item_id}/image", response_class=FileResponse, responses=ERRORS)
+def item_image(item_id: ItemId, service: Service) -> FileResponse:
+    """The original gallery file of an item."""
+    return FileResponse(service.image_path(item_id))
+
+
+@router.get("/v1/items/{item_id}/thumbnail", response_class=Response, responses=ERRORS)
+def item_thumbnail(
+    item_id: ItemId,
+    service: Service,
+    size: Annotated[int, Query(ge=16, le=1024, description="Longest side in pixels.")] = 256,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> Response:
+    """A JPEG thumbnail of the item's image (EXIF orientation applied)."""
+    etag = f'"{service.item(item_id).content_hash[:32]}-{size}"'
+    headers = {"ETag": etag, "Cache-Control": THUMBNAIL_CACHE}
+    if if_none_match == etag:
+        return Response(status_code=304, headers=headers)
+    return Response(service.thumbnail(item_id, size), media_type="image/jpeg", headers=headers)
+
+
+@router.post(
+    "/v1/items",
+    response_model=AddedItemsOut,
+    status_code=201,
+    responses=WRITE_ERRORS,
+    dependencies=[Depends(require_api_key)],
+    openapi_extra=request_body_spec("images", NewItemsJsonIn, many=True, labelled=True),
+)
+async def add_items(request: Request, service: Service, settings: AppSettings) -> AddedItemsOut:
+    """Add images to the gallery and the index (``X-API-Key`` required).
+
+    Multipart file fields ``images`` plus optional ``label`` fields, or JSON
+    ``{"images": ["<base64>", ...], "labels": [...]}``. The files are stored under the gallery folder as
+    ``<label>/<content hash>.<ext>``; all images are checked before anything is written.
+    """
+    uploads = await read_uploads(
+        request,
+        field="images",
+        json_model=NewItemsJsonIn,
+        max_count=settings.max_batch,
+        max_bytes=settings.max_upload_bytes,
+    )
+    labels = uploads.labels * len(uploads.images) if len(uploads.labels) == 1 else uploads.labels
+    new_items = [
+        NewItem(data, labels[position] if labels else None) for position, data in enumerate(uploads.images)
+    ]
+    added = await run_in_threadpool(service.add_items, new_items)
+    return AddedItemsOut(items=[ItemOut.of(item) for item in added], count=len(service.index))
+
+
+@router.delete(
+    "/v1/items/{item_id}",
+    response_model=DeletedItemOut,
+    responses=WRITE_ERRORS,
+    dependencies=[Depends(require_api_key)],
+)
+async def delete_item(item_id: ItemId, service: Service) -> DeletedItemOut:
+    """Remove an item from the index (``X-API-Key`` required); its gallery file is kept on disk."""
+    removed = await run_in_threadpool(service.remove_item, item_id)
+    return DeletedItemOut(deleted=ItemOut.of(removed), count=len(service.index))

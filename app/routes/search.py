@@ -1,0 +1,77 @@
+"""Search routes: by an uploaded image, by a batch of images, by an indexed item."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.concurrency import run_in_threadpool
+
+from app.deps import AppMetrics, AppSettings, ItemId, Options, Service
+from app.schemas import BatchSearchOut, ErrorOut, ImageJsonIn, ImagesJsonIn, SearchOut
+from app.uploads import read_uploads, request_body_spec
+
+router = APIRouter(tags=["search"])
+ERRORS = {code: {"model": ErrorOut} for code in (400, 404, 413, 415, 422, 429, 503)}
+
+
+@router.post(
+    "/v1/search",
+    response_model=SearchOut,
+    responses=ERRORS,
+    openapi_extra=request_body_spec("image", ImageJsonIn, many=False),
+)
+async def search(
+    request: Request, service: Service, options: Options, settings: AppSettings, metrics: AppMetrics
+) -> SearchOut:
+    """The gallery images most similar to one query image, best first, with cosine scores.
+
+    Send the image as a multipart file field ``image`` or as JSON ``{"image": "<base64>"}``.
+    """
+    uploads = await read_uploads(
+        request, field="image", json_model=ImageJsonIn, max_count=1, max_bytes=settings.max_upload_bytes
+    )
+    # Decoding and inference are CPU work: a worker thread keeps the event loop answering meanwhile.
+    response = await run_in_threadpool(
+        service.search,
+        uploads.images[0],
+        options.k,
+        options.min_score,
+        offset=options.offset,
+        predict=options.predict,
+        rerank=options.rerank,
+    )
+    metrics.observe_stages({"upload": uploads.elapsed_ms, **response.timings_ms})
+    return SearchOut.of(response, uploads.elapsed_ms)
+
+
+@router.post(
+    "/v1/search/batch",
+    response_model=BatchSearchOut,
+    responses=ERRORS,
+    openapi_extra=request_body_spec("images", ImagesJsonIn, many=True),
+)
+async def search_batch(
+    request: Request, service: Service, options: Options, settings: AppSettings, metrics: AppMetrics
+) -> BatchSearchOut:
+    """Many query images in one request, embedded as one batch and searched as one batch.
+
+    Send repeated multipart file fields ``images`` or JSON ``{"images": ["<base64>", ...]}``. One bad
+    image fails the request with an error naming its position.
+    """
+    uploads = await read_uploads(
+        request,
+        field="images",
+        json_model=ImagesJsonIn,
+        max_count=settings.max_batch,
+        max_bytes=settings.max_upload_bytes,
+    )
+    response = await run_in_threadpool(service.search_batch, uploads.images, options)
+    metrics.observe_stages({"upload": uploads.elapsed_ms, **response.timings_ms})
+    return BatchSearchOut.of(response, uploads.elapsed_ms)
+
+
+@router.get("/v1/items/{item_id}/similar", response_model=SearchOut, responses=ERRORS)
+async def similar(item_id: ItemId, service: Service, options: Options, metrics: AppMetrics) -> SearchOut:
+    """Search by an item already in the index (no upload); the item itself is left out of its results."""
+    response = await run_in_threadpool(service.similar, item_id, options)
+    metrics.observe_stages(response.timings_ms)
+    return SearchOut.of(response)

@@ -1,0 +1,130 @@
+"""Read query or gallery images from a request: multipart uploads or base64 in JSON, with size limits."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+from starlette.datastructures import UploadFile
+
+from app.errors import ApiError
+from app.schemas import ImageJsonIn, ImagesJsonIn, NewItemsJsonIn
+
+_DATA_URL_PREFIX = re.compile(r"^data:[\w/+.-]*;base64,")
+_LABEL_FIELD = "label"
+
+
+@dataclass(frozen=True)
+class Uploads:
+    images: list[bytes]
+    labels: list[str | None]
+    elapsed_ms: float  # time spent receiving and parsing the body
+
+
+def request_body_spec(field: str, json_model: type[BaseModel], *, many: bool, labelled: bool = False) -> dict:
+    """OpenAPI ``requestBody`` for a route that takes images as multipart uploads or as base64 JSON."""
+    file_schema: dict[str, Any] = {"type": "string", "format": "binary"}
+    properties: dict[str, Any] = {field: {"type": "array", "items": file_schema} if many else file_schema}
+    if labelled:
+        properties[_LABEL_FIELD] = {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "no label, one label for every image, or one per image (in order)",
+        }
+    multipart = {"type": "object", "properties": properties, "required": [field]}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "multipart/form-data": {"schema": multipart},
+                "application/json": {"schema": json_model.model_json_schema()},
+            },
+        }
+    }
+
+
+async def read_uploads(
+    request: Request, *, field: str, json_model: type[BaseModel], max_count: int, max_bytes: int
+) -> Uploads:
+    """The images (and labels) of a request; :class:`ApiError` 4xx for anything malformed or too big."""
+    started = time.perf_counter()
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type == "multipart/form-data":
+        images, labels = await _read_multipart(request, field, max_count, max_bytes)
+    elif media_type == "application/json":
+        images, labels = _read_json(await request.body(), json_model, max_bytes)
+    else:
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            f"send multipart/form-data with the file field {field!r}, or application/json with base64 images",
+        )
+    if not images:
+        raise ApiError(422, "invalid_request", f"no image in the request (expected the field {field!r})")
+    if len(images) > max_count:
+        raise ApiError(422, "too_many_images", f"at most {max_count} image(s) per request, got {len(images)}")
+    if labels and len(labels) not in (1, len(images)):
+        raise ApiError(
+            422,
+            "invalid_request",
+            f"{len(labels)} labels for {len(images)} images: give none, one, or one each",
+        )
+    return Uploads(images, labels, (time.perf_counter() - started) * 1000.0)
+
+
+async def _read_multipart(
+    request: Request, field: str, max_count: int, max_bytes: int
+) -> tuple[list[bytes], list[str | None]]:
+    # max_files bounds the parts the parser will spool; one more than allowed lets us say "too many".
+    async with request.form(max_files=max_count + 1, max_fields=max_count + 16) as form:
+        parts = form.getlist(field)
+        if any(not isinstance(part, UploadFile) for part in parts):
+            raise ApiError(422, "invalid_request", f"the field {field!r} must be a file upload")
+        if len(parts) > max_count:
+            raise ApiError(422, "too_many_images", f"at most {max_count} image(s) per request")
+        images = []
+        for part in parts:
+            data = await part.read(max_bytes + 1)
+            if len(data) > max_bytes:
+                raise ApiError(413, "upload_too_large", f"{part.filename or field} is over {max_bytes} bytes")
+            images.append(data)
+        labels = [value if isinstance(value, str) else None for value in form.getlist(_LABEL_FIELD)]
+    return images, labels
+
+
+def _read_json(
+    body: bytes, json_model: type[BaseModel], max_bytes: int
+) -> tuple[list[bytes], list[str | None]]:
+    try:
+        payload = json_model.model_validate_json(body)
+    except ValidationError as err:
+        details = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in err.errors())
+        raise ApiError(422, "invalid_request", details) from None
+    if isinstance(payload, ImageJsonIn):
+        encoded, labels = [payload.image], []
+    elif isinstance(payload, NewItemsJsonIn):
+        encoded, labels = payload.images, payload.labels
+    elif isinstance(payload, ImagesJsonIn):
+        encoded, labels = payload.images, []
+    else:
+        raise TypeError(f"no JSON image reader for {json_model.__name__}")
+    return [_decode_base64(text, position, max_bytes) for position, text in enumerate(encoded)], labels
+
+
+def _decode_base64(text: str, position: int, max_bytes: int) -> bytes:
+    text = _DATA_URL_PREFIX.sub("", text, count=1)
+    if len(text) * 3 // 4 > max_bytes + 2:  # refuse before allocating the decoded bytes
+        raise ApiError(413, "upload_too_large", f"image {position} is over {max_bytes} bytes")
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise ApiError(400, "invalid_base64", f"image {position} is not valid base64: {err}") from None
+    if len(data) > max_bytes:
+        raise ApiError(413, "upload_too_large", f"image {position} is over {max_bytes} bytes")
+    return data

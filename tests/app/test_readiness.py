@@ -1,0 +1,95 @@
+"""A missing or mismatched model or index at start: the process stays up, /readyz says why, search is 503."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from app.api import create_app
+from app.settings import Settings
+from engine.model_card import ModelCard
+from tests.app.conftest import Served, uvicorn_server
+from tests.conftest import image_bytes, make_image
+
+
+def not_ready_client(model: Path, index: Path) -> TestClient:
+    settings = Settings(model_path=model, index_path=index, rate_limit_per_second=0)
+    return TestClient(create_app(settings), raise_server_exceptions=False)
+
+
+def assert_not_ready(client: TestClient, reason: str) -> None:
+    assert client.get("/healthz").status_code == 200
+    ready = client.get("/readyz")
+    assert ready.status_code == 503
+    assert ready.json()["error"]["code"] == "not_ready"
+    assert reason in ready.json()["error"]["message"]
+    search = client.post("/v1/search", files={"image": ("q.png", image_bytes(make_image(1)))})
+    assert search.status_code == 503
+    assert reason in search.json()["error"]["message"]
+    for path in ("/v1/stats", "/v1/items/1", "/v1/items/1/similar"):
+        assert client.get(path).status_code == 503
+    assert "dmlsearch_index_items -1.0" in client.get("/metrics").text
+
+
+def test_missing_index(served: Served, tmp_path: Path) -> None:
+    with not_ready_client(served.model, tmp_path / "nowhere") as client:
+        assert_not_ready(client, "no manifest.json")
+
+
+def test_missing_model(served: Served, tmp_path: Path) -> None:
+    with not_ready_client(tmp_path / "missing.onnx", served.index) as client:
+        assert_not_ready(client, "does not exist")
+
+
+def test_model_without_its_card(served: Served, tmp_path: Path) -> None:
+    lonely = tmp_path / "model.onnx"
+    shutil.copy(served.model, lonely)
+    with not_ready_client(lonely, served.index) as client:
+        assert_not_ready(client, "model.json")
+
+
+def test_index_built_with_another_model(served: Served) -> None:
+    manifest = json.loads((served.index / "manifest.json").read_text())
+    manifest["model_fingerprint"] = "f" * 64
+    (served.index / "manifest.json").write_text(json.dumps(manifest))
+    with not_ready_client(served.model, served.index) as client:
+        assert_not_ready(client, "rebuild the index with this model")
+
+
+def test_model_whose_bytes_do_not_match_its_card(served: Served, tmp_path: Path) -> None:
+    tampered = tmp_path / "model.onnx"
+    tampered.write_bytes(served.model.read_bytes() + b"\0")
+    ModelCard.load(served.model).save(tampered)
+    with not_ready_client(tampered, served.index) as client:
+        assert_not_ready(client, "does not match its model.json")
+
+
+def test_a_real_server_with_no_index_stays_up_and_not_ready(served: Served, tmp_path: Path) -> None:
+    args = ["--index", str(tmp_path / "nowhere"), "--model", str(served.model)]
+    with uvicorn_server(args, ready_path="/healthz") as url:
+        ready = httpx.get(f"{url}/readyz", timeout=10)
+        assert ready.status_code == 503
+        assert "no manifest.json" in ready.json()["error"]["message"]
+        search = httpx.post(
+            f"{url}/v1/search", files={"image": ("q.png", image_bytes(make_image(1)))}, timeout=10
+        )
+        assert search.status_code == 503
+        assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+
+
+def test_invalid_serve_settings_are_cli_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["serve", "--max-k", "0"]).exit_code == 2  # refused by the flag's range
+    monkeypatch.setenv("DMLSEARCH_MAX_UPLOAD_BYTES", "-5")  # refused by the settings model
+    result = runner.invoke(app, ["serve"])
+    assert result.exit_code == 2
+    assert "max_upload_bytes" in result.output

@@ -1,0 +1,163 @@
+"""The Streamlit page against a live API: Streamlit's AppTest, and a real browser (Playwright + chromium)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.app.conftest import uvicorn_server
+from tests.conftest import free_port
+
+PAGE = Path(__file__).resolve().parents[2] / "app" / "ui.py"
+CHROMIUM = Path("/usr/bin/chromium")
+SCREENSHOT_COPY = Path("/work/notes/ui_screenshot.png")
+
+
+@pytest.fixture(scope="module")
+def api_url(exported_model: Path, demo_index: Path) -> Iterator[str]:
+    args = ["--index", str(demo_index), "--model", str(exported_model), "--rate-limit", "0"]
+    with uvicorn_server(args) as url:
+        yield url
+
+
+@pytest.fixture
+def page(api_url: str, monkeypatch: pytest.MonkeyPatch):
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("DMLSEARCH_API_URL", api_url)
+    app_test = AppTest.from_file(str(PAGE), default_timeout=60)
+    app_test.run()
+    assert not app_test.exception
+    return app_test
+
+
+def texts(elements) -> list[str]:
+    return [element.value for element in elements]
+
+
+def test_upload_shows_a_scored_grid_and_the_sidebar_stats(page, demo_gallery: Path) -> None:
+    assert page.sidebar.metric[0].value == "78"
+    page.sidebar.slider[0].set_value(8)
+    page.file_uploader[0].set_value(
+        ("cat.jpg", (demo_gallery / "cat/00_crop.jpg").read_bytes(), "image/jpeg")
+    )
+    page.run()
+    assert not page.exception
+    scores = [text for text in texts(page.markdown) if "score" in text]
+    assert len(scores) == 8
+    assert scores[0] == "**#1 · score 1.000**"
+    assert any("cat/00_crop.jpg" in caption for caption in texts(page.caption))
+    assert len(page.image) == 8 + 1  # the results' thumbnails and the query
+    assert "Predicted label: **cat**" in page.success[0].value
+
+
+def test_bad_upload_gets_a_clear_message(page) -> None:
+    page.file_uploader[0].set_value(("notes.jpg", b"this is a text file, not a photo", "image/jpeg"))
+    page.run()
+    assert not page.exception
+    assert "not a recognised image format" in page.error[0].value
+
+
+def test_clicking_a_result_searches_by_it(page, demo_gallery: Path) -> None:
+    page.file_uploader[0].set_value(
+        ("coffee.jpg", (demo_gallery / "coffee/01_crop.jpg").read_bytes(), "image/jpeg")
+    )
+    page.run()
+    second = page.button[1]
+    clicked_id = int(second.key.removeprefix("similar-"))
+    second.click()
+    page.run()
+    assert not page.exception
+    assert page.radio[0].value == "Pick a gallery item"
+    assert page.selectbox[0].value == clicked_id
+    captions = [caption for image in page.image for caption in image.captions]
+    assert f"query: item {clicked_id}" in captions
+    assert [text for text in texts(page.markdown) if "score" in text]
+
+
+def test_min_score_slider_filters_results(page, demo_gallery: Path) -> None:
+    page.sidebar.slider[1].set_value(0.99)
+    page.file_uploader[0].set_value(
+        ("cat.jpg", (demo_gallery / "cat/00_crop.jpg").read_bytes(), "image/jpeg")
+    )
+    page.run()
+    scores = [text for text in texts(page.markdown) if "score" in text]
+    assert scores == ["**#1 · score 1.000**"]
+
+
+@pytest.fixture
+def streamlit_url(api_url: str) -> Iterator[str]:
+    """``streamlit run app/ui.py`` on a free port, talking to the live API."""
+    port = free_port()
+    command = [sys.executable, "-m", "streamlit", "run", str(PAGE), "--server.port", str(port)]
+    command += [
+        "--server.headless",
+        "true",
+        "--browser.gatherUsageStats",
+        "false",
+        "--client.toolbarMode",
+        "minimal",
+    ]
+    process = subprocess.Popen(command, env={**os.environ, "DMLSEARCH_API_URL": api_url})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, "streamlit exited"
+            try:
+                if httpx.get(f"{url}/_stcore/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "streamlit did not start"
+            time.sleep(0.3)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+
+
+@pytest.mark.browser
+def test_real_browser_upload_shows_the_result_grid(
+    streamlit_url: str, demo_gallery: Path, tmp_path: Path
+) -> None:
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="playwright is not installed (pip install playwright)"
+    )
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium)")
+    query = demo_gallery / "cat/00_crop.jpg"
+    screenshot = tmp_path / "ui.png"
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        try:
+            view = browser.new_page(viewport={"width": 1400, "height": 1900})
+            view.goto(streamlit_url)
+            view.locator('input[type="file"]').set_input_files(str(query))
+            view.get_by_text("#1 · score 1.000").wait_for(timeout=90_000)
+            scores = view.get_by_text(re.compile(r"^#\d+ · score \d\.\d{3}$"))
+            scores.nth(11).wait_for(timeout=30_000)
+            assert scores.count() == 12  # the default K
+            view.get_by_text("Predicted label:").wait_for(timeout=10_000)
+            images = view.locator('[data-testid="stImage"] img')
+            view.wait_for_function(
+                "() => [...document.querySelectorAll('[data-testid=stImage] img')]"
+                ".filter(img => img.complete && img.naturalWidth > 0).length >= 13",
+                timeout=30_000,
+            )
+            assert images.count() == 13  # 12 result thumbnails and the query
+            view.screenshot(path=str(screenshot), full_page=True)
+        finally:
+            browser.close()
+    assert screenshot.stat().st_size > 10_000
+    if SCREENSHOT_COPY.parent.is_dir():
+        shutil.copy(screenshot, SCREENSHOT_COPY)

@@ -1,0 +1,117 @@
+"""Adding and removing items: the API key, persistence on disk, and concurrent writes during searches."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from index.gallery import GalleryIndex
+from tests.app.conftest import API_KEY, Served, uvicorn_server
+from tests.conftest import image_bytes, make_image
+
+KEY = {"X-API-Key": API_KEY}
+
+
+def test_writes_are_disabled_without_a_configured_key(make_client: Callable[..., TestClient]) -> None:
+    client = make_client()
+    files = {"images": ("new.png", image_bytes(make_image(40)))}
+    response = client.post("/v1/items", files=files, headers=KEY)
+    assert response.status_code == 403
+    assert response.json()["error"]["code"] == "writes_disabled"
+    assert client.delete("/v1/items/3", headers=KEY).status_code == 403
+    assert client.get("/v1/stats").json()["count"] == 78
+
+
+def test_added_items_are_stored_searchable_and_persisted(
+    make_client: Callable[..., TestClient], served: Served
+) -> None:
+    client = make_client(api_key=API_KEY)
+    new = [image_bytes(make_image(41, size=(200, 150)), "JPEG"), image_bytes(make_image(42), "PNG")]
+    response = client.post(
+        "/v1/items",
+        files=[("images", ("a.jpg", new[0])), ("images", ("b.png", new[1]))],
+        data={"label": "fresh"},
+        headers=KEY,
+    )
+    assert response.status_code == 201, response.text
+    body = response.json()
+    assert body["count"] == 80
+    added = body["items"]
+    assert [item["label"] for item in added] == ["fresh", "fresh"]
+    assert added[0]["path"].startswith("fresh/") and added[0]["path"].endswith(".jpg")
+    assert (served.gallery / added[1]["path"]).read_bytes() == new[1]
+    hit = client.post("/v1/search", params={"k": 1}, files={"image": ("q.png", new[1])}).json()["results"][0]
+    assert hit["id"] == added[1]["id"] and hit["score"] == pytest.approx(1.0, abs=1e-4)
+    assert client.get(f"/v1/items/{added[0]['id']}/image").content == new[0]
+    again = client.post(
+        "/v1/items", files={"images": ("b.png", new[1])}, data={"label": "fresh"}, headers=KEY
+    )
+    assert again.status_code == 409
+    assert again.json()["error"]["code"] == "duplicate_item"
+    unlabelled = client.post(
+        "/v1/items", json={"images": [base64.b64encode(image_bytes(make_image(43))).decode()]}, headers=KEY
+    )
+    assert unlabelled.status_code == 201
+    assert unlabelled.json()["items"][0]["label"] is None
+    assert "/" not in unlabelled.json()["items"][0]["path"]
+
+    reopened = GalleryIndex.open(served.index)  # what a restarted server would load
+    assert len(reopened) == reopened.manifest.count == 81
+    assert reopened.items.get(added[0]["id"]).label == "fresh"
+    reopened.close()
+
+
+def test_deleted_items_leave_the_results_and_the_saved_index(
+    make_client: Callable[..., TestClient], served: Served
+) -> None:
+    client = make_client(api_key=API_KEY)
+    query = (served.gallery / "cat/00_crop.jpg").read_bytes()
+    top = client.post("/v1/search", params={"k": 1}, files={"image": ("q.jpg", query)}).json()["results"][0]
+    response = client.delete(f"/v1/items/{top['id']}", headers=KEY)
+    assert response.status_code == 200
+    assert response.json()["deleted"]["path"] == "cat/00_crop.jpg"
+    assert response.json()["count"] == 77
+    after = client.post("/v1/search", params={"k": 100}, files={"image": ("q.jpg", query)}).json()["results"]
+    assert top["id"] not in [r["id"] for r in after]
+    assert client.get(f"/v1/items/{top['id']}").status_code == 404
+    assert client.delete(f"/v1/items/{top['id']}", headers=KEY).status_code == 404
+    assert (served.gallery / "cat/00_crop.jpg").exists(), "the gallery file is kept"
+    reopened = GalleryIndex.open(served.index)
+    assert len(reopened) == reopened.manifest.count == 77
+    reopened.close()
+
+
+def test_concurrent_writes_and_searches_on_a_real_server(served: Served) -> None:
+    """Searches keep answering while items are added and removed; the saved index ends consistent."""
+    args = ["--index", str(served.index), "--model", str(served.model), "--rate-limit", "0"]
+    query = (served.gallery / "coffee/01_crop.jpg").read_bytes()
+    with uvicorn_server(args, {"DMLSEARCH_API_KEY": API_KEY}) as url, httpx.Client(timeout=60) as http:
+
+        def search(_: int) -> int:
+            return http.post(
+                f"{url}/v1/search", params={"k": 5}, files={"image": ("q.jpg", query)}
+            ).status_code
+
+        def add(seed: int) -> int:
+            files = {"images": (f"{seed}.png", image_bytes(make_image(seed)))}
+            return http.post(f"{url}/v1/items", files=files, data={"label": "added"}, headers=KEY).status_code
+
+        def delete(item_id: int) -> int:
+            return http.delete(f"{url}/v1/items/{item_id}", headers=KEY).status_code
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            searches = pool.map(search, range(24))
+            adds = pool.map(add, range(500, 506))
+            deletes = pool.map(delete, range(10, 14))
+            statuses = (list(searches), list(adds), list(deletes))
+        assert statuses == ([200] * 24, [201] * 6, [200] * 4)
+        assert http.get(f"{url}/v1/stats").json()["count"] == 78 + 6 - 4
+    reopened = GalleryIndex.open(served.index)
+    assert len(reopened) == reopened.manifest.count == 80
+    assert sum(1 for i in range(1, 200) if (item := reopened.items.get(i)) and item.label == "added") == 6
+    reopened.close()

@@ -1,0 +1,121 @@
+"""Class-balanced and Magnet neighbourhood batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from training.losses import LOSSES
+from training.samplers import ClassBalancedSampler, NeighbourhoodSampler, sampler_for
+
+
+def _labels(classes: int = 10, per_class: int = 12) -> np.ndarray:
+    return np.repeat(np.arange(classes) * 7 + 3, per_class)  # non-contiguous label values
+
+
+def test_class_balanced_layout() -> None:
+    labels = np.concatenate([_labels(), [500, 500]])  # one class with fewer samples than n
+    sampler = ClassBalancedSampler(labels, classes=11, samples_per_class=4, seed=1)
+    for _ in range(20):
+        batch = labels[sampler.next_indices()].reshape(11, 4)
+        assert (batch == batch[:, :1]).all(), "consecutive samples_per_class share a label"
+        assert len(np.unique(batch[:, 0])) == 11, "distinct classes"
+    few = ClassBalancedSampler(_labels(3), classes=8, samples_per_class=2)
+    assert len(few.next_indices()) == 6  # all 3 classes when fewer than asked for
+
+
+def test_class_balanced_draws_without_replacement_when_possible() -> None:
+    labels = _labels()
+    sampler = ClassBalancedSampler(labels, classes=5, samples_per_class=6, seed=0)
+    indices = sampler.next_indices().reshape(5, 6)
+    assert all(len(set(row)) == 6 for row in indices)
+
+
+def test_state_round_trip_continues_the_same_stream() -> None:
+    sampler = ClassBalancedSampler(_labels(), classes=4, samples_per_class=3, seed=5)
+    sampler.next_indices()
+    state = sampler.state_dict()
+    expected = [sampler.next_indices() for _ in range(3)]
+    restored = ClassBalancedSampler(_labels(), classes=4, samples_per_class=3, seed=99)
+    restored.load_state_dict(state)
+    assert all(np.array_equal(restored.next_indices(), batch) for batch in expected)
+
+
+def _magnet(seed: int = 0) -> tuple[NeighbourhoodSampler, np.ndarray, np.ndarray]:
+    """Ten classes of 3 well-separated blobs each, in 2-d."""
+    rng = np.random.default_rng(seed)
+    labels = np.repeat(np.arange(10), 30)
+    blob = np.tile(np.repeat(np.arange(3), 10), 10)
+    centres = rng.normal(scale=10.0, size=(10, 3, 2))
+    embeddings = centres[labels, blob] + 0.1 * rng.normal(size=(300, 2))
+    sampler = NeighbourhoodSampler(labels, clusters=4, samples_per_class=5, clusters_per_class=3, seed=seed)
+    sampler.refresh(embeddings)
+    return sampler, labels, embeddings
+
+
+def test_neighbourhood_index_recovers_the_blobs() -> None:
+    sampler, labels, _ = _magnet()
+    assert len(sampler.centres) == 30
+    found_blobs = 0
+    for cluster in range(30):
+        members = np.flatnonzero(sampler.assignment == cluster)
+        assert len(set(labels[members])) == 1, "clusters never mix classes"
+        assert sampler.cluster_labels[cluster] == labels[members[0]]
+        found_blobs += len(members) == 10 and len(set(members // 10)) == 1
+    # k-means (random restarts, no k-means++) can still merge two blobs of a class now and then.
+    assert found_blobs >= 24
+
+
+def test_neighbourhood_batch_is_a_seed_cluster_and_its_nearest_impostors() -> None:
+    sampler, labels, embeddings = _magnet()
+    indices = sampler.next_indices()
+    clusters = sampler.assignment[indices].reshape(4, 5)
+    assert (clusters == clusters[:, :1]).all(), "D consecutive examples per cluster"
+    seed, impostors = clusters[0, 0], clusters[1:, 0]
+    assert all(sampler.cluster_labels[c] != sampler.cluster_labels[seed] for c in impostors)
+    others = np.flatnonzero(sampler.cluster_labels != sampler.cluster_labels[seed])
+    distance = np.square(sampler.centres[others] - sampler.centres[seed]).sum(1)
+    assert set(impostors) == set(others[np.argsort(distance)[:3]])
+    info = sampler.batch_info(indices)
+    assert torch.equal(info["cluster_ids"], torch.as_tensor(sampler.assignment[indices]))
+
+
+class _FakeMagnet(torch.nn.Module):
+    def __init__(self, losses: torch.Tensor) -> None:
+        super().__init__()
+        self.last_sample_losses = losses
+
+
+def test_seed_clusters_follow_their_loss_and_none_starves() -> None:
+    sampler, _, _ = _magnet()
+    probabilities = sampler.cluster_probabilities()
+    np.testing.assert_allclose(probabilities, 1 / 30)  # nothing known yet: uniform
+    # Teach it: cluster 0's examples have loss 9, cluster 1's loss 1, the rest 0.
+    for cluster, value in ((0, 9.0), (1, 1.0), *((c, 0.0) for c in range(2, 30))):
+        members = np.flatnonzero(sampler.assignment == cluster)
+        sampler.after_step(members, _FakeMagnet(torch.full((len(members),), value)))
+    probabilities = sampler.cluster_probabilities()
+    assert probabilities.sum() == pytest.approx(1.0)
+    assert probabilities[0] / probabilities[1] == pytest.approx((0.9 * 0.9 + 0.1 / 30) / (0.9 * 0.1 + 0.1 / 30))
+    assert probabilities.min() == pytest.approx(0.1 / 30)  # the floor: zero-loss clusters still drawn
+    seeds = [sampler.assignment[sampler.next_indices()[0]] for _ in range(3000)]
+    counts = np.bincount(seeds, minlength=30)
+    assert counts.min() > 0, "every cluster is drawn as a seed"
+    assert counts[0] > counts[1] > counts[2:].max()
+
+
+def test_unvisited_clusters_count_as_the_largest_known_loss() -> None:
+    sampler, _, _ = _magnet()
+    members = np.flatnonzero(sampler.assignment == 4)
+    sampler.after_step(members, _FakeMagnet(torch.full((len(members),), 2.0)))
+    probabilities = sampler.cluster_probabilities()
+    np.testing.assert_allclose(probabilities, 1 / 30)  # all others assumed as hard as the known one
+
+
+def test_sampler_for_follows_the_registry_layout() -> None:
+    labels = _labels()
+    assert type(sampler_for(LOSSES["magnet"].layout, labels)) is NeighbourhoodSampler
+    balanced = sampler_for(LOSSES["angular"].layout, labels, classes=5)
+    assert type(balanced) is ClassBalancedSampler
+    assert len(balanced.next_indices()) == 5 * LOSSES["angular"].layout.samples_per_class

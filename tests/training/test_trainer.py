@@ -1,0 +1,84 @@
+"""The frozen-mode training loop: run directory, validation-based selection, resume, bad data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from training.config import TrainConfig
+from training.run_dir import RunDirectory, RunDirError
+from training.trainer import train
+
+
+def _config(data: Path, cache: Path, **overrides: object) -> TrainConfig:
+    settings = {"max_steps": 12, "eval_every": 4, "patience": 100, "embedding_dim": 16, "head_hidden": 32}
+    return TrainConfig(loss="contrastive", data=str(data), cache_dir=str(cache), **{**settings, **overrides})
+
+
+def test_frozen_run_writes_a_complete_run_directory(
+    labelled_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    summary = train(_config(labelled_folder, feature_cache), out, progress=False)
+    run = RunDirectory(out)
+    records = run.read_metrics()
+    assert [record["step"] for record in records] == [0, 4, 8, 12]
+    assert all(0.0 <= record["val"]["recall@1"] <= 1.0 for record in records)
+    assert records[0]["train_loss"] is None and records[1]["train_loss"] > 0
+    # The kept model is the first step with the best validation Recall@1, step 0 included.
+    scores = [record["val"]["recall@1"] for record in records]
+    best = run.load_checkpoint("best")
+    assert best["step"] == records[scores.index(max(scores))]["step"] == summary["best_step"]
+    assert summary["val"] == best["val"]
+    assert set(summary["test"]) == {"recall@1", "recall@2", "recall@4", "recall@8", "map@r", "nmi", "f1"}
+    assert run.read_config() == _config(labelled_folder, feature_cache)
+    assert json.loads(run.summary_path.read_text()) == summary
+    assert run.load_checkpoint("last")["step"] == 12
+    assert not list(out.rglob("*.tmp")), "no temporary files left behind"
+
+
+def test_interrupted_run_resumes_to_the_same_weights(
+    labelled_folder: Path, feature_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _config(labelled_folder, feature_cache)
+    train(config, tmp_path / "straight", progress=False)
+
+    from training.samplers import ClassBalancedSampler
+
+    calls = {"n": 0}
+    original = ClassBalancedSampler.after_step
+
+    def crash_at_step_7(self, indices, loss) -> None:  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise KeyboardInterrupt
+        original(self, indices, loss)
+
+    monkeypatch.setattr(ClassBalancedSampler, "after_step", crash_at_step_7)
+    with pytest.raises(KeyboardInterrupt):
+        train(config, tmp_path / "resumed", progress=False)
+    assert RunDirectory(tmp_path / "resumed").load_checkpoint("last")["step"] == 4
+    monkeypatch.setattr(ClassBalancedSampler, "after_step", original)
+    train(config, tmp_path / "resumed", progress=False)
+
+    straight = RunDirectory(tmp_path / "straight").load_checkpoint("last")["objective"]
+    resumed = RunDirectory(tmp_path / "resumed").load_checkpoint("last")["objective"]
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)
+    assert RunDirectory(tmp_path / "resumed").read_metrics() == RunDirectory(tmp_path / "straight").read_metrics()
+
+
+def test_a_run_directory_refuses_a_different_config(
+    labelled_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    train(_config(labelled_folder, feature_cache, max_steps=4), out, progress=False)
+    with pytest.raises(RunDirError, match="lr"):
+        train(_config(labelled_folder, feature_cache, max_steps=4, lr=1e-3), out, progress=False)
+    # More steps is a continuation, not a conflict.
+    summary = train(_config(labelled_folder, feature_cache, max_steps=8), out, progress=False)
+    assert summary["steps"] == 8

@@ -1,0 +1,85 @@
+"""Evaluate a training run or an exported ONNX model on a labelled image collection.
+
+An exported model is evaluated exactly as it is served (engine's :class:`Embedder`: decoding,
+preprocessing, onnxruntime). A run is evaluated from its best checkpoint: on cached backbone features when
+it trained the head only, on images when it fine-tuned the backbone.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from engine.embedder import Embedder
+from engine.images import ImageDecodeError, load_image_file
+from training.backbone import BACKBONES
+from training.data import LabelledImages, load_labelled_images, split_classes
+from training.metrics import evaluate
+from training.run_dir import RunDirectory, RunDirError
+from training.trainer import build_objective, cache_directory, prepare_data
+from training.workloads import FinetuneWorkload, FrozenWorkload
+
+EvalSplit = Literal["test", "val", "all"]
+
+
+def _split_indices(images: LabelledImages, split: EvalSplit, **split_args: Any) -> np.ndarray:
+    if split == "all":
+        return np.arange(len(images))
+    return split_classes(images, **split_args)[split]
+
+
+def evaluate_onnx(
+    model_path: Path, data: Path, *, split: EvalSplit = "test", batch_size: int = 32, progress: bool = True,
+    **split_args: Any,
+) -> dict[str, float]:
+    """Metrics of an exported ``model.onnx`` on ``split`` of ``data`` (unreadable images skipped)."""
+    embedder = Embedder(model_path)
+    images = load_labelled_images(data)
+    indices = _split_indices(images, split, **split_args)
+    draft = embedder.card.preprocessing.resize_size
+    vectors, labels, batch = [], [], []
+    for index in tqdm(indices, desc="embedding", unit="img", disable=not progress):
+        path = images.root / images.paths[index]
+        try:
+            batch.append(load_image_file(path, draft_size=draft))
+            labels.append(images.labels[index])
+        except (ImageDecodeError, OSError) as err:
+            warnings.warn(f"skipped unreadable image {path}: {err}", stacklevel=2)
+        if len(batch) == batch_size:
+            vectors.append(embedder.embed(batch))
+            batch = []
+    if batch:
+        vectors.append(embedder.embed(batch))
+    return evaluate(np.concatenate(vectors), np.asarray(labels))
+
+
+def evaluate_run(
+    run_path: Path, data: Path | None = None, *, split: EvalSplit = "test", progress: bool = True
+) -> dict[str, float]:
+    """Metrics of a run's best checkpoint on ``split`` of ``data`` (default: the data it trained on)."""
+    run = RunDirectory(run_path)
+    config = run.require_config()
+    best = run.load_checkpoint("best")
+    if best is None:
+        raise RunDirError(f"{run_path} has no checkpoints/best.pt yet")
+    if data is not None:
+        config = config.model_copy(update={"data": str(data)})
+    prepared = prepare_data(config, cache_directory(config, run_path), progress=progress)
+    objective = build_objective(config, prepared.train_views.shape[2])
+    objective.load_state_dict(best["objective"])
+    names = ("train", "val", "test") if split == "all" else (split,)
+    labels = np.concatenate([prepared.labels(name) for name in names])
+    device = torch.device("cpu")
+    if config.mode == "frozen":
+        features = {"eval": np.concatenate([prepared.features[name] for name in names])}
+        workload = FrozenWorkload(objective, prepared.train_views, features, device)
+    else:
+        files = {"eval": [file for name in names for file in prepared.files(name)]}
+        preprocessing = BACKBONES[config.backbone].preprocessing
+        workload = FinetuneWorkload(objective, files, preprocessing, device, workers=config.workers)
+    return evaluate(workload.embed("eval"), labels)

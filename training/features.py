@@ -1,0 +1,179 @@
+"""Frozen-backbone features, extracted once through onnxruntime and cached on disk.
+
+The pretrained backbone is exported to ONNX (exactly as ``dmlsearch export`` does) and run with the
+serving engine's :class:`~engine.embedder.Embedder`, which is several times faster on CPU than eager
+torch and yields the very features the deployed model starts from (L2-normalised, pooled). View 0 is the
+serving preprocessing; views 1.. are seeded random resized crops with horizontal flips, for training.
+
+The cache is keyed by the backbone's ONNX fingerprint, the view and seed, and every file's path, size and
+modification time, so a changed image or model never reuses stale features. It is written in shards, each
+atomically, so an interrupted extraction resumes where it stopped. Unreadable images (for example a
+truncated JPEG) are skipped with a warning and flagged in ``ok``; their rows are zero.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torchvision.transforms import v2
+from tqdm import tqdm
+
+from engine.embedder import Embedder
+from engine.images import ImageDecodeError, load_image_file
+from engine.model_card import Preprocessing
+from engine.preprocess import to_tensor
+from index.atomic import atomic_path
+
+SHARD_SIZE = 512
+AUGMENT_SCALE = (0.35, 1.0)  # RandomResizedCrop area range, as in the papers' crop augmentation
+
+
+@dataclass(frozen=True)
+class FeatureSet:
+    """Features of a list of files (rows in file order); ``ok[i]`` is False where the file was unreadable."""
+
+    features: np.ndarray  # float32 (n, d)
+    ok: np.ndarray  # bool (n,)
+    skipped: tuple[tuple[str, str], ...]  # (path, reason)
+
+
+def backbone_model(cache_dir: Path, backbone: str) -> Path:
+    """The pretrained ``backbone`` as ``model.onnx`` under ``cache_dir`` (exported on first use)."""
+    from training.backbone import BACKBONES, create_backbone
+    from training.export import export_onnx
+    from training.model import EmbeddingModel
+
+    path = cache_dir / "backbones" / backbone / "model.onnx"
+    if not (path.exists() and path.with_suffix(".json").exists()):
+        export_onnx(
+            EmbeddingModel(create_backbone(backbone)),
+            path,
+            preprocessing=BACKBONES[backbone].preprocessing,
+            backbone=backbone,
+        )
+    return path
+
+
+def augment_transform(preprocessing: Preprocessing) -> v2.Compose:
+    """The training augmentation: random resized crop to the resize size and a horizontal flip.
+
+    Its output is then centre-cropped by the serving preprocessing (a no-op when both sizes agree).
+    """
+    return v2.Compose(
+        [
+            v2.RandomResizedCrop(
+                preprocessing.resize_size,
+                scale=AUGMENT_SCALE,
+                interpolation=v2.InterpolationMode.BICUBIC,
+                antialias=True,
+            ),
+            v2.RandomHorizontalFlip(),
+        ]
+    )
+
+
+def view_images(
+    images: Sequence[Image.Image], indices: Sequence[int], view: int, seed: int, preprocessing: Preprocessing
+) -> np.ndarray:
+    """The NCHW input batch for one view: the serving preprocessing, augmented for ``view > 0``.
+
+    Each augmented image is seeded by (seed, view, its index in the file list): reproducible, and the
+    same for an image whichever batch it lands in.
+    """
+    if view > 0:
+        transform = augment_transform(preprocessing)
+        augmented = []
+        for image, index in zip(images, indices, strict=True):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(np.random.SeedSequence([seed, view, int(index)]).generate_state(1)[0]))
+                augmented.append(transform(image))
+        images = augmented
+    return to_tensor(images, preprocessing)
+
+
+class FeatureExtractor:
+    """Extract and cache backbone features of image files."""
+
+    def __init__(
+        self, cache_dir: Path, backbone: str = "efficientnet_lite0", *, batch_size: int = 32, progress: bool = True
+    ) -> None:
+        self.cache_dir = cache_dir
+        self.embedder = Embedder(backbone_model(cache_dir, backbone))
+        self.batch_size = batch_size
+        self.progress = progress
+
+    @property
+    def dim(self) -> int:
+        return self.embedder.dim
+
+    def extract(self, files: Sequence[Path], *, view: int = 0, seed: int = 0) -> FeatureSet:
+        """Features of ``files`` for ``view``, from the cache where present."""
+        directory = self.cache_dir / "features" / self._key(files, view, seed)
+        shards = [files[start : start + SHARD_SIZE] for start in range(0, len(files), SHARD_SIZE)]
+        missing = [i for i in range(len(shards)) if not _shard_path(directory, i).exists()]
+        bar = tqdm(
+            total=sum(len(shards[i]) for i in missing),
+            desc=f"backbone features (view {view})",
+            unit="img",
+            disable=not self.progress or not missing,
+        )
+        for i in missing:
+            self._extract_shard(shards[i], i * SHARD_SIZE, view, seed, _shard_path(directory, i), bar)
+        bar.close()
+        parts = [np.load(_shard_path(directory, i)) for i in range(len(shards))]
+        skipped = tuple(
+            (str(path), str(reason)) for part in parts for path, reason in part["skipped"].reshape(-1, 2)
+        )
+        for path, reason in skipped:
+            warnings.warn(f"skipped unreadable image {path}: {reason}", stacklevel=2)
+        if not parts:
+            return FeatureSet(np.zeros((0, self.dim), np.float32), np.zeros(0, bool), ())
+        return FeatureSet(
+            np.concatenate([part["features"] for part in parts]),
+            np.concatenate([part["ok"] for part in parts]),
+            skipped,
+        )
+
+    def _extract_shard(
+        self, files: Sequence[Path], offset: int, view: int, seed: int, target: Path, bar: tqdm
+    ) -> None:
+        features = np.zeros((len(files), self.dim), np.float32)
+        ok = np.zeros(len(files), bool)
+        skipped: list[tuple[str, str]] = []
+        preprocessing = self.embedder.card.preprocessing
+        for start in range(0, len(files), self.batch_size):
+            images, rows = [], []
+            for row in range(start, min(start + self.batch_size, len(files))):
+                try:
+                    images.append(load_image_file(files[row], draft_size=preprocessing.resize_size))
+                    rows.append(row)
+                except (ImageDecodeError, OSError) as err:
+                    skipped.append((str(files[row]), str(err)))
+            if images:
+                batch = view_images(images, [offset + row for row in rows], view, seed, preprocessing)
+                features[rows] = self.embedder.embed_tensor(batch)
+                ok[rows] = True
+            bar.update(min(self.batch_size, len(files) - start))
+        with atomic_path(target) as temporary, temporary.open("wb") as handle:
+            np.savez(handle, features=features, ok=ok, skipped=np.array(skipped, dtype=str).reshape(-1, 2))
+
+    def _key(self, files: Sequence[Path], view: int, seed: int) -> str:
+        digest = hashlib.sha256()
+        header = {"model": self.embedder.fingerprint, "view": view, "seed": seed if view else None}
+        digest.update(json.dumps(header, sort_keys=True).encode())
+        for path in files:
+            stat = path.stat()
+            digest.update(f"\n{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+        return digest.hexdigest()[:32]
+
+
+def _shard_path(directory: Path, index: int) -> Path:
+    return directory / f"shard-{index:05d}.npz"

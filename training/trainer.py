@@ -1,0 +1,335 @@
+"""The training loop: data -> features -> head (+ backbone) -> loss -> validation -> run directory.
+
+One loop for both modes (:mod:`training.workloads`), single process or ``torchrun`` DDP. Every epoch (or
+``eval_every`` steps) the model is evaluated on the validation classes; the best step's weights are kept
+in ``checkpoints/best.pt``, starting with the untrained model (step 0: the PCA-initialised head), so the
+selected model is never worse on validation than no training at all. ``checkpoints/last.pt`` holds
+everything needed to continue after an interruption (weights, optimiser, sampler and generator states).
+At the end the best model is evaluated on the unseen test classes into ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from training.backbone import BACKBONES, create_backbone
+from training.config import TrainConfig
+from training.data import DataError, LabelledImages, load_labelled_images, split_classes
+from training.distributed import Distributed, distributed_from_env
+from training.features import FeatureExtractor
+from training.heads import ResidualHead
+from training.losses import LOSSES, build_loss
+from training.metrics import evaluate
+from training.model import TrainingObjective
+from training.run_dir import RunDirectory, RunDirError
+from training.samplers import ClassBalancedSampler, sampler_for
+from training.workloads import FinetuneWorkload, FrozenWorkload
+
+SELECTION_METRIC = "recall@1"
+MAX_NONFINITE_STEPS = 20  # consecutive non-finite losses before a run is declared diverged
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """The readable images of each split, their labels and backbone features."""
+
+    images: LabelledImages
+    indices: dict[str, np.ndarray]  # split -> image indices
+    features: dict[str, np.ndarray]  # split -> view-0 features (serving preprocessing)
+    train_views: np.ndarray  # (1 + augmented views, n_train, d)
+
+    def labels(self, split: str) -> np.ndarray:
+        return self.images.labels[self.indices[split]]
+
+    def files(self, split: str) -> list[Path]:
+        return self.images.files(self.indices[split])
+
+
+def cache_directory(config: TrainConfig, run_dir: Path) -> Path:
+    return Path(config.cache_dir) if config.cache_dir else run_dir / "cache"
+
+
+def prepare_data(
+    config: TrainConfig, cache_dir: Path, dist: Distributed | None = None, *, progress: bool = True
+) -> PreparedData:
+    """Load and split the images, extract (or read cached) features, drop unreadable images."""
+    dist = dist or Distributed()
+    images = load_labelled_images(Path(config.data))
+    split = split_classes(
+        images, train_classes=config.train_classes, val_fraction=config.val_fraction, seed=config.seed
+    )
+    # The main process extracts first; the others then find every shard in the cache.
+    for turn in (True, False):
+        if dist.is_main == turn:
+            extractor = FeatureExtractor(cache_dir, config.backbone, progress=progress and dist.is_main)
+            base = extractor.extract(images.files())
+        dist.barrier()
+    indices = {name: split[name][base.ok[split[name]]] for name in ("train", "val", "test")}
+    for name, kept in indices.items():
+        if len(np.unique(images.labels[kept])) < 2:
+            raise DataError(f"the {name} split has fewer than two classes of readable images")
+    train_files = images.files(indices["train"])
+    views = [base.features[indices["train"]]]
+    for view in range(1, config.views + 1):
+        views.append(extractor.extract(train_files, view=view, seed=config.seed).features)
+    return PreparedData(
+        images=images,
+        indices=indices,
+        features={name: base.features[kept] for name, kept in indices.items()},
+        train_views=np.stack(views),
+    )
+
+
+def loss_hparams(config: TrainConfig) -> dict[str, Any]:
+    """The loss's hyperparameters; a loss with an ``embedding_dim`` (PDDM's unit) gets the head's."""
+    hparams = dict(config.loss_hparams)
+    if "embedding_dim" in LOSSES[config.loss].defaults:
+        hparams.setdefault("embedding_dim", config.embedding_dim)
+    return hparams
+
+
+def build_objective(config: TrainConfig, feature_dim: int) -> TrainingObjective:
+    """Backbone (finetune only), residual head and loss, freshly initialised from ``config.seed``."""
+    torch.manual_seed(config.seed)
+    backbone = create_backbone(config.backbone) if config.mode == "finetune" else nn.Identity()
+    head = ResidualHead(feature_dim, config.embedding_dim, config.head_hidden)
+    return TrainingObjective(backbone, head, build_loss(config.loss, **loss_hparams(config)))
+
+
+def train(config: TrainConfig, out: Path, *, progress: bool = True) -> dict[str, Any]:
+    """Train (or continue training) the run in ``out``; returns its summary (also in summary.json)."""
+    if config.loss not in LOSSES:
+        raise ValueError(f"unknown loss {config.loss!r}; choose one of {sorted(LOSSES)}")
+    with distributed_from_env(config.device) as dist:
+        return _Training(config, RunDirectory(out), dist, progress).run()
+
+
+class _Training:
+    def __init__(self, config: TrainConfig, run: RunDirectory, dist: Distributed, progress: bool) -> None:
+        self.config = config
+        self.run_dir = run
+        self.dist = dist
+        self.progress = progress and dist.is_main
+        self.device = dist.device(config.device)
+        self.best: dict[str, Any] | None = None
+
+    def run(self) -> dict[str, Any]:
+        config, run = self.config, self.run_dir
+        saved = run.read_config()
+        if saved is not None and (conflicts := config.resume_conflicts(saved)):
+            raise RunDirError(
+                f"{run.path} holds a run with a different {', '.join(conflicts)}; use a new --out directory"
+            )
+        last = run.load_checkpoint("last")
+        summary = run.read_summary()
+        if last is not None and summary is not None and (last["stopped"] or last["step"] >= config.max_steps):
+            return summary
+        if self.dist.is_main:
+            run.write_config(config)
+
+        data = prepare_data(config, cache_directory(config, run.path), self.dist, progress=self.progress)
+        self.data = data
+        objective = build_objective(config, data.train_views.shape[2])
+        objective.head.init_from_pca(data.train_views[0], seed=config.seed)
+        objective.to(self.device)
+        self.objective = objective
+        self.workload = self._workload(objective, data)
+        layout = LOSSES[config.loss].layout
+        sampler = sampler_for(
+            layout,
+            data.labels("train"),
+            classes=config.classes_per_batch,
+            samples_per_class=config.samples_per_class,
+            clusters_per_class=config.clusters_per_class,
+            refresh_interval=config.cluster_refresh,
+            seed=config.seed * 1000 + self.dist.rank,  # each rank draws its own batches
+        )
+        view_rng = np.random.default_rng([config.seed, self.dist.rank])
+        optimizer = torch.optim.Adam(self._param_groups(objective), weight_decay=config.weight_decay)
+        use_fp16 = config.amp and self.device.type == "cuda" and not torch.cuda.is_bf16_supported()
+        scaler = torch.amp.GradScaler("cuda", enabled=use_fp16)
+
+        state: dict[str, Any] = {"step": 0, "best_step": 0, "best_score": -math.inf, "since_best": 0}
+        state.update(stopped=False, elapsed=0.0)
+        records: list[dict[str, Any]] = []
+        if last is not None:
+            objective.load_state_dict(last["objective"])
+            optimizer.load_state_dict(last["optimizer"])
+            sampler.load_state_dict(last["sampler"])
+            view_rng.bit_generator.state = last["view_rng"]
+            scaler.load_state_dict(last["scaler"])
+            state = {key: last[key] for key in state}
+            records = [record for record in run.read_metrics() if record["step"] <= state["step"]]
+            self.best = run.load_checkpoint("best")
+            if self.best is None:
+                raise RunDirError(f"{run.path} has checkpoints/last.pt but no best.pt: start a new run")
+        else:
+            records.append(self._validate(step=0, train_loss=None, state=state))
+            records[-1]["val_backbone"] = evaluate(data.features["val"], data.labels("val"), seed=config.seed)
+            self._save(state, objective, optimizer, sampler, view_rng, scaler, records)
+
+        model: nn.Module = objective
+        if self.dist.enabled:
+            # Buffers stay per rank: ALMN's centre table grows with the labels each rank sees.
+            model = DistributedDataParallel(objective, broadcast_buffers=False)
+        self._loop(model, sampler, view_rng, optimizer, scaler, state, records)
+        return self._finish(state)
+
+    def _workload(self, objective: TrainingObjective, data: PreparedData) -> FrozenWorkload | FinetuneWorkload:
+        if self.config.mode == "frozen":
+            eval_features = {name: data.features[name] for name in ("val", "test")}
+            return FrozenWorkload(objective, data.train_views, eval_features, self.device)
+        files = {name: data.files(name) for name in ("train", "val", "test")}
+        preprocessing = BACKBONES[self.config.backbone].preprocessing
+        return FinetuneWorkload(
+            objective,
+            files,
+            preprocessing,
+            self.device,
+            workers=self.config.workers,
+            batch_size=self.config.eval_batch_size,
+        )
+
+    def _param_groups(self, objective: TrainingObjective) -> list[dict[str, Any]]:
+        """The new layers at ``lr``; a fine-tuned backbone at ``lr x backbone_lr_factor`` (papers: 1/10)."""
+        groups = [{"params": [*objective.head.parameters(), *objective.loss.parameters()], "lr": self.config.lr}]
+        backbone = list(objective.backbone.parameters())
+        if backbone:
+            groups.append({"params": backbone, "lr": self.config.lr * self.config.backbone_lr_factor})
+        return groups
+
+    def _loop(
+        self,
+        model: nn.Module,
+        sampler: ClassBalancedSampler,
+        view_rng: np.random.Generator,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler,
+        state: dict[str, Any],
+        records: list[dict[str, Any]],
+    ) -> None:
+        config, objective = self.config, self.objective
+        labels = torch.as_tensor(self.data.labels("train"))
+        batch_size = (config.classes_per_batch or LOSSES[config.loss].layout.classes) * (
+            config.samples_per_class or LOSSES[config.loss].layout.samples_per_class
+        )
+        eval_every = config.eval_every or max(1, math.ceil(len(labels) / batch_size))
+        amp_dtype = torch.bfloat16 if self.device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+        autocast = torch.autocast(
+            self.device.type, dtype=amp_dtype or torch.float16, enabled=config.amp and self.device.type == "cuda"
+        )
+        if sampler.refresh_interval and (state["step"] == 0 or len(getattr(sampler, "centres", ())) == 0):
+            sampler.refresh(self.workload.embed("train"))
+        batches = self.workload.batches(sampler, view_rng)
+        bar = tqdm(
+            initial=state["step"], total=config.max_steps, desc=f"training {config.loss}", disable=not self.progress
+        )
+        objective.train()
+        losses: list[float] = []
+        nonfinite = 0
+        started = time.perf_counter()
+        while state["step"] < config.max_steps and not state["stopped"]:
+            indices, inputs = next(batches)
+            batch_info = {key: value.to(self.device) for key, value in sampler.batch_info(indices).items()}
+            with autocast:
+                value = model(inputs, labels[indices].to(self.device), **batch_info)
+            optimizer.zero_grad(set_to_none=True)
+            if torch.isfinite(value):
+                scaler.scale(value).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                losses.append(float(value.detach()))
+                nonfinite = 0
+            else:
+                nonfinite += 1
+                if nonfinite >= MAX_NONFINITE_STEPS:
+                    raise FloatingPointError(f"{config.loss}: {nonfinite} consecutive non-finite losses")
+            sampler.after_step(indices, objective.loss)
+            state["step"] += 1
+            bar.update()
+            if sampler.refresh_interval and state["step"] % sampler.refresh_interval == 0:
+                sampler.refresh(self.workload.embed("train"))
+            if state["step"] % eval_every == 0 or state["step"] == config.max_steps:
+                state["elapsed"] += time.perf_counter() - started
+                started = time.perf_counter()
+                train_loss = float(np.mean(losses)) if losses else None
+                records.append(self._validate(state["step"], train_loss, state))
+                losses = []
+                bar.set_postfix(loss=train_loss, val_r1=records[-1]["val"][SELECTION_METRIC])
+                self._save(state, objective, optimizer, sampler, view_rng, scaler, records)
+        bar.close()
+
+    def _validate(self, step: int, train_loss: float | None, state: dict[str, Any]) -> dict[str, Any]:
+        """Evaluate on the validation classes; keep the weights in best.pt when they are the best so far."""
+        metrics = evaluate(self.workload.embed("val"), self.data.labels("val"), seed=self.config.seed)
+        score = metrics[SELECTION_METRIC]
+        if score > state["best_score"]:
+            state.update(best_step=step, best_score=score, since_best=0)
+            # Every rank keeps its own copy: ranks take the same decisions and need not share a disk.
+            weights = {key: value.detach().cpu().clone() for key, value in self.objective.state_dict().items()}
+            self.best = {"objective": weights, "step": step, "val": metrics}
+            if self.dist.is_main:
+                self.run_dir.save_checkpoint("best", self.best)
+        elif step > 0:
+            state["since_best"] += 1
+            state["stopped"] = state["since_best"] >= self.config.patience
+        return {"step": step, "train_loss": train_loss, "val": metrics, "best_step": state["best_step"]}
+
+    def _save(
+        self,
+        state: dict[str, Any],
+        objective: TrainingObjective,
+        optimizer: torch.optim.Optimizer,
+        sampler: ClassBalancedSampler,
+        view_rng: np.random.Generator,
+        scaler: torch.amp.GradScaler,
+        records: list[dict[str, Any]],
+    ) -> None:
+        if not self.dist.is_main:
+            return
+        checkpoint = {
+            **state,
+            "objective": objective.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "sampler": sampler.state_dict(),
+            "view_rng": view_rng.bit_generator.state,
+            "scaler": scaler.state_dict(),
+        }
+        self.run_dir.save_checkpoint("last", checkpoint)
+        self.run_dir.write_metrics(records)
+
+    def _finish(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Evaluate the best weights on the unseen test classes and write summary.json."""
+        best = self.best
+        self.objective.load_state_dict(best["objective"])
+        seed = self.config.seed
+        summary = {
+            "loss": self.config.loss,
+            "mode": self.config.mode,
+            "steps": state["step"],
+            "stopped_early": state["stopped"],
+            "best_step": best["step"],
+            "train_seconds": round(state["elapsed"], 1),
+            "val": best["val"],
+            "test": evaluate(self.workload.embed("test"), self.data.labels("test"), seed=seed),
+            "test_backbone": evaluate(self.data.features["test"], self.data.labels("test"), seed=seed),
+            "skipped_images": int(len(self.data.images) - sum(len(v) for v in self.data.indices.values())),
+        }
+        if self.dist.is_main:
+            self.run_dir.write_summary(summary)
+        if best["step"] == 0:
+            warnings.warn(
+                f"{self.config.loss}: no step beat the untrained model on validation; kept step 0", stacklevel=2
+            )
+        return summary

@@ -1,0 +1,140 @@
+"""Where training batches come from and how a split is embedded, per mode.
+
+* :class:`FrozenWorkload`: inputs are cached backbone features (one of the augmentation views per sample),
+  so a step costs a head forward/backward only.
+* :class:`FinetuneWorkload`: inputs are augmented images decoded by DataLoader workers; the backbone trains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from engine.images import load_image_file
+from engine.model_card import Preprocessing
+from engine.preprocess import to_tensor
+from training.features import augment_transform
+from training.model import TrainingObjective
+from training.samplers import ClassBalancedSampler
+
+Batch = tuple[np.ndarray, torch.Tensor]  # (indices into the training split, inputs)
+
+
+@contextmanager
+def eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    """Put ``module`` in eval mode for the block, then back in the mode it was in."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)
+
+
+class FrozenWorkload:
+    """Training on cached features: ``train_views`` is (views, n_train, d), view 0 the serving preprocessing."""
+
+    def __init__(
+        self,
+        objective: TrainingObjective,
+        train_views: np.ndarray,
+        eval_features: dict[str, np.ndarray],
+        device: torch.device,
+        batch_size: int = 4096,
+    ) -> None:
+        self.objective = objective
+        self.train_views = torch.from_numpy(train_views)
+        self.eval_features = {"train": train_views[0], **eval_features}
+        self.device = device
+        self.batch_size = batch_size
+
+    def batches(self, sampler: ClassBalancedSampler, rng: np.random.Generator) -> Iterator[Batch]:
+        while True:
+            indices = sampler.next_indices()
+            views = rng.integers(0, len(self.train_views), size=len(indices))
+            yield indices, self.train_views[views, indices].to(self.device)
+
+    @torch.no_grad()
+    def embed(self, split: str) -> np.ndarray:
+        features = torch.from_numpy(self.eval_features[split])
+        with eval_mode(self.objective):
+            parts = [
+                self.objective.embed(chunk.to(self.device)).float().cpu()
+                for chunk in features.split(self.batch_size)
+            ]
+        return torch.cat(parts).numpy()
+
+
+class ImageFiles(Dataset):
+    """Decoded, preprocessed images; augmented (random resized crop + flip) for training."""
+
+    def __init__(self, files: Sequence[Path], preprocessing: Preprocessing, *, augment: bool) -> None:
+        self.files = list(files)
+        self.preprocessing = preprocessing
+        self.augment = augment_transform(preprocessing) if augment else None
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> tuple[int, torch.Tensor]:
+        # Unreadable files were dropped when the features were extracted, so decoding succeeds here.
+        image = load_image_file(self.files[index], draft_size=self.preprocessing.resize_size)
+        if self.augment is not None:
+            image = self.augment(image)
+        return index, torch.from_numpy(to_tensor([image], self.preprocessing)[0])
+
+
+def _endless(sampler: ClassBalancedSampler) -> Iterator[list[int]]:
+    while True:
+        yield sampler.next_indices().tolist()
+
+
+class FinetuneWorkload:
+    """Training the whole network on images (GPU when present, mixed precision by the caller)."""
+
+    def __init__(
+        self,
+        objective: TrainingObjective,
+        files: dict[str, list[Path]],
+        preprocessing: Preprocessing,
+        device: torch.device,
+        *,
+        workers: int = 2,
+        batch_size: int = 64,
+    ) -> None:
+        self.objective = objective
+        self.files = files
+        self.preprocessing = preprocessing
+        self.device = device
+        self.workers = workers
+        self.batch_size = batch_size
+
+    def batches(self, sampler: ClassBalancedSampler, rng: np.random.Generator) -> Iterator[Batch]:
+        loader = DataLoader(
+            ImageFiles(self.files["train"], self.preprocessing, augment=True),
+            batch_sampler=_endless(sampler),
+            num_workers=self.workers,
+            pin_memory=self.device.type == "cuda",
+            persistent_workers=False,
+        )
+        for indices, images in loader:
+            yield indices.numpy(), images.to(self.device, non_blocking=True)
+
+    @torch.no_grad()
+    def embed(self, split: str) -> np.ndarray:
+        loader = DataLoader(
+            ImageFiles(self.files[split], self.preprocessing, augment=False),
+            batch_size=self.batch_size,
+            num_workers=self.workers,
+        )
+        autocast = torch.autocast(self.device.type, enabled=self.device.type == "cuda")
+        parts = []
+        with eval_mode(self.objective), autocast:
+            for _, images in loader:
+                parts.append(self.objective.embed(images.to(self.device)).float().cpu())
+        return torch.cat(parts).numpy()
