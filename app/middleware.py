@@ -16,6 +16,9 @@ from app.errors import ApiError, error_response
 from app.metrics import Metrics
 from app.ratelimit import TokenBucketLimiter
 
+# Metric labels take only known methods: a client inventing methods must not invent time series.
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
 
 class RequestMetricsMiddleware:
     """Observe every HTTP request's latency under its route template (``/v1/items/{item_id}``)."""
@@ -44,9 +47,8 @@ class RequestMetricsMiddleware:
             self.metrics.in_flight.dec()
             # The router stores the matched route in the scope; templates keep the label set small.
             route = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.requests.labels(scope["method"], route, str(status)).observe(
-                time.perf_counter() - started
-            )
+            method = scope["method"] if scope["method"] in _METHODS else "other"
+            self.metrics.requests.labels(method, route, str(status)).observe(time.perf_counter() - started)
 
 
 class RateLimitMiddleware:

@@ -6,7 +6,7 @@ from pydantic import BaseModel, Field
 
 from engine.search import BatchResponse, QueryHits, SearchResponse
 from engine.voting import Prediction
-from index.items import Item
+from index.protocol import Item
 
 
 class ResultOut(BaseModel):

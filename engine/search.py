@@ -31,10 +31,8 @@ from engine.locks import ReadWriteLock
 from engine.voting import Prediction, knn_vote
 from index.atomic import atomic_write_bytes
 from index.gallery import GalleryIndex
-from index.items import Item
+from index.protocol import Item
 
-# Stages of a query, in order; each request reports its milliseconds per stage.
-STAGES = ("decode", "preprocess", "embed", "search")
 # A label becomes a folder name under the gallery root: no separators, no hidden or relative names.
 _LABEL_PATTERN = re.compile(r"^(?![.])[^/\\\x00-\x1f]{1,100}$")
 
@@ -261,6 +259,10 @@ class SearchService:
     # -- items -------------------------------------------------------------------------------------
 
     def item(self, item_id: int) -> Item:
+        with self.lock.read():  # not while a write is half done on the shared SQLite connection
+            return self._find(item_id)
+
+    def _find(self, item_id: int) -> Item:
         item = self.index.items.get(item_id)
         if item is None:
             raise ItemNotFoundError(f"no item with id {item_id}")
@@ -285,11 +287,8 @@ class SearchService:
 
     def list_items(self, offset: int, limit: int) -> tuple[list[Item], int]:
         """A page of items in id order, and the total count."""
-        rows = self.index.items.connection.execute(
-            "SELECT id FROM items ORDER BY id LIMIT ? OFFSET ?", (limit, offset)
-        ).fetchall()
-        by_id = self.index.items.get_many([row[0] for row in rows])
-        return [by_id[row[0]] for row in rows if row[0] in by_id], len(self.index.items)
+        with self.lock.read():
+            return self.index.items.page(offset, limit), len(self.index)
 
     def add_items(self, new_items: Sequence[NewItem]) -> list[Item]:
         """Store the images under the gallery root (``<label>/<content hash>.<ext>``) and index them.
@@ -311,11 +310,13 @@ class SearchService:
             target = (root / relative).resolve()
             if not target.is_relative_to(root):
                 raise InvalidItemError(f"item {position}: label {new.label!r} leaves the gallery folder")
+            if any(relative.as_posix() == earlier[0] for earlier in prepared):
+                raise DuplicateItemError(f"item {position} repeats an earlier image of this request")
             prepared.append((relative.as_posix(), new.label, digest, target, new.data))
         vectors = self.embedder.embed(self._decode_all([new.data for new in new_items]))
         with self.lock.write():
             for relative, *_ in prepared:
-                if self._indexed_path(relative):
+                if self.index.items.get_by_path(relative) is not None:
                     raise DuplicateItemError(f"{relative} is already indexed")
             written = []
             try:
@@ -326,19 +327,18 @@ class SearchService:
                 ids = self.index.add(
                     vectors, [(relative, label, digest) for relative, label, digest, *_ in prepared]
                 )
-                self.index.save()
             except BaseException:
                 for target in written:  # files of items that never made it into the index
                     target.unlink(missing_ok=True)
                 raise
+            self.index.save()
         return [self.item(item_id) for item_id in ids]
 
     def remove_item(self, item_id: int) -> Item:
         """Remove an item from the index (its gallery file stays on disk) and save the index."""
         with self.lock.write():
-            item = self.item(item_id)
-            self.index.vectors.remove(np.array([item_id], dtype=np.int64))
-            self.index.items.remove([item_id])
+            item = self._find(item_id)
+            self.index.remove([item_id])
             self.index.save()
         return item
 
@@ -347,9 +347,3 @@ class SearchService:
         if root is None:
             raise InvalidItemError("the index records no gallery folder to store new images in")
         return Path(root).resolve()
-
-    def _indexed_path(self, relative: str) -> bool:
-        row = self.index.items.connection.execute(
-            "SELECT 1 FROM items WHERE path = ?", (relative,)
-        ).fetchone()
-        return row is not None

@@ -1,16 +1,31 @@
-"""FAISS backend: exact inner-product search over normalised vectors, with stable int64 ids."""
+"""One FAISS index over L2-normalised vectors with int64 ids: inner product is the cosine similarity.
+
+Loaded memory-mapped and read-only by default (IVF inverted lists through faiss.IO_FLAG_MMAP, flat codes
+through faiss.IO_FLAG_MMAP_IFC), so a large index opens without reading it into RAM; the first change
+re-reads it into memory, because faiss cannot modify a mapped index. Searches run on a GPU when
+faiss-gpu and a GPU are present (not HNSW, which faiss cannot move to a GPU), on the CPU otherwise.
+"""
 
 from __future__ import annotations
 
+import logging
+from functools import cache
 from pathlib import Path
 
 import numpy as np
 
 from index.atomic import atomic_path
-from index.protocol import normalize_rows
+from index.protocol import check_dim, normalize_rows
+from index.selection import IndexSpec
+
+log = logging.getLogger("dmlsearch.index")
 
 
-def _faiss():
+class RemovalNotSupportedError(RuntimeError):
+    """FAISS's HNSW graph cannot delete vectors in place; the graph must be rebuilt without them."""
+
+
+def faiss_module():
     try:
         import faiss
     except ImportError as err:
@@ -20,41 +35,145 @@ def _faiss():
     return faiss
 
 
+@cache
+def _gpu_resources() -> object | None:
+    faiss = faiss_module()
+    if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
+        return None
+    return faiss.StandardGpuResources()
+
+
 class FaissIndex:
-    FILE_NAME = "vectors.faiss"
+    def __init__(self, index: object, spec: IndexSpec, *, source: Path | None = None) -> None:
+        if index.d != spec.dim:
+            raise ValueError(f"FAISS index has dimension {index.d}, expected {spec.dim}")
+        self.index = index
+        self.spec = spec
+        self.search_params: dict[str, int] = {}
+        self._source = source  # the file a memory-mapped (read-only) index was mapped from
+        self._gpu_index: object | None = None
 
-    def __init__(self, dim: int, index: object | None = None) -> None:
-        faiss = _faiss()
-        self.dim = dim
-        self.index = index if index is not None else faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
-        if self.index.d != dim:
-            raise ValueError(f"FAISS index has dimension {self.index.d}, expected {dim}")
+    @classmethod
+    def create(cls, spec: IndexSpec) -> FaissIndex:
+        """An empty index; IVF and PQ indexes must be trained before vectors are added."""
+        faiss = faiss_module()
+        return cls(faiss.index_factory(spec.dim, spec.factory, faiss.METRIC_INNER_PRODUCT), spec)
 
-    def add(self, ids: np.ndarray, vectors: np.ndarray) -> None:
-        vectors = normalize_rows(vectors)
-        if vectors.shape[1] != self.dim:
-            raise ValueError(f"vectors have dimension {vectors.shape[1]}, index has {self.dim}")
-        self.index.add_with_ids(vectors, np.ascontiguousarray(ids, dtype=np.int64))
+    @property
+    def dim(self) -> int:
+        return self.spec.dim
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        queries = normalize_rows(queries)
-        if queries.shape[1] != self.dim:
-            raise ValueError(f"queries have dimension {queries.shape[1]}, index has {self.dim}")
-        scores, ids = self.index.search(queries, k)
-        scores[ids < 0] = -np.inf
-        return ids, scores
+    @property
+    def is_trained(self) -> bool:
+        return bool(self.index.is_trained)
 
-    def remove(self, ids: np.ndarray) -> int:
-        return int(self.index.remove_ids(np.ascontiguousarray(ids, dtype=np.int64)))
+    @property
+    def read_only(self) -> bool:
+        return self._source is not None
 
     def __len__(self) -> int:
         return int(self.index.ntotal)
 
-    def save(self, directory: Path) -> None:
-        faiss = _faiss()
-        with atomic_path(directory / self.FILE_NAME) as temporary:
+    def train(self, vectors: np.ndarray) -> None:
+        vectors = normalize_rows(vectors)
+        check_dim(vectors, self.dim)
+        self.index.train(vectors)
+
+    def add(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+        vectors = normalize_rows(vectors)
+        check_dim(vectors, self.dim)
+        self._make_writable()
+        self.index.add_with_ids(vectors, np.ascontiguousarray(ids, dtype=np.int64))
+
+    def remove(self, ids: np.ndarray) -> int:
+        if self.spec.index_type == "hnsw":
+            raise RemovalNotSupportedError(
+                "an HNSW index cannot remove vectors in place; it has to be rebuilt without them"
+            )
+        self._make_writable()
+        return int(self.index.remove_ids(np.ascontiguousarray(ids, dtype=np.int64)))
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` ``(ids, cosine scores)``; rows are padded with id -1 and score -inf."""
+        queries = normalize_rows(queries)
+        check_dim(queries, self.dim, "queries")
+        scores, ids = self._searcher().search(queries, k)
+        scores[ids < 0] = -np.inf
+        return ids, scores
+
+    def set_search_params(self, params: dict[str, int]) -> None:
+        """Apply ``nprobe`` / ``efSearch`` / ``quantizer_efSearch`` through faiss's ParameterSpace."""
+        space = faiss_module().ParameterSpace()
+        for name, value in params.items():
+            space.set_index_parameter(self.index, name, value)
+        self.search_params = dict(params)
+        self._gpu_index = None
+
+    def ids(self) -> np.ndarray:
+        """Every id in the index, sorted."""
+        faiss = faiss_module()
+        ivf = faiss.try_extract_index_ivf(self.index)
+        if ivf is None:
+            return np.sort(faiss.vector_to_array(self.index.id_map).astype(np.int64))
+        lists = ivf.invlists
+        chunks = []
+        for list_no in range(lists.nlist):
+            size = lists.list_size(list_no)
+            if size:
+                pointer = lists.get_ids(list_no)
+                chunks.append(faiss.rev_swig_ptr(pointer, size).copy())
+                lists.release_ids(list_no, pointer)
+        return np.sort(np.concatenate(chunks)) if chunks else np.zeros(0, dtype=np.int64)
+
+    def empty_copy(self) -> FaissIndex:
+        """A copy with the same training (centroids, codebooks) and no vectors."""
+        faiss = faiss_module()
+        copy = faiss.clone_index(self.index)
+        copy.reset()
+        return FaissIndex(copy, self.spec)
+
+    def merge_from(self, other: FaissIndex) -> None:
+        """Move ``other``'s vectors into this index (same training); faiss's own IVF / IDMap merge."""
+        if self.spec.index_type == "hnsw":
+            raise ValueError("faiss cannot merge HNSW graphs; build one graph from all vectors instead")
+        self._make_writable()
+        if self.spec.index_type == "flat":
+            self.index.merge_from(other.index)
+        else:
+            faiss_module().merge_into(self.index, other.index, False)
+
+    def save(self, path: Path) -> None:
+        faiss = faiss_module()
+        with atomic_path(path) as temporary:
             faiss.write_index(self.index, str(temporary))
 
     @classmethod
-    def load(cls, directory: Path, dim: int) -> FaissIndex:
-        return cls(dim, _faiss().read_index(str(directory / cls.FILE_NAME)))
+    def load(cls, path: Path, spec: IndexSpec, *, mmap: bool = True) -> FaissIndex:
+        faiss = faiss_module()
+        if not mmap:
+            return cls(faiss.read_index(str(path)), spec)
+        # IVF lists map as read-only OnDiskInvertedLists; flat codes (flat, HNSW storage) as views.
+        flag = faiss.IO_FLAG_MMAP if spec.nlist is not None else faiss.IO_FLAG_MMAP_IFC
+        return cls(faiss.read_index(str(path), flag), spec, source=path)
+
+    def _make_writable(self) -> None:
+        """faiss aborts the process on changes to a mapped index: re-read it into memory first."""
+        if self._source is not None:
+            params = self.search_params
+            self.index = faiss_module().read_index(str(self._source))
+            self._source = None
+            if params:
+                self.set_search_params(params)
+        self._gpu_index = None
+
+    def _searcher(self) -> object:
+        resources = _gpu_resources()
+        if resources is None or self.spec.index_type == "hnsw":
+            return self.index
+        if self._gpu_index is None:
+            faiss = faiss_module()
+            self._gpu_index = faiss.index_cpu_to_gpu(resources, 0, self.index)
+            for name, value in self.search_params.items():
+                faiss.GpuParameterSpace().set_index_parameter(self._gpu_index, name, value)
+            log.info("searching %s on the GPU", self.spec.factory)
+        return self._gpu_index

@@ -1,8 +1,7 @@
-"""An index directory: vectors, item metadata and manifest, opened and saved together."""
+"""An index directory: ``manifest.json`` plus a backend (FAISS files or a Milvus collection), used as one."""
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import shutil
 import tempfile
@@ -12,9 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
-from index.faiss_index import FaissIndex
-from index.items import Item, ItemStore
-from index.manifest import Manifest
+from index.faiss_backend import FaissBackend
+from index.items import now_utc
+from index.manifest import MANIFEST_NAME, Manifest
+from index.protocol import Entry, Item, ItemCatalog
+from index.selection import IndexOptions
+
+BACKENDS = ("faiss", "milvus")
 
 
 class IndexMismatchError(ValueError):
@@ -28,42 +31,76 @@ class Hit:
     rank: int
 
 
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+def _connect(directory: Path, manifest: Manifest, *, create: bool, milvus_uri: str | None = None):
+    if manifest.backend == "milvus":
+        from index.milvus_backend import MilvusBackend  # pymilvus is an optional extra
+
+        return MilvusBackend.connect(directory, manifest, uri=milvus_uri)
+    return FaissBackend.create(directory, manifest) if create else FaissBackend.open(directory, manifest)
 
 
 class GalleryIndex:
-    """``manifest.json`` + ``vectors.faiss`` + ``items.sqlite`` in one directory."""
+    """Search, add and remove over one index directory; ``save`` makes changes durable."""
 
-    def __init__(self, directory: Path, manifest: Manifest, vectors: FaissIndex, items: ItemStore) -> None:
+    def __init__(self, directory: Path, manifest: Manifest, backend: FaissBackend) -> None:
         self.directory = directory
         self.manifest = manifest
-        self.vectors = vectors
-        self.items = items
+        self.backend = backend
 
     @classmethod
     def create(
-        cls, directory: Path, *, dim: int, model_fingerprint: str, gallery_root: Path | None
+        cls,
+        directory: Path,
+        *,
+        dim: int,
+        model_fingerprint: str,
+        gallery_root: Path | None,
+        options: IndexOptions | None = None,
+        backend: str = "faiss",
+        milvus_uri: str | None = None,
+        milvus_collection: str | None = None,
+        shard: str | None = None,
     ) -> GalleryIndex:
+        """A new, empty index directory (its manifest is written at once, so a build can resume)."""
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         directory.mkdir(parents=True, exist_ok=True)
-        now = _now()
+        if (directory / MANIFEST_NAME).exists():
+            raise FileExistsError(f"{directory} already holds an index")
+        now = now_utc()
         manifest = Manifest(
+            backend=backend,
             dim=dim,
             model_fingerprint=model_fingerprint,
             gallery_root=str(gallery_root.resolve()) if gallery_root else None,
+            shard=shard,
+            milvus_uri=_absolute_local(milvus_uri),
+            milvus_collection=milvus_collection if backend == "milvus" else None,
             created=now,
             updated=now,
         )
-        return cls(directory, manifest, FaissIndex(dim), ItemStore(directory))
+        manifest.set_options(options or IndexOptions())
+        index = cls(directory, manifest, _connect(directory, manifest, create=True))
+        manifest.save(directory)
+        return index
 
     @classmethod
-    def open(cls, directory: Path) -> GalleryIndex:
+    def open(
+        cls, directory: Path, *, backend: str | None = None, milvus_uri: str | None = None
+    ) -> GalleryIndex:
+        """Open an index directory; a FAISS index is memory-mapped until its first change.
+
+        ``backend``: refuse an index of another backend; ``milvus_uri``: reach its Milvus collection at
+        another address than the one recorded when it was built.
+        """
         manifest = Manifest.load(directory)
-        vectors = FaissIndex.load(directory, manifest.dim)
-        items = ItemStore(directory)
-        if len(vectors) != len(items):
-            raise ValueError(f"{directory} is inconsistent: {len(vectors)} vectors but {len(items)} items")
-        return cls(directory, manifest, vectors, items)
+        if backend is not None and backend != manifest.backend:
+            raise ValueError(f"{directory} is a {manifest.backend} index, not {backend}")
+        return cls(directory, manifest, _connect(directory, manifest, create=False, milvus_uri=milvus_uri))
+
+    @property
+    def items(self) -> ItemCatalog:
+        return self.backend.items
 
     def check_model(self, fingerprint: str, dim: int) -> None:
         if dim != self.manifest.dim:
@@ -76,19 +113,32 @@ class GalleryIndex:
                 f"{fingerprint[:12]}: rebuild the index with this model"
             )
 
-    def add(self, vectors: np.ndarray, entries: Sequence[tuple[str, str | None, str]]) -> list[int]:
+    def add(self, vectors: np.ndarray, entries: Sequence[Entry]) -> list[int]:
         """Add vectors with their ``(path, label, content_hash)`` metadata; returns the new ids."""
-        if len(vectors) != len(entries):
-            raise ValueError(f"{len(vectors)} vectors but {len(entries)} metadata rows")
-        ids = self.items.add(entries)
-        self.vectors.add(np.asarray(ids, dtype=np.int64), vectors)
-        return ids
+        return self.backend.add(vectors, entries)
+
+    def remove(self, ids: Sequence[int]) -> int:
+        """Remove items by id; returns how many existed. Ids are never reused."""
+        return self.backend.remove(ids)
+
+    def build(self, options: IndexOptions | None = None, *, retune: bool = True, progress: bool = False) -> bool:
+        """Build or rebuild the search structure for the current size (FAISS; Milvus indexes itself).
+
+        Rebuilds from the stored vectors, without re-embedding, when ``options`` (default: the manifest's)
+        pick another index than the one built; otherwise re-tunes when ``retune``. Returns whether it
+        rebuilt.
+        """
+        if options is not None:
+            self.manifest.set_options(options)
+        if self.manifest.backend != "faiss":
+            return False
+        return self.backend.build(self.manifest.options, retune=retune, progress=progress)
 
     def search(self, queries: np.ndarray, k: int) -> list[list[Hit]]:
         k = min(k, len(self))
         if k == 0:
             return [[] for _ in range(len(queries))]
-        ids, scores = self.vectors.search(queries, k)
+        ids, scores = self.backend.search(queries, k)
         items = self.items.get_many(sorted({int(i) for i in ids.ravel() if i >= 0}))
         return [
             [
@@ -100,16 +150,26 @@ class GalleryIndex:
         ]
 
     def __len__(self) -> int:
-        return len(self.vectors)
+        return len(self.backend)
 
     def save(self) -> None:
+        """Make every change durable: a fresh FAISS index is built first; then files, then the manifest."""
+        if self.manifest.backend == "faiss" and not self.backend.built and len(self) > 0:
+            self.backend.build(self.manifest.options, retune=True)
+        self.backend.save()
         self.manifest.count = len(self)
-        self.manifest.updated = _now()
-        self.vectors.save(self.directory)
+        self.manifest.updated = now_utc()
         self.manifest.save(self.directory)
 
     def close(self) -> None:
-        self.items.close()
+        self.backend.close()
+
+
+def _absolute_local(uri: str | None) -> str | None:
+    """Local Milvus Lite paths given on the command line are made absolute; remote URIs kept as given."""
+    if uri is None or "://" in uri:
+        return uri
+    return str(Path(uri).resolve())
 
 
 def replace_directory(source: Path, target: Path) -> None:

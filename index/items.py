@@ -1,67 +1,147 @@
-"""Per-item metadata (id, relative path, label, content hash, time added) in SQLite."""
+"""``items.sqlite``: per-item metadata and the raw vector of every item, beside a FAISS index.
+
+The stored vectors are the source of truth the FAISS file is derived from: a build that is interrupted
+resumes from them, an index is re-trained or changes type without re-embedding any image, HNSW removal
+rebuilds from them, and shard directories merge from them.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 import sqlite3
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 
-@dataclass(frozen=True)
-class Item:
-    id: int
-    path: str
-    label: str | None
-    content_hash: str
-    added: str
+from index.protocol import Entry, Item, check_dim, normalize_rows
+
+_COLUMNS = "id, path, label, content_hash, added"
+_SQL_CHUNK = 10_000  # ids per "IN (...)" query, below SQLite's variable limit
+
+
+def now_utc() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
 class ItemStore:
     FILE_NAME = "items.sqlite"
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, dim: int) -> None:
+        self.dim = dim
         self.connection = sqlite3.connect(directory / self.FILE_NAME, check_same_thread=False)
-        self.connection.execute(
-            "CREATE TABLE IF NOT EXISTS items (id INTEGER PRIMARY KEY, path TEXT NOT NULL UNIQUE, "
-            "label TEXT, content_hash TEXT NOT NULL, added TEXT NOT NULL)"
-        )
-        self.connection.commit()
+        with self.connection:
+            # AUTOINCREMENT: an id is never handed out again, even after its item is removed.
+            self.connection.execute(
+                "CREATE TABLE IF NOT EXISTS items (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+                "path TEXT NOT NULL UNIQUE, label TEXT, content_hash TEXT NOT NULL, added TEXT NOT NULL)"
+            )
+            self.connection.execute("CREATE INDEX IF NOT EXISTS items_by_hash ON items (content_hash)")
+            self.connection.execute(
+                "CREATE TABLE IF NOT EXISTS vectors (id INTEGER PRIMARY KEY, vector BLOB NOT NULL)"
+            )
 
-    def add(self, items: Iterable[tuple[str, str | None, str]]) -> list[int]:
-        """Insert ``(path, label, content_hash)`` rows in one transaction; return their new ids."""
-        added = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    # -- writing -----------------------------------------------------------------------------------
+
+    def add(
+        self, vectors: np.ndarray, entries: Sequence[Entry], *, added: Sequence[str] | None = None
+    ) -> list[int]:
+        """Insert items and their vectors in one transaction; return their new ids.
+
+        ``added``: the items' original times (when copying items between indexes); default now.
+        """
+        vectors = normalize_rows(vectors)
+        check_dim(vectors, self.dim)
+        if len(vectors) != len(entries):
+            raise ValueError(f"{len(vectors)} vectors but {len(entries)} metadata rows")
+        times = added if added is not None else [now_utc()] * len(entries)
+        ids = []
         with self.connection:
             cursor = self.connection.cursor()
-            ids = []
-            for path, label, content_hash in items:
+            for vector, (path, label, content_hash), time in zip(vectors, entries, times, strict=True):
                 cursor.execute(
                     "INSERT INTO items (path, label, content_hash, added) VALUES (?, ?, ?, ?)",
-                    (path, label, content_hash, added),
+                    (path, label, content_hash, time),
                 )
                 ids.append(int(cursor.lastrowid))
+                cursor.execute("INSERT INTO vectors (id, vector) VALUES (?, ?)", (ids[-1], vector.tobytes()))
         return ids
 
+    def remove(self, ids: Sequence[int]) -> int:
+        rows = [(int(i),) for i in ids]
+        with self.connection:
+            removed = self.connection.executemany("DELETE FROM items WHERE id = ?", rows).rowcount
+            self.connection.executemany("DELETE FROM vectors WHERE id = ?", rows)
+        return removed
+
+    # -- metadata ----------------------------------------------------------------------------------
+
     def get_many(self, ids: Sequence[int]) -> dict[int, Item]:
-        if not ids:
-            return {}
-        placeholders = ",".join("?" * len(ids))
-        rows = self.connection.execute(
-            f"SELECT id, path, label, content_hash, added FROM items WHERE id IN ({placeholders})",
-            [int(i) for i in ids],
-        ).fetchall()
-        return {row[0]: Item(*row) for row in rows}
+        found: dict[int, Item] = {}
+        for start in range(0, len(ids), _SQL_CHUNK):
+            chunk = [int(i) for i in ids[start : start + _SQL_CHUNK]]
+            placeholders = ",".join("?" * len(chunk))
+            rows = self.connection.execute(
+                f"SELECT {_COLUMNS} FROM items WHERE id IN ({placeholders})", chunk
+            ).fetchall()
+            found.update((row[0], Item(*row)) for row in rows)
+        return found
 
     def get(self, item_id: int) -> Item | None:
         return self.get_many([item_id]).get(item_id)
 
-    def remove(self, ids: Sequence[int]) -> None:
-        with self.connection:
-            self.connection.executemany("DELETE FROM items WHERE id = ?", [(int(i),) for i in ids])
+    def get_by_path(self, path: str) -> Item | None:
+        row = self.connection.execute(f"SELECT {_COLUMNS} FROM items WHERE path = ?", (path,)).fetchone()
+        return Item(*row) if row else None
+
+    def page(self, offset: int, limit: int) -> list[Item]:
+        rows = self.connection.execute(
+            f"SELECT {_COLUMNS} FROM items ORDER BY id LIMIT ? OFFSET ?", (limit, offset)
+        ).fetchall()
+        return [Item(*row) for row in rows]
+
+    def scan(self) -> Iterator[Item]:
+        for row in self.connection.execute(f"SELECT {_COLUMNS} FROM items ORDER BY id"):
+            yield Item(*row)
 
     def __len__(self) -> int:
         return int(self.connection.execute("SELECT COUNT(*) FROM items").fetchone()[0])
+
+    # -- vectors (a VectorSource for building FAISS indexes) -------------------------------------------
+
+    def ids(self) -> np.ndarray:
+        rows = self.connection.execute("SELECT id FROM vectors ORDER BY id").fetchall()
+        return np.array([row[0] for row in rows], dtype=np.int64)
+
+    def vectors(self, ids: np.ndarray) -> np.ndarray:
+        """The stored vectors of ``ids``, in that order."""
+        by_id: dict[int, bytes] = {}
+        for start in range(0, len(ids), _SQL_CHUNK):
+            chunk = [int(i) for i in ids[start : start + _SQL_CHUNK]]
+            placeholders = ",".join("?" * len(chunk))
+            by_id.update(
+                self.connection.execute(f"SELECT id, vector FROM vectors WHERE id IN ({placeholders})", chunk)
+            )
+        missing = [int(i) for i in ids if int(i) not in by_id]
+        if missing:
+            raise KeyError(f"no stored vector for ids {missing[:5]}")
+        return self._decode([by_id[int(i)] for i in ids])
+
+    def iter_vectors(self, chunk_size: int, ids: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """``(ids, vectors)`` chunks in id order: every stored vector, or those of ``ids``."""
+        if ids is not None:
+            for start in range(0, len(ids), chunk_size):
+                chunk = np.asarray(ids[start : start + chunk_size], dtype=np.int64)
+                yield chunk, self.vectors(chunk)
+            return
+        cursor = self.connection.execute("SELECT id, vector FROM vectors ORDER BY id")
+        while rows := cursor.fetchmany(chunk_size):
+            yield np.array([row[0] for row in rows], dtype=np.int64), self._decode([row[1] for row in rows])
+
+    def _decode(self, blobs: list[bytes]) -> np.ndarray:
+        if not blobs:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return np.frombuffer(b"".join(blobs), dtype=np.float32).reshape(len(blobs), self.dim).copy()
 
     def close(self) -> None:
         self.connection.close()

@@ -1,29 +1,50 @@
-"""``manifest.json``: what an index directory holds and which model made its vectors."""
+"""``manifest.json``: what an index directory holds, how it was built and which model made its vectors."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from index.atomic import atomic_write_text
+from index.selection import IndexOptions
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 
 
 class Manifest(BaseModel):
     format_version: int = FORMAT_VERSION
-    backend: str = "faiss"
-    index_type: str = "flat"
+    backend: str = "faiss"  # "faiss" or "milvus"
+    # What was built: "flat" | "hnsw" | "ivf" | "ivfpq" (FAISS), the Milvus index type, or "none" yet.
+    index_type: str = "none"
+    index_spec: str | None = None  # the faiss index_factory string
+    search_params: dict[str, int] = Field(default_factory=dict)  # nprobe / efSearch chosen by tuning
+    achieved_recall: float | None = None  # recall@10 vs exact search measured when tuning
+    recall_queries: int = 0
+    # What was asked for: kept so a re-run of build-index without options builds the same kind of index.
+    requested_index_type: str = "auto"
+    memory_budget: int | None = None
+    target_recall: float = 0.95
     dim: int
     metric: str = "cosine"
     count: int = 0
     model_fingerprint: str
     gallery_root: str | None = None
-    achieved_recall: float | None = None
+    shard: str | None = None  # "I/N" for a directory holding one shard of a gallery
+    milvus_uri: str | None = None
+    milvus_collection: str | None = None
     created: str
     updated: str
+
+    @property
+    def options(self) -> IndexOptions:
+        return IndexOptions(self.requested_index_type, self.memory_budget, self.target_recall)
+
+    def set_options(self, options: IndexOptions) -> None:
+        self.requested_index_type = options.index_type
+        self.memory_budget = options.memory_budget
+        self.target_recall = options.target_recall
 
     @classmethod
     def load(cls, directory: Path) -> Manifest:
@@ -33,7 +54,8 @@ class Manifest(BaseModel):
         manifest = cls.model_validate_json(path.read_text())
         if manifest.format_version != FORMAT_VERSION:
             raise ValueError(
-                f"index format {manifest.format_version} is not supported (expected {FORMAT_VERSION})"
+                f"index format {manifest.format_version} is not supported (expected {FORMAT_VERSION}): "
+                "rebuild the index with dmlsearch build-index"
             )
         return manifest
 

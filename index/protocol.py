@@ -1,29 +1,74 @@
-"""The small protocol every vector-index backend implements."""
+"""The small protocols every backend implements, and the one place vectors are L2-normalised."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+# (relative path, label, content hash): what an index is told about a new item.
+Entry = tuple[str, str | None, str]
 
-class VectorIndex(Protocol):
-    """Top-k cosine search over L2-normalised float32 vectors with stable int64 ids."""
 
-    dim: int
+@dataclass(frozen=True)
+class Item:
+    id: int
+    path: str
+    label: str | None
+    content_hash: str
+    added: str
 
-    def add(self, ids: np.ndarray, vectors: np.ndarray) -> None: ...
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Return ``(ids, scores)``, both (n, k); missing neighbours have id -1 and score -inf."""
+class IndexNotBuiltError(RuntimeError):
+    """Vectors were stored but the search structure has not been built yet (an interrupted build)."""
+
+
+class ItemCatalog(Protocol):
+    """Item metadata by stable int64 id."""
+
+    def get(self, item_id: int) -> Item | None: ...
+
+    def get_many(self, ids: Sequence[int]) -> dict[int, Item]: ...
+
+    def get_by_path(self, path: str) -> Item | None: ...
+
+    def page(self, offset: int, limit: int) -> list[Item]:
+        """Items in id order, ``limit`` of them after skipping ``offset``."""
         ...
 
-    def remove(self, ids: np.ndarray) -> int: ...
+    def scan(self) -> Iterator[Item]:
+        """Every item, in id order."""
+        ...
 
     def __len__(self) -> int: ...
 
-    def save(self, directory: Path) -> None: ...
+
+class VectorIndex(Protocol):
+    """A backend: top-k cosine search over stored vectors, with stable int64 ids and item metadata.
+
+    ``add`` stores vectors with their metadata and returns the ids it gave them; ``search`` returns
+    ``(ids, scores)``, both (n, k), with id -1 and score -inf where fewer than k items exist; ``save``
+    makes everything durable; a backend is loaded again by its ``open`` class method.
+    """
+
+    dim: int
+
+    @property
+    def items(self) -> ItemCatalog: ...
+
+    def add(self, vectors: np.ndarray, entries: Sequence[Entry]) -> list[int]: ...
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def remove(self, ids: Sequence[int]) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def save(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def normalize_rows(vectors: np.ndarray) -> np.ndarray:
@@ -31,5 +76,12 @@ def normalize_rows(vectors: np.ndarray) -> np.ndarray:
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
     if vectors.ndim != 2:
         raise ValueError(f"expected a 2-d array of vectors, got shape {vectors.shape}")
+    if not np.isfinite(vectors).all():
+        raise ValueError("vectors contain NaN or infinite values")
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
     return vectors / np.maximum(norms, 1e-12)
+
+
+def check_dim(vectors: np.ndarray, dim: int, what: str = "vectors") -> None:
+    if vectors.shape[1] != dim:
+        raise ValueError(f"{what} have dimension {vectors.shape[1]}, the index holds {dim}")

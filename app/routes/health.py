@@ -11,7 +11,7 @@ router = APIRouter()
 
 
 @router.get("/healthz", tags=["health"])
-def healthz() -> dict[str, str]:
+async def healthz() -> dict[str, str]:
     """The process is up (it may still be loading or misconfigured: see /readyz)."""
     return {"status": "ok"}
 
@@ -48,6 +48,6 @@ def stats(service: Service, settings: AppSettings) -> StatsOut:
 
 
 @router.get("/metrics", tags=["health"], response_class=Response)
-def metrics(collectors: AppMetrics) -> Response:
+async def metrics(collectors: AppMetrics) -> Response:
     """Prometheus metrics: request latency by route, query latency by stage, rate-limit refusals."""
     return Response(collectors.render(), media_type=collectors.content_type)

@@ -201,6 +201,13 @@ def test_request_level_errors(server: tuple[str, Served]) -> None:
         httpx.post(f"{url}/v1/search", json={"image": "%%%not base64%%%"}, timeout=30), 400, "invalid_base64"
     )
     assert_error(httpx.post(f"{url}/v1/search", json={"picture": "AAAA"}, timeout=30), 422, "invalid_request")
+    no_boundary = {"Content-Type": "multipart/form-data"}
+    assert_error(
+        httpx.post(f"{url}/v1/search", content=b"x", headers=no_boundary, timeout=30), 400, "bad_request"
+    )
+    garbled = {"Content-Type": "multipart/form-data; boundary=b"}
+    response = httpx.post(f"{url}/v1/search", content=b"--b\r\ngarbage\r\n", headers=garbled, timeout=30)
+    assert_error(response, 400, "bad_request")
     two = [("image", ("a.jpg", image)), ("image", ("b.jpg", image))]
     assert_error(httpx.post(f"{url}/v1/search", files=two, timeout=30), 422, "too_many_images")
 

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import httpx
 import pytest
@@ -126,15 +127,21 @@ def streamlit_url(api_url: str) -> Iterator[str]:
         process.wait(timeout=20)
 
 
-@pytest.mark.browser
-def test_real_browser_upload_shows_the_result_grid(
-    streamlit_url: str, demo_gallery: Path, tmp_path: Path
-) -> None:
-    sync_api = pytest.importorskip(
+@pytest.fixture
+def sync_api() -> ModuleType:
+    """Playwright's sync API, or a skip saying what to install (checked before any server starts)."""
+    module = pytest.importorskip(
         "playwright.sync_api", reason="playwright is not installed (pip install playwright)"
     )
     if not CHROMIUM.exists():
         pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium)")
+    return module
+
+
+@pytest.mark.browser
+def test_real_browser_upload_shows_the_result_grid(
+    sync_api: ModuleType, streamlit_url: str, demo_gallery: Path, tmp_path: Path
+) -> None:
     query = demo_gallery / "cat/00_crop.jpg"
     screenshot = tmp_path / "ui.png"
     with sync_api.sync_playwright() as playwright:
@@ -156,6 +163,8 @@ def test_real_browser_upload_shows_the_result_grid(
             )
             assert images.count() == 13  # 12 result thumbnails and the query
             view.screenshot(path=str(screenshot), full_page=True)
+            view.get_by_role("button", name="Similar").nth(1).click()  # search by the second result
+            view.get_by_text(re.compile(r"^query: item \d+$")).wait_for(timeout=60_000)
         finally:
             browser.close()
     assert screenshot.stat().st_size > 10_000

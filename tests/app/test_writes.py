@@ -53,6 +53,10 @@ def test_added_items_are_stored_searchable_and_persisted(
     )
     assert again.status_code == 409
     assert again.json()["error"]["code"] == "duplicate_item"
+    twice = [("images", ("c.jpg", new[0])), ("images", ("d.jpg", image_bytes(make_image(44))))] * 2
+    repeated = client.post("/v1/items", files=twice, headers=KEY)
+    assert repeated.status_code == 409
+    assert client.get("/v1/stats").json()["count"] == 80  # nothing of the refused request was added
     unlabelled = client.post(
         "/v1/items", json={"images": [base64.b64encode(image_bytes(make_image(43))).decode()]}, headers=KEY
     )

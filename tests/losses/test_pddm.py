@@ -7,6 +7,7 @@ reference_pddm.py (values and gradients), gradcheck, and hand-built graphs for t
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,6 +19,15 @@ from training.losses import pddm as pddm_module
 from training.losses.pddm import PDDMLoss, PDDMUnit, graph_extremes, hard_quadruplets
 
 MODES = ["batch", "per_class"]
+
+
+@pytest.fixture
+def single_thread() -> Iterator[None]:
+    """Thousands of tiny float64 forwards (gradcheck): one thread avoids OpenMP hand-offs on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _loss(dim: int, hidden: int, mode: str, seed: int = 0, dropout: float = 0.0) -> PDDMLoss:
@@ -32,7 +42,9 @@ def _batch(seed: int, classes: int, per_class: int, dim: int) -> tuple[torch.Ten
     return torch.randn(len(labels), dim, generator=generator, dtype=torch.float64), labels
 
 
-def _reference(loss: PDDMLoss, embeddings: torch.Tensor, labels: torch.Tensor, masks=None) -> torch.Tensor:
+def _reference(
+    loss: PDDMLoss, embeddings: torch.Tensor, labels: torch.Tensor, masks: torch.Tensor | None = None
+) -> torch.Tensor:
     params = dict(loss.unit.named_parameters())
     return pddm_loss_reference(
         embeddings,
@@ -93,6 +105,7 @@ def test_unit_matches_reference_and_layer_shapes() -> None:
 @pytest.mark.parametrize("block_elements", [1 << 24, 40])
 def test_similarity_graph_matches_reference(monkeypatch: pytest.MonkeyPatch, block_elements: int) -> None:
     monkeypatch.setattr(pddm_module, "_GRAPH_BLOCK_ELEMENTS", block_elements)  # 40: one row per block
+    monkeypatch.setattr(pddm_module, "_GRAPH_MIN_ROWS", 1)
     torch.manual_seed(1)
     unit = PDDMUnit(4, 6).double()
     params = dict(unit.named_parameters())
@@ -102,6 +115,10 @@ def test_similarity_graph_matches_reference(monkeypatch: pytest.MonkeyPatch, blo
         dtype=torch.float64,
     )
     torch.testing.assert_close(unit.similarity_graph(x), expected, rtol=1e-6, atol=1e-6)
+
+
+def _graph_block(unit: PDDMUnit, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    return unit.similarity_graph(torch.cat((rows, cols)))[: len(rows), len(rows) :]
 
 
 def test_score_is_symmetric_and_shapes() -> None:
@@ -121,11 +138,7 @@ def test_score_is_symmetric_and_shapes() -> None:
     shared = unit.score(queries, candidates[0])  # one candidate set for every query
     assert shared.shape == (3, 5)
     torch.testing.assert_close(shared[1], unit(queries[1].expand(5, 8), candidates[0]))
-    torch.testing.assert_close(shared, graph_block(unit, queries, candidates[0]))
-
-
-def graph_block(unit: PDDMUnit, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    return unit.similarity_graph(torch.cat((rows, cols)))[: len(rows), len(rows) :]
+    torch.testing.assert_close(shared, _graph_block(unit, queries, candidates[0]))
 
 
 def test_hard_quadruplets_on_hand_built_graph() -> None:
@@ -180,6 +193,7 @@ def test_per_class_holds_the_batch_quadruplet() -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.usefixtures("single_thread")
 def test_gradcheck_embeddings_and_unit_parameters(mode: str) -> None:
     loss = _loss(4, 5, mode, seed=4)
     embeddings, labels = _batch(4, 3, 3, 4)

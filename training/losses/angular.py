@@ -76,7 +76,7 @@ class AngularLoss(nn.Module):
         ap_sq_dist = sq_a + sq_p - 2.0 * ap
         nc_sq_dist = sq.unsqueeze(0) - apn + 0.25 * (sq_a + sq_p + 2.0 * ap)
         hinge = torch.relu(ap_sq_dist - 4.0 * t2 * nc_sq_dist)
-        return hinge[negatives].mean()
+        return torch.where(negatives, hinge, 0.0).sum() / negatives.sum()
 
 
 class NPairAngularLoss(nn.Module):

@@ -90,7 +90,8 @@ def loop_distance_matrix(
     if hard_negatives != "loop":
         raise ValueError(f"unknown hard_negatives {hard_negatives!r}; choose 'loop' or 'endpoints'")
     optimum = pair_of_pair_distances(dist.square(), geometry).distance
-    per_sample = optimum.repeat_interleave(2, 0).repeat_interleave(2, 1)
+    pairs = len(optimum)
+    per_sample = optimum[:, None, :, None].expand(pairs, 2, pairs, 2).reshape(2 * pairs, 2 * pairs)
     return torch.where(neg_mask, per_sample, dist)
 
 

@@ -19,45 +19,63 @@ uses ``d(p1, p2)`` as the negative distance of the pair of pairs. Two curves are
   ``p1 = (1 - k1) x1 + k1 x2``, ``p2 = (1 - k2) y1 + k2 y2``, ``k1, k2 in [0, 1]`` (Eq. 18), the same
   nine KKT cases with the solutions of Eq. 21 and supplementary Sec. 4.2 (Eqs. 23-24).
 
-How the cases are solved. Every KKT point is a feasible point, and the minimum is one of them, so the
-minimum is the best *feasible* candidate among: the interior stationary point (case 0), the stationary
-point of each edge (cases 1-4) and the four corners (cases 5-8). For the arcs ``p1.p2 = u^T M v`` with
-``u = (cos alpha, sin alpha)``, ``v = (cos beta, sin beta)`` and ``M = [n1 n2]^T [n3 n4]`` (the paper's
-``a, b, c, d`` are ``-M22, -M12, -M21, -M11``); along an edge it is ``A cos t + B sin t``, whose
-maximum is at ``t = atan2(B, A)`` (Table 1, rows 1-4: ``tan^-1(b/d)`` etc. with the ``+pi`` branch of
-the supplementary chosen by atan2); inside, the only local maximum of a bilinear form on the torus is
-the top singular pair of ``M``, i.e. the root of the paper's quadratic in ``tan alpha`` (Sec. 3.2,
-``A = a^2 - b^2 + c^2 - d^2``), taken here as the half-angle ``atan2`` of the symmetric 2x2
-eigenproblem, which has no ``ab + cd = 0`` singularity. A candidate counts only when it lies strictly
-inside its range; the paper's multiplier-sign test (Eq. 12) is then implied by taking the best one.
+How the cases are solved. Every KKT point is a feasible point and the minimum is one of them, so the
+minimum is the best *feasible* candidate among the interior stationary point (case 0), the stationary
+point of each edge (cases 1-4) and the four corners (cases 5-8); a candidate counts only when it lies
+strictly inside its range, and the paper's multiplier-sign test (Eq. 12) is then implied by taking the
+best one. For the arcs ``p1.p2 = u^T M v`` with ``u = (cos alpha, sin alpha)``, ``v = (cos beta,
+sin beta)`` and ``M = [n1 n2]^T [n3 n4]`` (the paper's ``a, b, c, d`` are ``-M24, -M14, -M23, -M13``).
+Along an edge this is ``A cos t + B sin t``, largest at the direction ``(A, B)``: Table 1 rows 1-4,
+``tan^-1(b / d)`` etc. with the supplementary's ``+pi`` branch. Inside, the only local maximum of a
+bilinear form on the torus is the top singular pair of ``M``, whose direction is a root of the
+paper's quadratic in ``tan(alpha)`` (Sec. 3.2, ``A = a^2 - b^2 + c^2 - d^2``); it is taken from the
+2x2 eigenproblem of ``M M^T`` directly, which has no ``ab + cd = 0`` singularity. Only the directions
+``(cos, sin)`` of the optimal points are needed (Eqs. 3-4), so no trigonometric function is evaluated
+except to report the angles.
 
-Everything is computed from the pairwise squared distances of the four endpoints (for unit vectors,
-``x.y = 1 - |x - y|^2 / 2``, the paper's ``s_ij = 1 - d_ij^2 / 2``), so a whole batch costs one
-(B, B) matrix plus O(B^2) scalar work (Algorithm 1, all pairs of pairs in parallel).
+Everything is computed from the pairwise squared distances of the four endpoints (for unit vectors
+``x.y = 1 - |x - y|^2 / 2``, the paper's ``s_ij = 1 - d_ij^2 / 2``), so a whole batch costs one (B, B)
+matrix plus O(B^2) scalar work (Algorithm 1, all pairs of pairs in parallel).
 
-Gradients. The case and the optimal ``alpha, beta`` (or ``k1, k2``) are chosen without gradient; the
-distance is then re-evaluated differentiably at those parameters. This is exact (envelope theorem):
-a free parameter is stationary, so its own derivative does not contribute, and a parameter at the end
-of its range is written as that endpoint itself (``p1 = x2`` when ``alpha = alpha0``), so the moving
-endpoint is differentiated. Degenerate input stays finite in value and gradient: an arc whose ends
-coincide or are antipodal (``1 - (x1.x2)^2`` below ``16 eps`` of the dtype, e.g. about ``1.4e-3`` rad in
-float32) has no usable Gram-Schmidt direction and is treated as its two endpoints (the antipodal
-geodesic is not unique anyway); a zero distance is clamped before the square root.
+Gradients. The case and the optimal points are chosen without gradient; the distance is then
+evaluated at them with the exact gradient of the minimum (envelope theorem): a free parameter is
+stationary, so its own derivative does not contribute, and a point at the end of its curve is that
+endpoint itself (``p1 = x2`` when ``alpha = alpha0``), which is differentiated. This derivative is
+written out in :func:`_distance_forward` and :func:`_distance_backward` (one autograd node instead of
+dozens of small ones).
+Degenerate input stays finite in value and gradient: an arc whose ends coincide or are antipodal
+(``1 - (x1.x2)^2`` below ``16 eps`` of the dtype, about ``1.4e-3`` rad in float32) has no usable
+Gram-Schmidt direction and is treated as its two endpoints (the antipodal geodesic is not unique
+anyway); a zero-length segment likewise; a zero distance is clamped before the square root.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 Geometry = Literal["arc", "segment"]
 
-# Table 1 cases in which a point sits at the far end of its curve.
-_X_AT_END = (2, 7, 8)  # alpha = alpha0 (p1 = x2), or k1 = 1
-_Y_AT_END = (4, 6, 8)  # beta = beta0 (p2 = y2), or k2 = 1
 _DIST_EPS = 1e-12  # clamp before sqrt, as pairs.pairwise_distances does
+
+# Per KKT case of Table 1 (rows): whether p1 is free inside its curve, whether p1 is x2 (alpha = alpha0,
+# k1 = 1), whether p2 is free, whether p2 is y2. A point neither free nor x2/y2 is x1/y1.
+_CASES = torch.tensor(
+    [
+        [True, False, True, False],  # 0: both inside
+        [False, False, True, False],  # 1: alpha = 0
+        [False, True, True, False],  # 2: alpha = alpha0
+        [True, False, False, False],  # 3: beta = 0
+        [True, False, False, True],  # 4: beta = beta0
+        [False, False, False, False],  # 5: (0, 0)
+        [False, False, False, True],  # 6: (0, beta0)
+        [False, True, False, False],  # 7: (alpha0, 0)
+        [False, True, False, True],  # 8: (alpha0, beta0)
+    ]
+)
 
 
 class OptimalNegatives(NamedTuple):
@@ -75,7 +93,7 @@ class OptimalNegatives(NamedTuple):
 
 
 class _Endpoints(NamedTuple):
-    """Cosines (arcs) or squared distances (segments) among ``x1, x2`` (one class) and ``y1, y2``."""
+    """Cosines (arcs) or squared distances among ``x1, x2`` (one class) and ``y1, y2`` (another)."""
 
     x12: torch.Tensor
     y12: torch.Tensor
@@ -86,20 +104,42 @@ class _Endpoints(NamedTuple):
 
 
 class _Arc(NamedTuple):
-    """An arc's ``cos(t0)``, ``sin(t0)`` (clamped away from 0) and whether it has a Gram-Schmidt direction."""
+    """An arc ``e1 e2``: ``cos t0 = e1.e2``, ``sin t0`` (clamped away from 0), and the direction
+    ``(lim_cos, lim_sin)`` that bounds its inside: ``(cos t0, sin t0)``, or ``(1, 0)`` (an empty inside)
+    when the arc has no Gram-Schmidt direction (coincident or antipodal ends)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
-    ok: torch.Tensor
+    lim_cos: torch.Tensor
+    lim_sin: torch.Tensor
 
 
 class _PointOnArc(NamedTuple):
-    """Closest point of an arc to a unit point: similarity (``-inf`` unless strictly inside the arc) and
-    the (unnormalised) direction ``(point . n, point . n')`` of that point in the arc's basis (Eq. 3)."""
+    """Closest point of an arc to a fixed unit point (Table 1 rows 1-4): ``score`` its similarity, or
+    ``-inf`` unless it lies strictly inside the arc; ``cos``, ``sin`` its unnormalised direction
+    ``(point . n, point . n')`` in the arc's basis (Eq. 3)."""
 
-    sim: torch.Tensor
+    score: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+
+
+class _Weights(NamedTuple):
+    """The optimal points as ``p1 = wx1 x1 + wx2 x2``, ``p2 = wy1 y1 + wy2 y2`` (all detached).
+
+    On an arc ``p = n1 cos t + n2 sin t`` with ``n2 = (e2 - c e1) / s`` (Eqs. 2-3), so ``w1 = start -
+    slide c / s`` and ``w2 = slide / s + end`` with ``(start, slide, end) = (cos t, sin t, 0)`` inside,
+    ``(1, 0, 0)`` at ``e1`` and ``(0, 0, 1)`` at ``e2``: the weights then depend on ``c = e1.e2`` at a
+    fixed angle, and an endpoint optimum is the endpoint itself. On a segment (Eq. 17) ``(start, slide,
+    end) = (1 - k, 0, k)``.
+    """
+
+    x_start: torch.Tensor
+    x_slide: torch.Tensor
+    x_end: torch.Tensor
+    y_start: torch.Tensor
+    y_slide: torch.Tensor
+    y_end: torch.Tensor
 
 
 def pair_of_pair_distances(squared: torch.Tensor, geometry: Geometry = "arc") -> OptimalNegatives:
@@ -113,22 +153,14 @@ def pair_of_pair_distances(squared: torch.Tensor, geometry: Geometry = "arc") ->
     """
     if squared.ndim != 2 or squared.shape[0] != squared.shape[1] or squared.shape[0] % 2:
         raise ValueError(f"expected a square (B, B) matrix with B even, got {tuple(squared.shape)}")
-    if geometry == "segment":
-        return _segment_solution(_blocks(squared))
-    if geometry != "arc":
-        raise ValueError(f"unknown geometry {geometry!r}; choose 'arc' or 'segment'")
-    cosines = 1 - squared / 2  # unit vectors: x.y = 1 - |x - y|^2 / 2 (Sec. 3.3, s_ij = 1 - d_ij^2 / 2)
-    ends = _blocks(cosines)
     with torch.no_grad():
-        arcs = _arc(ends.x12.squeeze(1))
-        # Every sample against every pair's arc at once (B, B/2); cases 1-4 of all pairs of pairs are
-        # four (transposed) row-slices of this table: x1, x2 against arc y (rows 2p, 2p+1, column q)
-        # and y1, y2 against arc x (rows 2q, 2q+1, column p).
-        table = _point_on_arc(cosines[:, 0::2], cosines[:, 1::2], _Arc(*(t.unsqueeze(0) for t in arcs)))
-        edges = [_PointOnArc(*(t[0::2] for t in table)), _PointOnArc(*(t[1::2] for t in table))]
-        edges += [_PointOnArc(*(t.T for t in e)) for e in edges]
-        x_arc, y_arc = _Arc(*(t.unsqueeze(1) for t in arcs)), _Arc(*(t.unsqueeze(0) for t in arcs))
-    return _arc_solution(ends, x_arc, y_arc, edges)
+        if geometry == "segment":
+            case, weights, alpha, beta = _segment_kkt(_blocks(squared))
+        elif geometry == "arc":
+            case, weights, alpha, beta = _arc_kkt_batch(1 - squared / 2)
+        else:
+            raise ValueError(f"unknown geometry {geometry!r}; choose 'arc' or 'segment'")
+    return OptimalNegatives(_PairMatrixDistance.apply(squared, weights), case, alpha, beta)
 
 
 def curve_distances(
@@ -143,24 +175,26 @@ def curve_distances(
         return (a - b).square().sum(-1)
 
     ends = _Endpoints(sq(x1, x2), sq(y1, y2), sq(x1, y1), sq(x1, y2), sq(x2, y1), sq(x2, y2))
-    if geometry == "segment":
-        return _segment_solution(ends)
-    if geometry != "arc":
-        raise ValueError(f"unknown geometry {geometry!r}; choose 'arc' or 'segment'")
-    ends = _Endpoints(*(1 - t / 2 for t in ends))
     with torch.no_grad():
-        x_arc, y_arc = _arc(ends.x12), _arc(ends.y12)
-        edges = [
-            _point_on_arc(ends.x1y1, ends.x1y2, y_arc),  # case 1: x1 against arc y
-            _point_on_arc(ends.x2y1, ends.x2y2, y_arc),  # case 2: x2 against arc y
-            _point_on_arc(ends.x1y1, ends.x2y1, x_arc),  # case 3: y1 against arc x
-            _point_on_arc(ends.x1y2, ends.x2y2, x_arc),  # case 4: y2 against arc x
-        ]
-    return _arc_solution(ends, x_arc, y_arc, edges)
+        if geometry == "segment":
+            case, weights, alpha, beta = _segment_kkt(ends)
+        elif geometry == "arc":
+            cos = _Endpoints(*(1 - t / 2 for t in ends))
+            x_arc, y_arc = _arc(cos.x12), _arc(cos.y12)
+            # cases 1-4: x1, x2 against arc y; y1, y2 against arc x
+            first = torch.stack([cos.x1y1, cos.x2y1, cos.x1y1, cos.x1y2])
+            second = torch.stack([cos.x1y2, cos.x2y2, cos.x2y1, cos.x2y2])
+            arcs = _Arc(*(torch.stack([y, y, x, x]) for x, y in zip(x_arc, y_arc, strict=True)))
+            corners = torch.stack([cos.x1y1, cos.x1y2, cos.x2y1, cos.x2y2])
+            case, weights, alpha, beta = _arc_kkt(x_arc, y_arc, _point_on_arc(first, second, arcs), corners)
+        else:
+            raise ValueError(f"unknown geometry {geometry!r}; choose 'arc' or 'segment'")
+    return OptimalNegatives(_EndpointDistance.apply(*ends, weights), case, alpha, beta)
 
 
 def _blocks(matrix: torch.Tensor) -> _Endpoints:
-    """The six (B/2, B/2) views of a (B, B) pair matrix: row pair ``p`` is (x1, x2), column pair ``q`` (y1, y2)."""
+    """The six (B/2, B/2)-broadcastable views of a (B, B) pair matrix: row pair ``p`` is (x1, x2),
+    column pair ``q`` is (y1, y2)."""
     x1y2 = matrix[0::2, 1::2]
     within = x1y2.diagonal()  # between the two members of each pair
     return _Endpoints(
@@ -173,10 +207,17 @@ def _blocks(matrix: torch.Tensor) -> _Endpoints:
     )
 
 
+# ---------------------------------------------------------------------------------------------------
+# Arcs (Sec. 3.2 and supplementary Sec. 4.1): selection of the KKT case, without gradient
+# ---------------------------------------------------------------------------------------------------
+
+
 def _arc(cos_within: torch.Tensor) -> _Arc:
     tol = 16 * torch.finfo(cos_within.dtype).eps
     sin_sq = 1 - cos_within.square()
-    return _Arc(cos_within, sin_sq.clamp_min(tol).sqrt(), sin_sq > tol)
+    usable = sin_sq > tol
+    sin = sin_sq.clamp_min(tol).sqrt()
+    return _Arc(cos_within, sin, torch.where(usable, cos_within, 1.0), torch.where(usable, sin, 0.0))
 
 
 def _point_on_arc(cos_first: torch.Tensor, cos_second: torch.Tensor, arc: _Arc) -> _PointOnArc:
@@ -187,8 +228,8 @@ def _point_on_arc(cos_first: torch.Tensor, cos_second: torch.Tensor, arc: _Arc) 
     with its ``+pi`` branch) with value ``hypot(A, B)``. It counts only strictly inside ``(0, t0)``.
     """
     along = (cos_second - arc.cos * cos_first) / arc.sin
-    inside = arc.ok & _in_arc(cos_first, along, arc)
-    return _PointOnArc(torch.hypot(cos_first, along).masked_fill(~inside, -math.inf), cos_first, along)
+    score = torch.where(_in_arc(cos_first, along, arc), torch.hypot(cos_first, along), -math.inf)
+    return _PointOnArc(score, cos_first, along)
 
 
 def _in_arc(cos_t: torch.Tensor, sin_t: torch.Tensor, arc: _Arc) -> torch.Tensor:
@@ -197,124 +238,86 @@ def _in_arc(cos_t: torch.Tensor, sin_t: torch.Tensor, arc: _Arc) -> torch.Tensor
     With ``t0 in (0, pi]``: the angle is in ``(0, pi)`` iff ``sin_t > 0``, and then below ``t0`` iff the
     direction turns counter-clockwise onto ``(cos t0, sin t0)``, i.e. their cross product is positive.
     """
-    return (sin_t > 0) & (cos_t * arc.sin - sin_t * arc.cos > 0)
+    return torch.minimum(sin_t, cos_t * arc.lim_sin - sin_t * arc.lim_cos) > 0
 
 
-def _unit(cos_t: torch.Tensor, sin_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos_t, sin_t) / |(cos_t, sin_t)|``; a zero vector stays zero."""
-    norm = torch.hypot(cos_t, sin_t).clamp_min(torch.finfo(cos_t.dtype).tiny)
-    return cos_t / norm, sin_t / norm
-
-
-def _best_candidate(
-    score: list[torch.Tensor], *params: list[torch.Tensor]
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Per pair of pairs, the case (list index) with the highest score and its parameters.
-
-    Each argument lists one tensor per KKT case 0-8 (broadcastable); ties go to the lowest case.
-    """
-    case = torch.stack(torch.broadcast_tensors(*score)).max(0).indices  # (argmax over dim 0 is ~20x slower)
-    pick = case.unsqueeze(0)
-    return case, [torch.stack([t.expand(case.shape) for t in p]).gather(0, pick).squeeze(0) for p in params]
+def _arc_kkt_batch(cosines: torch.Tensor) -> tuple[torch.Tensor, _Weights, torch.Tensor, torch.Tensor]:
+    """:func:`_arc_kkt` for all pairs of pairs of a (B, B) cosine matrix."""
+    pairs = len(cosines) // 2
+    arc = _arc(cosines[0::2, 1::2].diagonal())
+    # Every sample against every pair's arc at once, (B, B/2) viewed as [p, a, q]: member a of pair p
+    # against the arc of pair q. Cases 1-2 of the pair of pairs (p, q) are x1, x2 against arc q, i.e.
+    # [a, p, q]; cases 3-4 are y1, y2 of pair q against arc p, i.e. [b, q, p] transposed.
+    table = _point_on_arc(cosines[:, 0::2], cosines[:, 1::2], _Arc(*(t.unsqueeze(0) for t in arc)))
+    views = [t.view(pairs, 2, pairs) for t in table]
+    edges = _PointOnArc(*(torch.cat([v.transpose(0, 1), v.permute(1, 2, 0)]) for v in views))
+    corners = cosines.view(pairs, 2, pairs, 2).permute(1, 3, 0, 2).reshape(4, pairs, pairs)
+    x_arc, y_arc = _Arc(*(t.unsqueeze(1) for t in arc)), _Arc(*(t.unsqueeze(0) for t in arc))
+    return _arc_kkt(x_arc, y_arc, edges, corners)
 
 
 def _arc_kkt(
-    cos: _Endpoints, x_arc: _Arc, y_arc: _Arc, edges: list[_PointOnArc]
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Best of the nine KKT candidates of Table 1 for two arcs. No gradient.
+    x_arc: _Arc, y_arc: _Arc, edges: _PointOnArc, corners: torch.Tensor
+) -> tuple[torch.Tensor, _Weights, torch.Tensor, torch.Tensor]:
+    """Best of the nine KKT candidates of Table 1 for two arcs: (case, weights, alpha, beta).
 
-    ``edges`` are cases 1-4 (:func:`_point_on_arc`). Returns the case and the unit directions
-    ``(cos alpha, sin alpha, cos beta, sin beta)`` of the optimum: the points only need these (Eqs.
-    3-4), so no angle is computed.
+    ``edges`` stacks cases 1-4 (:func:`_point_on_arc`: x1, x2 against arc y, y1, y2 against arc x),
+    ``corners`` the cosines of cases 5-8 (x1.y1, x1.y2, x2.y1, x2.y2).
     """
     # Inner products of the bases n1, n2 (of x1, x2) and n3, n4 (of y1, y2), Eq. 2: M_rc = n_r . n_c.
-    # The paper's a, b, c, d (Eq. 5) are -M24, -M14, -M23, -M13.
-    m13, m14, m23 = edges[0].cos, edges[0].sin, edges[2].sin
-    m24 = (edges[1].sin - x_arc.cos * m14) / x_arc.sin
+    m13, m14, m23 = edges.cos[0], edges.sin[0], edges.sin[2]
+    m24 = (edges.sin[1] - x_arc.cos * m14) / x_arc.sin
 
-    # Case 0: the top singular pair of M (the paper's quadratic in tan(alpha), Sec. 3.2, whose roots are
-    # the two singular directions). u is the top eigenvector of M M^T = [[p, r], [r, q]], from whichever
-    # row of M M^T - lambda I is better conditioned, turned into the upper half-plane (alpha0 <= pi);
-    # v = M^T u and p1.p2 = |v| / |u| = sigma_max, the largest p1.p2 anywhere on the two great circles.
-    half_diff = (m13.square() + m14.square() - m23.square() - m24.square()) / 2  # (p - q) / 2
-    r = m13 * m23 + m14 * m24
-    half_gap = torch.hypot(half_diff, r)  # (lambda_max - lambda_min) / 2
-    wide = half_diff >= 0
-    u_cos = torch.where(wide, torch.copysign(half_diff + half_gap, r), r)
-    u_sin = torch.where(wide, r.abs(), half_gap - half_diff)
+    # Case 0: u is the top eigenvector of M M^T = [[p, r], [r, q]], from whichever row of
+    # 2 (M M^T - lambda I) is better conditioned, turned into the upper half-plane (alpha0 <= pi);
+    # v = M^T u, and p1.p2 = |v| / |u| = sigma_max is the largest p1.p2 on the two great circles.
+    diff = m13.square() + m14.square() - m23.square() - m24.square()  # p - q
+    r2 = (m13 * m23 + m14 * m24) * 2
+    gap = torch.hypot(diff, r2)  # lambda_max - lambda_min
+    wide = diff >= 0
+    u_cos = torch.where(wide, torch.copysign(diff + gap, r2), r2)
+    u_sin = torch.where(wide, r2.abs(), gap - diff)
     v_cos, v_sin = m13 * u_cos + m23 * u_sin, m14 * u_cos + m24 * u_sin
-    inner = torch.hypot(v_cos, v_sin) / torch.hypot(u_cos, u_sin)
-    inside = x_arc.ok & y_arc.ok & _in_arc(u_cos, u_sin, x_arc) & _in_arc(v_cos, v_sin, y_arc)
+    inside = _in_arc(u_cos, u_sin, x_arc) & _in_arc(v_cos, v_sin, y_arc)
+    inner = torch.where(inside, torch.hypot(v_cos, v_sin) / torch.hypot(u_cos, u_sin), -math.inf)
 
-    one, zero = torch.ones_like(m13), torch.zeros_like(m13)
-    xc, xs, yc, ys = x_arc.cos, x_arc.sin, y_arc.cos, y_arc.sin
-    e1, e2, e3, e4 = edges
-    #         case: 0      1       2       3       4       5     6     7     8   (Table 1; 5-8: corners)
-    cos_a = [u_cos, one, xc, e3.cos, e4.cos, one, one, xc, xc]
-    sin_a = [u_sin, zero, xs, e3.sin, e4.sin, zero, zero, xs, xs]
-    cos_b = [v_cos, e1.cos, e2.cos, one, yc, one, yc, one, yc]
-    sin_b = [v_sin, e1.sin, e2.sin, zero, ys, zero, ys, zero, ys]
-    score = [inner.masked_fill(~inside, -math.inf), e1.sim, e2.sim, e3.sim, e4.sim]
-    case, (cos_a, sin_a, cos_b, sin_b) = _best_candidate(
-        [*score, cos.x1y1, cos.x1y2, cos.x2y1, cos.x2y2], cos_a, sin_a, cos_b, sin_b
+    case = torch.cat([inner.unsqueeze(0), edges.score, corners]).max(0).indices  # ties: lowest case
+    x_free, x_end, y_free, y_end = _CASES.to(case.device)[case].unbind(-1)
+    # The direction of a free p1 comes from case 0, 3 or 4, that of a free p2 from case 0, 1 or 2.
+    x_pick, y_pick = (case - 2).clamp(0, 2).unsqueeze(0), case.clamp(max=2).unsqueeze(0)
+    x_cos = torch.cat([u_cos.unsqueeze(0), edges.cos[2:]]).gather(0, x_pick).squeeze(0)
+    x_sin = torch.cat([u_sin.unsqueeze(0), edges.sin[2:]]).gather(0, x_pick).squeeze(0)
+    y_cos = torch.cat([v_cos.unsqueeze(0), edges.cos[:2]]).gather(0, y_pick).squeeze(0)
+    y_sin = torch.cat([v_sin.unsqueeze(0), edges.sin[:2]]).gather(0, y_pick).squeeze(0)
+    x_start, x_slide, alpha = _arc_side(x_arc, x_free, x_end, x_cos, x_sin)
+    y_start, y_slide, beta = _arc_side(y_arc, y_free, y_end, y_cos, y_sin)
+    weights = _Weights(x_start, x_slide, x_end.to(x_start.dtype), y_start, y_slide, y_end.to(y_start.dtype))
+    return case, weights, alpha, beta
+
+
+def _arc_side(
+    arc: _Arc, free: torch.Tensor, at_end: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(start, slide, angle)`` of :class:`_Weights` for one point from its direction ``(cos_t, sin_t)``."""
+    norm = torch.hypot(cos_t, sin_t).clamp_min(torch.finfo(cos_t.dtype).tiny)
+    cos_t, sin_t = cos_t / norm, sin_t / norm
+    start = torch.where(free, cos_t, (~at_end).to(cos_t.dtype))
+    angle = torch.where(
+        free, torch.atan2(sin_t, cos_t), torch.where(at_end, arc.cos.clamp(-1, 1).acos(), 0.0)
     )
-    return case, [*_unit(cos_a, sin_a), *_unit(cos_b, sin_b)]
+    return start, torch.where(free, sin_t, 0.0), angle
 
 
-def _arc_solution(cos: _Endpoints, x_arc: _Arc, y_arc: _Arc, edges: list[_PointOnArc]) -> OptimalNegatives:
-    with torch.no_grad():
-        case, (cos_a, sin_a, cos_b, sin_b) = _arc_kkt(cos, x_arc, y_arc, edges)
-        x_end, y_end = _at_far_end(case)
-    wx1, wx2 = _arc_weights(cos.x12, cos_a, sin_a, x_end)
-    wy1, wy2 = _arc_weights(cos.y12, cos_b, sin_b, y_end)
-    sim = wx1 * (wy1 * cos.x1y1 + wy2 * cos.x1y2) + wx2 * (wy1 * cos.x2y1 + wy2 * cos.x2y2)
-    distance = (2 - 2 * sim).clamp_min(_DIST_EPS).sqrt()  # Eq. 1
-    return OptimalNegatives(distance, case, torch.atan2(sin_a, cos_a), torch.atan2(sin_b, cos_b))
+# ---------------------------------------------------------------------------------------------------
+# Segments (Sec. 4.2 and supplementary Sec. 4.2): selection of the KKT case, without gradient
+# ---------------------------------------------------------------------------------------------------
 
 
-def _at_far_end(case: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whether ``p1`` is ``x2`` (cases 2, 7, 8) and whether ``p2`` is ``y2`` (cases 4, 6, 8)."""
-    table = torch.tensor([[c in (2, 7, 8), c in (4, 6, 8)] for c in range(9)], device=case.device)
-    ends = table[case]
-    return ends[..., 0], ends[..., 1]
-
-
-def _arc_weights(
-    cos_within: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor, at_end: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w1, w2)`` with ``p = w1 e1 + w2 e2`` at angle ``t`` from ``e1`` on the arc ``e1 e2`` (Eq. 3).
-
-    ``p = n1 cos t + n2 sin t`` with ``n2 = (e2 - c e1) / s`` gives ``w1 = cos t - c sin t / s`` and
-    ``w2 = sin t / s``, differentiable in ``c = e1.e2`` at fixed ``t``. At the far end (``t = t0``) the
-    point is ``e2`` itself, so that the moving endpoint is differentiated; ``t = 0`` gives ``(1, 0)``.
-    """
-    tol = 16 * torch.finfo(cos_within.dtype).eps
-    inv_sin = (1 - cos_within.square()).clamp_min(tol).rsqrt()  # only t > 0 (a usable arc) uses 1/s
-    ratio = sin_t * inv_sin
-    return torch.where(at_end, 0.0, cos_t - cos_within * ratio), torch.where(at_end, 1.0, ratio)
-
-
-def _segment_solution(sq: _Endpoints) -> OptimalNegatives:
-    with torch.no_grad():
-        case, (k1, k2) = _segment_kkt(sq)
-    # |sum_a w_a x_a - sum_b v_b y_b|^2 = sum_ab w_a v_b |x_a - y_b|^2 - w1 w2 |x1 - x2|^2 - v1 v2 |y1 - y2|^2
-    # for weights summing to one (Eq. 17); at a corner it is exactly an endpoint distance.
-    wx1, wx2, wy1, wy2 = 1 - k1, k1, 1 - k2, k2
-    squared = (
-        wx1 * (wy1 * sq.x1y1 + wy2 * sq.x1y2)
-        + wx2 * (wy1 * sq.x2y1 + wy2 * sq.x2y2)
-        - wx1 * wx2 * sq.x12
-        - wy1 * wy2 * sq.y12
-    )
-    return OptimalNegatives(squared.clamp_min(_DIST_EPS).sqrt(), case, k1, k2)
-
-
-def _segment_kkt(sq: _Endpoints) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Best of the nine KKT candidates for two segments (supplementary Sec. 4.2). No gradient.
+def _segment_kkt(sq: _Endpoints) -> tuple[torch.Tensor, _Weights, torch.Tensor, torch.Tensor]:
+    """Best of the nine KKT candidates for two segments: (case, weights, k1, k2).
 
     ``f(k1, k2) = |k1 u - k2 v - w|^2`` with ``u = x1 - x2``, ``v = y1 - y2``, ``w = x1 - y1`` (written
     as ``|w - k1 u + k2 v|^2``); the dot products come from the squared distances by polarisation.
-    Returns the case and ``[k1, k2]``.
     """
     uu, vv, ww = sq.x12, sq.y12, sq.x1y1
     uv = (sq.x1y2 + sq.x2y1 - sq.x1y1 - sq.x2y2) / 2
@@ -340,11 +343,130 @@ def _segment_kkt(sq: _Endpoints) -> tuple[torch.Tensor, list[torch.Tensor]]:
         (uu > 0) & in_unit(k1[4]),
     ]
     free = [
-        (ww + a.square() * uu + b.square() * vv - 2 * a * uw + 2 * b * vw - 2 * a * b * uv).masked_fill(
-            ~ok, math.inf
+        torch.where(
+            ok, ww + a.square() * uu + b.square() * vv - 2 * a * uw + 2 * b * vw - 2 * a * b * uv, math.inf
         )
         for a, b, ok in zip(k1, k2, inside, strict=True)
     ]
     corners = [sq.x1y1, sq.x1y2, sq.x2y1, sq.x2y2]  # cases 5-8: (0, 0), (0, 1), (1, 0), (1, 1)
-    score = [-f for f in [*free, *corners]]
-    return _best_candidate(score, [*k1, zero, zero, one, one], [*k2, zero, one, zero, one])
+    score = torch.stack(torch.broadcast_tensors(*[-f for f in [*free, *corners]]))
+    case = score.max(0).indices  # ties: lowest case (argmax over dim 0 is much slower)
+    pick = case.unsqueeze(0)
+    k1, k2 = (
+        torch.stack([t.expand(case.shape) for t in k]).gather(0, pick).squeeze(0)
+        for k in ([*k1, zero, zero, one, one], [*k2, zero, one, zero, one])
+    )
+    return case, _Weights(1 - k1, torch.zeros_like(k1), k1, 1 - k2, torch.zeros_like(k2), k2), k1, k2
+
+
+# ---------------------------------------------------------------------------------------------------
+# The distance at the chosen points, with its exact gradient (both curves)
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Forward(NamedTuple):
+    """What the backward pass needs: the weights of the points, the halved inverse distance (0 where
+    clamped) and the derivatives of ``d^2`` with respect to ``|x1 - x2|^2`` and ``|y1 - y2|^2``
+    through the weights (zero on segments)."""
+
+    wx1: torch.Tensor
+    wx2: torch.Tensor
+    wy1: torch.Tensor
+    wy2: torch.Tensor
+    half_inverse: torch.Tensor
+    x_within: torch.Tensor
+    y_within: torch.Tensor
+
+
+def _side_weights(
+    within: torch.Tensor, start: torch.Tensor, slide: torch.Tensor, end: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(w1, w2, dw1/dq, dw2/dq)`` of :class:`_Weights` for one curve, ``q = |e1 - e2|^2``.
+
+    With ``c = 1 - q / 2`` and ``s = sqrt(1 - c^2)``: ``d(c/s)/dc = 1/s^3`` and ``d(1/s)/dc = c/s^3``.
+    (On segments the slide is 0 and the weights are constant.)
+    Where ``s`` is clamped (no usable arc) the slide is 0, so the clamp never reaches the result.
+    """
+    tol = 16 * torch.finfo(within.dtype).eps
+    cos = 1 - within / 2
+    sin_sq = 1 - cos.square()
+    inv_sin = sin_sq.clamp_min(tol).rsqrt()
+    d_ratio = torch.where(sin_sq > tol, inv_sin.pow(3), 0.0) * -0.5  # d(c/s)/dq, using dc/dq = -1/2
+    return start - slide * (cos * inv_sin), slide * inv_sin + end, -slide * d_ratio, slide * (cos * d_ratio)
+
+
+def _distance_forward(sq: _Endpoints, w: _Weights) -> tuple[torch.Tensor, _Forward]:
+    """``d = |p1 - p2|`` from squared distances, for unit endpoints (arcs) or weights summing to 1.
+
+    ``|sum_a wx_a x_a - sum_b wy_b y_b|^2 = sum_ab wx_a wy_b |x_a - y_b|^2 - wx1 wx2 |x1 - x2|^2
+    - wy1 wy2 |y1 - y2|^2 + (sum wx - sum wy) (sum_a wx_a |x_a|^2 - sum_b wy_b |y_b|^2)``, whose last
+    term is ``(sum wx - sum wy)^2`` for unit vectors and 0 for segments. At a corner it is exactly the
+    endpoint distance.
+    """
+    wx1, wx2, dwx1, dwx2 = _side_weights(sq.x12, w.x_start, w.x_slide, w.x_end)
+    wy1, wy2, dwy1, dwy2 = _side_weights(sq.y12, w.y_start, w.y_slide, w.y_end)
+    via_y1, via_y2 = wy1 * sq.x1y1 + wy2 * sq.x1y2, wy1 * sq.x2y1 + wy2 * sq.x2y2
+    via_x1, via_x2 = wx1 * sq.x1y1 + wx2 * sq.x2y1, wx1 * sq.x1y2 + wx2 * sq.x2y2
+    excess = (wx1 + wx2) - (wy1 + wy2)
+    squared = wx1 * via_y1 + wx2 * via_y2 - wx1 * wx2 * sq.x12 - wy1 * wy2 * sq.y12 + excess.square()
+    distance = squared.clamp_min(_DIST_EPS).sqrt()
+    half_inverse = torch.where(squared > _DIST_EPS, 0.5 / distance, 0.0)
+    # d(d^2)/d|x1 - x2|^2: directly, and through wx1, wx2 (arcs); likewise for y.
+    x_within = (
+        (via_y1 - wx2 * sq.x12 + 2 * excess) * dwx1 + (via_y2 - wx1 * sq.x12 + 2 * excess) * dwx2 - wx1 * wx2
+    )
+    y_within = (
+        (via_x1 - wy2 * sq.y12 - 2 * excess) * dwy1 + (via_x2 - wy1 * sq.y12 - 2 * excess) * dwy2 - wy1 * wy2
+    )
+    return distance, _Forward(wx1, wx2, wy1, wy2, half_inverse, x_within, y_within)
+
+
+def _distance_backward(saved: _Forward, grad: torch.Tensor) -> _Endpoints:
+    """Gradient of the distance with respect to the six squared distances (before broadcasting)."""
+    g = grad * saved.half_inverse  # d(d)/d(d^2)
+    gx1, gx2 = g * saved.wx1, g * saved.wx2
+    return _Endpoints(
+        g * saved.x_within,
+        g * saved.y_within,
+        gx1 * saved.wy1,
+        gx1 * saved.wy2,
+        gx2 * saved.wy1,
+        gx2 * saved.wy2,
+    )
+
+
+class _EndpointDistance(torch.autograd.Function):
+    """``d(p1, p2)`` from the six squared endpoint distances (any broadcastable shapes)."""
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: Any) -> torch.Tensor:
+        *ends, weights = inputs
+        sq = _Endpoints(*ends)
+        distance, ctx.saved = _distance_forward(sq, weights)
+        ctx.shapes = [t.shape for t in sq]
+        return distance
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads = _distance_backward(ctx.saved, grad)
+        return (*(g.sum_to_size(shape) for g, shape in zip(grads, ctx.shapes, strict=True)), None)
+
+
+class _PairMatrixDistance(torch.autograd.Function):
+    """``d(p1, p2)`` for all pairs of pairs from the (B, B) squared distance matrix (one gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, squared: torch.Tensor, weights: _Weights) -> torch.Tensor:
+        distance, ctx.saved = _distance_forward(_blocks(squared), weights)
+        return distance
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        g = _distance_backward(ctx.saved, grad)
+        x1y2 = g.x1y2.clone()
+        x1y2.diagonal().add_(g.x12.sum(1) + g.y12.sum(0))  # |x_2p - x_2p+1|^2 is entry (2p, 2p+1)
+        pairs = len(x1y2)
+        blocks = torch.stack([g.x1y1, x1y2, g.x2y1, g.x2y2]).view(2, 2, pairs, pairs)
+        return blocks.permute(2, 0, 3, 1).reshape(2 * pairs, 2 * pairs), None

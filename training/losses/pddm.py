@@ -27,8 +27,9 @@ Quadruplets = Literal["batch", "per_class"]
 _RANGE_EPS = 1e-12
 # Elements of the largest (pairs x width) intermediate the mining pass holds at once (64 MiB in float32).
 _GRAPH_BLOCK_ELEMENTS = 1 << 24
-# Row blocks of the graph pass: with k blocks, (k + 1) / 2k of the B^2 pairs are scored.
-_GRAPH_MIN_BLOCKS = 8
+# Row blocks of the graph pass: with k blocks, (k + 1) / 2k of the B^2 pairs are scored. Up to 8 blocks,
+# but not below 32 rows, where the per-call overhead outweighs the pairs saved.
+_GRAPH_BLOCKS, _GRAPH_MIN_ROWS = 8, 32
 
 
 def _inverse_norm(x: torch.Tensor) -> torch.Tensor:
@@ -106,13 +107,13 @@ class PDDMUnit(nn.Module):
     def similarity_graph(self, x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
         """The batch similarity graph: S for every pair of rows of x, a symmetric (B, B) matrix.
 
-        Only the upper triangle is evaluated, in blocks of rows (block i against columns i.., mirrored): at
-        least ``_GRAPH_MIN_BLOCKS`` of them, so about half the B^2 pairs are scored, and small enough that the
-        (rows x B x d) difference tensor stays near ``_GRAPH_BLOCK_ELEMENTS``. The diagonal holds S(i, i).
+        Only the upper triangle is evaluated, in blocks of rows (a block against the columns from its first
+        row on, then mirrored; 8 blocks score 56% of the B^2 pairs), each small enough that the (rows x B x d)
+        difference tensor stays near ``_GRAPH_BLOCK_ELEMENTS``. The diagonal holds the self scores S(i, i).
         """
         size = len(x)
         budget = _GRAPH_BLOCK_ELEMENTS // (size * max(self.dim, 2 * self.hidden))
-        rows = max(1, min(budget, -(-size // _GRAPH_MIN_BLOCKS)))
+        rows = max(1, min(budget, max(_GRAPH_MIN_ROWS, -(-size // _GRAPH_BLOCKS))))
         graph = x.new_zeros(size, size)
         for start in range(0, size, rows):
             stop = min(start + rows, size)
@@ -200,8 +201,8 @@ class PDDMLoss(nn.Module):
 
     Cost: mining needs the scores of all B(B-1)/2 pairs (for the graph's min and max); that pass runs without
     autograd in row blocks (memory O(block x B x d)). Only the 3Q + 2 selected pairs are re-scored with
-    gradient, which gives exactly the gradient of the loss through the full graph (argmin/argmax and min/max
-    send gradient to the selected pairs only).
+    gradient: argmin/argmax and min/max send gradient to the selected pairs only, so this is the gradient of
+    the loss through the full graph (away from exact ties), at O(B^2) forward-only cost.
 
     Degenerate batches (a single sample, a single class, no positive pair) have no quadruplet: the loss is a
     defined zero connected to the embeddings and to the unit's parameters. If all pairs score the same, the

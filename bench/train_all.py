@@ -1,0 +1,191 @@
+"""Train every registered loss in frozen mode on Cars196 with the same budget and tabulate the results.
+
+    python bench/train_all.py --data ../shared/data/cars196/images \\
+        [--cache-dir ../cache/dmlsearch] [--runs-dir ../cache/dmlsearch/bench-runs] \\
+        [--methods almn magnet ...] [--max-steps 3000] [--patience 8] [--seed 0]
+
+Protocol (all five papers): train on classes 1-98, evaluate retrieval on the unseen classes 99-196 (query =
+every test image, gallery = the other test images); checkpoints are selected on 20% of the *training*
+classes held out for validation. Every method trains the same PCA-initialised residual head on the same
+cached EfficientNet-Lite0 features, with Adam, the same learning rate and step budget, and early stopping on
+validation Recall@1. The first row is the pretrained backbone with no training; the peers are
+pytorch-metric-learning's MultiSimilarityLoss (+ its miner) and AngularLoss trained the same way.
+
+Backbone features are extracted once into ``--cache-dir`` (minutes on a CPU) and reused by every run;
+each run directory under ``--runs-dir`` is resumed rather than retrained when it exists.
+Writes ``bench/results/train_all.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from pytorch_metric_learning import losses as pml_losses
+from pytorch_metric_learning import miners as pml_miners
+from torch import nn
+
+from index.atomic import atomic_write_text
+from training.config import TrainConfig
+from training.losses import LOSSES, register_loss
+from training.trainer import train
+
+RESULTS = Path(__file__).parent / "results"
+METRICS = ("recall@1", "recall@2", "recall@4", "recall@8", "nmi", "f1", "map@r")
+
+
+class PMLMultiSimilarity(nn.Module):
+    """pytorch-metric-learning's MultiSimilarityLoss with its MultiSimilarityMiner, the MS paper's setup."""
+
+    def __init__(
+        self, alpha: float = 2.0, beta: float = 50.0, base: float = 0.5, epsilon: float = 0.1
+    ) -> None:
+        super().__init__()
+        self.loss = pml_losses.MultiSimilarityLoss(alpha=alpha, beta=beta, base=base)
+        self.miner = pml_miners.MultiSimilarityMiner(epsilon=epsilon)
+
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss(embeddings, labels, self.miner(embeddings, labels))
+
+
+def register_peers() -> None:
+    """Add the pytorch-metric-learning peers to the registry, with the batch layouts of our versions."""
+    if "pml-ms" not in LOSSES:
+        register_loss(
+            "pml-ms",
+            PMLMultiSimilarity,
+            layout=LOSSES["ms"].layout,
+            paper="pytorch-metric-learning 2.9 MultiSimilarityLoss + MultiSimilarityMiner",
+            summary="peer: pml's multi-similarity loss",
+            defaults={"alpha": 2.0, "beta": 50.0, "base": 0.5, "epsilon": 0.1},
+        )
+    if "pml-angular" not in LOSSES:
+        register_loss(
+            "pml-angular",
+            pml_losses.AngularLoss,
+            layout=LOSSES["angular"].layout,
+            paper="pytorch-metric-learning 2.9 AngularLoss",
+            summary="peer: pml's angular loss",
+            defaults={"alpha": 45.0},
+        )
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row: a registered loss with (optionally) non-default hyperparameters."""
+
+    label: str
+    loss: str
+    hparams: dict[str, Any] = field(default_factory=dict)
+
+
+def all_methods() -> list[Method]:
+    methods = []
+    for name in sorted(LOSSES):
+        if name.startswith("pml-"):
+            continue
+        if name == "almn":  # the paper's baseline (beta = 0, Eq. 3) and its method (beta > 0)
+            methods.append(Method("almn (beta=0)", name, {"beta": 0.0}))
+        methods.append(Method(name, name))
+    return methods + [Method("pml-ms (peer)", "pml-ms"), Method("pml-angular (peer)", "pml-angular")]
+
+
+def run_method(method: Method, args: argparse.Namespace) -> dict[str, Any]:
+    config = TrainConfig(
+        loss=method.loss,
+        data=str(args.data.resolve()),
+        mode="frozen",
+        loss_hparams=method.hparams,
+        max_steps=args.max_steps,
+        patience=args.patience,
+        views=args.views,
+        seed=args.seed,
+        cache_dir=str(args.cache_dir.resolve()),
+        device="cpu",
+    )
+    run_name = method.label.replace(" ", "").replace("(", "_").replace(")", "").replace("=", "")
+    summary = train(config, args.runs_dir / run_name, progress=True)
+    return {"method": method.label, "loss": method.loss, "hparams": method.hparams, **summary}
+
+
+def percent(metrics: dict[str, float]) -> dict[str, float]:
+    return {name: round(100 * metrics[name], 2) for name in METRICS}
+
+
+def markdown(rows: list[dict[str, Any]], baseline: dict[str, float], command: str, budget: str) -> str:
+    header = "| method | " + " | ".join(METRICS) + " | best step | train s |"
+    lines = [
+        "# Frozen-mode training of every loss on Cars196 (unseen classes 99-196)",
+        "",
+        f"Command: `{command}`",
+        "",
+        budget,
+        "",
+        header,
+        "|" + "---|" * (len(METRICS) + 3),
+        "| pretrained, no training | " + " | ".join(f"{v:.2f}" for v in baseline.values()) + " | - | - |",
+    ]
+    for row in rows:
+        values = " | ".join(f"{v:.2f}" for v in row["test"].values())
+        lines.append(f"| {row['method']} | {values} | {row['best_step']} | {row['train_seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data", type=Path, default=Path("../shared/data/cars196/images"))
+    parser.add_argument("--cache-dir", type=Path, default=Path("../cache/dmlsearch"))
+    parser.add_argument("--runs-dir", type=Path, default=Path("../cache/dmlsearch/bench-runs"))
+    parser.add_argument("--methods", nargs="*", help="row labels to run (default: all)")
+    parser.add_argument("--max-steps", type=int, default=3000)
+    parser.add_argument("--patience", type=int, default=8)
+    parser.add_argument("--views", type=int, default=0, help="augmented feature views per training image")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    register_peers()
+    methods = all_methods()
+    if args.methods:
+        unknown = set(args.methods) - {method.label for method in methods}
+        if unknown:
+            parser.error(f"unknown methods {sorted(unknown)}; choose from {[m.label for m in methods]}")
+        methods = [method for method in methods if method.label in args.methods]
+
+    rows = []
+    for method in methods:
+        result = run_method(method, args)
+        rows.append({**result, "test": percent(result["test"]), "val": percent(result["val"])})
+        print(f"{method.label}: test R@1 {rows[-1]['test']['recall@1']:.2f}", flush=True)
+    baseline = percent(rows[0]["test_backbone"])
+    command = shlex.join(["python", *sys.argv])
+    budget = (
+        f"Budget per method: at most {args.max_steps} Adam steps (lr 1e-4, each loss's paper batch layout), "
+        f"validation every epoch, early stopping after {args.patience} validations without improvement; "
+        f"{args.views} augmented feature views; seed {args.seed}. Metrics in %, test = unseen classes."
+    )
+    report = {
+        "command": command,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, {platform.python_version()}",
+        "budget": budget,
+        "pretrained": baseline,
+        "rows": [{key: value for key, value in row.items() if key != "test_backbone"} for row in rows],
+    }
+    RESULTS.mkdir(exist_ok=True)
+    atomic_write_text(RESULTS / "train_all.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(RESULTS / "train_all.md", markdown(rows, baseline, command, budget))
+    print(markdown(rows, baseline, command, budget))
+
+
+if __name__ == "__main__":
+    main()

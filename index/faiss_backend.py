@@ -1,0 +1,165 @@
+"""The FAISS backend: ``vectors.faiss`` derived from the items and vectors stored in ``items.sqlite``.
+
+SQLite is the source of truth and commits every ``add`` at once; the FAISS file is written atomically by
+``save``. If a process dies in between, the next ``open`` finds the two out of step and brings the
+FAISS index back in line with the store (adding or removing the difference), so nothing stored is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from index.faiss_build import build_faiss_index
+from index.faiss_index import FaissIndex
+from index.items import ItemStore
+from index.manifest import Manifest
+from index.protocol import Entry, IndexNotBuiltError, normalize_rows
+from index.selection import IndexOptions, IndexSpec, choose_index
+from index.sources import StoreSource
+from index.tuning import Tuning, tune
+
+log = logging.getLogger("dmlsearch.index")
+
+
+class FaissBackend:
+    FILE_NAME = "vectors.faiss"
+
+    def __init__(self, directory: Path, manifest: Manifest, store: ItemStore, index: FaissIndex | None) -> None:
+        self.directory = directory
+        self.manifest = manifest  # shared with the GalleryIndex: this backend records what it built
+        self.dim = manifest.dim
+        self.store = store
+        self.index = index
+        self._dirty = False
+
+    @classmethod
+    def create(cls, directory: Path, manifest: Manifest) -> FaissBackend:
+        return cls(directory, manifest, ItemStore(directory, manifest.dim), None)
+
+    @classmethod
+    def open(cls, directory: Path, manifest: Manifest) -> FaissBackend:
+        """Open memory-mapped; reconcile the FAISS index with the store if a crash left them apart."""
+        store = ItemStore(directory, manifest.dim)
+        index = None
+        if manifest.index_spec is not None and (directory / cls.FILE_NAME).exists():
+            spec = IndexSpec(manifest.index_type, manifest.index_spec, manifest.dim)
+            index = FaissIndex.load(directory / cls.FILE_NAME, spec, mmap=True)
+            if manifest.search_params:
+                index.set_search_params(manifest.search_params)
+        backend = cls(directory, manifest, store, index)
+        if index is not None and len(index) != len(store):
+            backend._reconcile()
+        return backend
+
+    @property
+    def items(self) -> ItemStore:
+        return self.store
+
+    @property
+    def built(self) -> bool:
+        return self.index is not None
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def add(self, vectors: np.ndarray, entries: Sequence[Entry]) -> list[int]:
+        vectors = normalize_rows(vectors)
+        ids = self.store.add(vectors, entries)
+        if self.index is not None:
+            self.index.add(np.asarray(ids, dtype=np.int64), vectors)
+            self._dirty = True
+        return ids
+
+    def remove(self, ids: Sequence[int]) -> int:
+        """Delete items; an HNSW index is rebuilt from the stored vectors (it cannot delete in place)."""
+        present = np.array(sorted(self.store.get_many(list(ids))), dtype=np.int64)
+        removed = self.store.remove(present.tolist())
+        if self.index is not None and len(present):
+            if self.index.spec.index_type == "hnsw":
+                log.warning("HNSW cannot remove in place: rebuilding the graph from %d stored vectors", len(self))
+                self._build(self.index.spec)
+            else:
+                self.index.remove(present)
+                self._dirty = True
+        return removed
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.index is None:
+            raise IndexNotBuiltError(
+                f"{self.directory} holds {len(self.store)} stored vectors but no search index yet "
+                "(an interrupted build?): run dmlsearch build-index again to finish it"
+            )
+        return self.index.search(queries, k)
+
+    def build(
+        self,
+        options: IndexOptions,
+        *,
+        retune: bool,
+        partitions: Sequence[np.ndarray] | None = None,
+        progress: bool = False,
+    ) -> bool:
+        """(Re)build when the index that ``options`` pick for the current size differs from the built one.
+
+        Otherwise only re-tune the search parameters (when ``retune``). ``partitions``: ids per shard, built
+        as separate parts and merged. Returns whether the index was rebuilt.
+        """
+        if len(self.store) == 0:
+            raise ValueError("cannot build a search index over an empty gallery")
+        spec = choose_index(len(self.store), self.dim, options)
+        if self.index is None or self.index.spec != spec or partitions is not None:
+            self._build(spec, partitions, progress=progress)
+            return True
+        if retune:
+            self._record(tune(self.index, [StoreSource(self.store)], self.manifest.target_recall))
+        return False
+
+    def _build(
+        self, spec: IndexSpec, partitions: Sequence[np.ndarray] | None = None, *, progress: bool = False
+    ) -> None:
+        if partitions:
+            sources = [StoreSource(self.store, ids) for ids in partitions]
+        else:
+            sources = [StoreSource(self.store)]
+        self.index, tuning = build_faiss_index(
+            spec, sources, target_recall=self.manifest.target_recall, progress=progress
+        )
+        self.manifest.index_type = spec.index_type
+        self.manifest.index_spec = spec.factory
+        self._record(tuning)
+        self._dirty = True
+
+    def _record(self, tuning: Tuning) -> None:
+        """Search parameters live in the manifest (applied at load), so tuning alone rewrites no FAISS file."""
+        self.manifest.search_params = dict(tuning.params)
+        self.manifest.achieved_recall = tuning.recall
+        self.manifest.recall_queries = tuning.queries
+
+    def _reconcile(self) -> None:
+        stored, indexed = self.store.ids(), self.index.ids()
+        missing = np.setdiff1d(stored, indexed)
+        extra = np.setdiff1d(indexed, stored)
+        log.warning(
+            "%s: FAISS index out of step with items.sqlite (an interrupted update): adding %d, removing %d",
+            self.directory, len(missing), len(extra),
+        )
+        if len(extra) and self.index.spec.index_type == "hnsw":
+            self._build(self.index.spec)
+            return
+        if len(extra):
+            self.index.remove(extra)
+        for ids, vectors in self.store.iter_vectors(65_536, missing):
+            self.index.add(ids, vectors)
+        self._dirty = True
+
+    def save(self) -> None:
+        if self.index is not None and self._dirty:
+            self.index.save(self.directory / self.FILE_NAME)
+            self._dirty = False
+
+    def close(self) -> None:
+        self.store.close()

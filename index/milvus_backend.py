@@ -1,0 +1,205 @@
+"""The Milvus backend: one collection holds the vectors and the item metadata as fields.
+
+``uri`` is a Milvus standalone or cluster address (``http://host:19530``) or a local file path, which
+runs Milvus Lite in-process (what the tests use: a real engine). Ids are allocated by Milvus
+(``auto_id``), so several machines building shards of one gallery can write into one collection
+without coordinating. The collection records the model fingerprint, so vectors of two models never mix.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from index.items import now_utc
+from index.manifest import Manifest
+from index.protocol import Entry, Item, check_dim, normalize_rows
+from index.selection import IndexOptions
+
+MODEL_PROPERTY = "dmlsearch.model_fingerprint"
+METADATA_FIELDS = ["path", "label", "content_hash", "added"]
+MAX_PATH = 4096
+MAX_LABEL = 512
+PAGE = 1000
+# Milvus index and search parameters per requested index type ("auto" lets Milvus choose).
+MILVUS_INDEXES: dict[str, tuple[str, dict[str, int], dict[str, int]]] = {
+    "auto": ("AUTOINDEX", {}, {}),
+    "flat": ("FLAT", {}, {}),
+    "hnsw": ("HNSW", {"M": 32, "efConstruction": 200}, {"ef": 128}),
+    "ivf": ("IVF_FLAT", {"nlist": 1024}, {"nprobe": 32}),
+    "ivfpq": ("IVF_PQ", {"nlist": 1024, "m": 64, "nbits": 8}, {"nprobe": 32}),
+}
+DEFAULT_LITE_FILE = "milvus.db"
+
+
+def _pymilvus():
+    try:
+        import pymilvus
+    except ImportError as err:
+        raise ImportError("pymilvus is not installed: pip install 'dmlsearch[milvus]'") from err
+    return pymilvus
+
+
+def resolve_uri(uri: str, directory: Path) -> str:
+    """Remote URIs as they are; a Milvus Lite file path relative to the index directory."""
+    if "://" in uri:
+        return uri
+    path = Path(uri)
+    return str(path if path.is_absolute() else directory / path)
+
+
+def _literal(value: str) -> str:
+    """A string literal for a Milvus filter expression (Milvus accepts JSON's escapes)."""
+    return json.dumps(value)
+
+
+class MilvusBackend:
+    def __init__(self, client: object, manifest: Manifest) -> None:
+        self.client = client
+        self.manifest = manifest
+        self.collection = manifest.milvus_collection or "dmlsearch"
+        self.dim = manifest.dim
+        _, _, self.search_params = MILVUS_INDEXES[manifest.requested_index_type]
+
+    @classmethod
+    def connect(cls, directory: Path, manifest: Manifest, *, uri: str | None = None) -> MilvusBackend:
+        """Connect to the manifest's collection, creating it if it does not exist yet."""
+        pymilvus = _pymilvus()
+        client = pymilvus.MilvusClient(resolve_uri(uri or manifest.milvus_uri or DEFAULT_LITE_FILE, directory))
+        backend = cls(client, manifest)
+        if client.has_collection(backend.collection):
+            backend._check_collection()
+        else:
+            backend._create_collection(manifest.options)
+        client.load_collection(backend.collection)
+        return backend
+
+    def _create_collection(self, options: IndexOptions) -> None:
+        data_type = _pymilvus().DataType
+        schema = self.client.create_schema(auto_id=True, enable_dynamic_field=False)
+        schema.add_field("id", data_type.INT64, is_primary=True)
+        schema.add_field("vector", data_type.FLOAT_VECTOR, dim=self.dim)
+        schema.add_field("path", data_type.VARCHAR, max_length=MAX_PATH)
+        schema.add_field("label", data_type.VARCHAR, max_length=MAX_LABEL, nullable=True)
+        schema.add_field("content_hash", data_type.VARCHAR, max_length=64)
+        schema.add_field("added", data_type.VARCHAR, max_length=40)
+        index_type, build_params, _ = MILVUS_INDEXES[options.index_type]
+        index_params = self.client.prepare_index_params()
+        index_params.add_index("vector", index_type=index_type, metric_type="COSINE", params=build_params)
+        self.client.create_collection(
+            self.collection,
+            schema=schema,
+            index_params=index_params,
+            properties={MODEL_PROPERTY: self.manifest.model_fingerprint},
+        )
+        self.manifest.index_type = index_type
+
+    def _check_collection(self) -> None:
+        description = self.client.describe_collection(self.collection)
+        fingerprint = (description.get("properties") or {}).get(MODEL_PROPERTY)
+        if fingerprint != self.manifest.model_fingerprint:
+            raise ValueError(
+                f"Milvus collection {self.collection!r} holds vectors of model {str(fingerprint)[:12]}, "
+                f"not {self.manifest.model_fingerprint[:12]}: use another --milvus-collection"
+            )
+        vector = next(field for field in description["fields"] if field["name"] == "vector")
+        if int(vector["params"]["dim"]) != self.dim:
+            raise ValueError(f"Milvus collection {self.collection!r} has dimension {vector['params']['dim']}")
+        self.manifest.index_type = self.client.describe_index(self.collection, "vector")["index_type"]
+
+    @property
+    def items(self) -> MilvusBackend:
+        return self
+
+    def add(self, vectors: np.ndarray, entries: Sequence[Entry]) -> list[int]:
+        vectors = normalize_rows(vectors)
+        check_dim(vectors, self.dim)
+        if len(vectors) != len(entries):
+            raise ValueError(f"{len(vectors)} vectors but {len(entries)} metadata rows")
+        added = now_utc()
+        rows = []
+        for vector, (path, label, content_hash) in zip(vectors, entries, strict=True):
+            if len(path.encode()) > MAX_PATH:
+                raise ValueError(f"path {path[:60]}... is longer than Milvus's {MAX_PATH} bytes")
+            rows.append(
+                {"vector": vector, "path": path, "label": label, "content_hash": content_hash, "added": added}
+            )
+        if not rows:
+            return []
+        return [int(i) for i in self.client.insert(self.collection, rows)["ids"]]
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        queries = normalize_rows(queries)
+        check_dim(queries, self.dim, "queries")
+        ids = np.full((len(queries), k), -1, dtype=np.int64)
+        scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
+        if len(queries) == 0:
+            return ids, scores
+        results = self.client.search(
+            self.collection,
+            data=list(queries),
+            limit=k,
+            output_fields=["id"],
+            search_params={"metric_type": "COSINE", "params": self.search_params},
+        )
+        for row, hits in enumerate(results):
+            for column, hit in enumerate(hits):
+                ids[row, column] = hit["id"]
+                scores[row, column] = hit["distance"]
+        return ids, scores
+
+    def remove(self, ids: Sequence[int]) -> int:
+        present = sorted(self.get_many(list(ids)))
+        if present:
+            self.client.delete(self.collection, ids=present)
+        return len(present)
+
+    # -- ItemCatalog -------------------------------------------------------------------------------
+
+    def get_many(self, ids: Sequence[int]) -> dict[int, Item]:
+        if not ids:
+            return {}
+        rows = self.client.get(self.collection, ids=[int(i) for i in ids], output_fields=METADATA_FIELDS)
+        return {int(row["id"]): self._item(row) for row in rows}
+
+    def get(self, item_id: int) -> Item | None:
+        return self.get_many([item_id]).get(item_id)
+
+    def get_by_path(self, path: str) -> Item | None:
+        rows = self.client.query(
+            self.collection, filter=f"path == {_literal(path)}", output_fields=METADATA_FIELDS, limit=1
+        )
+        return self._item(rows[0]) if rows else None
+
+    def page(self, offset: int, limit: int) -> list[Item]:
+        rows = self.client.query(
+            self.collection, filter="id >= 0", output_fields=METADATA_FIELDS, offset=offset, limit=limit
+        )
+        return sorted((self._item(row) for row in rows), key=lambda item: item.id)
+
+    def scan(self) -> Iterator[Item]:
+        iterator = self.client.query_iterator(self.collection, batch_size=PAGE, output_fields=METADATA_FIELDS)
+        try:
+            while batch := iterator.next():
+                yield from (self._item(row) for row in batch)
+        finally:
+            iterator.close()
+
+    def __len__(self) -> int:
+        rows = self.client.query(self.collection, filter="", output_fields=["count(*)"])
+        return int(rows[0]["count(*)"])
+
+    @staticmethod
+    def _item(row: dict) -> Item:
+        return Item(int(row["id"]), row["path"], row.get("label"), row["content_hash"], row["added"])
+
+    # -- persistence -------------------------------------------------------------------------------
+
+    def save(self) -> None:
+        self.client.flush(self.collection)
+
+    def close(self) -> None:
+        self.client.close()
