@@ -95,7 +95,7 @@ def all_methods() -> list[Method]:
         if name == "almn":  # the paper's baseline (beta = 0, Eq. 3) and its method (beta > 0)
             methods.append(Method("almn (beta=0)", name, {"beta": 0.0}))
         methods.append(Method(name, name))
-    return methods + [Method("pml-ms (peer)", "pml-ms"), Method("pml-angular (peer)", "pml-angular")]
+    return [*methods, Method("pml-ms (peer)", "pml-ms"), Method("pml-angular (peer)", "pml-angular")]
 
 
 def run_method(method: Method, args: argparse.Namespace) -> dict[str, Any]:
@@ -176,7 +176,7 @@ def main() -> None:
     report = {
         "command": command,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, {platform.python_version()}",
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
         "budget": budget,
         "pretrained": baseline,
         "rows": [{key: value for key, value in row.items() if key != "test_backbone"} for row in rows],

@@ -1,51 +1,155 @@
-"""Index commands: build an index from a gallery folder and query it."""
+"""Index commands: build an index from a gallery folder, query it, and change it in place (``index ...``)."""
 
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from cli.common import DEFAULT_MODEL, fail
 
+if TYPE_CHECKING:
+    from engine.indexing import BuildReport
+
 commands = typer.Typer()
+index_app = typer.Typer(
+    help="Change and inspect an index in place: add, remove, stats, merge.", no_args_is_help=True
+)
+commands.add_typer(index_app, name="index")
 
 
-@commands.command("build-index")
-def build_index(
-    gallery: Annotated[Path, typer.Argument(help="Folder of images; sub-folder names become labels.")],
-    out: Annotated[Path, typer.Option(help="Index directory to write.")],
-    model: Annotated[Path, typer.Option(help="Exported model.onnx.")] = DEFAULT_MODEL,
-    batch_size: Annotated[int, typer.Option(min=1, max=1024)] = 32,
-    threads: Annotated[int, typer.Option(min=0, help="onnxruntime threads (0 = all cores).")] = 0,
-) -> None:
-    """Embed every image under GALLERY and write a FAISS index directory."""
-    from engine.embedder import Embedder
-    from engine.indexing import build_index as run_build
+class IndexType(StrEnum):
+    auto = "auto"
+    flat = "flat"
+    hnsw = "hnsw"
+    ivf = "ivf"
+    ivfpq = "ivfpq"
 
-    if not gallery.is_dir():
-        raise fail(f"gallery folder {gallery} does not exist")
+
+class Backend(StrEnum):
+    faiss = "faiss"
+    milvus = "milvus"
+
+
+ModelOption = Annotated[Path, typer.Option(help="Exported model.onnx.")]
+IndexTypeOption = Annotated[
+    IndexType | None,
+    typer.Option(help="FAISS index type; auto picks from gallery size, dimension and memory budget."),
+]
+BudgetOption = Annotated[
+    str | None, typer.Option(help="RAM the index may use, e.g. 512MB or 2G; auto then compresses to fit.")
+]
+RecallOption = Annotated[
+    float | None,
+    typer.Option(
+        min=0.01, max=1.0, help="recall@10 vs exact search that nprobe/efSearch are tuned to reach."
+    ),
+]
+ProgressOption = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
+
+# Errors a command turns into "error: ..." with exit code 2 instead of a traceback.
+EXPECTED_ERRORS = (FileNotFoundError, FileExistsError, ValueError, ImportError, RuntimeError)
+
+
+def _budget(text: str | None) -> int | None:
+    from index.selection import parse_size
+
+    if text is None:
+        return None
     try:
-        embedder = Embedder(model, threads=threads)
-        report = run_build(gallery, embedder, out, batch_size=batch_size)
-    except (FileNotFoundError, ValueError) as err:
+        return parse_size(text)
+    except ValueError as err:
         raise fail(str(err)) from None
-    typer.echo(f"indexed {report.indexed} images into {out}")
+
+
+def _print_build_summary(out: Path, report: BuildReport) -> None:
+    from index.manifest import Manifest
+
+    manifest = Manifest.load(out)
+    typer.echo(
+        f"indexed {report.indexed} images into {out} ({report.unchanged} unchanged, {report.removed} removed)"
+    )
     if report.duplicates:
         typer.echo(f"{len(report.duplicates)} duplicate files indexed once")
+    params = ", ".join(f"{name}={value}" for name, value in manifest.search_params.items())
+    recall = "" if manifest.achieved_recall is None else f", recall@10 {manifest.achieved_recall:.3f}"
+    target = "" if manifest.achieved_recall is None else f" (target {manifest.target_recall:.2f})"
+    typer.echo(
+        f"{manifest.backend} index {manifest.index_type}"
+        f"{f' [{manifest.index_spec}]' if manifest.index_spec else ''}"
+        f"{f' {params}' if params else ''}{recall}{target}, {manifest.count} items"
+        f"{', rebuilt' if report.rebuilt else ''}"
+    )
+    if manifest.achieved_recall is not None and manifest.achieved_recall < manifest.target_recall:
+        typer.secho(
+            "the target recall is out of reach for this index type (its codes are too coarse): raise "
+            "--memory-budget or choose --index-type ivf",
+            fg=typer.colors.YELLOW,
+            err=True,
+        )
     if report.skipped:
         typer.secho(f"skipped {len(report.skipped)} unreadable files:", fg=typer.colors.YELLOW, err=True)
         for path, reason in report.skipped:
             typer.echo(f"  {path}: {reason}", err=True)
 
 
+@commands.command("build-index")
+def build_index(
+    gallery: Annotated[Path, typer.Argument(help="Folder of images; sub-folder names become labels.")],
+    out: Annotated[Path, typer.Option(help="Index directory to write or bring up to date.")],
+    model: ModelOption = DEFAULT_MODEL,
+    batch_size: Annotated[int, typer.Option(min=1, max=1024)] = 32,
+    threads: Annotated[int, typer.Option(min=0, help="onnxruntime threads (0 = all cores).")] = 0,
+    index_type: IndexTypeOption = None,
+    memory_budget: BudgetOption = None,
+    target_recall: RecallOption = None,
+    backend: Annotated[Backend | None, typer.Option(help="Where vectors live (default faiss).")] = None,
+    milvus_uri: Annotated[
+        str | None,
+        typer.Option(help="Milvus URI (http://host:19530) or Milvus Lite file (default OUT/milvus.db)."),
+    ] = None,
+    milvus_collection: Annotated[str, typer.Option(help="Milvus collection name.")] = "dmlsearch",
+    shard: Annotated[
+        str | None, typer.Option(help="I/N: embed only this deterministic share of the files (merge later).")
+    ] = None,
+    progress: ProgressOption = True,
+) -> None:
+    """Embed the images under GALLERY into an index; re-running embeds only new or changed files."""
+    from engine.embedder import Embedder
+    from engine.indexing import build_index as run_build
+    from index.sharding import Shard
+
+    if not gallery.is_dir():
+        raise fail(f"gallery folder {gallery} does not exist")
+    try:
+        embedder = Embedder(model, threads=threads)
+        report = run_build(
+            gallery,
+            embedder,
+            out,
+            batch_size=batch_size,
+            progress=progress,
+            index_type=index_type.value if index_type else None,
+            memory_budget=_budget(memory_budget),
+            target_recall=target_recall,
+            backend=backend.value if backend else None,
+            milvus_uri=milvus_uri,
+            milvus_collection=milvus_collection,
+            shard=Shard.parse(shard) if shard else None,
+        )
+    except EXPECTED_ERRORS as err:
+        raise fail(str(err)) from None
+    _print_build_summary(out, report)
+
+
 @commands.command()
 def query(
     image: Annotated[Path, typer.Argument(help="Query image file.")],
     index: Annotated[Path, typer.Option(help="Index directory.")],
-    model: Annotated[Path, typer.Option(help="Exported model.onnx.")] = DEFAULT_MODEL,
+    model: ModelOption = DEFAULT_MODEL,
     k: Annotated[int, typer.Option("-k", "--k", min=1, max=1000, help="How many results.")] = 10,
     min_score: Annotated[float, typer.Option(min=-1.0, max=1.0)] = -1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
@@ -64,7 +168,7 @@ def query(
         response = service.search(image.read_bytes(), k=k, min_score=min_score)
     except ImageDecodeError as err:
         raise fail(f"{image}: {err.message}") from None
-    except (FileNotFoundError, IndexMismatchError, ValueError) as err:
+    except (IndexMismatchError, *EXPECTED_ERRORS) as err:
         raise fail(str(err)) from None
     if as_json:
         payload = {
@@ -77,3 +181,118 @@ def query(
     typer.echo(f"{'rank':>4}  {'score':>7}  {'label':<24} path")
     for result in response.results:
         typer.echo(f"{result.rank:>4}  {result.score:7.4f}  {result.label or '-':<24} {result.path}")
+
+
+@index_app.command("add")
+def add(
+    index: Annotated[Path, typer.Argument(help="Index directory.")],
+    paths: Annotated[
+        list[Path], typer.Argument(help="Image files or folders inside the index's gallery folder.")
+    ],
+    model: ModelOption = DEFAULT_MODEL,
+    batch_size: Annotated[int, typer.Option(min=1, max=1024)] = 32,
+    progress: ProgressOption = True,
+) -> None:
+    """Embed and add images to an index without rebuilding it."""
+    from engine.embedder import Embedder
+    from engine.indexing import add_images
+    from index.gallery import IndexMismatchError
+
+    missing = [path for path in paths if not path.exists()]
+    if missing:
+        raise fail(f"{missing[0]} does not exist")
+    try:
+        report = add_images(index, Embedder(model), paths, batch_size=batch_size, progress=progress)
+    except (IndexMismatchError, *EXPECTED_ERRORS) as err:
+        raise fail(str(err)) from None
+    _print_build_summary(index, report)
+
+
+@index_app.command("remove")
+def remove(
+    index: Annotated[Path, typer.Argument(help="Index directory.")],
+    paths: Annotated[
+        list[str] | None, typer.Argument(help="Gallery-relative paths of items to remove.")
+    ] = None,
+    ids: Annotated[list[int] | None, typer.Option("--id", help="Item id to remove (repeatable).")] = None,
+) -> None:
+    """Remove items by path or id (gallery files stay on disk). HNSW indexes are rebuilt to remove."""
+    from index.gallery import GalleryIndex
+
+    if not paths and not ids:
+        raise fail("name the items to remove: gallery-relative paths and/or --id")
+    try:
+        gallery = GalleryIndex.open(index)
+    except EXPECTED_ERRORS as err:
+        raise fail(str(err)) from None
+    try:
+        wanted = list(ids or [])
+        for path in paths or []:
+            item = gallery.items.get_by_path(path)
+            if item is None:
+                raise fail(f"no item with path {path} in {index}")
+            wanted.append(item.id)
+        unknown = sorted(set(wanted) - set(gallery.items.get_many(wanted)))
+        if unknown:
+            raise fail(f"no items with ids {', '.join(map(str, unknown))} in {index}")
+        if gallery.manifest.index_type == "hnsw":
+            typer.echo("HNSW cannot remove in place: rebuilding its graph from the stored vectors")
+        removed = gallery.remove(wanted)
+        gallery.save()
+        typer.echo(f"removed {removed} items; {len(gallery)} remain")
+    finally:
+        gallery.close()
+
+
+@index_app.command("stats")
+def stats(
+    index: Annotated[Path, typer.Argument(help="Index directory.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Backend, index type and parameters, achieved recall, counts and sizes of an index."""
+    from index.gallery import GalleryIndex
+    from index.selection import format_bytes
+
+    try:
+        gallery = GalleryIndex.open(index)
+        info = gallery.describe()
+        gallery.close()
+    except EXPECTED_ERRORS as err:
+        raise fail(str(err)) from None
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    for key, value in info.items():
+        if key == "files":
+            value = ", ".join(f"{name} {format_bytes(size)}" for name, size in value.items())
+        elif key == "estimated_memory_bytes":
+            value = format_bytes(value)
+        typer.echo(f"{key:>22}: {value}")
+
+
+@index_app.command("merge")
+def merge(
+    shards: Annotated[list[Path], typer.Argument(help="Shard index directories (build-index --shard I/N).")],
+    out: Annotated[Path, typer.Option(help="Merged index directory to write.")],
+    index_type: IndexTypeOption = None,
+    memory_budget: BudgetOption = None,
+    target_recall: RecallOption = None,
+    progress: ProgressOption = True,
+) -> None:
+    """Merge the FAISS shard directories of one gallery into one index (faiss's IVF merge)."""
+    from index.manifest import Manifest
+    from index.merge import merge_shards
+
+    try:
+        options = Manifest.load(shards[0]).options.with_changes(
+            index_type.value if index_type else None, _budget(memory_budget), target_recall
+        )
+        merged = merge_shards(shards, out, options=options, progress=progress)
+    except EXPECTED_ERRORS as err:
+        raise fail(str(err)) from None
+    manifest = merged.manifest
+    merged.close()
+    typer.echo(
+        f"merged {len(shards)} shards into {out}: {manifest.count} items, {manifest.index_type} "
+        f"[{manifest.index_spec}] recall@10 {manifest.achieved_recall:.3f}"
+    )

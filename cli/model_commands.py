@@ -58,12 +58,16 @@ def train(
     out: Annotated[Path, typer.Option(help="Run directory (an existing run there is resumed).")],
     mode: Annotated[
         Literal["frozen", "finetune"] | None,
-        typer.Option(help="frozen: train the head on cached features; finetune: the whole network "
-                     "(default: finetune with a GPU, frozen without)."),
+        typer.Option(
+            help="frozen: train the head on cached features; finetune: the whole network "
+            "(default: finetune with a GPU, frozen without)."
+        ),
     ] = None,
     hparam: Annotated[
         list[str] | None,
-        typer.Option("--hparam", "-p", help="key=value for the loss or the trainer, e.g. -p lr=1e-4 -p beta=0."),
+        typer.Option(
+            "--hparam", "-p", help="key=value for the loss or the trainer, e.g. -p lr=1e-4 -p beta=0."
+        ),
     ] = None,
     train_classes: Annotated[
         int | None, typer.Option(min=1, help="Train on the first N classes (default: half; CSV split wins).")
@@ -103,7 +107,9 @@ def train(
         raise fail(f"invalid training setting: {err}") from None
     except (DataError, RunDirError, ValueError) as err:
         raise fail(str(err)) from None
-    typer.echo(f"best step {summary['best_step']} of {summary['steps']} ({summary['train_seconds']} s training)")
+    typer.echo(
+        f"best step {summary['best_step']} of {summary['steps']} ({summary['train_seconds']} s training)"
+    )
     typer.echo(f"validation  {_metrics_line(summary['val'])}")
     typer.echo(f"test        {_metrics_line(summary['test'])}")
     typer.echo(f"untrained   {_metrics_line(summary['test_backbone'])}")

@@ -1,101 +1,313 @@
-"""Embed a folder of images into a new index directory."""
+"""Embed a folder of images into an index directory, incrementally.
+
+Re-running on the same folder embeds only new or changed files (by content hash) and removes the items
+whose files are gone. Every embedded batch is committed to the index's store at once, so an interrupted
+build resumes where it stopped. Files with identical content are indexed once (the first path in sorted
+order). With a shard ``I/N`` only the files whose path hashes to shard I are handled, so N processes or
+machines share one gallery (FAISS shard directories are then combined by ``index.merge``).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import shutil
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from PIL import Image
 from tqdm import tqdm
 
 from engine.embedder import Embedder
 from engine.images import IMAGE_SUFFIXES, ImageDecodeError, decode_image, list_images
 from index.gallery import GalleryIndex, replace_directory
+from index.manifest import MANIFEST_NAME, Manifest
+from index.protocol import Item
+from index.selection import IndexOptions
+from index.sharding import Shard
 
 
 @dataclass
 class BuildReport:
-    indexed: int = 0
+    indexed: int = 0  # files embedded and added by this run
+    unchanged: int = 0  # files already indexed with the same content
+    removed: int = 0  # items whose file is gone or changed
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (relative path, reason)
     duplicates: list[tuple[str, str]] = field(default_factory=list)  # (relative path, path it duplicates)
+    rebuilt: bool = False  # whether the search index was (re)built rather than updated in place
 
 
 @dataclass(frozen=True)
-class _Decoded:
-    relative_path: str
+class GalleryFile:
+    path: Path
+    relative: str
     label: str | None
     content_hash: str
-    image: Image.Image
 
 
-def _decode_gallery(
-    root: Path, files: list[Path], report: BuildReport, draft_size: int
-) -> Iterator[_Decoded]:
-    first_by_hash: dict[str, str] = {}
-    for path in files:
+@dataclass
+class SyncPlan:
+    embed: list[GalleryFile] = field(default_factory=list)
+    remove: list[int] = field(default_factory=list)
+    unchanged: int = 0
+    duplicates: list[tuple[str, str]] = field(default_factory=list)
+
+
+def hash_files(root: Path, files: Sequence[Path], report: BuildReport, progress: bool) -> list[GalleryFile]:
+    """Content hashes of ``files``, sorted by relative path; unreadable files go to ``report.skipped``."""
+    hashed = []
+    for path in tqdm(files, desc="hashing", unit="file", disable=not progress):
         relative = path.relative_to(root).as_posix()
         try:
-            data = path.read_bytes()
-            content_hash = hashlib.sha256(data).hexdigest()
-            if content_hash in first_by_hash:
-                report.duplicates.append((relative, first_by_hash[content_hash]))
-                continue
-            image = decode_image(data, draft_size=draft_size)
-        except (ImageDecodeError, OSError) as err:
+            content_hash = hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError as err:
             report.skipped.append((relative, str(err)))
             continue
-        first_by_hash[content_hash] = relative
         label = path.parent.name if path.parent != root else None
-        yield _Decoded(relative, label, content_hash, image)
+        hashed.append(GalleryFile(path, relative, label, content_hash))
+    return sorted(hashed, key=lambda f: f.relative)
+
+
+def plan_sync(files: Sequence[GalleryFile], stored: Iterable[Item], *, remove_missing: bool) -> SyncPlan:
+    """What to embed and what to remove so the stored items match ``files``.
+
+    An item is kept when its path still holds the same content; a changed file is removed and embedded
+    again; with ``remove_missing`` items whose file is gone are removed. Content already indexed (kept,
+    or earlier in sorted path order) is reported as a duplicate instead of being embedded twice.
+    """
+    plan = SyncPlan()
+    current = {f.relative: f.content_hash for f in files}
+    kept: dict[str, Item] = {}
+    for item in stored:
+        content = current.get(item.path)
+        if content == item.content_hash:
+            kept[item.path] = item
+        elif content is not None or remove_missing:
+            plan.remove.append(item.id)
+    first_path = {item.content_hash: item.path for item in kept.values()}
+    for gallery_file in files:
+        if gallery_file.relative in kept:
+            plan.unchanged += 1
+        elif gallery_file.content_hash in first_path:
+            plan.duplicates.append((gallery_file.relative, first_path[gallery_file.content_hash]))
+        else:
+            first_path[gallery_file.content_hash] = gallery_file.relative
+            plan.embed.append(gallery_file)
+    return plan
+
+
+def embed_files(
+    index: GalleryIndex,
+    embedder: Embedder,
+    files: Sequence[GalleryFile],
+    report: BuildReport,
+    *,
+    batch_size: int,
+    progress: bool,
+) -> None:
+    """Decode, embed and add ``files`` batch by batch; each batch is durable once added."""
+    draft_size = embedder.card.preprocessing.resize_size
+    batch: list[tuple[GalleryFile, object]] = []
+
+    def flush() -> None:
+        vectors = embedder.embed([image for _, image in batch])
+        index.add(vectors, [(f.relative, f.label, f.content_hash) for f, _ in batch])
+        report.indexed += len(batch)
+        batch.clear()
+
+    for gallery_file in tqdm(files, desc="embedding", unit="img", disable=not progress):
+        try:
+            image = decode_image(gallery_file.path.read_bytes(), draft_size=draft_size)
+        except (ImageDecodeError, OSError) as err:
+            report.skipped.append((gallery_file.relative, str(err)))
+            continue
+        batch.append((gallery_file, image))
+        if len(batch) == batch_size:
+            flush()
+    if batch:
+        flush()
+
+
+def _sync(
+    index: GalleryIndex,
+    root: Path,
+    files: Sequence[Path],
+    embedder: Embedder,
+    report: BuildReport,
+    *,
+    shard: Shard | None,
+    remove_missing: bool,
+    batch_size: int,
+    progress: bool,
+) -> SyncPlan:
+    hashed = hash_files(root, files, report, progress)
+    stored = (item for item in index.items.scan() if shard is None or shard.owns(item.path))
+    plan = plan_sync(hashed, stored, remove_missing=remove_missing)
+    report.unchanged, report.duplicates = plan.unchanged, plan.duplicates
+    if plan.remove:
+        report.removed = index.remove(plan.remove)
+    embed_files(index, embedder, plan.embed, report, batch_size=batch_size, progress=progress)
+    return plan
+
+
+def _reopen(
+    directory: Path,
+    gallery_root: Path,
+    *,
+    options: IndexOptions | None,
+    backend: str | None,
+    milvus_uri: str | None,
+    shard: Shard | None,
+) -> GalleryIndex:
+    """Open an index built from this gallery earlier (or an interrupted build) to bring it up to date."""
+    manifest = Manifest.load(directory)
+    if backend is not None and backend != manifest.backend:
+        raise ValueError(
+            f"{directory} is a {manifest.backend} index: build a {backend} index into another directory"
+        )
+    if manifest.shard != (str(shard) if shard else None):
+        raise ValueError(
+            f"{directory} holds shard {manifest.shard or 'none (a whole gallery)'}, "
+            f"not {shard or 'the whole gallery'}"
+        )
+    index = GalleryIndex.open(directory, milvus_uri=milvus_uri)
+    index.manifest.gallery_root = str(gallery_root.resolve())
+    if options is not None:
+        index.manifest.set_options(options)
+    return index
 
 
 def build_index(
-    gallery_root: Path, embedder: Embedder, out_dir: Path, *, batch_size: int = 32, progress: bool = True
+    gallery_root: Path,
+    embedder: Embedder,
+    out_dir: Path,
+    *,
+    batch_size: int = 32,
+    progress: bool = True,
+    index_type: str | None = None,
+    memory_budget: int | None = None,
+    target_recall: float | None = None,
+    backend: str | None = None,
+    milvus_uri: str | None = None,
+    milvus_collection: str | None = None,
+    shard: Shard | None = None,
 ) -> BuildReport:
-    """Index every image below ``gallery_root`` into ``out_dir`` (written aside, then swapped in).
+    """Make the index at ``out_dir`` match the images below ``gallery_root`` (or its shard of them).
 
-    Unreadable files are skipped and listed in the report; identical files are indexed once.
+    Index options and backend not given keep what an existing index was built with (auto, 0.95 recall,
+    no memory budget, faiss for a new one).
+    An index built with another model is rebuilt aside and swapped in when complete. Unreadable files are
+    skipped and listed in the report.
     """
     files = list_images(gallery_root)
+    if shard is not None:
+        files = [p for p in files if shard.owns(p.relative_to(gallery_root).as_posix())]
     if not files:
-        raise ValueError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) under {gallery_root}")
+        where = f"in shard {shard} of" if shard else "under"
+        raise ValueError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) {where} {gallery_root}")
     out_dir = out_dir.resolve()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.building.", dir=out_dir.parent))
+    target = out_dir
+    changes = (index_type, memory_budget, target_recall)
+    options = None
+    if (out_dir / MANIFEST_NAME).exists():
+        manifest = Manifest.load(out_dir)
+        options = manifest.options.with_changes(*changes) if any(changes) else None
+        if (manifest.model_fingerprint, manifest.dim) != (embedder.fingerprint, embedder.dim):
+            if manifest.backend == "milvus":
+                raise ValueError(
+                    f"{out_dir} was built with another model and its Milvus collection holds those vectors: "
+                    "build into a new directory and collection"
+                )
+            target = out_dir.parent / f".{out_dir.name}.rebuild"  # swapped in when complete
+            options = options or manifest.options
+    else:
+        if out_dir.exists() and any(out_dir.iterdir()):
+            raise ValueError(f"refusing to write into {out_dir}: it is not empty and not an index directory")
+        options = IndexOptions().with_changes(*changes)
+
     report = BuildReport()
-    try:
-        index = GalleryIndex.create(
-            staging, dim=embedder.dim, model_fingerprint=embedder.fingerprint, gallery_root=gallery_root
+    stale = target != out_dir and (target / MANIFEST_NAME).exists()
+    if stale and Manifest.load(target).model_fingerprint != embedder.fingerprint:
+        shutil.rmtree(target)  # an abandoned rebuild for yet another model
+    created = not (target / MANIFEST_NAME).exists()
+    if not created:
+        index = _reopen(
+            target, gallery_root, options=options, backend=backend, milvus_uri=milvus_uri, shard=shard
         )
-        batch: list[_Decoded] = []
-        bar = tqdm(total=len(files), desc="embedding gallery", unit="img", disable=not progress)
-
-        def flush() -> None:
-            vectors = embedder.embed([entry.image for entry in batch])
-            index.add(vectors, [(entry.relative_path, entry.label, entry.content_hash) for entry in batch])
-            report.indexed += len(batch)
-            batch.clear()
-
-        draft_size = embedder.card.preprocessing.resize_size
-        for entry in _decode_gallery(gallery_root, files, report, draft_size):
-            batch.append(entry)
-            if len(batch) == batch_size:
-                flush()
-                bar.n = report.indexed + len(report.skipped) + len(report.duplicates)
-                bar.refresh()
-        if batch:
-            flush()
-        bar.n = len(files)
-        bar.close()
-        if report.indexed == 0:
+    else:
+        index = GalleryIndex.create(
+            target,
+            dim=embedder.dim,
+            model_fingerprint=embedder.fingerprint,
+            gallery_root=gallery_root,
+            options=options,
+            backend=backend or "faiss",
+            milvus_uri=milvus_uri,
+            milvus_collection=milvus_collection,
+            shard=str(shard) if shard else None,
+        )
+    discard = False
+    try:
+        plan = _sync(
+            index,
+            gallery_root,
+            files,
+            embedder,
+            report,
+            shard=shard,
+            remove_missing=True,
+            batch_size=batch_size,
+            progress=progress,
+        )
+        if len(index) == 0:
+            discard = created  # leave no empty index behind
             raise ValueError(f"none of the {len(files)} files under {gallery_root} could be decoded")
+        changed = bool(plan.remove or report.indexed) or options is not None
+        report.rebuilt = index.build(retune=changed, progress=progress)
         index.save()
-        index.close()
-        replace_directory(staging, out_dir)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        index.close()
+        if discard:
+            shutil.rmtree(target)
+    if target != out_dir:
+        replace_directory(target, out_dir)
+    return report
+
+
+def add_images(
+    index_dir: Path, embedder: Embedder, paths: Sequence[Path], *, batch_size: int = 32, progress: bool = True
+) -> BuildReport:
+    """Add image files (or folders of them) below the index's gallery root to an existing index.
+
+    Files already indexed with the same content are left alone; changed files are re-embedded. The
+    index is rebuilt from its stored vectors only if the gallery grew past the size its index type
+    was chosen for (see ``index.selection``).
+    """
+    index = GalleryIndex.open(index_dir)
+    try:
+        index.check_model(embedder.fingerprint, embedder.dim)
+        if index.manifest.gallery_root is None:
+            raise ValueError(f"{index_dir} records no gallery folder to add images from")
+        root = Path(index.manifest.gallery_root)
+        files: list[Path] = []
+        for path in paths:
+            resolved = path.resolve()
+            if not resolved.is_relative_to(root):
+                raise ValueError(f"{path} is outside the index's gallery folder {root}: copy it there first")
+            files.extend(list_images(resolved) if resolved.is_dir() else [resolved])
+        report = BuildReport()
+        _sync(
+            index,
+            root,
+            files,
+            embedder,
+            report,
+            shard=None,
+            remove_missing=False,
+            batch_size=batch_size,
+            progress=progress,
+        )
+        report.rebuilt = index.build(retune=False, progress=progress)
+        index.save()
+    finally:
+        index.close()
     return report

@@ -14,13 +14,14 @@ from pathlib import Path
 import numpy as np
 
 from index.faiss_build import build_faiss_index
+from index.faiss_build import retune as retune_index
 from index.faiss_index import FaissIndex
 from index.items import ItemStore
 from index.manifest import Manifest
 from index.protocol import Entry, IndexNotBuiltError, normalize_rows
 from index.selection import IndexOptions, IndexSpec, choose_index
 from index.sources import StoreSource
-from index.tuning import Tuning, tune
+from index.tuning import Tuning
 
 log = logging.getLogger("dmlsearch.index")
 
@@ -28,7 +29,9 @@ log = logging.getLogger("dmlsearch.index")
 class FaissBackend:
     FILE_NAME = "vectors.faiss"
 
-    def __init__(self, directory: Path, manifest: Manifest, store: ItemStore, index: FaissIndex | None) -> None:
+    def __init__(
+        self, directory: Path, manifest: Manifest, store: ItemStore, index: FaissIndex | None
+    ) -> None:
         self.directory = directory
         self.manifest = manifest  # shared with the GalleryIndex: this backend records what it built
         self.dim = manifest.dim
@@ -80,7 +83,9 @@ class FaissBackend:
         removed = self.store.remove(present.tolist())
         if self.index is not None and len(present):
             if self.index.spec.index_type == "hnsw":
-                log.warning("HNSW cannot remove in place: rebuilding the graph from %d stored vectors", len(self))
+                log.warning(
+                    "HNSW cannot remove in place: rebuilding the graph from %d stored vectors", len(self)
+                )
                 self._build(self.index.spec)
             else:
                 self.index.remove(present)
@@ -114,8 +119,16 @@ class FaissBackend:
         if self.index is None or self.index.spec != spec or partitions is not None:
             self._build(spec, partitions, progress=progress)
             return True
-        if retune:
-            self._record(tune(self.index, [StoreSource(self.store)], self.manifest.target_recall))
+        if not retune or spec.index_type == "flat":  # exact search has nothing to tune
+            return False
+        if spec.index_type == "hnsw":  # tuning holds queries out of the index: a graph cannot remove them
+            self._build(spec, progress=progress)
+            return True
+        target = self.manifest.target_recall
+        self._record(
+            retune_index(self.index, [StoreSource(self.store)], target_recall=target, progress=progress)
+        )
+        self._dirty = True  # the held-out vectors were removed and added again: write the index
         return False
 
     def _build(
@@ -134,7 +147,7 @@ class FaissBackend:
         self._dirty = True
 
     def _record(self, tuning: Tuning) -> None:
-        """Search parameters live in the manifest (applied at load), so tuning alone rewrites no FAISS file."""
+        """Search parameters live in the manifest (applied at load): tuning alone rewrites no FAISS file."""
         self.manifest.search_params = dict(tuning.params)
         self.manifest.achieved_recall = tuning.recall
         self.manifest.recall_queries = tuning.queries
@@ -145,7 +158,9 @@ class FaissBackend:
         extra = np.setdiff1d(indexed, stored)
         log.warning(
             "%s: FAISS index out of step with items.sqlite (an interrupted update): adding %d, removing %d",
-            self.directory, len(missing), len(extra),
+            self.directory,
+            len(missing),
+            len(extra),
         )
         if len(extra) and self.index.spec.index_type == "hnsw":
             self._build(self.index.spec)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 from tqdm import tqdm
 
 from index.faiss_index import FaissIndex
 from index.selection import PQ_CENTROIDS, IndexSpec
-from index.sources import VectorSource, all_ids, fetch_vectors
-from index.tuning import Tuning, sample_ids, tune
+from index.sources import ExcludingSource, VectorSource, all_ids, fetch_vectors
+from index.tuning import Tuning, held_out_ids, needs_tuning, sample_ids, tune
 
 TRAIN_POINTS_PER_LIST = 50  # faiss warns below 39; autofaiss uses 30-256
 TRAIN_POINTS_PQ = 64 * PQ_CENTROIDS  # enough for OPQ and 8-bit PQ codebooks
@@ -41,7 +42,10 @@ def _fill(index: FaissIndex, source: VectorSource, bar: tqdm) -> None:
 def build_faiss_index(
     spec: IndexSpec, sources: Sequence[VectorSource], *, target_recall: float, progress: bool = False
 ) -> tuple[FaissIndex, Tuning]:
-    """Train ``spec`` on a sample of all sources, add every vector, and tune its search parameters."""
+    """Train ``spec`` on a sample of all sources, add every vector, and tune its search parameters.
+
+    The tuning queries are held out of the index until tuning is done, then added like the rest.
+    """
     ids = all_ids(sources)
     index = FaissIndex.create(spec)
     if not index.is_trained:
@@ -49,14 +53,33 @@ def build_faiss_index(
         if progress:
             tqdm.write(f"training {spec.factory} on {len(train_ids)} vectors")
         index.train(fetch_vectors(sources, train_ids, spec.dim))
+    held_out = held_out_ids(ids) if needs_tuning(index) else np.zeros(0, dtype=np.int64)
+    rest = [ExcludingSource(source, held_out) for source in sources]
     with tqdm(total=len(ids), desc=f"adding to {spec.index_type}", unit="vec", disable=not progress) as bar:
-        if len(sources) == 1 or spec.index_type == "hnsw":  # faiss cannot merge HNSW graphs
-            for source in sources:
+        if len(rest) == 1 or spec.index_type == "hnsw":  # faiss cannot merge HNSW graphs
+            for source in rest:
                 _fill(index, source, bar)
         else:
-            for source in sources:
+            for source in rest:
                 part = index.empty_copy()
                 _fill(part, source, bar)
                 index.merge_from(part)
-    tuning = tune(index, sources, target_recall, progress=progress)
+        queries = fetch_vectors(sources, held_out, spec.dim)
+        tuning = tune(index, queries, rest, target_recall, progress=progress)
+        index.add(held_out, queries)
+        bar.update(len(held_out))
     return index, tuning
+
+
+def retune(
+    index: FaissIndex, sources: Sequence[VectorSource], *, target_recall: float, progress: bool = False
+) -> Tuning:
+    """Re-tune a built index that can remove vectors: hold the queries out, tune, put them back."""
+    held_out = held_out_ids(all_ids(sources)) if needs_tuning(index) else np.zeros(0, dtype=np.int64)
+    queries = fetch_vectors(sources, held_out, index.dim)
+    index.remove(held_out)
+    tuning = tune(
+        index, queries, [ExcludingSource(s, held_out) for s in sources], target_recall, progress=progress
+    )
+    index.add(held_out, queries)
+    return tuning

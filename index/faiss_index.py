@@ -94,12 +94,41 @@ class FaissIndex:
         return int(self.index.remove_ids(np.ascontiguousarray(ids, dtype=np.int64)))
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Top-``k`` ``(ids, cosine scores)``; rows are padded with id -1 and score -inf."""
+        """Top-``k`` ``(ids, cosine scores)``; rows are padded with id -1 and score -inf.
+
+        Rows that come back short although the index holds ``k`` vectors (a k near the gallery size:
+        the probed IVF lists or the HNSW beam did not reach that many) are searched again exhaustively.
+        """
         queries = normalize_rows(queries)
         check_dim(queries, self.dim, "queries")
         scores, ids = self._searcher().search(queries, k)
+        short = (ids < 0).any(axis=1) & (k <= len(self))
+        if short.any():
+            scores[short], ids[short] = self._exhaustive_search(queries[short], k)
         scores[ids < 0] = -np.inf
         return ids, scores
+
+    def _exhaustive_search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        faiss = faiss_module()
+        if self.spec.index_type == "hnsw":  # brute force over the graph's flat storage
+            storage = faiss.downcast_index(faiss.downcast_index(self.index.index).storage)
+            scores, positions = storage.search(queries, k)
+            return scores, faiss.vector_to_array(self.index.id_map)[positions]
+        return self.index.search(queries, k, params=self._all_lists())
+
+    def _all_lists(self) -> object:
+        """Per-call faiss search parameters that probe every inverted list (thread-safe, unlike nprobe)."""
+        faiss = faiss_module()
+        params = faiss.SearchParametersIVF()
+        params.nprobe = self.spec.nlist
+        if self.spec.hnsw_quantizer:
+            params.quantizer_params = faiss.SearchParametersHNSW()
+            params.quantizer_params.efSearch = self.spec.nlist
+        if self.spec.index_type != "ivfpq":
+            return params
+        wrapped = faiss.SearchParametersPreTransform()  # the OPQ rotation wraps the IVF index
+        wrapped.index_params = params
+        return wrapped
 
     def set_search_params(self, params: dict[str, int]) -> None:
         """Apply ``nprobe`` / ``efSearch`` / ``quantizer_efSearch`` through faiss's ParameterSpace."""

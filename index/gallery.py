@@ -15,7 +15,7 @@ from index.faiss_backend import FaissBackend
 from index.items import now_utc
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item, ItemCatalog
-from index.selection import IndexOptions
+from index.selection import IndexOptions, IndexSpec
 
 BACKENDS = ("faiss", "milvus")
 
@@ -121,7 +121,9 @@ class GalleryIndex:
         """Remove items by id; returns how many existed. Ids are never reused."""
         return self.backend.remove(ids)
 
-    def build(self, options: IndexOptions | None = None, *, retune: bool = True, progress: bool = False) -> bool:
+    def build(
+        self, options: IndexOptions | None = None, *, retune: bool = True, progress: bool = False
+    ) -> bool:
         """Build or rebuild the search structure for the current size (FAISS; Milvus indexes itself).
 
         Rebuilds from the stored vectors, without re-embedding, when ``options`` (default: the manifest's)
@@ -139,6 +141,8 @@ class GalleryIndex:
         if k == 0:
             return [[] for _ in range(len(queries))]
         ids, scores = self.backend.search(queries, k)
+        # Quantised (PQ) and float-rounded inner products can stray past +-1: report true cosine bounds.
+        scores = np.clip(scores, -1.0, 1.0)
         items = self.items.get_many(sorted({int(i) for i in ids.ravel() if i >= 0}))
         return [
             [
@@ -151,6 +155,18 @@ class GalleryIndex:
 
     def __len__(self) -> int:
         return len(self.backend)
+
+    def describe(self) -> dict[str, object]:
+        """The manifest plus live facts: item count, vectors in the FAISS index, files and their sizes."""
+        info: dict[str, object] = self.manifest.model_dump()
+        info["count"] = len(self)
+        info["files"] = {p.name: p.stat().st_size for p in sorted(self.directory.iterdir()) if p.is_file()}
+        if self.manifest.backend == "faiss":
+            info["indexed_vectors"] = len(self.backend.index) if self.backend.built else 0
+        if self.manifest.index_spec is not None:
+            spec = IndexSpec(self.manifest.index_type, self.manifest.index_spec, self.manifest.dim)
+            info["estimated_memory_bytes"] = spec.memory_bytes(len(self))
+        return info
 
     def save(self) -> None:
         """Make every change durable: a fresh FAISS index is built first; then files, then the manifest."""

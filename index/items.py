@@ -127,7 +127,9 @@ class ItemStore:
             raise KeyError(f"no stored vector for ids {missing[:5]}")
         return self._decode([by_id[int(i)] for i in ids])
 
-    def iter_vectors(self, chunk_size: int, ids: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def iter_vectors(
+        self, chunk_size: int, ids: np.ndarray | None = None
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """``(ids, vectors)`` chunks in id order: every stored vector, or those of ``ids``."""
         if ids is not None:
             for start in range(0, len(ids), chunk_size):

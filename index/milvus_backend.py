@@ -24,9 +24,10 @@ METADATA_FIELDS = ["path", "label", "content_hash", "added"]
 MAX_PATH = 4096
 MAX_LABEL = 512
 PAGE = 1000
-# Milvus index and search parameters per requested index type ("auto" lets Milvus choose).
+# Milvus index and search parameters per requested index type ("auto" lets Milvus choose; in Milvus Lite
+# it builds a graph index on sealed segments, whose search beam "ef" must be at least k).
 MILVUS_INDEXES: dict[str, tuple[str, dict[str, int], dict[str, int]]] = {
-    "auto": ("AUTOINDEX", {}, {}),
+    "auto": ("AUTOINDEX", {}, {"ef": 64}),
     "flat": ("FLAT", {}, {}),
     "hnsw": ("HNSW", {"M": 32, "efConstruction": 200}, {"ef": 128}),
     "ivf": ("IVF_FLAT", {"nlist": 1024}, {"nprobe": 32}),
@@ -68,7 +69,9 @@ class MilvusBackend:
     def connect(cls, directory: Path, manifest: Manifest, *, uri: str | None = None) -> MilvusBackend:
         """Connect to the manifest's collection, creating it if it does not exist yet."""
         pymilvus = _pymilvus()
-        client = pymilvus.MilvusClient(resolve_uri(uri or manifest.milvus_uri or DEFAULT_LITE_FILE, directory))
+        client = pymilvus.MilvusClient(
+            resolve_uri(uri or manifest.milvus_uri or DEFAULT_LITE_FILE, directory)
+        )
         backend = cls(client, manifest)
         if client.has_collection(backend.collection):
             backend._check_collection()
@@ -138,12 +141,15 @@ class MilvusBackend:
         scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
         if len(queries) == 0:
             return ids, scores
+        params = dict(self.search_params)
+        if "ef" in params:  # a graph search returns at most ef results
+            params["ef"] = max(params["ef"], k)
         results = self.client.search(
             self.collection,
             data=list(queries),
             limit=k,
             output_fields=["id"],
-            search_params={"metric_type": "COSINE", "params": self.search_params},
+            search_params={"metric_type": "COSINE", "params": params},
         )
         for row, hits in enumerate(results):
             for column, hit in enumerate(hits):

@@ -47,11 +47,26 @@ class IndexOptions:
 
     def __post_init__(self) -> None:
         if self.index_type not in INDEX_CHOICES:
-            raise ValueError(f"unknown index type {self.index_type!r}; choose one of {', '.join(INDEX_CHOICES)}")
+            raise ValueError(
+                f"unknown index type {self.index_type!r}; choose one of {', '.join(INDEX_CHOICES)}"
+            )
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError("the memory budget must be positive")
         if not 0.0 < self.target_recall <= 1.0:
             raise ValueError(f"target recall must be in (0, 1], got {self.target_recall}")
+
+    def with_changes(
+        self,
+        index_type: str | None = None,
+        memory_budget: int | None = None,
+        target_recall: float | None = None,
+    ) -> IndexOptions:
+        """These options with the given (non-None) fields replaced."""
+        return IndexOptions(
+            index_type or self.index_type,
+            memory_budget or self.memory_budget,
+            target_recall or self.target_recall,
+        )
 
 
 @dataclass(frozen=True)
@@ -141,7 +156,7 @@ def choose_index(count: int, dim: int, options: IndexOptions) -> IndexSpec:
     budget = options.memory_budget
     if options.index_type == "ivfpq" and count < PQ_CENTROIDS:
         raise ValueError(
-            f"ivfpq needs at least {PQ_CENTROIDS} vectors to train its 8-bit codebooks, the gallery has {count}"
+            f"ivfpq needs at least {PQ_CENTROIDS} vectors to train its 8-bit codebooks; there are {count}"
         )
     if options.index_type != "auto":
         candidates = [_spec(options.index_type, count, dim, budget)]

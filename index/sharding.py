@@ -20,7 +20,7 @@ class Shard:
 
     def __post_init__(self) -> None:
         if self.count < 1 or not 0 <= self.index < self.count:
-            raise ValueError(f"shard {self.index}/{self.count} is not one of 0/{self.count} .. {self.count - 1}/{self.count}")
+            raise ValueError(f"shard {self.index}/{self.count} does not exist: I/N needs 0 <= I < N")
 
     @classmethod
     def parse(cls, text: str) -> Shard:

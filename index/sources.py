@@ -64,6 +64,26 @@ class StoreSource:
         return self.store.iter_vectors(chunk_size, self._ids)
 
 
+class ExcludingSource:
+    """A source without some ids (the queries held out while tuning)."""
+
+    def __init__(self, source: VectorSource, excluded: np.ndarray) -> None:
+        self.source = source
+        self.excluded = np.asarray(excluded, dtype=np.int64)
+
+    def ids(self) -> np.ndarray:
+        return np.setdiff1d(self.source.ids(), self.excluded)
+
+    def vectors(self, ids: np.ndarray) -> np.ndarray:
+        return self.source.vectors(ids)
+
+    def iter_vectors(self, chunk_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for ids, vectors in self.source.iter_vectors(chunk_size):
+            keep = ~np.isin(ids, self.excluded)
+            if keep.any():
+                yield ids[keep], vectors[keep]
+
+
 def all_ids(sources: Sequence[VectorSource]) -> np.ndarray:
     return np.sort(np.concatenate([source.ids() for source in sources])) if sources else np.zeros(0, np.int64)
 

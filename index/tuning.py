@@ -1,10 +1,11 @@
 """Tune a FAISS index's search parameters (nprobe, efSearch) to reach a target recall@k.
 
-Recall is measured against exact search on held-out queries: a seeded sample of the stored vectors,
-each searched leave-one-out (its own id is dropped from both the exact and the approximate results),
-which is what a new query from the same distribution sees. The smallest parameter that reaches the
-target wins; when no value reaches it (product quantisation saturates), the smallest value within
-``PLATEAU`` of the best recall seen is kept and the shortfall is reported.
+Recall is measured against exact search on held-out queries: a seeded sample of the gallery's own
+vectors that is *not in the index* while it is measured (the builder adds them afterwards). Searching
+with vectors that are in the index would flatter an HNSW graph, whose nodes start out next to their
+neighbours. The smallest parameter reaching the target wins; when none does (product quantisation
+saturates), the smallest value within ``PLATEAU`` of the best recall seen is kept and the shortfall
+is reported in the result.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import numpy as np
 from tqdm import tqdm
 
 from index.faiss_index import FaissIndex, faiss_module
-from index.sources import VectorSource, all_ids, fetch_vectors
+from index.sources import VectorSource
 
 RECALL_K = 10
 TUNING_QUERIES = 1000
+HELD_OUT_FRACTION = 10  # at most one vector in ten is held out, for small galleries
 PLATEAU = 0.002
 EXACT_CHUNK = 65_536
+QUERY_SEED = 1
 
 
 @dataclass(frozen=True)
@@ -45,14 +48,25 @@ def sample_ids(ids: np.ndarray, count: int, seed: int) -> np.ndarray:
     return np.sort(np.sort(ids)[chosen])
 
 
+def held_out_ids(ids: np.ndarray) -> np.ndarray:
+    """The ids whose vectors serve as tuning queries: up to 1000, at most a tenth of the gallery."""
+    return sample_ids(ids, min(TUNING_QUERIES, len(ids) // HELD_OUT_FRACTION), QUERY_SEED)
+
+
+def needs_tuning(index: FaissIndex) -> bool:
+    return index.spec.index_type != "flat"
+
+
 def exact_neighbours(queries: np.ndarray, sources: Sequence[VectorSource], k: int) -> np.ndarray:
     """Ids of the exact top-``k`` inner products, streaming the sources in chunks (faiss ResultHeap)."""
     faiss = faiss_module()
     heap = faiss.ResultHeap(len(queries), k, keep_max=True)
     for source in sources:
         for ids, vectors in source.iter_vectors(EXACT_CHUNK):
-            scores, positions = faiss.knn(queries, vectors, min(k, len(ids)), metric=faiss.METRIC_INNER_PRODUCT)
-            heap.add_result(scores, ids[positions])
+            scores, positions = faiss.knn(
+                queries, vectors, min(k, len(ids)), metric=faiss.METRIC_INNER_PRODUCT
+            )
+            heap.add_result(scores, np.where(positions >= 0, ids[positions], -1))
     heap.finalize()
     return heap.I
 
@@ -60,11 +74,8 @@ def exact_neighbours(queries: np.ndarray, sources: Sequence[VectorSource], k: in
 def recall_at_k(found: np.ndarray, truth: np.ndarray) -> float:
     """Mean fraction of each row of ``truth`` (n, k) that appears in the same row of ``found``."""
     k = truth.shape[1]
-    return float(np.mean([len(set(f.tolist()) & set(t.tolist())) / k for f, t in zip(found, truth, strict=True)]))
-
-
-def _drop_self(ids: np.ndarray, own: np.ndarray, k: int) -> np.ndarray:
-    return np.stack([row[row != me][:k] for row, me in zip(ids, own, strict=True)])
+    hits = [len(set(f.tolist()) & set(t.tolist())) for f, t in zip(found, truth, strict=True)]
+    return float(np.mean(hits)) / k
 
 
 def _ladder(low: int, high: int) -> list[int]:
@@ -75,12 +86,10 @@ def _ladder(low: int, high: int) -> list[int]:
     return [*values, high]
 
 
-def _parameters(index: FaissIndex, k: int) -> tuple[list[int], Callable[[int], dict[str, int]]] | None:
+def _parameters(index: FaissIndex, k: int) -> tuple[list[int], Callable[[int], dict[str, int]]]:
     spec = index.spec
     if spec.index_type == "hnsw":
         return _ladder(max(16, k), 4096), lambda ef: {"efSearch": ef}
-    if spec.nlist is None:
-        return None
     if spec.hnsw_quantizer:
         return _ladder(1, spec.nlist), lambda n: {"nprobe": n, "quantizer_efSearch": max(16, 2 * n)}
     return _ladder(1, spec.nlist), lambda n: {"nprobe": n}
@@ -88,31 +97,28 @@ def _parameters(index: FaissIndex, k: int) -> tuple[list[int], Callable[[int], d
 
 def tune(
     index: FaissIndex,
+    queries: np.ndarray,
     sources: Sequence[VectorSource],
     target_recall: float,
     *,
     k: int = RECALL_K,
-    max_queries: int = TUNING_QUERIES,
-    seed: int = 1,
     progress: bool = False,
 ) -> Tuning:
-    """Set and return the cheapest search parameters that reach ``target_recall`` at recall@``k``."""
-    parameters = _parameters(index, k)
-    ids = all_ids(sources)
-    k = min(k, len(ids) - 1)
-    if parameters is None or k < 1:  # exact search, or too few vectors to miss any neighbour
+    """Set and return the cheapest search parameters reaching ``target_recall`` at recall@``k``.
+
+    ``queries`` must not be in ``index``; ``sources`` hold exactly the vectors that are.
+    """
+    k = min(k, len(index))
+    if not needs_tuning(index) or k < 1 or len(queries) == 0:
         return Tuning(target=target_recall, k=max(k, 0))
-    values, to_params = parameters
-    query_ids = sample_ids(ids, max_queries, seed)
-    queries = fetch_vectors(sources, query_ids, index.dim)
-    truth = _drop_self(exact_neighbours(queries, sources, k + 1), query_ids, k)
+    values, to_params = _parameters(index, k)
+    truth = exact_neighbours(queries, sources, k)
     measured: dict[int, float] = {}
 
     def recall(value: int) -> float:
         if value not in measured:
             index.set_search_params(to_params(value))
-            found, _ = index.search(queries, k + 1)
-            measured[value] = recall_at_k(_drop_self(found, query_ids, k), truth)
+            measured[value] = recall_at_k(index.search(queries, k)[0], truth)
         return measured[value]
 
     bar = tqdm(desc=f"tuning {next(iter(to_params(1)))}", unit="try", disable=not progress)
@@ -135,4 +141,4 @@ def tune(
         best = max(measured.values())
         passing = min(value for value, r in measured.items() if r >= best - PLATEAU)
     index.set_search_params(to_params(passing))
-    return Tuning(to_params(passing), recall(passing), target_recall, len(query_ids), k)
+    return Tuning(to_params(passing), recall(passing), target_recall, len(queries), k)

@@ -68,5 +68,5 @@ def test_tampered_model_is_refused(exported_model: Path, tmp_path: Path) -> None
     copy = tmp_path / "model.onnx"
     copy.write_bytes(exported_model.read_bytes() + b"\0")
     ModelCard.path_for(copy).write_text(ModelCard.path_for(exported_model).read_text())
-    with pytest.raises(ValueError, match="does not match its model.json"):
+    with pytest.raises(ValueError, match=r"does not match its model\.json"):
         Embedder(copy)

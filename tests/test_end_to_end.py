@@ -39,9 +39,13 @@ def test_build_index_skips_corrupt_files_and_labels_by_folder(
     assert not list(tmp_path.glob(".index.*")), "staging directory left behind"
 
 
-def test_query_finds_the_image_itself_first(exported_model: Path, synthetic_gallery: Path, tmp_path: Path) -> None:
+def test_query_finds_the_image_itself_first(
+    exported_model: Path, synthetic_gallery: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "index"
-    runner.invoke(app, ["build-index", str(synthetic_gallery), "--model", str(exported_model), "--out", str(out)])
+    runner.invoke(
+        app, ["build-index", str(synthetic_gallery), "--model", str(exported_model), "--out", str(out)]
+    )
     query = synthetic_gallery / "gamma" / "gamma_1.png"
     result = runner.invoke(
         app, ["query", str(query), "--index", str(out), "--model", str(exported_model), "-k", "3", "--json"]
@@ -85,8 +89,20 @@ def test_query_with_a_different_model_is_a_clear_error(
 def live_api(exported_model: Path, demo_index: Path) -> Iterator[str]:
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "serve", "--index", str(demo_index), "--model", str(exported_model),
-         "--port", str(port), "--threads", "1"],
+        [
+            sys.executable,
+            "-m",
+            "cli.main",
+            "serve",
+            "--index",
+            str(demo_index),
+            "--model",
+            str(exported_model),
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+        ],
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -108,7 +124,9 @@ def live_api(exported_model: Path, demo_index: Path) -> Iterator[str]:
 
 def test_api_search_returns_ranked_scored_results(live_api: str, demo_gallery: Path) -> None:
     query = (demo_gallery / "cat" / "00_crop.jpg").read_bytes()
-    response = httpx.post(f"{live_api}/v1/search", params={"k": 5}, files={"image": ("q.jpg", query)}, timeout=30)
+    response = httpx.post(
+        f"{live_api}/v1/search", params={"k": 5}, files={"image": ("q.jpg", query)}, timeout=30
+    )
     assert response.status_code == 200, response.text
     body = response.json()
     assert len(body["results"]) == 5
@@ -125,7 +143,10 @@ def test_api_rejects_bad_uploads_with_json_errors_and_keeps_serving(live_api: st
     assert bad.status_code == 400
     assert bad.json()["error"]["code"] == "not_an_image"
     bad_k = httpx.post(
-        f"{live_api}/v1/search", params={"k": 0}, files={"image": ("x.png", image_bytes(make_image(1)))}, timeout=30
+        f"{live_api}/v1/search",
+        params={"k": 0},
+        files={"image": ("x.png", image_bytes(make_image(1)))},
+        timeout=30,
     )
     assert bad_k.status_code == 422
     assert "error" in bad_k.json()
@@ -136,7 +157,9 @@ def test_streamlit_page_shows_results_grid(live_api: str, monkeypatch: pytest.Mo
     from streamlit.testing.v1 import AppTest
 
     monkeypatch.setenv("DMLSEARCH_API_URL", live_api)
-    page = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app" / "ui.py"), default_timeout=60)
+    page = AppTest.from_file(
+        str(Path(__file__).resolve().parent.parent / "app" / "ui.py"), default_timeout=60
+    )
     page.run()
     assert not page.exception
     assert page.sidebar.metric[0].value == "78"

@@ -30,7 +30,9 @@ class TrainConfig(BaseModel):
     head_hidden: int = Field(1024, ge=1)
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    backbone_lr_factor: float = Field(0.1, gt=0, description="finetune: backbone lr = lr x this (papers' 10x)")
+    backbone_lr_factor: float = Field(
+        0.1, gt=0, description="finetune: backbone lr = lr x this (papers' 10x)"
+    )
     max_steps: int = Field(3000, ge=0)
     eval_every: int = Field(0, ge=0, description="steps between validations; 0 = one epoch")
     patience: int = Field(8, ge=1, description="validations without improvement before stopping")
@@ -68,7 +70,9 @@ def parse_hparams(loss: str, assignments: list[str]) -> tuple[dict[str, Any], di
     fixed = {"loss", "data", "loss_hparams"}
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
-        key = key.strip().replace("-", "_") if key.strip() not in loss_keys else key.strip()
+        key = key.strip()
+        if key not in loss_keys:
+            key = key.replace("-", "_")  # --hparam max-steps=... works like max_steps=...
         if not sep or not key:
             raise ValueError(f"hyperparameters are key=value, got {assignment!r}")
         try:

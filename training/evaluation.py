@@ -34,7 +34,12 @@ def _split_indices(images: LabelledImages, split: EvalSplit, **split_args: Any) 
 
 
 def evaluate_onnx(
-    model_path: Path, data: Path, *, split: EvalSplit = "test", batch_size: int = 32, progress: bool = True,
+    model_path: Path,
+    data: Path,
+    *,
+    split: EvalSplit = "test",
+    batch_size: int = 32,
+    progress: bool = True,
     **split_args: Any,
 ) -> dict[str, float]:
     """Metrics of an exported ``model.onnx`` on ``split`` of ``data`` (unreadable images skipped)."""

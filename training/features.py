@@ -103,7 +103,12 @@ class FeatureExtractor:
     """Extract and cache backbone features of image files."""
 
     def __init__(
-        self, cache_dir: Path, backbone: str = "efficientnet_lite0", *, batch_size: int = 32, progress: bool = True
+        self,
+        cache_dir: Path,
+        backbone: str = "efficientnet_lite0",
+        *,
+        batch_size: int = 32,
+        progress: bool = True,
     ) -> None:
         self.cache_dir = cache_dir
         self.embedder = Embedder(backbone_model(cache_dir, backbone))

@@ -112,9 +112,7 @@ class NeighbourhoodSampler(ClassBalancedSampler):
                 local = np.zeros(len(members), dtype=np.int64)
                 class_centres = vectors[members].mean(axis=0, keepdims=True)
             else:
-                kmeans = faiss.Kmeans(
-                    vectors.shape[1], k, niter=20, nredo=5, seed=self.seed + self.refreshes
-                )
+                kmeans = faiss.Kmeans(vectors.shape[1], k, niter=20, nredo=5, seed=self.seed + self.refreshes)
                 kmeans.cp.min_points_per_centroid = 1  # small classes: no faiss warning, no subsampling
                 kmeans.train(vectors[members])
                 _, assigned = kmeans.index.search(vectors[members], 1)
@@ -143,7 +141,9 @@ class NeighbourhoodSampler(ClassBalancedSampler):
 
     def next_indices(self) -> np.ndarray:
         if len(self.centres) == 0:
-            raise RuntimeError("the cluster index is empty: call refresh() with the training embeddings first")
+            raise RuntimeError(
+                "the cluster index is empty: call refresh() with the training embeddings first"
+            )
         seed_cluster = self.rng.choice(len(self.centres), p=self.cluster_probabilities())
         impostors = np.flatnonzero(self.cluster_labels != self.cluster_labels[seed_cluster])
         distances = np.square(self.centres[impostors] - self.centres[seed_cluster]).sum(axis=1)

@@ -126,12 +126,11 @@ class _Training:
 
     def run(self) -> dict[str, Any]:
         config, run = self.config, self.run_dir
-        saved = run.read_config()
-        if saved is not None and (conflicts := config.resume_conflicts(saved)):
+        last = run.load_checkpoint("last")
+        if last is not None and (conflicts := config.resume_conflicts(run.require_config())):
             raise RunDirError(
                 f"{run.path} holds a run with a different {', '.join(conflicts)}; use a new --out directory"
             )
-        last = run.load_checkpoint("last")
         summary = run.read_summary()
         if last is not None and summary is not None and (last["stopped"] or last["step"] >= config.max_steps):
             return summary
@@ -186,7 +185,9 @@ class _Training:
         self._loop(model, sampler, view_rng, optimizer, scaler, state, records)
         return self._finish(state)
 
-    def _workload(self, objective: TrainingObjective, data: PreparedData) -> FrozenWorkload | FinetuneWorkload:
+    def _workload(
+        self, objective: TrainingObjective, data: PreparedData
+    ) -> FrozenWorkload | FinetuneWorkload:
         if self.config.mode == "frozen":
             eval_features = {name: data.features[name] for name in ("val", "test")}
             return FrozenWorkload(objective, data.train_views, eval_features, self.device)
@@ -203,7 +204,9 @@ class _Training:
 
     def _param_groups(self, objective: TrainingObjective) -> list[dict[str, Any]]:
         """The new layers at ``lr``; a fine-tuned backbone at ``lr x backbone_lr_factor`` (papers: 1/10)."""
-        groups = [{"params": [*objective.head.parameters(), *objective.loss.parameters()], "lr": self.config.lr}]
+        groups = [
+            {"params": [*objective.head.parameters(), *objective.loss.parameters()], "lr": self.config.lr}
+        ]
         backbone = list(objective.backbone.parameters())
         if backbone:
             groups.append({"params": backbone, "lr": self.config.lr * self.config.backbone_lr_factor})
@@ -227,13 +230,18 @@ class _Training:
         eval_every = config.eval_every or max(1, math.ceil(len(labels) / batch_size))
         amp_dtype = torch.bfloat16 if self.device.type == "cuda" and torch.cuda.is_bf16_supported() else None
         autocast = torch.autocast(
-            self.device.type, dtype=amp_dtype or torch.float16, enabled=config.amp and self.device.type == "cuda"
+            self.device.type,
+            dtype=amp_dtype or torch.float16,
+            enabled=config.amp and self.device.type == "cuda",
         )
         if sampler.refresh_interval and (state["step"] == 0 or len(getattr(sampler, "centres", ())) == 0):
             sampler.refresh(self.workload.embed("train"))
         batches = self.workload.batches(sampler, view_rng)
         bar = tqdm(
-            initial=state["step"], total=config.max_steps, desc=f"training {config.loss}", disable=not self.progress
+            initial=state["step"],
+            total=config.max_steps,
+            desc=f"training {config.loss}",
+            disable=not self.progress,
         )
         objective.train()
         losses: list[float] = []
@@ -277,7 +285,9 @@ class _Training:
         if score > state["best_score"]:
             state.update(best_step=step, best_score=score, since_best=0)
             # Every rank keeps its own copy: ranks take the same decisions and need not share a disk.
-            weights = {key: value.detach().cpu().clone() for key, value in self.objective.state_dict().items()}
+            weights = {
+                key: value.detach().cpu().clone() for key, value in self.objective.state_dict().items()
+            }
             self.best = {"objective": weights, "step": step, "val": metrics}
             if self.dist.is_main:
                 self.run_dir.save_checkpoint("best", self.best)
@@ -330,6 +340,7 @@ class _Training:
             self.run_dir.write_summary(summary)
         if best["step"] == 0:
             warnings.warn(
-                f"{self.config.loss}: no step beat the untrained model on validation; kept step 0", stacklevel=2
+                f"{self.config.loss}: no step beat the untrained model on validation; kept step 0",
+                stacklevel=2,
             )
         return summary

@@ -37,7 +37,7 @@ def eval_mode(module: torch.nn.Module) -> Iterator[None]:
 
 
 class FrozenWorkload:
-    """Training on cached features: ``train_views`` is (views, n_train, d), view 0 the serving preprocessing."""
+    """Training on cached features: ``train_views`` is (views, n_train, d), view 0 being the serving one."""
 
     def __init__(
         self,

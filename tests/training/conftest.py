@@ -13,7 +13,7 @@ from tests.conftest import make_image
 
 
 def write_labelled_folder(root: Path, classes: int = 12, per_class: int = 5, size: int = 64) -> Path:
-    """``root/class_XX/img_Y.png``: each class is one generated picture, its images crops/flips/tints of it."""
+    """``root/class_XX/img_Y.png``: each class is one generated picture; its images are crops/tints of it."""
     for label in range(classes):
         base = make_image(1000 + label, (size + 16, size + 16))
         folder = root / f"class_{label:02d}"

@@ -47,7 +47,9 @@ def test_csv_with_split_column(labelled_folder: Path, tmp_path: Path) -> None:
     rows = []
     for label in range(6):
         split = "train" if label < 3 else ("val" if label < 4 else "test")
-        rows += [f"{labelled_folder.name}/class_{label:02d}/img_{i}.png,car {label},{split}" for i in range(5)]
+        rows += [
+            f"{labelled_folder.name}/class_{label:02d}/img_{i}.png,car {label},{split}" for i in range(5)
+        ]
     table = _write_csv(labelled_folder.parent / "listing.csv", rows)
     data = load_labelled_images(table)
     assert data.class_names[0] == "car 0" and len(data) == 30
@@ -65,9 +67,7 @@ def test_csv_with_split_column(labelled_folder: Path, tmp_path: Path) -> None:
         ("path,label", ["nope.png,x"], "do not exist"),
     ],
 )
-def test_bad_csv_is_a_clear_error(
-    labelled_folder: Path, header: str, rows: list[str], message: str
-) -> None:
+def test_bad_csv_is_a_clear_error(labelled_folder: Path, header: str, rows: list[str], message: str) -> None:
     table = _write_csv(labelled_folder.parent / f"bad_{abs(hash(message))}.csv", rows, header)
     with pytest.raises(DataError, match=message):
         load_labelled_images(table)
@@ -81,7 +81,7 @@ def test_a_class_in_two_splits_is_refused(labelled_folder: Path) -> None:
 
 
 def test_missing_source_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="neither an image folder nor a .csv"):
+    with pytest.raises(DataError, match=r"neither an image folder nor a \.csv"):
         load_labelled_images(tmp_path / "nothing")
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no labelled images"):

@@ -34,9 +34,20 @@ def test_two_cpu_processes_end_with_identical_weights(
     config_path.write_text(config.model_dump_json())
     out = tmp_path / "run"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        str(REPO / "tests" / "training" / "ddp_worker.py"), str(config_path), str(out),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--nnodes",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(REPO / "tests" / "training" / "ddp_worker.py"),
+        str(config_path),
+        str(out),
     ]
     environment = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=300)

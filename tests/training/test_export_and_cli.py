@@ -34,8 +34,13 @@ def trained_run(labelled_folder: Path, feature_cache: Path, tmp_path_factory: py
     """A short frozen run whose best checkpoint then gets a non-zero residual MLP (so export covers it)."""
     out = tmp_path_factory.mktemp("trained") / "run"
     config = TrainConfig(
-        loss="contrastive", data=str(labelled_folder), cache_dir=str(feature_cache),
-        max_steps=4, eval_every=2, embedding_dim=16, head_hidden=32,
+        loss="contrastive",
+        data=str(labelled_folder),
+        cache_dir=str(feature_cache),
+        max_steps=4,
+        eval_every=2,
+        embedding_dim=16,
+        head_hidden=32,
     )
     train(config, out, progress=False)
     run = RunDirectory(out)
@@ -102,8 +107,13 @@ def test_truncated_jpeg_is_skipped_with_a_warning(
     load_image_file(data / "class_01" / "img_0.png").save(broken, quality=90)
     broken.write_bytes(broken.read_bytes()[:-400])  # cut off the end, like Cars196's train_08144.jpg
     config = TrainConfig(
-        loss="contrastive", data=str(data), cache_dir=str(feature_cache),
-        max_steps=2, eval_every=2, embedding_dim=16, head_hidden=32,
+        loss="contrastive",
+        data=str(data),
+        cache_dir=str(feature_cache),
+        max_steps=2,
+        eval_every=2,
+        embedding_dim=16,
+        head_hidden=32,
     )
     with pytest.warns(UserWarning, match="skipped unreadable image .*broken.jpg"):
         summary = train(config, tmp_path / "run", progress=False)
@@ -112,11 +122,30 @@ def test_truncated_jpeg_is_skipped_with_a_warning(
 
 def test_cli_train_eval_export(labelled_folder: Path, feature_cache: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    result = runner.invoke(app, [
-        "train", "--loss", "triplet", "--data", str(labelled_folder), "--out", str(out),
-        "--cache-dir", str(feature_cache), "-p", "max_steps=3", "-p", "eval_every=3",
-        "-p", "embedding_dim=16", "-p", "head-hidden=32", "-p", "margin=0.3",
-    ])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--loss",
+            "triplet",
+            "--data",
+            str(labelled_folder),
+            "--out",
+            str(out),
+            "--cache-dir",
+            str(feature_cache),
+            "-p",
+            "max_steps=3",
+            "-p",
+            "eval_every=3",
+            "-p",
+            "embedding_dim=16",
+            "-p",
+            "head-hidden=32",
+            "-p",
+            "margin=0.3",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "test        recall@1" in result.output
     config = RunDirectory(out).require_config()
@@ -130,7 +159,9 @@ def test_cli_train_eval_export(labelled_folder: Path, feature_cache: Path, tmp_p
     assert result.exit_code == 0, result.output
     assert Embedder(out / "model.onnx").dim == 16
 
-    result = runner.invoke(app, ["eval", str(out / "model.onnx"), "--data", str(labelled_folder), "--split", "val"])
+    result = runner.invoke(
+        app, ["eval", str(out / "model.onnx"), "--data", str(labelled_folder), "--split", "val"]
+    )
     assert result.exit_code == 0 and "recall@1" in result.output, result.output
 
 
@@ -139,9 +170,18 @@ def test_cli_train_eval_export(labelled_folder: Path, feature_cache: Path, tmp_p
     [
         (["train", "--loss", "nope", "--data", "{data}", "--out", "{out}"], "unknown loss 'nope'"),
         (["train", "--loss", "ms", "--data", "{out}/missing", "--out", "{out}"], "does not exist"),
-        (["train", "--loss", "ms", "--data", "{data}", "--out", "{out}", "-p", "speed=9"], "unknown hyperparameter"),
-        (["train", "--loss", "ms", "--data", "{data}", "--out", "{out}", "-p", "lr=-1"], "invalid training setting"),
-        (["train", "--loss", "ms", "--data", "{data}", "--out", "{out}", "--train-classes", "40"], "between 1 and 11"),
+        (
+            ["train", "--loss", "ms", "--data", "{data}", "--out", "{out}", "-p", "speed=9"],
+            "unknown hyperparameter",
+        ),
+        (
+            ["train", "--loss", "ms", "--data", "{data}", "--out", "{out}", "-p", "lr=-1"],
+            "invalid training setting",
+        ),
+        (
+            ["train", "--loss", "ms", "--data", "{data}", "--out", "{out}", "--train-classes", "40"],
+            "between 1 and 11",
+        ),
         (["eval", "{out}"], "not a training run"),
         (["eval", "{data}/class_00/img_0.png"], "neither a run directory nor a .onnx"),
         (["export", "{out}"], "not a training run"),

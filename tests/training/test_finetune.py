@@ -18,9 +18,19 @@ def test_finetune_trains_the_backbone_slowly_and_keeps_batch_norm_statistics(
 ) -> None:
     data = write_labelled_folder(tmp_path / "images", classes=8, per_class=3, size=48)
     config = TrainConfig(
-        loss="contrastive", data=str(data), mode="finetune", cache_dir=str(feature_cache),
-        max_steps=2, eval_every=2, embedding_dim=8, head_hidden=16, lr=1e-3,
-        classes_per_batch=2, samples_per_class=2, workers=0, eval_batch_size=8,
+        loss="contrastive",
+        data=str(data),
+        mode="finetune",
+        cache_dir=str(feature_cache),
+        max_steps=2,
+        eval_every=2,
+        embedding_dim=8,
+        head_hidden=16,
+        lr=1e-3,
+        classes_per_batch=2,
+        samples_per_class=2,
+        workers=0,
+        eval_batch_size=8,
     )
     summary = train(config, tmp_path / "run", progress=False)
     assert summary["mode"] == "finetune" and summary["steps"] == 2
@@ -29,8 +39,11 @@ def test_finetune_trains_the_backbone_slowly_and_keeps_batch_norm_statistics(
     groups = last["optimizer"]["param_groups"]
     assert [group["lr"] for group in groups] == [1e-3, 1e-4]
     pretrained = create_backbone().state_dict()
-    trained = {key.removeprefix("backbone."): value for key, value in last["objective"].items()
-               if key.startswith("backbone.")}
+    trained = {
+        key.removeprefix("backbone."): value
+        for key, value in last["objective"].items()
+        if key.startswith("backbone.")
+    }
     assert trained.keys() == pretrained.keys()
     changed = [key for key in pretrained if not torch.equal(trained[key], pretrained[key])]
     assert any(key.endswith("weight") for key in changed), "backbone weights trained"

@@ -68,7 +68,7 @@ def test_neighbourhood_index_recovers_the_blobs() -> None:
 
 
 def test_neighbourhood_batch_is_a_seed_cluster_and_its_nearest_impostors() -> None:
-    sampler, labels, embeddings = _magnet()
+    sampler, _, _ = _magnet()
     indices = sampler.next_indices()
     clusters = sampler.assignment[indices].reshape(4, 5)
     assert (clusters == clusters[:, :1]).all(), "D consecutive examples per cluster"
@@ -97,7 +97,9 @@ def test_seed_clusters_follow_their_loss_and_none_starves() -> None:
         sampler.after_step(members, _FakeMagnet(torch.full((len(members),), value)))
     probabilities = sampler.cluster_probabilities()
     assert probabilities.sum() == pytest.approx(1.0)
-    assert probabilities[0] / probabilities[1] == pytest.approx((0.9 * 0.9 + 0.1 / 30) / (0.9 * 0.1 + 0.1 / 30))
+    assert probabilities[0] / probabilities[1] == pytest.approx(
+        (0.9 * 0.9 + 0.1 / 30) / (0.9 * 0.1 + 0.1 / 30)
+    )
     assert probabilities.min() == pytest.approx(0.1 / 30)  # the floor: zero-loss clusters still drawn
     seeds = [sampler.assignment[sampler.next_indices()[0]] for _ in range(3000)]
     counts = np.bincount(seeds, minlength=30)

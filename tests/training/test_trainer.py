@@ -69,7 +69,10 @@ def test_interrupted_run_resumes_to_the_same_weights(
     assert straight.keys() == resumed.keys()
     for key in straight:
         torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)
-    assert RunDirectory(tmp_path / "resumed").read_metrics() == RunDirectory(tmp_path / "straight").read_metrics()
+    assert (
+        RunDirectory(tmp_path / "resumed").read_metrics()
+        == RunDirectory(tmp_path / "straight").read_metrics()
+    )
 
 
 def test_a_run_directory_refuses_a_different_config(

@@ -86,9 +86,12 @@ def contrastive_loss(
     pairs, including the satisfied (zero) ones; pml's default ``AvgNonZeroReducer`` averages the
     non-zero ones only, which silently re-weights pairs by how many happen to be active.
     """
-    pull = (dist - pos_margin).relu().pow(power) / power
-    push = (neg_margin - dist).relu().pow(power) / power
-    return masked_mean(pull, pos_mask) + masked_mean(push, neg_mask)
+    # one hinge matrix and one weight matrix (1/|P| on P, 1/|N| on N, 0 on the diagonal): half the
+    # (B, B) passes of two separate masked means
+    hinge = torch.where(pos_mask, dist - pos_margin, neg_margin - dist).relu()
+    pos_w, neg_w = pos_mask.to(dist.dtype), neg_mask.to(dist.dtype)
+    weight = pos_w / pos_w.sum().clamp_min(1) + neg_w / neg_w.sum().clamp_min(1)
+    return (hinge.pow(power) * weight).sum() / power
 
 
 def triplet_loss(dist: Tensor, pos_mask: Tensor, neg_mask: Tensor, margin: float) -> Tensor:
@@ -150,8 +153,8 @@ def lifted_structure_loss(
     For each positive pair (i, j):
     ``J_ij = log( sum_{k in N_i} exp(m_neg - D_ik) + sum_{l in N_j} exp(m_neg - D_jl) ) + D_ij - m_pos``
     and ``L = 1 / (2 |P|) sum_{(i,j) in P} [J_ij]_+^2`` (Song's ``alpha`` is ``m_neg``; ``m_pos = 0`` is
-    Song's form). pml builds a (|P|, |N|) matrix of which negatives belong to which pair, O(B^4)
-    entries for a balanced batch; here the two sums are per-row log-sum-exps ``L_i`` and
+    Song's form). pml builds a (|P|, |N|) matrix of which negatives belong to which pair, about
+    n B^3 entries for ``m classes x n``; here the two sums are per-row log-sum-exps ``L_i`` and
     ``J_ij = logaddexp(L_i, L_j) + D_ij - m_pos``, which is O(B^2).
     """
     if not pos_mask.any() or not neg_mask.any():

@@ -1,0 +1,107 @@
+"""Combine the FAISS shard directories of one gallery (``build-index --shard I/N``) into one index.
+
+Items are copied in sorted path order, content duplicates across shards keep the first path, so ids come
+out exactly as a single-process build of the whole gallery gives them. The FAISS index is trained once on
+a sample of all vectors; each shard's vectors fill their own copy of the trained index and the parts are
+merged with faiss's IVF merge (``faiss.merge_into``), as faiss's recipe for building in pieces does.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from index.gallery import GalleryIndex, replace_directory
+from index.items import ItemStore
+from index.manifest import MANIFEST_NAME, Manifest
+from index.protocol import Item
+from index.selection import IndexOptions
+from index.sharding import Shard
+
+COPY_CHUNK = 4096
+
+
+def _check_shards(manifests: Sequence[Manifest], directories: Sequence[Path]) -> None:
+    first = manifests[0]
+    for manifest, directory in zip(manifests, directories, strict=True):
+        if manifest.backend != "faiss":
+            raise ValueError(f"{directory} is a {manifest.backend} index: only FAISS shard directories merge")
+        if manifest.shard is None:
+            raise ValueError(f"{directory} is not a shard (build it with --shard I/N)")
+        if (manifest.model_fingerprint, manifest.dim) != (first.model_fingerprint, first.dim):
+            raise ValueError(f"{directory} was built with another model than {directories[0]}")
+        if manifest.gallery_root != first.gallery_root:
+            raise ValueError(f"{directory} indexes {manifest.gallery_root}, not {first.gallery_root}")
+    shards = [Shard.parse(manifest.shard) for manifest in manifests]
+    count = shards[0].count
+    if sorted(shard.index for shard in shards) != list(range(count)) or any(s.count != count for s in shards):
+        got = ", ".join(str(shard) for shard in shards)
+        raise ValueError(f"need each shard I/{count} for I = 0 .. {count - 1} exactly once, got {got}")
+
+
+def merge_shards(
+    shard_dirs: Sequence[Path], out_dir: Path, *, options: IndexOptions | None = None, progress: bool = True
+) -> GalleryIndex:
+    """Write the merged index to ``out_dir`` (aside first, then swapped in) and return it opened."""
+    if not shard_dirs:
+        raise ValueError("no shard directories to merge")
+    manifests = [Manifest.load(directory) for directory in shard_dirs]
+    _check_shards(manifests, shard_dirs)
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / MANIFEST_NAME).exists():
+        raise ValueError(f"refusing to write into {out_dir}: it is not empty and not an index directory")
+    stores = [ItemStore(directory, manifests[0].dim) for directory in shard_dirs]
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.merging.", dir=out_dir.parent))
+    try:
+        merged = GalleryIndex.create(
+            staging,
+            dim=manifests[0].dim,
+            model_fingerprint=manifests[0].model_fingerprint,
+            gallery_root=Path(manifests[0].gallery_root) if manifests[0].gallery_root else None,
+            options=options or manifests[0].options,
+        )
+        partitions = _copy_items(stores, merged.backend.store, progress)
+        merged.backend.build(merged.manifest.options, retune=True, partitions=partitions, progress=progress)
+        merged.save()
+        merged.close()
+        replace_directory(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        for store in stores:
+            store.close()
+    return GalleryIndex.open(out_dir)
+
+
+def _copy_items(stores: Sequence[ItemStore], target: ItemStore, progress: bool) -> list[np.ndarray]:
+    """Copy every shard's items and vectors in path order; return the new ids that came from each shard."""
+    first_by_content: dict[str, tuple[int, Item]] = {}
+    for number, store in enumerate(stores):
+        for item in store.scan():
+            kept = first_by_content.get(item.content_hash)
+            if kept is None or item.path < kept[1].path:
+                first_by_content[item.content_hash] = (number, item)
+    ordered = sorted(first_by_content.values(), key=lambda pair: pair[1].path)
+    new_ids: list[list[int]] = [[] for _ in stores]
+    bar = tqdm(total=len(ordered), desc="copying shard items", unit="item", disable=not progress)
+    for start in range(0, len(ordered), COPY_CHUNK):
+        chunk = ordered[start : start + COPY_CHUNK]
+        vectors = np.zeros((len(chunk), target.dim), dtype=np.float32)
+        for number, store in enumerate(stores):
+            positions = [i for i, (owner, _) in enumerate(chunk) if owner == number]
+            if positions:
+                vectors[positions] = store.vectors(np.array([chunk[i][1].id for i in positions], np.int64))
+        ids = target.add(
+            vectors,
+            [(item.path, item.label, item.content_hash) for _, item in chunk],
+            added=[item.added for _, item in chunk],
+        )
+        for (number, _), new_id in zip(chunk, ids, strict=True):
+            new_ids[number].append(new_id)
+        bar.update(len(chunk))
+    bar.close()
+    return [np.array(ids, dtype=np.int64) for ids in new_ids if ids]

@@ -1,0 +1,153 @@
+"""One behaviour suite for every backend: FAISS flat, HNSW, IVF, IVF-PQ, and Milvus Lite (a real engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from index.gallery import GalleryIndex
+from index.selection import IndexOptions
+from tests.index.conftest import clustered_vectors, entries
+
+DIM = 16
+COUNT = 600
+BACKENDS = ["faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfpq", "milvus-lite"]
+# Fraction of exact top-10 neighbours each backend must find on these small sets (PQ codes are lossy).
+MIN_RECALL = {"faiss-flat": 1.0, "faiss-hnsw": 0.9, "faiss-ivf": 0.9, "faiss-ivfpq": 0.5, "milvus-lite": 0.9}
+
+MakeIndex = Callable[[], GalleryIndex]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "milvus-lite":
+        pytest.importorskip("pymilvus")
+        pytest.importorskip("milvus_lite")
+    return request.param
+
+
+@pytest.fixture
+def make_index(backend: str, tmp_path: Path) -> MakeIndex:
+    def make() -> GalleryIndex:
+        if backend == "milvus-lite":
+            return GalleryIndex.create(
+                tmp_path / "index", dim=DIM, model_fingerprint="model-a", gallery_root=None, backend="milvus"
+            )
+        options = IndexOptions(backend.removeprefix("faiss-"), target_recall=0.95)
+        return GalleryIndex.create(
+            tmp_path / "index", dim=DIM, model_fingerprint="model-a", gallery_root=None, options=options
+        )
+
+    return make
+
+
+@pytest.fixture
+def filled(make_index: MakeIndex) -> tuple[GalleryIndex, list[int], np.ndarray]:
+    vectors = clustered_vectors(COUNT, DIM)
+    index = make_index()
+    ids = index.add(vectors, entries(COUNT))
+    index.save()
+    yield index, ids, vectors
+    index.close()
+
+
+def _exact_top(vectors: np.ndarray, ids: list[int], queries: np.ndarray, k: int) -> np.ndarray:
+    order = np.argsort(-(queries @ vectors.T), axis=1, kind="stable")[:, :k]
+    return np.asarray(ids)[order]
+
+
+def test_ids_are_distinct_and_metadata_is_kept(filled: tuple[GalleryIndex, list[int], np.ndarray]) -> None:
+    index, ids, _ = filled
+    assert len(set(ids)) == COUNT == len(index)
+    item = index.items.get(ids[5])
+    assert (item.path, item.label, item.content_hash) == entries(COUNT)[5]
+    assert index.items.get_by_path("img/00007.png").id == ids[7]
+    assert index.items.get_by_path("img/missing.png") is None
+    assert [i.id for i in index.items.page(0, 3)] == sorted(ids)[:3]
+    assert {i.id for i in index.items.scan()} == set(ids)
+
+
+def test_search_returns_cosine_scores_best_first_and_finds_neighbours(
+    filled: tuple[GalleryIndex, list[int], np.ndarray], backend: str
+) -> None:
+    index, ids, vectors = filled
+    queries = clustered_vectors(40, DIM, seed=99)  # unseen vectors from the same clusters
+    hits = index.search(queries, 10)
+    truth = _exact_top(vectors, ids, queries, 10)
+    recall = np.mean(
+        [len({h.item.id for h in row} & set(t)) / 10 for row, t in zip(hits, truth, strict=True)]
+    )
+    assert recall >= MIN_RECALL[backend]
+    for row, query in zip(hits, queries, strict=True):
+        scores = [hit.score for hit in row]
+        assert scores == sorted(scores, reverse=True)
+        assert [hit.rank for hit in row] == list(range(1, len(row) + 1))
+        assert all(-1.0 - 1e-5 <= s <= 1.0 + 1e-5 for s in scores)
+        # The score is the cosine of the query with the item found (up to quantisation for PQ).
+        found = vectors[ids.index(row[0].item.id)]
+        tolerance = 0.1 if backend == "faiss-ivfpq" else 1e-4
+        assert row[0].score == pytest.approx(float(query @ found), abs=tolerance)
+
+
+def test_vectors_are_normalised_in_one_place(filled: tuple[GalleryIndex, list[int], np.ndarray]) -> None:
+    index, _, vectors = filled
+    scaled = [index.search(vectors[:5] * scale, 5) for scale in (1.0, 37.5)]
+    assert [[h.item.id for h in row] for row in scaled[0]] == [[h.item.id for h in row] for row in scaled[1]]
+    assert [h.score for h in scaled[1][0]] == pytest.approx([h.score for h in scaled[0][0]], abs=1e-5)
+
+
+def test_each_item_finds_itself(filled: tuple[GalleryIndex, list[int], np.ndarray], backend: str) -> None:
+    index, ids, vectors = filled
+    # PQ codes blur the tiny distances inside a tight cluster: there the item only has to be near the top.
+    depth = 10 if backend == "faiss-ivfpq" else 1
+    found = [
+        item_id in {h.item.id for h in row}
+        for item_id, row in zip(ids[:50], index.search(vectors[:50], depth), strict=True)
+    ]
+    assert np.mean(found) >= (0.9 if backend == "faiss-ivfpq" else 1.0)
+
+
+def test_removed_items_leave_results_and_ids_are_not_reused(
+    filled: tuple[GalleryIndex, list[int], np.ndarray],
+) -> None:
+    index, ids, vectors = filled
+    gone = ids[:20]
+    assert index.remove([*gone, 10**12]) == 20  # an unknown id is ignored
+    assert len(index) == COUNT - 20
+    assert index.items.get(gone[0]) is None
+    found = {h.item.id for row in index.search(vectors[:20], 10) for h in row}
+    assert not found & set(gone)
+    new_ids = index.add(vectors[:2], entries(2, prefix="again"))
+    assert not set(new_ids) & set(ids)
+    index.save()
+    assert len(index) == COUNT - 18 == index.manifest.count
+
+
+def test_saved_index_reopens_with_the_same_results(
+    filled: tuple[GalleryIndex, list[int], np.ndarray], tmp_path: Path
+) -> None:
+    index, _, vectors = filled
+    before = [[(h.item.id, round(h.score, 5)) for h in row] for row in index.search(vectors[:10], 5)]
+    index.close()
+    reopened = GalleryIndex.open(tmp_path / "index")
+    after = [[(h.item.id, round(h.score, 5)) for h in row] for row in reopened.search(vectors[:10], 5)]
+    assert after == before
+    assert reopened.manifest.count == COUNT
+    reopened.close()
+
+
+def test_k_beyond_the_gallery_and_wrong_dimensions(make_index: MakeIndex) -> None:
+    index = make_index()
+    vectors = clustered_vectors(300, DIM)
+    index.add(vectors, entries(300))
+    index.save()
+    hits = index.search(vectors[:2], 500)
+    assert [len(row) for row in hits] == [300, 300]
+    with pytest.raises(ValueError, match="dimension"):
+        index.search(np.ones((1, DIM + 1), dtype=np.float32), 3)
+    with pytest.raises(ValueError, match="dimension"):
+        index.add(np.ones((1, DIM + 1), dtype=np.float32), entries(1, prefix="bad"))
+    index.close()

@@ -1,0 +1,154 @@
+"""The FAISS layer: exact search against numpy, tuning to a target recall, memory-mapped loading, repair."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from index.faiss_build import build_faiss_index
+from index.faiss_index import FaissIndex, RemovalNotSupportedError
+from index.gallery import GalleryIndex
+from index.items import ItemStore
+from index.protocol import IndexNotBuiltError
+from index.selection import IndexOptions, IndexSpec, choose_index
+from index.sources import ArraySource
+from index.tuning import recall_at_k
+from tests.index.conftest import clustered_vectors, entries
+
+DIM = 24
+
+
+def _numpy_top_k(vectors: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    q = queries / np.linalg.norm(queries, axis=1, keepdims=True)
+    scores = q @ unit.T
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return order, np.take_along_axis(scores, order, axis=1)
+
+
+def test_exact_search_matches_a_numpy_brute_force_top_k() -> None:
+    rng = np.random.default_rng(3)
+    vectors = rng.standard_normal((700, DIM)).astype(np.float32) * rng.uniform(0.1, 9, size=(700, 1))
+    queries = rng.standard_normal((25, DIM)).astype(np.float32)
+    ids = np.arange(700, dtype=np.int64) * 7 + 3  # arbitrary, non-contiguous ids
+    index = FaissIndex.create(IndexSpec("flat", "IDMap2,Flat", DIM))
+    index.add(ids, vectors)
+    found_ids, found_scores = index.search(queries, 10)
+    order, scores = _numpy_top_k(vectors, queries, 10)
+    np.testing.assert_array_equal(found_ids, ids[order])
+    np.testing.assert_allclose(found_scores, scores, atol=1e-5)
+
+
+@pytest.mark.parametrize("index_type", ["ivf", "hnsw"])
+def test_tuning_reaches_the_target_recall_on_unseen_queries(index_type: str) -> None:
+    rng = np.random.default_rng(5)
+    vectors = rng.standard_normal((6000, DIM)).astype(np.float32)  # uniform on the sphere: the hard case
+    ids = np.arange(1, 6001, dtype=np.int64)
+    spec = choose_index(6000, DIM, IndexOptions(index_type))
+    recalls, params = {}, {}
+    for target in (0.8, 0.98):
+        index, tuning = build_faiss_index(spec, [ArraySource(ids, vectors)], target_recall=target)
+        assert tuning.met and tuning.recall >= target and tuning.queries == 600  # a tenth, held out
+        assert index.search_params == tuning.params
+        queries = rng.standard_normal((300, DIM)).astype(np.float32)  # not in the index
+        found, _ = index.search(queries, 10)
+        recalls[target] = recall_at_k(found, ids[_numpy_top_k(vectors, queries, 10)[0]])
+        params[target] = next(iter(tuning.params.values()))
+    # The recall measured at build time holds on queries the index never saw (up to sampling noise).
+    assert recalls[0.98] >= 0.95
+    assert recalls[0.8] >= 0.75
+    assert params[0.8] < params[0.98]  # a lower target buys a cheaper search
+
+
+def test_pq_ceiling_is_reported_not_hidden() -> None:
+    vectors = clustered_vectors(3000, 16, clusters=20, spread=0.05)
+    source = ArraySource(np.arange(3000), vectors)
+    spec = choose_index(3000, 16, IndexOptions("ivfpq"))
+    _, tuning = build_faiss_index(spec, [source], target_recall=0.999)
+    assert not tuning.met and tuning.recall < 0.999
+    assert 0.0 < tuning.recall <= 1.0
+
+
+def test_index_loads_memory_mapped_and_becomes_writable_on_change(tmp_path: Path) -> None:
+    vectors = clustered_vectors(2000, DIM)
+    source = ArraySource(np.arange(2000), vectors)
+    for index_type in ("flat", "ivf"):
+        built, _ = build_faiss_index(
+            choose_index(2000, DIM, IndexOptions(index_type)), [source], target_recall=0.9
+        )
+        path = tmp_path / f"{index_type}.faiss"
+        built.save(path)
+        loaded = FaissIndex.load(path, built.spec, mmap=True)
+        loaded.set_search_params(built.search_params)
+        assert loaded.read_only
+        np.testing.assert_array_equal(loaded.search(vectors[:5], 5)[0], built.search(vectors[:5], 5)[0])
+        before = path.read_bytes()
+        loaded.add(np.array([5000]), vectors[:1])  # re-read into memory first: faiss cannot change a mapping
+        assert not loaded.read_only and len(loaded) == 2001
+        assert loaded.search_params == built.search_params
+        assert path.read_bytes() == before, "the file on disk changes only on save"
+
+
+def test_hnsw_cannot_remove_in_place_so_the_gallery_rebuilds_it(tmp_path: Path) -> None:
+    vectors = clustered_vectors(500, DIM)
+    index, _ = build_faiss_index(
+        IndexSpec("hnsw", "IDMap2,HNSW16", DIM), [ArraySource(np.arange(500), vectors)], target_recall=0.9
+    )
+    with pytest.raises(RemovalNotSupportedError):
+        index.remove(np.array([3]))
+    gallery = GalleryIndex.create(
+        tmp_path / "g", dim=DIM, model_fingerprint="m", gallery_root=None, options=IndexOptions("hnsw")
+    )
+    ids = gallery.add(vectors, entries(500))
+    gallery.save()
+    assert gallery.remove(ids[:3]) == 3
+    assert len(gallery.backend.index) == 497
+    assert not {h.item.id for row in gallery.search(vectors[:3], 5) for h in row} & set(ids[:3])
+    gallery.close()
+
+
+def test_a_crash_between_store_and_index_is_repaired_on_open(tmp_path: Path) -> None:
+    vectors = clustered_vectors(400, DIM)
+    gallery = GalleryIndex.create(tmp_path / "g", dim=DIM, model_fingerprint="m", gallery_root=None)
+    ids = gallery.add(vectors[:300], entries(300))
+    gallery.save()
+    gallery.close()
+    # What a process killed after committing to SQLite but before writing vectors.faiss leaves behind.
+    store = ItemStore(tmp_path / "g", DIM)
+    late = store.add(vectors[300:], entries(100, prefix="late"))
+    store.remove(ids[:10])
+    store.close()
+    reopened = GalleryIndex.open(tmp_path / "g")
+    assert len(reopened.backend.index) == len(reopened) == 390
+    assert reopened.search(vectors[350:351], 1)[0][0].item.id == late[50]
+    assert not {h.item.id for h in reopened.search(vectors[:10], 20)[0]} & set(ids[:10])
+    reopened.close()
+
+
+def test_an_interrupted_first_build_says_how_to_finish(tmp_path: Path) -> None:
+    gallery = GalleryIndex.create(
+        tmp_path / "g", dim=DIM, model_fingerprint="m", gallery_root=None, options=IndexOptions("ivf")
+    )
+    gallery.add(clustered_vectors(100, DIM), entries(100))
+    with pytest.raises(IndexNotBuiltError, match="build-index"):
+        gallery.search(clustered_vectors(1, DIM), 3)
+    gallery.close()
+
+
+def test_the_manifest_records_what_was_built(tmp_path: Path) -> None:
+    gallery = GalleryIndex.create(
+        tmp_path / "g",
+        dim=DIM,
+        model_fingerprint="m",
+        gallery_root=None,
+        options=IndexOptions("ivf", target_recall=0.9),
+    )
+    gallery.add(clustered_vectors(2000, DIM), entries(2000))
+    gallery.save()
+    manifest = GalleryIndex.open(tmp_path / "g").manifest
+    assert manifest.index_type == "ivf" and manifest.index_spec.startswith("IVF")
+    assert manifest.achieved_recall >= 0.9 and manifest.recall_queries == 200
+    assert set(manifest.search_params) == {"nprobe"}
+    assert manifest.count == 2000 and manifest.target_recall == 0.9
