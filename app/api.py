@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.concurrency import run_in_threadpool
 
+from app.compute import ComputeSlots, default_slots
 from app.errors import install_error_handlers
 from app.metrics import Metrics
 from app.middleware import BodySizeLimitMiddleware, RateLimitMiddleware, RequestMetricsMiddleware
@@ -25,6 +26,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.compute = ComputeSlots(settings.compute_slots or default_slots())
         app.state.engine = await run_in_threadpool(EngineState.load, settings)
         yield
         if app.state.engine.service is not None:

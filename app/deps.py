@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 from fastapi import Depends, Header, Path, Query, Request
 
+from app.compute import ComputeSlots
 from app.errors import ApiError
 from app.metrics import Metrics
 from app.settings import Settings
@@ -27,6 +28,10 @@ async def get_settings(request: Request) -> Settings:
 
 async def get_metrics(request: Request) -> Metrics:
     return request.app.state.metrics
+
+
+async def get_compute(request: Request) -> ComputeSlots:
+    return request.app.state.compute
 
 
 async def ready_service(request: Request) -> SearchService:
@@ -75,3 +80,4 @@ Service = Annotated[SearchService, Depends(ready_service)]
 Options = Annotated[SearchOptions, Depends(search_options)]
 AppSettings = Annotated[Settings, Depends(get_settings)]
 AppMetrics = Annotated[Metrics, Depends(get_metrics)]
+Compute = Annotated[ComputeSlots, Depends(get_compute)]

@@ -33,7 +33,8 @@ class Metrics:
         )
         self.stages = Histogram(
             "dmlsearch_stage_duration_seconds",
-            "Latency of one stage of a query: upload (body parsing), decode, preprocess, embed, search.",
+            "Latency of one stage of a query: upload (receiving it), queue (waiting for a compute slot), "
+            "decode, preprocess, embed, search.",
             ["stage"],
             buckets=_BUCKETS,
             registry=self.registry,

@@ -35,14 +35,13 @@ class SearchOut(BaseModel):
     model_fingerprint: str
 
     @classmethod
-    def of(cls, response: SearchResponse, upload_ms: float | None = None) -> SearchOut:
-        """``upload_ms``: time spent receiving the query image, when there was one."""
-        uploaded = {} if upload_ms is None else {"upload": upload_ms}
+    def of(cls, response: SearchResponse, before_ms: dict[str, float]) -> SearchOut:
+        """``before_ms``: the stages before the engine's (receiving the upload, waiting for a slot)."""
         return cls(
             results=[ResultOut(**vars(result)) for result in response.results],
             prediction=PredictionOut.of(response.prediction),
-            took_ms=response.took_ms + (upload_ms or 0.0),
-            timings_ms={**uploaded, **response.timings_ms},
+            took_ms=response.took_ms + sum(before_ms.values()),
+            timings_ms={**before_ms, **response.timings_ms},
             model_fingerprint=response.model_fingerprint,
         )
 
@@ -66,11 +65,11 @@ class BatchSearchOut(BaseModel):
     model_fingerprint: str
 
     @classmethod
-    def of(cls, response: BatchResponse, upload_ms: float) -> BatchSearchOut:
+    def of(cls, response: BatchResponse, before_ms: dict[str, float]) -> BatchSearchOut:
         return cls(
             queries=[QueryOut.of(hits) for hits in response.queries],
-            took_ms=response.took_ms + upload_ms,
-            timings_ms={"upload": upload_ms, **response.timings_ms},
+            took_ms=response.took_ms + sum(before_ms.values()),
+            timings_ms={**before_ms, **response.timings_ms},
             model_fingerprint=response.model_fingerprint,
         )
 

@@ -14,7 +14,12 @@ class Settings(BaseSettings):
 
     index_path: Path = Path("artifacts/index")
     model_path: Path = Path("artifacts/model/model.onnx")
+    backend: str | None = Field(None, pattern="^(faiss|milvus)$", description="expected index backend")
+    milvus_uri: str | None = Field(None, description="reach the index's Milvus collection here instead")
     threads: int = Field(0, ge=0, description="onnxruntime intra-op threads (0 = all cores)")
+    compute_slots: int = Field(
+        0, ge=0, description="queries decoded and embedded at once; more wait in line (0 = one per CPU core)"
+    )
     api_key: SecretStr | None = Field(
         None, description="X-API-Key required by POST/DELETE /v1/items; writes are disabled when unset"
     )

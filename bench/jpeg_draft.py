@@ -1,13 +1,16 @@
 """Does JPEG draft decoding (libjpeg's reduced-size DCT) change retrieval? Recall@K, full vs draft decoding.
 
     python bench/jpeg_draft.py --data ../shared/data/cars196/images [--classes 98] [--size 1600]
+                               [--draft-sizes 224,448]
 
 Real queries are phone photos, not 224-pixel crops. Each Cars196 test image (the DML protocol's unseen
 classes) is upscaled to ``--size`` pixels on a side and re-encoded as a JPEG, like a photo straight off a
-phone. The same bytes are then decoded twice: in full, and with ``draft`` (what the server does), and both
-sets are embedded with the same model. Recall@1/2/4/8 of the two sets, how often each image's nearest
-neighbour agrees, the cosine between the two embeddings of each image, and the time per image to decode
-and preprocess (resize, crop, normalise) are printed (and written with ``--json``), all from one run.
+phone. The same bytes are then decoded in full and with ``draft`` at each requested size (the server uses
+the model's resize size), and every decoding is embedded with the same model. For each: Recall@1/2/4/8 and
+MAP@R, the time per image to decode and preprocess (resize, crop, normalise), how often each image's
+nearest neighbour agrees with full decoding, the cosine between its embedding and the full one, and a paired
+sign test on the queries that one decoding gets right at rank 1 and the other wrong. All from one run,
+printed and written with ``--json``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+from scipy.stats import binomtest
 from tqdm import tqdm
 
 from engine.embedder import Embedder
@@ -57,6 +61,11 @@ def main() -> None:
     parser.add_argument("--quality", type=int, default=90)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument(
+        "--draft-sizes",
+        type=lambda text: [int(size) for size in text.split(",")],
+        help="comma-separated draft sizes to compare (default: the model's resize size, as served)",
+    )
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
 
@@ -69,54 +78,73 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         model = args.model or backbone_model(Path(workdir), "efficientnet_lite0")
         embedder = Embedder(model, threads=args.threads)
-    draft_size = embedder.card.preprocessing.resize_size
-    full_vectors, draft_vectors, kept = [], [], []
-    full_ms, draft_ms, draft_sides = [], [], []
+    draft_sizes = args.draft_sizes or [embedder.card.preprocessing.resize_size]
+    decoders = {"full": None, **{f"draft_{size}": size for size in draft_sizes}}
+    vectors: dict[str, list[np.ndarray]] = {name: [] for name in decoders}
+    milliseconds: dict[str, list[float]] = {name: [] for name in decoders}
+    sides: dict[str, list[int]] = {name: [] for name in decoders}
+    kept = []
     for start in tqdm(range(0, len(files), args.batch_size), desc="phone photos", unit="batch"):
-        full_batch, draft_batch = [], []
+        tensors: dict[str, list[np.ndarray]] = {name: [] for name in decoders}
         for row in range(start, min(start + args.batch_size, len(files))):
             try:
                 photo = phone_photo(files[row], args.size, args.quality)
             except OSError as err:  # the data set's one truncated JPEG, for example
                 tqdm.write(f"skipped {files[row]}: {err}")
                 continue
-            full, _, full_time = timed_decode(embedder, photo, None)
-            draft, draft_side, draft_time = timed_decode(embedder, photo, draft_size)
-            full_batch.append(full)
-            draft_batch.append(draft)
-            full_ms.append(full_time)
-            draft_ms.append(draft_time)
-            draft_sides.append(draft_side)
+            for name, draft_size in decoders.items():
+                tensor, side, elapsed = timed_decode(embedder, photo, draft_size)
+                tensors[name].append(tensor)
+                sides[name].append(side)
+                milliseconds[name].append(elapsed)
             kept.append(row)
-        if full_batch:
-            full_vectors.append(embedder.embed_tensor(np.concatenate(full_batch)))
-            draft_vectors.append(embedder.embed_tensor(np.concatenate(draft_batch)))
-    full_vectors, draft_vectors = np.concatenate(full_vectors), np.concatenate(draft_vectors)
+        for name, batch in tensors.items():
+            if batch:
+                vectors[name].append(embedder.embed_tensor(np.concatenate(batch)))
+    embeddings = {name: np.concatenate(chunks) for name, chunks in vectors.items()}
     labels = labels[kept]
 
-    full_metrics = retrieval_metrics(full_vectors, labels)
-    draft_metrics = retrieval_metrics(draft_vectors, labels)
-    agreement = float((nearest_neighbours(full_vectors, 1) == nearest_neighbours(draft_vectors, 1)).mean())
-    cosines = np.sum(full_vectors * draft_vectors, axis=1)
+    full = embeddings["full"]
+    full_correct = labels[nearest_neighbours(full, 1)[:, 0]] == labels
+    results = {}
+    for name, vecs in embeddings.items():
+        entry = {
+            "decoded_short_side_median": int(np.median(sides[name])),
+            "decode_and_preprocess_ms_median": round(float(np.median(milliseconds[name])), 2),
+            **{metric: round(100 * value, 2) for metric, value in retrieval_metrics(vecs, labels).items()},
+        }
+        if name != "full":
+            correct = labels[nearest_neighbours(vecs, 1)[:, 0]] == labels
+            only_full, only_draft = int((full_correct & ~correct).sum()), int((correct & ~full_correct).sum())
+            cosines = np.sum(full * vecs, axis=1)
+            entry |= {
+                "speedup_vs_full": round(
+                    float(np.median(milliseconds["full"]) / np.median(milliseconds[name])), 2
+                ),
+                "top1_neighbour_agreement_pct": round(
+                    100 * float((nearest_neighbours(full, 1) == nearest_neighbours(vecs, 1)).mean()), 2
+                ),
+                "embedding_cosine_to_full": {
+                    "mean": round(float(cosines.mean()), 5),
+                    "min": round(float(cosines.min()), 5),
+                },
+                # Paired test of Recall@1: queries right with one decoding and wrong with the other.
+                "recall@1_discordant": {"only_full_right": only_full, "only_draft_right": only_draft},
+                "recall@1_sign_test_p": round(
+                    float(binomtest(only_full, only_full + only_draft).pvalue)
+                    if only_full + only_draft
+                    else 1.0,
+                    4,
+                ),
+            }
+        results[name] = entry
     result = {
         "model": str(args.model or "pretrained efficientnet_lite0"),
         "fingerprint": embedder.fingerprint,
         "images": len(kept),
         "classes": len(chosen_classes),
         "photo_size": f"{args.size}x{args.size} JPEG q{args.quality}",
-        "draft_decoded_short_side": int(np.median(draft_sides)),
-        "full": {name: round(100 * value, 2) for name, value in full_metrics.items()},
-        "draft": {name: round(100 * value, 2) for name, value in draft_metrics.items()},
-        "top1_neighbour_agreement_pct": round(100 * agreement, 2),
-        "embedding_cosine_full_vs_draft": {
-            "mean": round(float(cosines.mean()), 5),
-            "min": round(float(cosines.min()), 5),
-        },
-        "decode_and_preprocess_ms_median": {
-            "full": round(float(np.median(full_ms)), 2),
-            "draft": round(float(np.median(draft_ms)), 2),
-        },
-        "decode_and_preprocess_speedup": round(float(np.median(full_ms) / np.median(draft_ms)), 2),
+        "decodings": results,
     }
     print(json.dumps(result, indent=2))
     if args.json:

@@ -60,6 +60,7 @@ class LoadResult:
     )
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    rss_mb: list[float] = field(default_factory=list)  # the server's, once a second
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -156,10 +157,15 @@ def search_once(http: httpx.Client, url: str, query: Query, k: int) -> tuple[flo
     return elapsed, body, None
 
 
-def run_load(url: str, queries: list[Query], clients: int, seconds: float, k: int) -> LoadResult:
+def run_load(url: str, queries: list[Query], clients: int, seconds: float, k: int, pid: int) -> LoadResult:
     result = LoadResult()
     lock = threading.Lock()
     deadline = time.monotonic() + seconds
+
+    def sample_memory() -> None:
+        while time.monotonic() < deadline:
+            result.rss_mb.append(rss_mb(pid))
+            time.sleep(1.0)
 
     def client(seed: int) -> None:
         rng = np.random.default_rng(seed)
@@ -177,6 +183,7 @@ def run_load(url: str, queries: list[Query], clients: int, seconds: float, k: in
 
     started = time.monotonic()
     threads = [threading.Thread(target=client, args=(seed,)) for seed in range(clients)]
+    threads.append(threading.Thread(target=sample_memory))
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -275,10 +282,10 @@ def main() -> None:
         try:
             wait_ready(url, server)
             print(f"warm-up {args.warmup:.0f} s with {args.clients} clients", flush=True)
-            run_load(url, queries, args.clients, args.warmup, args.k)
+            run_load(url, queries, args.clients, args.warmup, args.k, server.pid)
             rss_before = rss_mb(server.pid)
             print(f"load {args.duration:.0f} s with {args.clients} clients", flush=True)
-            load = run_load(url, queries, args.clients, args.duration, args.k)
+            load = run_load(url, queries, args.clients, args.duration, args.k, server.pid)
             rss_after = rss_mb(server.pid)
             print("single queries, one at a time", flush=True)
             single = {
@@ -324,7 +331,11 @@ def main() -> None:
             kind: {stage: round(percentile(ms, 50), 2) for stage, ms in stages.items()}
             for kind, stages in load.stages_ms.items()
         },
-        "server_rss_mb": {"after_warmup": round(rss_before, 1), "after_load": round(rss_after, 1)},
+        "server_rss_mb": {
+            "after_warmup": round(rss_before, 1),
+            "after_load": round(rss_after, 1),
+            "every_10s_under_load": [round(mb, 1) for mb in load.rss_mb[::10]],
+        },
         "single_query_overhead": overhead,
     }
     text = json.dumps(result, indent=2)

@@ -27,6 +27,9 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     threads: Annotated[int | None, typer.Option(min=0, help="onnxruntime threads (0 = all cores).")] = None,
+    compute_slots: Annotated[
+        int | None, typer.Option(min=0, help="Queries decoded/embedded at once (0 = one per CPU core).")
+    ] = None,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -64,6 +67,7 @@ def serve(
         "index_path": index,
         "model_path": model,
         "threads": threads,
+        "compute_slots": compute_slots,
         "api_key": api_key,
         "max_upload_bytes": max_upload_bytes,
         "max_image_pixels": max_image_pixels,

@@ -93,6 +93,11 @@ class FaissBackend:
         return removed
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.index is None and self.manifest.shard is not None:
+            raise IndexNotBuiltError(
+                f"{self.directory} is shard {self.manifest.shard} of a gallery: it stores vectors only; "
+                "combine the shards with dmlsearch index merge, then search the merged index"
+            )
         if self.index is None:
             raise IndexNotBuiltError(
                 f"{self.directory} holds {len(self.store)} stored vectors but no search index yet "

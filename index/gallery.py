@@ -128,11 +128,11 @@ class GalleryIndex:
 
         Rebuilds from the stored vectors, without re-embedding, when ``options`` (default: the manifest's)
         pick another index than the one built; otherwise re-tunes when ``retune``. Returns whether it
-        rebuilt.
+        rebuilt. A FAISS shard directory only stores vectors: ``index.merge`` builds the index.
         """
         if options is not None:
             self.manifest.set_options(options)
-        if self.manifest.backend != "faiss":
+        if not self._builds_faiss:
             return False
         return self.backend.build(self.manifest.options, retune=retune, progress=progress)
 
@@ -168,9 +168,13 @@ class GalleryIndex:
             info["estimated_memory_bytes"] = spec.memory_bytes(len(self))
         return info
 
+    @property
+    def _builds_faiss(self) -> bool:
+        return self.manifest.backend == "faiss" and self.manifest.shard is None
+
     def save(self) -> None:
         """Make every change durable: a fresh FAISS index is built first; then files, then the manifest."""
-        if self.manifest.backend == "faiss" and not self.backend.built and len(self) > 0:
+        if self._builds_faiss and not self.backend.built and len(self) > 0:
             self.backend.build(self.manifest.options, retune=True)
         self.backend.save()
         self.manifest.count = len(self)

@@ -8,6 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
+UNIT_TOLERANCE = 1e-6  # a few float32 ulps around 1.0
 # (relative path, label, content hash): what an index is told about a new item.
 Entry = tuple[str, str | None, str]
 
@@ -72,13 +73,18 @@ class VectorIndex(Protocol):
 
 
 def normalize_rows(vectors: np.ndarray) -> np.ndarray:
-    """The one place vectors are L2-normalised, so every backend's scores are cosines in [-1, 1]."""
+    """The one place vectors are L2-normalised, so every backend's scores are cosines in [-1, 1].
+
+    Idempotent to the bit: rows already of unit length (to float32 precision) are left as they are, so
+    stored vectors copied between indexes (merges, rebuilds) stay identical.
+    """
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
     if vectors.ndim != 2:
         raise ValueError(f"expected a 2-d array of vectors, got shape {vectors.shape}")
     if not np.isfinite(vectors).all():
         raise ValueError("vectors contain NaN or infinite values")
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    norms[np.abs(norms - 1.0) < UNIT_TOLERANCE] = 1.0
     return vectors / np.maximum(norms, 1e-12)
 
 

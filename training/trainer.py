@@ -104,7 +104,8 @@ def build_objective(config: TrainConfig, feature_dim: int) -> TrainingObjective:
     torch.manual_seed(config.seed)
     backbone = create_backbone(config.backbone) if config.mode == "finetune" else nn.Identity()
     head = ResidualHead(feature_dim, config.embedding_dim, config.head_hidden)
-    return TrainingObjective(backbone, head, build_loss(config.loss, **loss_hparams(config)))
+    loss = build_loss(config.loss, **loss_hparams(config))
+    return TrainingObjective(backbone, head, loss, scale=config.embedding_scale)
 
 
 def train(config: TrainConfig, out: Path, *, progress: bool = True) -> dict[str, Any]:

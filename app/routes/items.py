@@ -6,9 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse
-from starlette.concurrency import run_in_threadpool
 
-from app.deps import AppSettings, ItemId, Service, require_api_key
+from app.deps import AppSettings, Compute, ItemId, Service, require_api_key
 from app.schemas import AddedItemsOut, DeletedItemOut, ErrorOut, ItemOut, ItemPageOut, NewItemsJsonIn
 from app.uploads import read_uploads, request_body_spec
 from engine.search import NewItem
@@ -66,7 +65,9 @@ def item_thumbnail(
     dependencies=[Depends(require_api_key)],
     openapi_extra=request_body_spec("images", NewItemsJsonIn, many=True, labelled=True),
 )
-async def add_items(request: Request, service: Service, settings: AppSettings) -> AddedItemsOut:
+async def add_items(
+    request: Request, service: Service, settings: AppSettings, compute: Compute
+) -> AddedItemsOut:
     """Add images to the gallery and the index (``X-API-Key`` required).
 
     Multipart file fields ``images`` plus optional ``label`` fields, or JSON
@@ -84,7 +85,7 @@ async def add_items(request: Request, service: Service, settings: AppSettings) -
     new_items = [
         NewItem(data, labels[position] if labels else None) for position, data in enumerate(uploads.images)
     ]
-    added = await run_in_threadpool(service.add_items, new_items)
+    added, _ = await compute.run(service.add_items, new_items)
     return AddedItemsOut(items=[ItemOut.of(item) for item in added], count=len(service.index))
 
 
@@ -94,7 +95,7 @@ async def add_items(request: Request, service: Service, settings: AppSettings) -
     responses=WRITE_ERRORS,
     dependencies=[Depends(require_api_key)],
 )
-async def delete_item(item_id: ItemId, service: Service) -> DeletedItemOut:
+async def delete_item(item_id: ItemId, service: Service, compute: Compute) -> DeletedItemOut:
     """Remove an item from the index (``X-API-Key`` required); its gallery file is kept on disk."""
-    removed = await run_in_threadpool(service.remove_item, item_id)
+    removed, _ = await compute.run(service.remove_item, item_id)
     return DeletedItemOut(deleted=ItemOut.of(removed), count=len(service.index))

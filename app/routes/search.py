@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
-from starlette.concurrency import run_in_threadpool
+from typing import TypeVar
 
-from app.deps import AppMetrics, AppSettings, ItemId, Options, Service
+from fastapi import APIRouter, Request
+
+from app.deps import AppMetrics, AppSettings, Compute, ItemId, Options, Service
+from app.metrics import Metrics
 from app.schemas import BatchSearchOut, ErrorOut, ImageJsonIn, ImagesJsonIn, SearchOut
 from app.uploads import read_uploads, request_body_spec
 
 router = APIRouter(tags=["search"])
+AnswerT = TypeVar("AnswerT", SearchOut, BatchSearchOut)
 ERRORS = {code: {"model": ErrorOut} for code in (400, 404, 413, 415, 422, 429, 503)}
 
 
@@ -20,7 +23,12 @@ ERRORS = {code: {"model": ErrorOut} for code in (400, 404, 413, 415, 422, 429, 5
     openapi_extra=request_body_spec("image", ImageJsonIn, many=False),
 )
 async def search(
-    request: Request, service: Service, options: Options, settings: AppSettings, metrics: AppMetrics
+    request: Request,
+    service: Service,
+    options: Options,
+    settings: AppSettings,
+    metrics: AppMetrics,
+    compute: Compute,
 ) -> SearchOut:
     """The gallery images most similar to one query image, best first, with cosine scores.
 
@@ -30,7 +38,7 @@ async def search(
         request, field="image", json_model=ImageJsonIn, max_count=1, max_bytes=settings.max_upload_bytes
     )
     # Decoding and inference are CPU work: a worker thread keeps the event loop answering meanwhile.
-    response = await run_in_threadpool(
+    response, queued_ms = await compute.run(
         service.search,
         uploads.images[0],
         options.k,
@@ -39,8 +47,7 @@ async def search(
         predict=options.predict,
         rerank=options.rerank,
     )
-    metrics.observe_stages({"upload": uploads.elapsed_ms, **response.timings_ms})
-    return SearchOut.of(response, uploads.elapsed_ms)
+    return _answer(SearchOut.of(response, {"upload": uploads.elapsed_ms, "queue": queued_ms}), metrics)
 
 
 @router.post(
@@ -50,7 +57,12 @@ async def search(
     openapi_extra=request_body_spec("images", ImagesJsonIn, many=True),
 )
 async def search_batch(
-    request: Request, service: Service, options: Options, settings: AppSettings, metrics: AppMetrics
+    request: Request,
+    service: Service,
+    options: Options,
+    settings: AppSettings,
+    metrics: AppMetrics,
+    compute: Compute,
 ) -> BatchSearchOut:
     """Many query images in one request, embedded as one batch and searched as one batch.
 
@@ -64,14 +76,20 @@ async def search_batch(
         max_count=settings.max_batch,
         max_bytes=settings.max_upload_bytes,
     )
-    response = await run_in_threadpool(service.search_batch, uploads.images, options)
-    metrics.observe_stages({"upload": uploads.elapsed_ms, **response.timings_ms})
-    return BatchSearchOut.of(response, uploads.elapsed_ms)
+    response, queued_ms = await compute.run(service.search_batch, uploads.images, options)
+    return _answer(BatchSearchOut.of(response, {"upload": uploads.elapsed_ms, "queue": queued_ms}), metrics)
 
 
 @router.get("/v1/items/{item_id}/similar", response_model=SearchOut, responses=ERRORS)
-async def similar(item_id: ItemId, service: Service, options: Options, metrics: AppMetrics) -> SearchOut:
+async def similar(
+    item_id: ItemId, service: Service, options: Options, metrics: AppMetrics, compute: Compute
+) -> SearchOut:
     """Search by an item already in the index (no upload); the item itself is left out of its results."""
-    response = await run_in_threadpool(service.similar, item_id, options)
-    metrics.observe_stages(response.timings_ms)
-    return SearchOut.of(response)
+    response, queued_ms = await compute.run(service.similar, item_id, options)
+    return _answer(SearchOut.of(response, {"queue": queued_ms}), metrics)
+
+
+def _answer(body: AnswerT, metrics: Metrics) -> AnswerT:
+    """Record the answer's stage times in the metrics and return it."""
+    metrics.observe_stages(body.timings_ms)
+    return body

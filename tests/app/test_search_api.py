@@ -44,7 +44,7 @@ def test_multipart_and_base64_json_give_the_same_ranked_results(client: TestClie
     )
     assert all(result["label"] == "cat" for result in body["results"])
     assert body["took_ms"] > 0
-    assert set(body["timings_ms"]) == {"upload", "decode", "preprocess", "embed", "search"}
+    assert set(body["timings_ms"]) == {"upload", "queue", "decode", "preprocess", "embed", "search"}
     stats = client.get("/v1/stats").json()
     assert body["model_fingerprint"] == stats["model_fingerprint"] == stats["model"]["fingerprint"]
     assert [r["id"] for r in as_json.json()["results"]] == [r["id"] for r in body["results"]]
@@ -178,7 +178,7 @@ def test_metrics_report_request_and_stage_latency(client: TestClient, served: Se
     client.post("/v1/search", files={"image": ("q.jpg", upload(served, CAT))})
     client.post("/v1/search", files={"image": ("q.jpg", b"not an image")})
     text = client.get("/metrics").text
-    for stage in ("upload", "decode", "preprocess", "embed", "search"):
+    for stage in ("upload", "queue", "decode", "preprocess", "embed", "search"):
         assert f'dmlsearch_stage_duration_seconds_count{{stage="{stage}"}} 1.0' in text
     assert 'route="/v1/search",status="200"' in text
     assert 'route="/v1/search",status="400"' in text

@@ -61,21 +61,12 @@ Geometry = Literal["arc", "segment"]
 
 _DIST_EPS = 1e-12  # clamp before sqrt, as pairs.pairwise_distances does
 
-# Per KKT case of Table 1 (rows): whether p1 is free inside its curve, whether p1 is x2 (alpha = alpha0,
-# k1 = 1), whether p2 is free, whether p2 is y2. A point neither free nor x2/y2 is x1/y1.
-_CASES = torch.tensor(
-    [
-        [True, False, True, False],  # 0: both inside
-        [False, False, True, False],  # 1: alpha = 0
-        [False, True, True, False],  # 2: alpha = alpha0
-        [True, False, False, False],  # 3: beta = 0
-        [True, False, False, True],  # 4: beta = beta0
-        [False, False, False, False],  # 5: (0, 0)
-        [False, False, False, True],  # 6: (0, beta0)
-        [False, True, False, False],  # 7: (alpha0, 0)
-        [False, True, False, True],  # 8: (alpha0, beta0)
-    ]
-)
+# Per KKT case of Table 1, where each optimal point comes from, as an index into the candidate list
+# [inside (case 0), against the first end of the other curve, against its second end, first end, second
+# end]: p1 is x1 in cases 1, 5, 6 and x2 in cases 2, 7, 8; p2 is y1 in cases 3, 5, 7 and y2 in 4, 6, 8.
+_X_SOURCE = torch.tensor([0, 3, 4, 1, 2, 3, 3, 4, 4])
+_Y_SOURCE = torch.tensor([0, 1, 2, 3, 4, 3, 4, 3, 4])
+_FIRST_END, _SECOND_END = 3, 4
 
 
 class OptimalNegatives(NamedTuple):
@@ -181,12 +172,15 @@ def curve_distances(
         elif geometry == "arc":
             cos = _Endpoints(*(1 - t / 2 for t in ends))
             x_arc, y_arc = _arc(cos.x12), _arc(cos.y12)
-            # cases 1-4: x1, x2 against arc y; y1, y2 against arc x
-            first = torch.stack([cos.x1y1, cos.x2y1, cos.x1y1, cos.x1y2])
-            second = torch.stack([cos.x1y2, cos.x2y2, cos.x2y1, cos.x2y2])
-            arcs = _Arc(*(torch.stack([y, y, x, x]) for x, y in zip(x_arc, y_arc, strict=True)))
+            # cases 1-2: x1, x2 against arc y; cases 3-4: y1, y2 against arc x
+            x_ends = _point_on_arc(
+                torch.stack([cos.x1y1, cos.x2y1]), torch.stack([cos.x1y2, cos.x2y2]), y_arc
+            )
+            y_ends = _point_on_arc(
+                torch.stack([cos.x1y1, cos.x1y2]), torch.stack([cos.x2y1, cos.x2y2]), x_arc
+            )
             corners = torch.stack([cos.x1y1, cos.x1y2, cos.x2y1, cos.x2y2])
-            case, weights, alpha, beta = _arc_kkt(x_arc, y_arc, _point_on_arc(first, second, arcs), corners)
+            case, weights, alpha, beta = _arc_kkt(x_arc, y_arc, x_ends, y_ends, corners)
         else:
             raise ValueError(f"unknown geometry {geometry!r}; choose 'arc' or 'segment'")
     return OptimalNegatives(_EndpointDistance.apply(*ends, weights), case, alpha, beta)
@@ -248,64 +242,72 @@ def _arc_kkt_batch(cosines: torch.Tensor) -> tuple[torch.Tensor, _Weights, torch
     # Every sample against every pair's arc at once, (B, B/2) viewed as [p, a, q]: member a of pair p
     # against the arc of pair q. Cases 1-2 of the pair of pairs (p, q) are x1, x2 against arc q, i.e.
     # [a, p, q]; cases 3-4 are y1, y2 of pair q against arc p, i.e. [b, q, p] transposed.
-    table = _point_on_arc(cosines[:, 0::2], cosines[:, 1::2], _Arc(*(t.unsqueeze(0) for t in arc)))
-    views = [t.view(pairs, 2, pairs) for t in table]
-    edges = _PointOnArc(*(torch.cat([v.transpose(0, 1), v.permute(1, 2, 0)]) for v in views))
+    table = [t.view(pairs, 2, pairs) for t in _point_on_arc(cosines[:, 0::2], cosines[:, 1::2], _Arc(*arc))]
+    x_ends = _PointOnArc(*(t.transpose(0, 1) for t in table))
+    y_ends = _PointOnArc(*(t.permute(1, 2, 0) for t in table))
     corners = cosines.view(pairs, 2, pairs, 2).permute(1, 3, 0, 2).reshape(4, pairs, pairs)
-    x_arc, y_arc = _Arc(*(t.unsqueeze(1) for t in arc)), _Arc(*(t.unsqueeze(0) for t in arc))
-    return _arc_kkt(x_arc, y_arc, edges, corners)
+    x_arc, y_arc = _Arc(*(t.unsqueeze(1) for t in arc)), _Arc(*arc)
+    return _arc_kkt(x_arc, y_arc, x_ends, y_ends, corners)
 
 
 def _arc_kkt(
-    x_arc: _Arc, y_arc: _Arc, edges: _PointOnArc, corners: torch.Tensor
+    x_arc: _Arc, y_arc: _Arc, x_ends: _PointOnArc, y_ends: _PointOnArc, corners: torch.Tensor
 ) -> tuple[torch.Tensor, _Weights, torch.Tensor, torch.Tensor]:
     """Best of the nine KKT candidates of Table 1 for two arcs: (case, weights, alpha, beta).
 
-    ``edges`` stacks cases 1-4 (:func:`_point_on_arc`: x1, x2 against arc y, y1, y2 against arc x),
-    ``corners`` the cosines of cases 5-8 (x1.y1, x1.y2, x2.y1, x2.y2).
+    ``x_ends`` stacks cases 1-2 (:func:`_point_on_arc`: x1, x2 against arc y), ``y_ends`` cases 3-4
+    (y1, y2 against arc x), ``corners`` the cosines of cases 5-8 (x1.y1, x1.y2, x2.y1, x2.y2).
     """
     # Inner products of the bases n1, n2 (of x1, x2) and n3, n4 (of y1, y2), Eq. 2: M_rc = n_r . n_c.
-    m13, m14, m23 = edges.cos[0], edges.sin[0], edges.sin[2]
-    m24 = (edges.sin[1] - x_arc.cos * m14) / x_arc.sin
+    m13, m14, m23 = x_ends.cos[0], x_ends.sin[0], y_ends.sin[0]
+    m24 = (x_ends.sin[1] - x_arc.cos * m14) / x_arc.sin
 
-    # Case 0: u is the top eigenvector of M M^T = [[p, r], [r, q]], from whichever row of
-    # 2 (M M^T - lambda I) is better conditioned, turned into the upper half-plane (alpha0 <= pi);
-    # v = M^T u, and p1.p2 = |v| / |u| = sigma_max is the largest p1.p2 on the two great circles.
+    # Case 0: u is the top eigenvector of M M^T = [[p, r], [r, q]]. Both rows of 2 (M M^T - lambda I)
+    # give it, as (diff + gap, r2) and (r2, gap - diff); their sign-aligned sum never vanishes (unless
+    # M M^T is a multiple of I), taken in the upper half-plane (alpha0 <= pi). v = M^T u, and
+    # p1.p2 = |v| / |u| = sigma_max is the largest p1.p2 anywhere on the two great circles.
     diff = m13.square() + m14.square() - m23.square() - m24.square()  # p - q
     r2 = (m13 * m23 + m14 * m24) * 2
     gap = torch.hypot(diff, r2)  # lambda_max - lambda_min
-    wide = diff >= 0
-    u_cos = torch.where(wide, torch.copysign(diff + gap, r2), r2)
-    u_sin = torch.where(wide, r2.abs(), gap - diff)
+    abs_r2 = r2.abs()
+    u_cos, u_sin = torch.copysign(diff + gap + abs_r2, r2), abs_r2 + (gap - diff)
     v_cos, v_sin = m13 * u_cos + m23 * u_sin, m14 * u_cos + m24 * u_sin
     inside = _in_arc(u_cos, u_sin, x_arc) & _in_arc(v_cos, v_sin, y_arc)
     inner = torch.where(inside, torch.hypot(v_cos, v_sin) / torch.hypot(u_cos, u_sin), -math.inf)
 
-    case = torch.cat([inner.unsqueeze(0), edges.score, corners]).max(0).indices  # ties: lowest case
-    x_free, x_end, y_free, y_end = _CASES.to(case.device)[case].unbind(-1)
-    # The direction of a free p1 comes from case 0, 3 or 4, that of a free p2 from case 0, 1 or 2.
-    x_pick, y_pick = (case - 2).clamp(0, 2).unsqueeze(0), case.clamp(max=2).unsqueeze(0)
-    x_cos = torch.cat([u_cos.unsqueeze(0), edges.cos[2:]]).gather(0, x_pick).squeeze(0)
-    x_sin = torch.cat([u_sin.unsqueeze(0), edges.sin[2:]]).gather(0, x_pick).squeeze(0)
-    y_cos = torch.cat([v_cos.unsqueeze(0), edges.cos[:2]]).gather(0, y_pick).squeeze(0)
-    y_sin = torch.cat([v_sin.unsqueeze(0), edges.sin[:2]]).gather(0, y_pick).squeeze(0)
-    x_start, x_slide, alpha = _arc_side(x_arc, x_free, x_end, x_cos, x_sin)
-    y_start, y_slide, beta = _arc_side(y_arc, y_free, y_end, y_cos, y_sin)
-    weights = _Weights(x_start, x_slide, x_end.to(x_start.dtype), y_start, y_slide, y_end.to(y_start.dtype))
-    return case, weights, alpha, beta
+    case = torch.cat([inner.unsqueeze(0), x_ends.score, y_ends.score, corners]).max(0).indices  # ties: lowest
+    one, zero = torch.ones_like(inner).unsqueeze(0), torch.zeros_like(inner).unsqueeze(0)
+    x_start, x_slide, x_end, alpha = _arc_side(
+        x_arc,
+        _X_SOURCE.to(case.device).take(case),
+        [u_cos.unsqueeze(0), y_ends.cos, one, zero],
+        [u_sin.unsqueeze(0), y_ends.sin, zero, zero],
+    )
+    y_start, y_slide, y_end, beta = _arc_side(
+        y_arc,
+        _Y_SOURCE.to(case.device).take(case),
+        [v_cos.unsqueeze(0), x_ends.cos, one, zero],
+        [v_sin.unsqueeze(0), x_ends.sin, zero, zero],
+    )
+    return case, _Weights(x_start, x_slide, x_end, y_start, y_slide, y_end), alpha, beta
 
 
 def _arc_side(
-    arc: _Arc, free: torch.Tensor, at_end: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(start, slide, angle)`` of :class:`_Weights` for one point from its direction ``(cos_t, sin_t)``."""
+    arc: _Arc, source: torch.Tensor, cos_t: list[torch.Tensor], sin_t: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(start, slide, end, angle)`` of one optimal point (:class:`_Weights`).
+
+    ``cos_t``, ``sin_t`` list the candidate directions in the order of ``_X_SOURCE`` (inside, the two
+    point-against-arc cases, then ``(1, 0)`` for the first end and ``(0, 0)`` for the second end, whose
+    weights are ``(start, slide, end) = (0, 0, 1)``); ``source`` picks one per pair of pairs.
+    """
+    pick = source.unsqueeze(0)
+    cos_t, sin_t = (torch.cat(t).gather(0, pick).squeeze(0) for t in (cos_t, sin_t))
     norm = torch.hypot(cos_t, sin_t).clamp_min(torch.finfo(cos_t.dtype).tiny)
-    cos_t, sin_t = cos_t / norm, sin_t / norm
-    start = torch.where(free, cos_t, (~at_end).to(cos_t.dtype))
-    angle = torch.where(
-        free, torch.atan2(sin_t, cos_t), torch.where(at_end, arc.cos.clamp(-1, 1).acos(), 0.0)
-    )
-    return start, torch.where(free, sin_t, 0.0), angle
+    start, slide = cos_t / norm, sin_t / norm
+    at_end = source == _SECOND_END
+    angle = torch.where(at_end, arc.cos.clamp(-1, 1).acos(), torch.atan2(slide, start))
+    return start, slide, at_end.to(start.dtype), angle
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,41 @@
+"""A bound on how many queries decode and embed at once, so that the event loop keeps its share of the CPU.
+
+Without it every request gets a worker thread at once: under 16 concurrent clients on 2 cores, 16 model
+runs time-sliced the CPU, each took ~8x longer, and the event loop thread, which receives uploads and
+sends answers, starved (a 12-MP upload took ~0.6 s just to arrive). With as many slots as cores, extra
+requests wait in line without using the CPU, and their uploads are received while they wait.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import ParamSpec, TypeVar
+
+import anyio.to_thread
+from anyio import CapacityLimiter
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def default_slots() -> int:
+    """The CPU cores this process may use (a container's CPU set, not the host's core count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class ComputeSlots:
+    """Run blocking CPU work in worker threads, at most ``slots`` at a time. Create inside the event loop."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.limiter = CapacityLimiter(slots)
+
+    async def run(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> tuple[T, float]:
+        """``function(*args, **kwargs)`` in a worker thread once a slot is free; also the ms spent waiting."""
+        started = time.perf_counter()
+        async with self.limiter:
+            queued_ms = (time.perf_counter() - started) * 1000.0
+            return await anyio.to_thread.run_sync(partial(function, *args, **kwargs)), queued_ms

@@ -1,0 +1,305 @@
+"""Vector-index benchmark: every FAISS index type and Milvus Lite on embedding-like and uniform vectors.
+
+    python bench/index_bench.py --sizes 100k            # a few minutes on 2 cores
+    python bench/index_bench.py --sizes 100k,1M         # the 1M runs take much longer
+
+For each data set and size: build time (train + add + tuning), index size, query latency p50/p99 for
+single queries and for batches of 64, and recall@10 against exact search on 1,000 held-out queries
+(drawn like the data, never added to the index). Approximate FAISS indexes are tuned at build time to
+reach recall@10 >= --target-recall on their own held-out sample; the table shows what they reach on the
+benchmark's queries. All rows of one run share the machine, so their ratios compare.
+
+Data (dimension 512, unit vectors):
+- ``embedding``: a mixture of many tight clusters on the sphere, ~100 vectors per cluster (cosine ~0.9
+  to their centre), centres scattered (cosine ~0.8) around seed vectors. The seeds are real Cars196
+  embeddings (the pretrained EfficientNet-Lite0, randomly projected from 1280 to 512 dimensions) when
+  ../shared/data/cars196 is present, uniform random directions otherwise.
+- ``uniform``: uniform random unit vectors, the worst case for every index (no structure to exploit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from index.atomic import atomic_write_text
+from index.faiss_build import build_faiss_index
+from index.faiss_index import faiss_module
+from index.selection import IndexOptions, IndexSpec, choose_index, format_bytes, parse_size
+from index.sources import ArraySource
+from index.tuning import exact_neighbours, recall_at_k
+
+DIM = 512
+CLUSTER_SIZE = 100
+MEMBER_COSINE = 0.9  # a vector to its cluster centre
+CENTRE_COSINE = 0.8  # a cluster centre to its seed
+K = 10
+SHARED_CARS = Path(__file__).resolve().parents[2] / "shared" / "data" / "cars196" / "images"
+
+
+def count_of(text: str) -> int:
+    """``100k`` -> 100000, ``1M`` -> 1000000."""
+    return int(float(text.strip().lower().replace("k", "e3").replace("m", "e6")))
+
+
+def unit(vectors: np.ndarray) -> np.ndarray:
+    return (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
+
+
+def around(points: np.ndarray, cosine: float, rng: np.random.Generator) -> np.ndarray:
+    """Unit vectors at about ``cosine`` from each of ``points`` (isotropic noise of matching length)."""
+    spread = np.sqrt(1.0 / cosine**2 - 1.0)
+    noise = rng.standard_normal(points.shape).astype(np.float32) / np.sqrt(points.shape[1])
+    return unit(points + spread * noise)
+
+
+def cars196_seeds(count: int, dim: int, rng: np.random.Generator, images: Path) -> np.ndarray:
+    """Pretrained embeddings of ``count`` Cars196 images, randomly projected to ``dim`` dimensions."""
+    from engine.embedder import Embedder
+    from engine.images import ImageDecodeError, load_image_file
+    from training.features import backbone_model
+
+    files = sorted(images.rglob("*.jpg"))
+    chosen = [files[i] for i in rng.choice(len(files), size=count, replace=False)]
+    with tempfile.TemporaryDirectory() as workdir:
+        embedder = Embedder(backbone_model(Path(workdir), "efficientnet_lite0"))
+        decoded = []
+        for path in tqdm(chosen, desc="decoding Cars196 seeds", unit="img"):
+            try:
+                decoded.append(load_image_file(path, draft_size=embedder.card.preprocessing.resize_size))
+            except (ImageDecodeError, OSError):
+                continue  # the data set holds one truncated JPEG on purpose
+        vectors = np.concatenate([embedder.embed(decoded[i : i + 32]) for i in range(0, len(decoded), 32)])
+    projection, _ = np.linalg.qr(rng.standard_normal((vectors.shape[1], dim)))
+    return unit(vectors @ projection)
+
+
+def embedding_like(count: int, queries: int, seeds: np.ndarray, rng: np.random.Generator) -> tuple:
+    centres = around(seeds[rng.integers(len(seeds), size=max(1, count // CLUSTER_SIZE))], CENTRE_COSINE, rng)
+    base = around(centres[rng.integers(len(centres), size=count)], MEMBER_COSINE, rng)
+    held_out = around(centres[rng.integers(len(centres), size=queries)], MEMBER_COSINE, rng)
+    return base, held_out
+
+
+def uniform(count: int, queries: int, dim: int, rng: np.random.Generator) -> tuple:
+    return unit(rng.standard_normal((count, dim), dtype=np.float32)), unit(
+        rng.standard_normal((queries, dim), dtype=np.float32)
+    )
+
+
+def latencies(
+    search: Callable[[np.ndarray], object], queries: np.ndarray, batch: int, budget_s: float
+) -> dict:
+    """p50/p99 milliseconds per call of ``batch`` queries, over at most ``budget_s`` seconds of calls."""
+    times = []
+    spent = 0.0
+    for start in range(0, len(queries) - batch + 1, batch):
+        began = time.perf_counter()
+        search(queries[start : start + batch])
+        times.append((time.perf_counter() - began) * 1000.0)
+        spent += times[-1] / 1000.0
+        if spent > budget_s and len(times) >= 5:
+            break
+    return {
+        "p50_ms": float(np.percentile(times, 50)),
+        "p99_ms": float(np.percentile(times, 99)),
+        "calls": len(times),
+    }
+
+
+def measure(
+    label: str,
+    search: Callable[[np.ndarray], np.ndarray],
+    queries: np.ndarray,
+    truth: np.ndarray,
+    budget_s: float,
+) -> dict:
+    found = np.concatenate([search(queries[i : i + 256]) for i in range(0, len(queries), 256)])
+    row = {
+        "index": label,
+        "recall_at_10": recall_at_k(found, truth),
+        "single": latencies(search, queries, 1, budget_s),
+        "batch64": latencies(search, queries, 64, budget_s),
+    }
+    tqdm.write(f"  {label}: recall@10 {row['recall_at_10']:.3f}, single p50 {row['single']['p50_ms']:.3f} ms")
+    return row
+
+
+def bench_faiss(
+    label: str,
+    spec: IndexSpec,
+    base: np.ndarray,
+    queries: np.ndarray,
+    truth: np.ndarray,
+    target: float,
+    budget_s: float,
+) -> dict:
+    faiss = faiss_module()
+    began = time.perf_counter()
+    index, tuning = build_faiss_index(
+        spec, [ArraySource(np.arange(len(base)), base)], target_recall=target, progress=True
+    )
+    build_s = time.perf_counter() - began
+    row = measure(label, lambda q: index.search(q, K)[0], queries, truth, budget_s)
+    row.update(
+        spec=spec.factory,
+        build_s=build_s,
+        index_bytes=int(faiss.serialize_index(index.index).nbytes),
+        estimated_bytes=spec.memory_bytes(len(base)),
+        search_params=tuning.params,
+        tuned_recall=tuning.recall,
+    )
+    return row
+
+
+def bench_milvus(base: np.ndarray, queries: np.ndarray, truth: np.ndarray, budget_s: float) -> dict:
+    from index.manifest import Manifest
+    from index.milvus_backend import MilvusBackend
+
+    with tempfile.TemporaryDirectory() as workdir:
+        now = dt.datetime.now(dt.UTC).isoformat()
+        manifest = Manifest(
+            backend="milvus", dim=base.shape[1], model_fingerprint="bench", created=now, updated=now
+        )
+        began = time.perf_counter()
+        backend = MilvusBackend.connect(Path(workdir), manifest)
+        for start in tqdm(range(0, len(base), 5000), desc="inserting into Milvus Lite", unit="batch"):
+            chunk = base[start : start + 5000]
+            backend.add(chunk, [(f"v{start + i}", None, "") for i in range(len(chunk))])
+        backend.save()
+        while backend.client.describe_index(backend.collection, "vector").get("pending_index_rows", 0):
+            time.sleep(0.5)  # searches are brute force over segments still being indexed
+        build_s = time.perf_counter() - began
+        row = measure("milvus-lite", lambda q: backend.search(q, K)[0], queries, truth, budget_s)
+        row.update(
+            spec=f"{manifest.index_type} (COSINE)",
+            build_s=build_s,
+            index_bytes=sum(p.stat().st_size for p in Path(workdir).rglob("*") if p.is_file()),
+            search_params=backend.search_params,
+        )
+        backend.close()
+    return row
+
+
+def run_size(name: str, base: np.ndarray, queries: np.ndarray, args: argparse.Namespace) -> list[dict]:
+    count = len(base)
+    tqdm.write(f"{name} x {count}: exact ground truth")
+    truth = exact_neighbours(queries, [ArraySource(np.arange(count), base)], K)
+    rows = []
+    specs = {t: choose_index(count, DIM, IndexOptions(t)) for t in args.types}
+    auto = choose_index(count, DIM, IndexOptions())
+    budgeted = choose_index(count, DIM, IndexOptions("ivfpq", memory_budget=args.memory_budget))
+    auto_budgeted = choose_index(count, DIM, IndexOptions(memory_budget=args.memory_budget))
+    for index_type, spec in specs.items():
+        label = index_type + (" = auto" if spec == auto else "")
+        if index_type == "ivfpq":
+            spec = budgeted
+            label = f"ivfpq, {format_bytes(args.memory_budget)} budget" + (
+                " = auto" if budgeted == auto_budgeted else ""
+            )
+        tqdm.write(f"{name} x {count}: {label} {spec.factory}")
+        rows.append(bench_faiss(label, spec, base, queries, truth, args.target_recall, args.latency_budget))
+    if args.milvus_max and count <= args.milvus_max:
+        rows.append(bench_milvus(base, queries, truth, args.latency_budget))
+    exact = next((r for r in rows if r["index"].startswith("flat")), None)
+    for row in rows:
+        row.update(data=name, count=count, dim=DIM)
+        if exact is not None:
+            row["speedup_single_vs_exact"] = exact["single"]["p50_ms"] / row["single"]["p50_ms"]
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [
+        "# Vector-index benchmark",
+        "",
+        f"`{meta['command']}` on {meta['machine']}, {meta['date']} (load average at start {meta['load']}).",
+        f"Recall@10 against exact search on {meta['queries']} held-out queries; FAISS indexes tuned to "
+        f"recall@10 >= {meta['target_recall']} at build time. Latency in ms (single query; batch of 64).",
+        f"Seeds of the embedding-like data: {meta['seeds']}.",
+        "",
+        "| data | n | index | spec | build s | size | recall@10 | single p50 | single p99 | batch64 p50 "
+        "| batch64 p99 | vs exact | params |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        speedup = f"{r['speedup_single_vs_exact']:.0f}x" if "speedup_single_vs_exact" in r else "-"
+        params = ", ".join(f"{k}={v}" for k, v in r.get("search_params", {}).items()) or "-"
+        lines.append(
+            f"| {r['data']} | {r['count']:,} | {r['index']} | `{r['spec']}` | {r['build_s']:.1f} "
+            f"| {format_bytes(r['index_bytes'])} | {r['recall_at_10']:.3f} | {r['single']['p50_ms']:.3f} "
+            f"| {r['single']['p99_ms']:.3f} | {r['batch64']['p50_ms']:.2f} | {r['batch64']['p99_ms']:.2f} "
+            f"| {speedup} | {params} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default="100k", help="comma-separated gallery sizes, e.g. 100k,1M")
+    parser.add_argument("--data", default="embedding,uniform", help="embedding and/or uniform")
+    parser.add_argument("--types", default="flat,hnsw,ivf,ivfpq", help="FAISS index types to build")
+    parser.add_argument("--memory-budget", type=parse_size, default=parse_size("512MB"), help="for ivfpq")
+    parser.add_argument("--target-recall", type=float, default=0.95)
+    parser.add_argument("--queries", type=int, default=1000)
+    parser.add_argument(
+        "--milvus-max",
+        type=count_of,
+        default=1_000_000,
+        help="skip Milvus Lite above this size (0: never)",
+    )
+    parser.add_argument("--latency-budget", type=float, default=20.0, help="seconds per latency measurement")
+    parser.add_argument("--seed-images", type=int, default=600, help="Cars196 images embedded as seeds")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/index_bench"))
+    args = parser.parse_args()
+    args.types = args.types.split(",")
+    sizes = [count_of(size) for size in args.sizes.split(",")]
+    rng = np.random.default_rng(0)
+    if "embedding" in args.data and SHARED_CARS.exists():
+        seeds = cars196_seeds(args.seed_images, DIM, rng, SHARED_CARS)
+        seeds_note = (
+            f"{len(seeds)} Cars196 images embedded by the pretrained EfficientNet-Lite0, projected to {DIM}-d"
+        )
+    else:
+        seeds = unit(rng.standard_normal((args.seed_images, DIM)))
+        seeds_note = f"{args.seed_images} uniform random directions (../shared/data not present)"
+    meta = {
+        "command": "python bench/index_bench.py " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, faiss "
+        f"{faiss_module().__version__}",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "load": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "queries": args.queries,
+        "target_recall": args.target_recall,
+        "seeds": seeds_note,
+    }
+    rows = []
+    for count in sizes:
+        for name in args.data.split(","):
+            if name == "embedding":
+                base, queries = embedding_like(count, args.queries, seeds, rng)
+            else:
+                base, queries = uniform(count, args.queries, DIM, rng)
+            rows.extend(run_size(name, base, queries, args))
+            del base
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(args.out.with_suffix(".json"), json.dumps({"meta": meta, "rows": rows}, indent=2))
+    atomic_write_text(args.out.with_suffix(".md"), markdown(rows, meta))
+    print(markdown(rows, meta))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The index commands: build-index options, index add/remove/stats/merge, and the Milvus backend."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from index.gallery import GalleryIndex
+from index.manifest import Manifest
+from tests.conftest import make_image
+
+runner = CliRunner()
+
+
+def _run(*args: object) -> str:
+    result = runner.invoke(app, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _fails(*args: object) -> str:
+    result = runner.invoke(app, [str(a) for a in args])
+    assert result.exit_code == 2, result.output
+    return result.output
+
+
+def _query(index: Path, model: Path, image: Path) -> list[tuple[int, str, float]]:
+    body = json.loads(_run("query", image, "--index", index, "--model", model, "-k", "5", "--json"))
+    return [(r["id"], r["path"], round(r["score"], 5)) for r in body["results"]]
+
+
+def test_build_index_options_and_stats(exported_model: Path, synthetic_gallery: Path, tmp_path: Path) -> None:
+    out = tmp_path / "index"
+    output = _run(
+        "build-index",
+        synthetic_gallery,
+        "--out",
+        out,
+        "--model",
+        exported_model,
+        "--index-type",
+        "hnsw",
+        "--target-recall",
+        "0.9",
+        "--memory-budget",
+        "64MB",
+        "--no-progress",
+    )
+    assert "indexed 9 images" in output and "faiss index hnsw [IDMap2,HNSW32]" in output
+    stats = json.loads(_run("index", "stats", out, "--json"))
+    assert (stats["index_type"], stats["count"], stats["indexed_vectors"]) == ("hnsw", 9, 9)
+    assert stats["memory_budget"] == 64 * 1024**2 and stats["target_recall"] == 0.9
+    assert {"manifest.json", "vectors.faiss", "items.sqlite"} <= set(stats["files"])
+    assert "index_type: hnsw" in _run("index", "stats", out)
+    assert "indexed 0 images" in _run(
+        "build-index", synthetic_gallery, "--out", out, "--model", exported_model
+    )
+
+
+def test_bad_options_are_clear_errors(exported_model: Path, synthetic_gallery: Path, tmp_path: Path) -> None:
+    build = ("build-index", synthetic_gallery, "--out", tmp_path / "i", "--model", exported_model)
+    assert "cannot read 'lots'" in _fails(*build, "--memory-budget", "lots")
+    assert "does not exist" in _fails(*build, "--shard", "2/2")
+    assert "at least 256 vectors" in _fails(*build, "--index-type", "ivfpq")
+    assert "too small" in _fails(*build, "--index-type", "flat", "--memory-budget", "1k")
+    assert _fails(*build, "--index-type", "lsh")
+    assert "not an index directory" in _fails("index", "stats", tmp_path)
+
+
+def test_index_add_and_remove(exported_model: Path, synthetic_gallery: Path, tmp_path: Path) -> None:
+    out = tmp_path / "index"
+    _run("build-index", synthetic_gallery, "--out", out, "--model", exported_model, "--no-progress")
+    new = synthetic_gallery / "alpha" / "new.png"
+    make_image(4242).save(new)
+    assert "indexed 1 images" in _run("index", "add", out, new, "--model", exported_model, "--no-progress")
+    assert _query(out, exported_model, new)[0][1] == "alpha/new.png"
+
+    index = GalleryIndex.open(out)
+    gamma_id = index.items.get_by_path("gamma/gamma_0.png").id
+    index.close()
+    output = _run("index", "remove", out, "alpha/new.png", "--id", gamma_id)
+    assert "removed 2 items; 8 remain" in output
+    assert "alpha/new.png" not in {p for _, p, _ in _query(out, exported_model, new)}
+    assert "no item with path nope.png" in _fails("index", "remove", out, "nope.png")
+    assert "no items with ids 999" in _fails("index", "remove", out, "--id", 999)
+    assert "name the items" in _fails("index", "remove", out)
+    assert "outside the index's gallery folder" in _fails(
+        "index", "add", out, exported_model, "--model", exported_model
+    )
+
+
+def test_two_shards_merge_into_what_one_process_builds(
+    exported_model: Path, synthetic_gallery: Path, tmp_path: Path
+) -> None:
+    whole = tmp_path / "whole"
+    _run("build-index", synthetic_gallery, "--out", whole, "--model", exported_model, "--no-progress")
+    shards = [tmp_path / f"shard{i}" for i in range(2)]
+    for number, shard in enumerate(shards):
+        _run(
+            "build-index",
+            synthetic_gallery,
+            "--out",
+            shard,
+            "--model",
+            exported_model,
+            "--shard",
+            f"{number}/2",
+            "--no-progress",
+        )
+    assert "combine the shards" in _fails(
+        "query", synthetic_gallery / "alpha" / "alpha_0.png", "--index", shards[0], "--model", exported_model
+    )
+    merged = tmp_path / "merged"
+    assert "merged 2 shards" in _run("index", "merge", *shards, "--out", merged, "--no-progress")
+    for image in ("alpha/alpha_1.png", "gamma/gamma_2.png"):
+        assert _query(merged, exported_model, synthetic_gallery / image) == _query(
+            whole, exported_model, synthetic_gallery / image
+        )
+    a, b = (Manifest.load(d) for d in (merged, whole))
+    assert (a.count, a.index_spec, a.search_params) == (b.count, b.index_spec, b.search_params)
+
+
+def test_milvus_lite_backend_end_to_end(
+    exported_model: Path, synthetic_gallery: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("milvus_lite")
+    out = tmp_path / "index"
+    output = _run(
+        "build-index",
+        synthetic_gallery,
+        "--out",
+        out,
+        "--model",
+        exported_model,
+        "--backend",
+        "milvus",
+        "--no-progress",
+    )
+    assert "indexed 9 images" in output and "milvus index AUTOINDEX" in output
+    assert (out / "milvus.db").exists()  # Milvus Lite inside the index directory by default
+    query = synthetic_gallery / "beta" / "beta_2.png"
+    top = _query(out, exported_model, query)[0]
+    assert top[1] == "beta/beta_2.png" and top[2] == pytest.approx(1.0, abs=1e-4)
+    assert "indexed 0 images" in _run(
+        "build-index", synthetic_gallery, "--out", out, "--model", exported_model, "--no-progress"
+    )
+    assert "removed 1 items; 8 remain" in _run("index", "remove", out, "beta/beta_2.png")
+    assert "beta/beta_2.png" not in {p for _, p, _ in _query(out, exported_model, query)}
+    assert json.loads(_run("index", "stats", out, "--json"))["backend"] == "milvus"
+    assert "is a milvus index" in _fails(
+        "build-index", synthetic_gallery, "--out", out, "--model", exported_model, "--backend", "faiss"
+    )

@@ -1,0 +1,170 @@
+"""build-index over image folders: incremental re-runs, resuming, duplicates, model changes, shards."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine.embedder import Embedder
+from engine.indexing import add_images, build_index
+from index.gallery import GalleryIndex
+from index.manifest import Manifest
+from index.sharding import Shard
+from tests.conftest import make_image
+
+
+@pytest.fixture(scope="module")
+def embedder(exported_model: Path) -> Embedder:
+    return Embedder(exported_model, threads=1)
+
+
+@pytest.fixture
+def gallery(tmp_path: Path) -> Path:
+    root = tmp_path / "gallery"
+    for label_index, label in enumerate(["alpha", "beta", "gamma"]):
+        (root / label).mkdir(parents=True)
+        for i in range(3):
+            make_image(100 * label_index + i, size=(64, 56)).save(root / label / f"{label}_{i}.png")
+    return root
+
+
+def _items(index_dir: Path) -> dict[str, tuple[int, str]]:
+    index = GalleryIndex.open(index_dir)
+    items = {item.path: (item.id, item.content_hash) for item in index.items.scan()}
+    index.close()
+    return items
+
+
+def test_rerunning_embeds_only_new_or_changed_files(
+    embedder: Embedder, gallery: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "index"
+    first = build_index(gallery, embedder, out, progress=False)
+    assert (first.indexed, first.unchanged, first.removed) == (9, 0, 0)
+    before = _items(out)
+
+    again = build_index(gallery, embedder, out, progress=False)
+    assert (again.indexed, again.unchanged, again.removed, again.rebuilt) == (0, 9, 0, False)
+    assert _items(out) == before
+
+    make_image(999, size=(64, 56)).save(gallery / "alpha" / "alpha_0.png")  # changed content
+    (gallery / "beta" / "beta_1.png").unlink()  # gone
+    make_image(555, size=(64, 56)).save(gallery / "gamma" / "new.png")  # new
+    shutil.copy(gallery / "gamma" / "gamma_2.png", gallery / "alpha" / "copy_of_gamma.png")  # duplicate
+    changed = build_index(gallery, embedder, out, progress=False)
+    assert (changed.indexed, changed.unchanged, changed.removed) == (2, 7, 2)
+    assert changed.duplicates == [("alpha/copy_of_gamma.png", "gamma/gamma_2.png")]
+    after = _items(out)
+    assert set(after) == set(before) - {"beta/beta_1.png"} | {"gamma/new.png"}
+    assert after["alpha/alpha_0.png"][0] > max(i for i, _ in before.values())  # new content, new id
+    assert all(after[p] == before[p] for p in after if p in before and p != "alpha/alpha_0.png")
+    assert Manifest.load(out).count == 9
+
+
+def test_an_interrupted_build_resumes_where_it_stopped(
+    embedder: Embedder, gallery: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "index"
+    calls = {"n": 0}
+    real_embed = Embedder.embed
+
+    def embed_then_die(self: Embedder, images: list) -> object:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # the process is killed during the third batch
+        return real_embed(self, images)
+
+    monkeypatch.setattr(Embedder, "embed", embed_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        build_index(gallery, embedder, out, batch_size=2, progress=False)
+    monkeypatch.setattr(Embedder, "embed", real_embed)
+    assert len(_items(out)) == 4  # two batches were committed
+    with pytest.raises(Exception, match="build-index again"):
+        GalleryIndex.open(out).search(embedder.embed([make_image(1)]), 3)
+
+    resumed = build_index(gallery, embedder, out, batch_size=2, progress=False)
+    assert (resumed.indexed, resumed.unchanged) == (5, 4)
+    fresh = tmp_path / "fresh"
+    build_index(gallery, embedder, fresh, progress=False)
+    assert _items(out) == _items(fresh)  # same ids as an uninterrupted build
+
+
+def test_a_different_model_rebuilds_aside_and_swaps(
+    embedder: Embedder, gallery: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "index"
+    build_index(gallery, embedder, out, progress=False)
+    manifest = Manifest.load(out)
+    manifest.model_fingerprint = "another-model"
+    manifest.save(out)
+    report = build_index(gallery, embedder, out, progress=False)
+    assert report.indexed == 9
+    assert Manifest.load(out).model_fingerprint == embedder.fingerprint
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gallery", "index"]
+
+
+def test_refuses_to_overwrite_a_folder_that_is_not_an_index(
+    embedder: Embedder, gallery: Path, tmp_path: Path
+) -> None:
+    precious = tmp_path / "notes"
+    precious.mkdir()
+    (precious / "todo.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not an index directory"):
+        build_index(gallery, embedder, precious, progress=False)
+    assert (precious / "todo.txt").read_text() == "keep me"
+
+
+def test_undecodable_gallery_leaves_nothing_behind(embedder: Embedder, tmp_path: Path) -> None:
+    root = tmp_path / "broken"
+    root.mkdir()
+    (root / "a.jpg").write_bytes(b"not a jpeg")
+    with pytest.raises(ValueError, match="could be decoded"):
+        build_index(root, embedder, tmp_path / "index", progress=False)
+    assert not (tmp_path / "index").exists()
+
+
+def test_options_change_rebuilds_from_stored_vectors(
+    embedder: Embedder, gallery: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "index"
+    build_index(gallery, embedder, out, progress=False)
+    report = build_index(gallery, embedder, out, progress=False, index_type="hnsw", target_recall=0.9)
+    assert (report.indexed, report.rebuilt) == (0, True)  # no image embedded again
+    manifest = Manifest.load(out)
+    assert (manifest.index_type, manifest.requested_index_type, manifest.target_recall) == (
+        "hnsw",
+        "hnsw",
+        0.9,
+    )
+    assert build_index(gallery, embedder, out, progress=False).rebuilt is False  # options are remembered
+    assert Manifest.load(out).index_type == "hnsw"
+
+
+def test_index_add_embeds_files_inside_the_gallery(embedder: Embedder, gallery: Path, tmp_path: Path) -> None:
+    out = tmp_path / "index"
+    build_index(gallery, embedder, out, progress=False)
+    make_image(77, size=(64, 56)).save(gallery / "beta" / "extra.png")
+    (gallery / "delta").mkdir()
+    make_image(78, size=(64, 56)).save(gallery / "delta" / "d.png")
+    report = add_images(out, embedder, [gallery / "beta" / "extra.png", gallery / "delta"], progress=False)
+    assert (report.indexed, report.removed) == (2, 0)
+    assert _items(out).keys() >= {"beta/extra.png", "delta/d.png"}
+    outside = tmp_path / "outside.png"
+    make_image(79).save(outside)
+    with pytest.raises(ValueError, match="outside the index's gallery folder"):
+        add_images(out, embedder, [outside], progress=False)
+
+
+def test_shards_each_take_their_own_files(embedder: Embedder, gallery: Path, tmp_path: Path) -> None:
+    reports = [
+        build_index(gallery, embedder, tmp_path / f"shard{i}", shard=Shard(i, 2), progress=False)
+        for i in range(2)
+    ]
+    assert sum(r.indexed for r in reports) == 9
+    paths = [set(_items(tmp_path / f"shard{i}")) for i in range(2)]
+    assert not paths[0] & paths[1]
+    assert all(Shard(i, 2).owns(p) for i in range(2) for p in paths[i])
+    with pytest.raises(ValueError, match="holds shard 0/2"):
+        build_index(gallery, embedder, tmp_path / "shard0", shard=Shard(1, 2), progress=False)
