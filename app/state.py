@@ -25,6 +25,8 @@ class EngineState:
                 settings.model_path,
                 settings.index_path,
                 threads=settings.threads,
+                backend=settings.backend,
+                milvus_uri=settings.milvus_uri,
                 max_pixels=settings.max_image_pixels,
                 jpeg_draft=settings.jpeg_draft,
                 vote_sigma2=settings.vote_sigma2,

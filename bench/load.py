@@ -9,11 +9,12 @@ phone-sized JPEGs (4000x3000, upscaled with sensor-like noise so they compress l
 All from one run, printed and written to ``--out`` (JSON):
 
 * under load: throughput, p50/p95/p99 end-to-end latency per query kind, error count, server memory (RSS)
-  after warm-up and after the load, and the server's own per-stage times (upload, decode, preprocess,
-  embed, search) from the responses;
+  after warm-up, every 10 s and after the load, and the server's own per-stage times (upload, queue,
+  decode, preprocess, embed, search) from the responses;
 * single queries, one at a time: the end-to-end p50 next to the sum of the p50s of its stages measured
   alone in this process (decode + preprocess with the server's settings, bare onnxruntime inference of the
-  same model with the same threads, the index search): the service overhead ratio.
+  same model with the same threads, the index search), interleaved query by query so both see the same
+  background load: the service overhead ratio.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ def start_server(args: argparse.Namespace, index_dir: Path, port: int) -> subpro
         str(args.model),
     ]
     command += ["--port", str(port), "--threads", str(args.threads), "--rate-limit", "0"]
+    command += ["--compute-slots", str(args.compute_slots)]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -192,47 +194,65 @@ def run_load(url: str, queries: list[Query], clients: int, seconds: float, k: in
     return result
 
 
-def single_query_latency(url: str, query: Query, repeats: int, k: int) -> tuple[list[float], list[float]]:
-    """End-to-end milliseconds at the client, and the server's own ``took_ms``, of sequential queries."""
-    latencies, took = [], []
+class StagesAlone:
+    """One query's stages run on their own in this process: decode + preprocess with the server's
+    settings, bare onnxruntime inference of the same model with the same threads, the index search."""
+
+    def __init__(self, model: Path, index_dir: Path, threads: int, k: int) -> None:
+        import onnxruntime as ort
+
+        self.embedder = Embedder(model, threads=threads)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.session = ort.InferenceSession(
+            str(model), sess_options=options, providers=["CPUExecutionProvider"]
+        )
+        self.input_name = self.session.get_inputs()[0].name
+        self.index = GalleryIndex.open(index_dir)
+        self.draft_size = self.embedder.card.preprocessing.resize_size
+        self.k = k
+
+    def run(self, data: bytes) -> dict[str, float]:
+        started = time.perf_counter()
+        tensor = self.embedder.preprocess([decode_image(data, draft_size=self.draft_size)])
+        decoded = time.perf_counter()
+        (vector,) = self.session.run(None, {self.input_name: tensor})
+        inferred = time.perf_counter()
+        self.index.search(vector, self.k)
+        searched = time.perf_counter()
+        return {
+            "decode+preprocess": (decoded - started) * 1000.0,
+            "onnxruntime": (inferred - decoded) * 1000.0,
+            "search": (searched - inferred) * 1000.0,
+        }
+
+
+def single_query_overhead(url: str, alone: StagesAlone, query: Query, repeats: int, k: int) -> dict:
+    """End-to-end p50 of sequential queries next to the sum of the p50s of their stages run alone.
+
+    The two are interleaved (one query through the server, then its stages here) so that both see the
+    same background load of the machine.
+    """
+    e2e, took, stages = [], [], defaultdict(list)
     with httpx.Client(timeout=120) as http:
         for _ in range(repeats):
             elapsed, body, error = search_once(http, url, query, k)
             if error is not None:
                 raise SystemExit(f"single query failed: {error}")
-            latencies.append(elapsed)
+            e2e.append(elapsed)
             took.append(body["took_ms"])
-    return latencies, took
-
-
-def stages_alone(
-    args: argparse.Namespace, index_dir: Path, query: Query, repeats: int
-) -> dict[str, list[float]]:
-    """Each stage of one query on its own, in this process: what the service adds is the difference."""
-    import onnxruntime as ort
-
-    embedder = Embedder(args.model, threads=args.threads)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = args.threads
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    session = ort.InferenceSession(str(args.model), sess_options=options, providers=["CPUExecutionProvider"])
-    input_name = session.get_inputs()[0].name
-    index = GalleryIndex.open(index_dir)
-    draft_size = embedder.card.preprocessing.resize_size
-    timings: dict[str, list[float]] = defaultdict(list)
-    for _ in range(repeats):
-        started = time.perf_counter()
-        tensor = embedder.preprocess([decode_image(query.data, draft_size=draft_size)])
-        decoded = time.perf_counter()
-        (vector,) = session.run(None, {input_name: tensor})
-        inferred = time.perf_counter()
-        index.search(vector, args.k)
-        searched = time.perf_counter()
-        timings["decode+preprocess"].append((decoded - started) * 1000.0)
-        timings["onnxruntime"].append((inferred - decoded) * 1000.0)
-        timings["search"].append((searched - inferred) * 1000.0)
-    index.close()
-    return timings
+            for stage, ms in alone.run(query.data).items():
+                stages[stage].append(ms)
+    stage_p50 = {stage: round(percentile(ms, 50), 2) for stage, ms in stages.items()}
+    return {
+        "e2e_p50_ms": round(percentile(e2e, 50), 2),
+        "server_took_p50_ms": round(percentile(took, 50), 2),
+        "stages_alone_p50_ms": stage_p50,
+        "sum_of_stages_p50_ms": round(sum(stage_p50.values()), 2),
+        "ratio": round(percentile(e2e, 50) / sum(stage_p50.values()), 3),
+        "query_bytes": len(query.data),
+    }
 
 
 def free_port() -> int:
@@ -255,8 +275,11 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds of load before measuring")
     parser.add_argument("--share-12mp", type=float, default=0.25, help="share of 12-MP queries")
-    parser.add_argument("--single-repeats", type=int, default=30)
+    parser.add_argument("--single-repeats", type=int, default=40)
     parser.add_argument("--threads", type=int, default=0, help="server onnxruntime threads (0 = all cores)")
+    parser.add_argument(
+        "--compute-slots", type=int, default=0, help="server compute slots (0 = one per core)"
+    )
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("bench/results/load.json"))
     args = parser.parse_args()
@@ -287,39 +310,23 @@ def main() -> None:
             print(f"load {args.duration:.0f} s with {args.clients} clients", flush=True)
             load = run_load(url, queries, args.clients, args.duration, args.k, server.pid)
             rss_after = rss_mb(server.pid)
-            print("single queries, one at a time", flush=True)
-            single = {
-                kind: single_query_latency(url, sample, args.single_repeats, args.k)
+            print("single queries, one at a time, interleaved with their stages run alone", flush=True)
+            alone = StagesAlone(args.model, index_dir, args.threads, args.k)
+            overhead = {
+                kind: single_query_overhead(url, alone, sample, args.single_repeats, args.k)
                 for kind, sample in (("crop", crops[0]), ("12mp", large[0]))
             }
         finally:
             server.terminate()
             server.wait(timeout=30)
-        print("stages alone, in this process", flush=True)
-        alone = {
-            kind: stages_alone(args, index_dir, sample, args.single_repeats)
-            for kind, sample in (("crop", crops[0]), ("12mp", large[0]))
-        }
 
     requests = sum(len(v) for v in load.latencies_ms.values())
-    overhead = {}
-    for kind in ("crop", "12mp"):
-        stage_p50 = {stage: round(percentile(ms, 50), 2) for stage, ms in alone[kind].items()}
-        e2e_ms, took_ms = single[kind]
-        e2e_p50 = percentile(e2e_ms, 50)
-        overhead[kind] = {
-            "e2e_p50_ms": round(e2e_p50, 2),
-            "server_took_p50_ms": round(percentile(took_ms, 50), 2),
-            "stages_alone_p50_ms": stage_p50,
-            "sum_of_stages_p50_ms": round(sum(stage_p50.values()), 2),
-            "ratio": round(e2e_p50 / sum(stage_p50.values()), 3),
-            "query_bytes": len((crops[0] if kind == "crop" else large[0]).data),
-        }
     result = {
         "gallery_size": len(files),
         "clients": args.clients,
         "duration_s": round(load.seconds, 1),
         "server_onnxruntime_threads": args.threads,
+        "server_compute_slots": args.compute_slots or "one per core",
         "cpu_count": os.cpu_count(),
         "load_average_1min_at_end": round(os.getloadavg()[0], 2),
         "requests": requests,

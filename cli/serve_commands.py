@@ -20,9 +20,16 @@ commands = typer.Typer()
 
 @commands.command()
 def serve(
-    index: Annotated[Path | None, typer.Option(help="Index directory [env DMLSEARCH_INDEX_PATH].")] = None,
+    index: Annotated[Path | None, typer.Option(help="Index directory (env DMLSEARCH_INDEX_PATH).")] = None,
     model: Annotated[
-        Path | None, typer.Option(help="Exported model.onnx [env DMLSEARCH_MODEL_PATH].")
+        Path | None, typer.Option(help="Exported model.onnx (env DMLSEARCH_MODEL_PATH).")
+    ] = None,
+    backend: Annotated[
+        str | None, typer.Option(help="Refuse an index of another backend: faiss or milvus.")
+    ] = None,
+    milvus_uri: Annotated[
+        str | None,
+        typer.Option(help="Reach a Milvus index's collection at this URI instead of the recorded one."),
     ] = None,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -66,6 +73,8 @@ def serve(
     flags = {
         "index_path": index,
         "model_path": model,
+        "backend": backend,
+        "milvus_uri": milvus_uri,
         "threads": threads,
         "compute_slots": compute_slots,
         "api_key": api_key,

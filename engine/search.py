@@ -142,8 +142,19 @@ class SearchService:
         self.lock = ReadWriteLock()
 
     @classmethod
-    def open(cls, model_path: Path, index_dir: Path, *, threads: int = 0, **options: object) -> SearchService:
-        return cls(Embedder(model_path, threads=threads), GalleryIndex.open(index_dir), **options)
+    def open(
+        cls,
+        model_path: Path,
+        index_dir: Path,
+        *,
+        threads: int = 0,
+        backend: str | None = None,
+        milvus_uri: str | None = None,
+        **options: object,
+    ) -> SearchService:
+        """``backend``: refuse an index of another backend; ``milvus_uri``: where its Milvus collection is."""
+        index = GalleryIndex.open(index_dir, backend=backend, milvus_uri=milvus_uri)
+        return cls(Embedder(model_path, threads=threads), index, **options)
 
     @property
     def model_fingerprint(self) -> str:

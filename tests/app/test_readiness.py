@@ -93,3 +93,9 @@ def test_invalid_serve_settings_are_cli_errors(monkeypatch: pytest.MonkeyPatch) 
     result = runner.invoke(app, ["serve"])
     assert result.exit_code == 2
     assert "max_upload_bytes" in result.output
+
+
+def test_index_of_another_backend_than_configured(served: Served) -> None:
+    settings = Settings(model_path=served.model, index_path=served.index, backend="milvus")
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        assert_not_ready(client, "is a faiss index, not milvus")

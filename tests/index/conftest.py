@@ -1,13 +1,8 @@
-"""Fixtures for the index tests: clustered unit vectors like real embeddings, single-threaded FAISS."""
+"""Helpers for the index tests: clustered unit vectors like real embeddings, metadata rows."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
-import pytest
-
-from index.faiss_index import faiss_module
 
 
 def clustered_vectors(
@@ -24,14 +19,3 @@ def clustered_vectors(
 def entries(count: int, prefix: str = "img") -> list[tuple[str, str | None, str]]:
     """``(path, label, content_hash)`` rows with distinct paths and hashes."""
     return [(f"{prefix}/{i:05d}.png", f"class{i % 7}", f"{prefix}-hash-{i}") for i in range(count)]
-
-
-@pytest.fixture(autouse=True)
-def single_threaded_faiss() -> Iterator[None]:
-    """Tiny k-means runs are dominated by OpenMP thread hand-offs on a busy 2-core machine (OPQ training
-    measured 20x slower with 2 threads than with 1 there): keep these small tests on one thread."""
-    faiss = faiss_module()
-    threads = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    yield
-    faiss.omp_set_num_threads(threads)

@@ -63,9 +63,9 @@ def test_tuning_reaches_the_target_recall_on_unseen_queries(index_type: str) -> 
 
 
 def test_pq_ceiling_is_reported_not_hidden() -> None:
-    vectors = clustered_vectors(3000, 16, clusters=20, spread=0.05)
-    source = ArraySource(np.arange(3000), vectors)
-    spec = choose_index(3000, 16, IndexOptions("ivfpq"))
+    vectors = clustered_vectors(1000, 16, clusters=20, spread=0.05)
+    source = ArraySource(np.arange(1000), vectors)
+    spec = choose_index(1000, 16, IndexOptions("ivfpq"))
     _, tuning = build_faiss_index(spec, [source], target_recall=0.999)
     assert not tuning.met and tuning.recall < 0.999
     assert 0.0 < tuning.recall <= 1.0

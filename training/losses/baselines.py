@@ -155,14 +155,15 @@ def lifted_structure_loss(
     and ``L = 1 / (2 |P|) sum_{(i,j) in P} [J_ij]_+^2`` (Song's ``alpha`` is ``m_neg``; ``m_pos = 0`` is
     Song's form). pml builds a (|P|, |N|) matrix of which negatives belong to which pair, about
     n B^3 entries for ``m classes x n``; here the two sums are per-row log-sum-exps ``L_i`` and
-    ``J_ij = logaddexp(L_i, L_j) + D_ij - m_pos``, which is O(B^2).
+    ``J_ij = logaddexp(L_i, L_j) + D_ij - m_pos``, evaluated on the positive pairs only: O(B^2) in all.
     """
     if not pos_mask.any() or not neg_mask.any():
         return zero_loss(dist)
     # once there are two classes every row has negatives, so no L_i below is an empty-row placeholder
     row_lse = masked_logsumexp(neg_margin - dist, neg_mask, dim=1)
-    j = torch.logaddexp(row_lse.unsqueeze(1), row_lse.unsqueeze(0)) + dist - pos_margin
-    return masked_mean(j.relu().pow(2), pos_mask) / 2
+    i, j = pos_mask.nonzero(as_tuple=True)
+    j_ij = torch.logaddexp(row_lse[i], row_lse[j]) + dist[i, j] - pos_margin
+    return j_ij.relu().pow(2).mean() / 2
 
 
 def multi_similarity_mining(
