@@ -20,7 +20,7 @@ demo: setup
 	$(BIN)/dmlsearch demo
 
 test: setup
-	$(BIN)/pytest
+	$(BIN)/pytest -q
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

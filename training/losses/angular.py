@@ -23,7 +23,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from training.losses.npair import NPairLoss, gram_matrix, log1p_sum_exp, positive_pairs
+from training.losses.npair import NPairLoss, log1p_sum_exp, positive_pairs
+from training.losses.pairs import gram_matrix
 from training.losses.registry import BatchLayout, register_loss
 
 Form = Literal["npair", "triplet"]

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from training.losses.pairs import label_masks, pairwise_distances
+from training.losses.pairs import gram_matrix, label_masks, pairwise_distances
 from training.losses.registry import BatchLayout, register_loss
 
 # ---------------------------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ class _BatchPairLoss(nn.Module):
             )
         x = F.normalize(embeddings, dim=1) if self.normalize else embeddings
         pos_mask, neg_mask = label_masks(labels)
-        geometry = x @ x.T if self.uses_similarity else pairwise_distances(x)
+        geometry = gram_matrix(x) if self.uses_similarity else pairwise_distances(x)
         return self.pair_loss(geometry, pos_mask, neg_mask)
 
     def pair_loss(self, geometry: Tensor, pos_mask: Tensor, neg_mask: Tensor) -> Tensor:

@@ -13,13 +13,13 @@ Angular loss Eq. 8 and 10, ALMN Eq. 3 and 8), which :func:`log1p_sum_exp` comput
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from training.losses.pairs import label_masks
+from training.losses.pairs import gram_matrix, label_masks
 from training.losses.registry import BatchLayout, register_loss
 
 Tuples = Literal["sohn", "all_pairs"]
@@ -33,26 +33,6 @@ def log1p_sum_exp(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """
     masked = logits.masked_fill(~mask, float("-inf"))
     return torch.logsumexp(F.pad(masked, (0, 1), value=0.0), dim=1)
-
-
-class _SymmetricGram(torch.autograd.Function):
-    """``x @ x.T`` whose backward is the single matmul ``(g + g^T) x``; autograd's generic rule for
-    ``x @ x.T`` runs one matmul per operand and accumulates the two (B, d) results."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        return x @ x.T
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (x,) = ctx.saved_tensors
-        return (grad + grad.T) @ x
-
-
-def gram_matrix(x: torch.Tensor) -> torch.Tensor:
-    """All inner products ``x_i^T x_j``, (B, B), with a cheap backward (see :class:`_SymmetricGram`)."""
-    return _SymmetricGram.apply(x)
 
 
 def sohn_tuples(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
