@@ -33,6 +33,14 @@ class Distributed:
         if self.enabled:
             dist.barrier()
 
+    def all_true(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (one all-reduce; just ``flag`` in a single process)."""
+        if not self.enabled:
+            return flag
+        value = torch.tensor([int(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return bool(value.item())
+
     def device(self, requested: str) -> torch.device:
         """``requested`` ("auto", "cpu", "cuda"): this process's GPU when there is one, else the CPU."""
         if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):

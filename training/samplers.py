@@ -29,8 +29,6 @@ class ClassBalancedSampler:
     replacement. With fewer classes than ``classes``, every class is in every batch.
     """
 
-    refresh_interval: int | None = None
-
     def __init__(self, labels: np.ndarray, classes: int, samples_per_class: int, seed: int = 0) -> None:
         self.labels = np.asarray(labels)
         self.class_ids, inverse = np.unique(self.labels, return_inverse=True)
@@ -51,6 +49,10 @@ class ClassBalancedSampler:
 
     def after_step(self, indices: np.ndarray, loss: nn.Module) -> None:
         """Hook for samplers that learn from the loss (no-op here)."""
+
+    def refresh_due(self, step: int) -> bool:
+        """Whether :meth:`refresh` must run before the batch of ``step`` (never, here)."""
+        return False
 
     def refresh(self, embeddings: np.ndarray) -> None:
         """Hook for samplers that index the embedding space (no-op here)."""
@@ -126,6 +128,10 @@ class NeighbourhoodSampler(ClassBalancedSampler):
         self.centres = np.asarray(centres, dtype=np.float32)
         self.cluster_labels = np.asarray(cluster_labels)
         self.refreshes += 1
+
+    def refresh_due(self, step: int) -> bool:
+        """At step 0 and every ``refresh_interval`` steps; counted, so a resumed run does not re-index."""
+        return self.refreshes <= step // self.refresh_interval
 
     def cluster_probabilities(self) -> np.ndarray:
         """``p_I ∝ L_I`` over clusters, with unknown losses at the largest known and a uniform floor."""

@@ -66,9 +66,7 @@ def prepare_data(
     """Load and split the images, extract (or read cached) features, drop unreadable images."""
     dist = dist or Distributed()
     images = load_labelled_images(Path(config.data))
-    split = split_classes(
-        images, train_classes=config.train_classes, val_fraction=config.val_fraction, seed=config.seed
-    )
+    split = split_classes(images, train_classes=config.train_classes, val_fraction=config.val_fraction)
     # The main process extracts first; the others then find every shard in the cache.
     for turn in (True, False):
         if dist.is_main == turn:
@@ -79,10 +77,14 @@ def prepare_data(
     for name, kept in indices.items():
         if len(np.unique(images.labels[kept])) < 2:
             raise DataError(f"the {name} split has fewer than two classes of readable images")
-    train_files = images.files(indices["train"])
+    # Augmented views are extracted for all training classes, validation ones included, so that the cache
+    # stays valid when the validation share changes; the training rows are then picked out.
+    training_range = np.sort(np.concatenate([indices["train"], indices["val"]]))
+    rows = np.searchsorted(training_range, indices["train"])
     views = [base.features[indices["train"]]]
     for view in range(1, config.views + 1):
-        views.append(extractor.extract(train_files, view=view, seed=config.seed).features)
+        augmented = extractor.extract(images.files(training_range), view=view, seed=config.seed)
+        views.append(augmented.features[rows])
     return PreparedData(
         images=images,
         indices=indices,
@@ -235,8 +237,6 @@ class _Training:
             dtype=amp_dtype or torch.float16,
             enabled=config.amp and self.device.type == "cuda",
         )
-        if sampler.refresh_interval and (state["step"] == 0 or len(getattr(sampler, "centres", ())) == 0):
-            sampler.refresh(self.workload.embed("train"))
         batches = self.workload.batches(sampler, view_rng)
         bar = tqdm(
             initial=state["step"],
@@ -249,12 +249,14 @@ class _Training:
         nonfinite = 0
         started = time.perf_counter()
         while state["step"] < config.max_steps and not state["stopped"]:
+            if sampler.refresh_due(state["step"]):
+                sampler.refresh(self.workload.embed("train"))
             indices, inputs = next(batches)
             batch_info = {key: value.to(self.device) for key, value in sampler.batch_info(indices).items()}
             with autocast:
                 value = model(inputs, labels[indices].to(self.device), **batch_info)
             optimizer.zero_grad(set_to_none=True)
-            if torch.isfinite(value):
+            if self.dist.all_true(bool(torch.isfinite(value))):  # ranks skip a step together or not at all
                 scaler.scale(value).backward()
                 scaler.step(optimizer)
                 scaler.update()
@@ -267,8 +269,6 @@ class _Training:
             sampler.after_step(indices, objective.loss)
             state["step"] += 1
             bar.update()
-            if sampler.refresh_interval and state["step"] % sampler.refresh_interval == 0:
-                sampler.refresh(self.workload.embed("train"))
             if state["step"] % eval_every == 0 or state["step"] == config.max_steps:
                 state["elapsed"] += time.perf_counter() - started
                 started = time.perf_counter()

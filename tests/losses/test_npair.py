@@ -7,7 +7,8 @@ import torch
 from reference_npair import npair_all_pairs_reference, npair_reference, sohn_tuples_reference
 
 from training.losses import LOSSES, build_loss
-from training.losses.npair import NPairLoss, gram_matrix, log1p_sum_exp, sohn_tuples
+from training.losses.npair import NPairLoss, log1p_sum_exp, sohn_tuples
+from training.losses.pairs import gram_matrix
 
 
 def _batch(

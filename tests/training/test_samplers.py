@@ -121,3 +121,19 @@ def test_sampler_for_follows_the_registry_layout() -> None:
     balanced = sampler_for(LOSSES["angular"].layout, labels, classes=5)
     assert type(balanced) is ClassBalancedSampler
     assert len(balanced.next_indices()) == 5 * LOSSES["angular"].layout.samples_per_class
+
+
+def test_refresh_is_due_at_step_zero_and_every_interval_once() -> None:
+    sampler = NeighbourhoodSampler(_labels(), clusters=3, samples_per_class=2, refresh_interval=5)
+    embeddings = np.random.default_rng(0).normal(size=(len(_labels()), 4))
+    due = []
+    for step in range(12):
+        if sampler.refresh_due(step):
+            sampler.refresh(embeddings)
+            due.append(step)
+    assert due == [0, 5, 10]
+    # A sampler restored from a checkpoint knows how many refreshes happened: no extra one on resume.
+    restored = NeighbourhoodSampler(_labels(), clusters=3, samples_per_class=2, refresh_interval=5)
+    restored.load_state_dict(sampler.state_dict())
+    assert not restored.refresh_due(11) and restored.refresh_due(15)
+    assert not ClassBalancedSampler(_labels(), 2, 2).refresh_due(0)

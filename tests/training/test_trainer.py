@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,9 +14,10 @@ from training.run_dir import RunDirectory, RunDirError
 from training.trainer import train
 
 
-def _config(data: Path, cache: Path, **overrides: object) -> TrainConfig:
-    settings = {"max_steps": 12, "eval_every": 4, "patience": 100, "embedding_dim": 16, "head_hidden": 32}
-    return TrainConfig(loss="contrastive", data=str(data), cache_dir=str(cache), **{**settings, **overrides})
+def _config(data: Path, cache: Path, **overrides: Any) -> TrainConfig:
+    settings = {"loss": "contrastive", "max_steps": 12, "eval_every": 4, "patience": 100}
+    settings.update(embedding_dim=16, head_hidden=32, **overrides)
+    return TrainConfig(data=str(data), cache_dir=str(cache), **settings)
 
 
 def test_frozen_run_writes_a_complete_run_directory(
@@ -85,3 +87,25 @@ def test_a_run_directory_refuses_a_different_config(
     # More steps is a continuation, not a conflict.
     summary = train(_config(labelled_folder, feature_cache, max_steps=8), out, progress=False)
     assert summary["steps"] == 8
+
+
+def test_magnet_trains_on_neighbourhood_batches_with_a_refreshed_cluster_index(
+    labelled_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    config = _config(
+        labelled_folder,
+        feature_cache,
+        loss="magnet",
+        max_steps=7,
+        eval_every=7,
+        cluster_refresh=3,
+        clusters_per_class=2,
+        classes_per_batch=4,
+        samples_per_class=2,
+    )
+    summary = train(config, tmp_path / "run", progress=False)
+    sampler = RunDirectory(tmp_path / "run").load_checkpoint("last")["sampler"]
+    assert int(sampler["refreshes"]) == 3  # before steps 0, 3 and 6
+    assert len(sampler["centres"]) == 4 * 2  # 4 training classes x 2 clusters
+    assert torch.isfinite(sampler["example_losses"]).any(), "the loss fed per-example losses back"
+    assert summary["steps"] == 7

@@ -37,12 +37,12 @@ Everything is computed from the pairwise squared distances of the four endpoints
 ``x.y = 1 - |x - y|^2 / 2``, the paper's ``s_ij = 1 - d_ij^2 / 2``), so a whole batch costs one (B, B)
 matrix plus O(B^2) scalar work (Algorithm 1, all pairs of pairs in parallel).
 
-Gradients. The case and the optimal points are chosen without gradient; the distance is then
-evaluated at them with the exact gradient of the minimum (envelope theorem): a free parameter is
-stationary, so its own derivative does not contribute, and a point at the end of its curve is that
-endpoint itself (``p1 = x2`` when ``alpha = alpha0``), which is differentiated. This derivative is
-written out in :func:`_distance_forward` and :func:`_distance_backward` (one autograd node instead of
-dozens of small ones).
+Gradients. The case and the optimal points are chosen without gradient, as fixed weights of the
+endpoints (:class:`_Weights`: ``p1 = normalise(wx1 x1 + wx2 x2)`` on arcs, ``wx1 x1 + wx2 x2`` on
+segments); the distance is then evaluated at those weights. This is the exact gradient of the
+minimum (envelope theorem): the weights parametrise each curve over a fixed range, a free optimum is
+stationary in them, and a point at an end is that endpoint itself. The derivative is written out in
+:func:`_distance_forward` / :func:`_distance_backward` (one autograd node instead of dozens).
 Degenerate input stays finite in value and gradient: an arc whose ends coincide or are antipodal
 (``1 - (x1.x2)^2`` below ``16 eps`` of the dtype, about ``1.4e-3`` rad in float32) has no usable
 Gram-Schmidt direction and is treated as its two endpoints (the antipodal geodesic is not unique
@@ -61,12 +61,13 @@ Geometry = Literal["arc", "segment"]
 
 _DIST_EPS = 1e-12  # clamp before sqrt, as pairs.pairwise_distances does
 
-# Per KKT case of Table 1, where each optimal point comes from, as an index into the candidate list
-# [inside (case 0), against the first end of the other curve, against its second end, first end, second
-# end]: p1 is x1 in cases 1, 5, 6 and x2 in cases 2, 7, 8; p2 is y1 in cases 3, 5, 7 and y2 in 4, 6, 8.
-_X_SOURCE = torch.tensor([0, 3, 4, 1, 2, 3, 3, 4, 4])
-_Y_SOURCE = torch.tensor([0, 1, 2, 3, 4, 3, 4, 3, 4])
-_FIRST_END, _SECOND_END = 3, 4
+# Per KKT case of Table 1 (columns), where each optimal point comes from (rows: p1, p2), as an index
+# into its candidates [inside (case 0), against the other curve's first end, against its second end,
+# the first end, the second end]: p1 is x1 in cases 1, 5, 6 and x2 in cases 2, 7, 8; p2 is y1 in cases
+# 3, 5, 7 and y2 in cases 4, 6, 8.
+_SOURCE = torch.tensor([[0, 3, 4, 1, 2, 3, 3, 4, 4], [0, 1, 2, 3, 4, 3, 4, 3, 4]])
+_SIDE_OFFSET = torch.tensor([0, 9])  # into the flattened table
+_SECOND_END = 4
 
 
 class OptimalNegatives(NamedTuple):
@@ -116,21 +117,15 @@ class _PointOnArc(NamedTuple):
 
 
 class _Weights(NamedTuple):
-    """The optimal points as ``p1 = wx1 x1 + wx2 x2``, ``p2 = wy1 y1 + wy2 y2`` (all detached).
+    """The optimal points as fixed combinations of the endpoints (all detached): ``p1 = wx1 x1 + wx2 x2``
+    and ``p2 = wy1 y1 + wy2 y2``, normalised to the sphere for arcs. Every point of an arc is such a
+    normalised non-negative combination (``w1 = sin(t0 - t) / sin t0``, ``w2 = sin t / sin t0``, Eq. 3),
+    every point of a segment an affine one (Eq. 17); an end is ``(1, 0)`` or ``(0, 1)`` exactly."""
 
-    On an arc ``p = n1 cos t + n2 sin t`` with ``n2 = (e2 - c e1) / s`` (Eqs. 2-3), so ``w1 = start -
-    slide c / s`` and ``w2 = slide / s + end`` with ``(start, slide, end) = (cos t, sin t, 0)`` inside,
-    ``(1, 0, 0)`` at ``e1`` and ``(0, 0, 1)`` at ``e2``: the weights then depend on ``c = e1.e2`` at a
-    fixed angle, and an endpoint optimum is the endpoint itself. On a segment (Eq. 17) ``(start, slide,
-    end) = (1 - k, 0, k)``.
-    """
-
-    x_start: torch.Tensor
-    x_slide: torch.Tensor
-    x_end: torch.Tensor
-    y_start: torch.Tensor
-    y_slide: torch.Tensor
-    y_end: torch.Tensor
+    wx1: torch.Tensor
+    wx2: torch.Tensor
+    wy1: torch.Tensor
+    wy2: torch.Tensor
 
 
 def pair_of_pair_distances(squared: torch.Tensor, geometry: Geometry = "arc") -> OptimalNegatives:
@@ -151,7 +146,7 @@ def pair_of_pair_distances(squared: torch.Tensor, geometry: Geometry = "arc") ->
             case, weights, alpha, beta = _arc_kkt_batch(1 - squared / 2)
         else:
             raise ValueError(f"unknown geometry {geometry!r}; choose 'arc' or 'segment'")
-    return OptimalNegatives(_PairMatrixDistance.apply(squared, weights), case, alpha, beta)
+    return OptimalNegatives(_PairMatrixDistance.apply(squared, weights, geometry == "arc"), case, alpha, beta)
 
 
 def curve_distances(
@@ -183,7 +178,7 @@ def curve_distances(
             case, weights, alpha, beta = _arc_kkt(x_arc, y_arc, x_ends, y_ends, corners)
         else:
             raise ValueError(f"unknown geometry {geometry!r}; choose 'arc' or 'segment'")
-    return OptimalNegatives(_EndpointDistance.apply(*ends, weights), case, alpha, beta)
+    return OptimalNegatives(_EndpointDistance.apply(*ends, weights, geometry == "arc"), case, alpha, beta)
 
 
 def _blocks(matrix: torch.Tensor) -> _Endpoints:
@@ -212,6 +207,10 @@ def _arc(cos_within: torch.Tensor) -> _Arc:
     usable = sin_sq > tol
     sin = sin_sq.clamp_min(tol).sqrt()
     return _Arc(cos_within, sin, torch.where(usable, cos_within, 1.0), torch.where(usable, sin, 0.0))
+
+
+def _angle(arc: _Arc) -> torch.Tensor:
+    return arc.cos.clamp(-1, 1).acos()
 
 
 def _point_on_arc(cos_first: torch.Tensor, cos_second: torch.Tensor, arc: _Arc) -> _PointOnArc:
@@ -276,38 +275,33 @@ def _arc_kkt(
     inner = torch.where(inside, torch.hypot(v_cos, v_sin) / torch.hypot(u_cos, u_sin), -math.inf)
 
     case = torch.cat([inner.unsqueeze(0), x_ends.score, y_ends.score, corners]).max(0).indices  # ties: lowest
+    # Both optimal points at once, dim 0 = (p1 on arc x, p2 on arc y). Candidate directions, in the order
+    # of _SOURCE: inside (case 0), the two point-against-arc cases, the first end (1, 0), the second
+    # end (its direction is unused: it is the endpoint itself).
     one, zero = torch.ones_like(inner).unsqueeze(0), torch.zeros_like(inner).unsqueeze(0)
-    x_start, x_slide, x_end, alpha = _arc_side(
-        x_arc,
-        _X_SOURCE.to(case.device).take(case),
-        [u_cos.unsqueeze(0), y_ends.cos, one, zero],
-        [u_sin.unsqueeze(0), y_ends.sin, zero, zero],
+    cos_t = torch.cat([u_cos.unsqueeze(0), y_ends.cos, one, zero, v_cos.unsqueeze(0), x_ends.cos, one, zero])
+    sin_t = torch.cat(
+        [u_sin.unsqueeze(0), y_ends.sin, zero, zero, v_sin.unsqueeze(0), x_ends.sin, zero, zero]
     )
-    y_start, y_slide, y_end, beta = _arc_side(
-        y_arc,
-        _Y_SOURCE.to(case.device).take(case),
-        [v_cos.unsqueeze(0), x_ends.cos, one, zero],
-        [v_sin.unsqueeze(0), x_ends.sin, zero, zero],
-    )
-    return case, _Weights(x_start, x_slide, x_end, y_start, y_slide, y_end), alpha, beta
-
-
-def _arc_side(
-    arc: _Arc, source: torch.Tensor, cos_t: list[torch.Tensor], sin_t: list[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(start, slide, end, angle)`` of one optimal point (:class:`_Weights`).
-
-    ``cos_t``, ``sin_t`` list the candidate directions in the order of ``_X_SOURCE`` (inside, the two
-    point-against-arc cases, then ``(1, 0)`` for the first end and ``(0, 0)`` for the second end, whose
-    weights are ``(start, slide, end) = (0, 0, 1)``); ``source`` picks one per pair of pairs.
-    """
-    pick = source.unsqueeze(0)
-    cos_t, sin_t = (torch.cat(t).gather(0, pick).squeeze(0) for t in (cos_t, sin_t))
+    source = _SOURCE.to(case.device).take(case + _SIDE_OFFSET.to(case.device).view(2, *[1] * case.ndim))
+    pick = source.unsqueeze(1)
+    cos_t, sin_t = (t.view(2, 5, *case.shape).gather(1, pick).squeeze(1) for t in (cos_t, sin_t))
     norm = torch.hypot(cos_t, sin_t).clamp_min(torch.finfo(cos_t.dtype).tiny)
-    start, slide = cos_t / norm, sin_t / norm
+    cos_t, sin_t = cos_t / norm, sin_t / norm
     at_end = source == _SECOND_END
-    angle = torch.where(at_end, arc.cos.clamp(-1, 1).acos(), torch.atan2(slide, start))
-    return start, slide, at_end.to(start.dtype), angle
+    # (acos on the per-arc values: vectorised transcendental ops on large tensors run multi-threaded,
+    # and waking a sleeping worker thread costs more than the whole computation on a busy machine)
+    arc_cos, arc_sin, end_angle = (
+        torch.stack([x.expand(case.shape), y.expand(case.shape)])
+        for x, y in ((x_arc.cos, y_arc.cos), (x_arc.sin, y_arc.sin), (_angle(x_arc), _angle(y_arc)))
+    )
+
+    # The point n1 cos t + n2 sin t with n2 = (e2 - c e1) / s (Eqs. 2-3) is (cos t - c sin t / s) e1
+    # + (sin t / s) e2; the second end is (0, 1).
+    sin_over_s = sin_t / arc_sin
+    w1, w2 = cos_t - arc_cos * sin_over_s, sin_over_s + at_end.to(sin_t.dtype)
+    alpha, beta = torch.where(at_end, end_angle, torch.atan2(sin_t, cos_t))
+    return case, _Weights(w1[0], w2[0], w1[1], w2[1]), alpha, beta
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -358,7 +352,7 @@ def _segment_kkt(sq: _Endpoints) -> tuple[torch.Tensor, _Weights, torch.Tensor, 
         torch.stack([t.expand(case.shape) for t in k]).gather(0, pick).squeeze(0)
         for k in ([*k1, zero, zero, one, one], [*k2, zero, one, zero, one])
     )
-    return case, _Weights(1 - k1, torch.zeros_like(k1), k1, 1 - k2, torch.zeros_like(k2), k2), k1, k2
+    return case, _Weights(1 - k1, k1, 1 - k2, k2), k1, k2
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -367,74 +361,62 @@ def _segment_kkt(sq: _Endpoints) -> tuple[torch.Tensor, _Weights, torch.Tensor, 
 
 
 class _Forward(NamedTuple):
-    """What the backward pass needs: the weights of the points, the halved inverse distance (0 where
-    clamped) and the derivatives of ``d^2`` with respect to ``|x1 - x2|^2`` and ``|y1 - y2|^2``
-    through the weights (zero on segments)."""
+    """What the backward pass needs: the weights, ``d(d)/d(d^2)`` (0 where clamped) and the
+    derivatives of ``d^2`` with respect to ``T = sum_ab wx_a wy_b |x_a - y_b|^2``, ``|x1 - x2|^2`` and
+    ``|y1 - y2|^2``."""
 
-    wx1: torch.Tensor
-    wx2: torch.Tensor
-    wy1: torch.Tensor
-    wy2: torch.Tensor
+    w: _Weights
     half_inverse: torch.Tensor
-    x_within: torch.Tensor
-    y_within: torch.Tensor
+    by_cross: torch.Tensor
+    by_x12: torch.Tensor
+    by_y12: torch.Tensor
 
 
-def _side_weights(
-    within: torch.Tensor, start: torch.Tensor, slide: torch.Tensor, end: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(w1, w2, dw1/dq, dw2/dq)`` of :class:`_Weights` for one curve, ``q = |e1 - e2|^2``.
+def _distance_forward(sq: _Endpoints, w: _Weights, on_sphere: bool) -> tuple[torch.Tensor, _Forward]:
+    """``|p1 - p2|`` at the fixed weights ``w``, from the squared endpoint distances.
 
-    With ``c = 1 - q / 2`` and ``s = sqrt(1 - c^2)``: ``d(c/s)/dc = 1/s^3`` and ``d(1/s)/dc = c/s^3``.
-    (On segments the slide is 0 and the weights are constant.)
-    Where ``s`` is clamped (no usable arc) the slide is 0, so the clamp never reaches the result.
+    With ``P1 = wx1 x1 + wx2 x2``, ``P2 = wy1 y1 + wy2 y2``, ``W = w1 + w2`` and
+    ``T = sum_ab wx_a wy_b |x_a - y_b|^2``, for weights summing to 1 (segments, Eq. 17) or for unit
+    endpoints: ``|P1 - P2|^2 = T - wx1 wx2 |x1 - x2|^2 - wy1 wy2 |y1 - y2|^2 + (Wx - Wy)^2``. Arcs take
+    ``p = P / |P|``, ``|P1|^2 = Wx^2 - wx1 wx2 |x1 - x2|^2``, and
+    ``|p1 - p2|^2 = (|P1 - P2|^2 - (|P1| - |P2|)^2) / (|P1| |P2|)`` (= ``2 (1 - p1.p2)``, Eq. 1). Every
+    term is small when the points are close (no ``2 - 2 cos`` cancellation), and at an end (weights
+    (1, 0) or (0, 1), ``|P| = 1``) this is exactly the endpoint distance.
     """
-    tol = 16 * torch.finfo(within.dtype).eps
-    cos = 1 - within / 2
-    sin_sq = 1 - cos.square()
-    inv_sin = sin_sq.clamp_min(tol).rsqrt()
-    d_ratio = torch.where(sin_sq > tol, inv_sin.pow(3), 0.0) * -0.5  # d(c/s)/dq, using dc/dq = -1/2
-    return start - slide * (cos * inv_sin), slide * inv_sin + end, -slide * d_ratio, slide * (cos * d_ratio)
+    cross = w.wx1 * (w.wy1 * sq.x1y1 + w.wy2 * sq.x1y2) + w.wx2 * (w.wy1 * sq.x2y1 + w.wy2 * sq.x2y2)
+    x_pair, y_pair = w.wx1 * w.wx2, w.wy1 * w.wy2
+    x_sum, y_sum = w.wx1 + w.wx2, w.wy1 + w.wy2
+    squared = cross - x_pair * sq.x12 - y_pair * sq.y12 + (x_sum - y_sum).square()
+    if on_sphere:
+        x_norm, y_norm = _sqrt(x_sum.square() - x_pair * sq.x12), _sqrt(y_sum.square() - y_pair * sq.y12)
+        inverse = 1 / (x_norm * y_norm)
+        squared = (squared - (x_norm - y_norm).square()) * inverse
+        # d(d^2)/d|P1| and d|P1|/d|x1 - x2|^2 = -wx1 wx2 / (2 |P1|), likewise for P2
+        by_x_norm = -2 * (x_norm - y_norm) * inverse - squared / x_norm
+        by_y_norm = 2 * (x_norm - y_norm) * inverse - squared / y_norm
+        by_cross = inverse
+        by_x12 = -x_pair * (inverse + by_x_norm / (2 * x_norm))
+        by_y12 = -y_pair * (inverse + by_y_norm / (2 * y_norm))
+    else:
+        by_cross, by_x12, by_y12 = torch.ones_like(cross), -x_pair, -y_pair
+    clamped = squared.clamp_min(_DIST_EPS)
+    inverse_distance = clamped.rsqrt()
+    half_inverse = torch.where(squared > _DIST_EPS, 0.5 * inverse_distance, 0.0)
+    return clamped * inverse_distance, _Forward(w, half_inverse, by_cross, by_x12, by_y12)
 
 
-def _distance_forward(sq: _Endpoints, w: _Weights) -> tuple[torch.Tensor, _Forward]:
-    """``d = |p1 - p2|`` from squared distances, for unit endpoints (arcs) or weights summing to 1.
-
-    ``|sum_a wx_a x_a - sum_b wy_b y_b|^2 = sum_ab wx_a wy_b |x_a - y_b|^2 - wx1 wx2 |x1 - x2|^2
-    - wy1 wy2 |y1 - y2|^2 + (sum wx - sum wy) (sum_a wx_a |x_a|^2 - sum_b wy_b |y_b|^2)``, whose last
-    term is ``(sum wx - sum wy)^2`` for unit vectors and 0 for segments. At a corner it is exactly the
-    endpoint distance.
-    """
-    wx1, wx2, dwx1, dwx2 = _side_weights(sq.x12, w.x_start, w.x_slide, w.x_end)
-    wy1, wy2, dwy1, dwy2 = _side_weights(sq.y12, w.y_start, w.y_slide, w.y_end)
-    via_y1, via_y2 = wy1 * sq.x1y1 + wy2 * sq.x1y2, wy1 * sq.x2y1 + wy2 * sq.x2y2
-    via_x1, via_x2 = wx1 * sq.x1y1 + wx2 * sq.x2y1, wx1 * sq.x1y2 + wx2 * sq.x2y2
-    excess = (wx1 + wx2) - (wy1 + wy2)
-    squared = wx1 * via_y1 + wx2 * via_y2 - wx1 * wx2 * sq.x12 - wy1 * wy2 * sq.y12 + excess.square()
-    distance = squared.clamp_min(_DIST_EPS).sqrt()
-    half_inverse = torch.where(squared > _DIST_EPS, 0.5 / distance, 0.0)
-    # d(d^2)/d|x1 - x2|^2: directly, and through wx1, wx2 (arcs); likewise for y.
-    x_within = (
-        (via_y1 - wx2 * sq.x12 + 2 * excess) * dwx1 + (via_y2 - wx1 * sq.x12 + 2 * excess) * dwx2 - wx1 * wx2
-    )
-    y_within = (
-        (via_x1 - wy2 * sq.y12 - 2 * excess) * dwy1 + (via_x2 - wy1 * sq.y12 - 2 * excess) * dwy2 - wy1 * wy2
-    )
-    return distance, _Forward(wx1, wx2, wy1, wy2, half_inverse, x_within, y_within)
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """``sqrt`` of a positive tensor as ``x * rsqrt(x)``: torch's ``sqrt`` (like ``acos``) goes through a
+    multi-threaded kernel from 2048 elements on, whose thread wake-up dominates on a loaded machine."""
+    return x * x.clamp_min(torch.finfo(x.dtype).tiny).rsqrt()
 
 
 def _distance_backward(saved: _Forward, grad: torch.Tensor) -> _Endpoints:
     """Gradient of the distance with respect to the six squared distances (before broadcasting)."""
     g = grad * saved.half_inverse  # d(d)/d(d^2)
-    gx1, gx2 = g * saved.wx1, g * saved.wx2
-    return _Endpoints(
-        g * saved.x_within,
-        g * saved.y_within,
-        gx1 * saved.wy1,
-        gx1 * saved.wy2,
-        gx2 * saved.wy1,
-        gx2 * saved.wy2,
-    )
+    w, g_cross = saved.w, g * saved.by_cross
+    gx1, gx2 = g_cross * w.wx1, g_cross * w.wx2
+    return _Endpoints(g * saved.by_x12, g * saved.by_y12, gx1 * w.wy1, gx1 * w.wy2, gx2 * w.wy1, gx2 * w.wy2)
 
 
 class _EndpointDistance(torch.autograd.Function):
@@ -442,9 +424,9 @@ class _EndpointDistance(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, *inputs: Any) -> torch.Tensor:
-        *ends, weights = inputs
+        *ends, weights, on_sphere = inputs
         sq = _Endpoints(*ends)
-        distance, ctx.saved = _distance_forward(sq, weights)
+        distance, ctx.saved = _distance_forward(sq, weights, on_sphere)
         ctx.shapes = [t.shape for t in sq]
         return distance
 
@@ -452,23 +434,23 @@ class _EndpointDistance(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grads = _distance_backward(ctx.saved, grad)
-        return (*(g.sum_to_size(shape) for g, shape in zip(grads, ctx.shapes, strict=True)), None)
+        return (*(g.sum_to_size(shape) for g, shape in zip(grads, ctx.shapes, strict=True)), None, None)
 
 
 class _PairMatrixDistance(torch.autograd.Function):
     """``d(p1, p2)`` for all pairs of pairs from the (B, B) squared distance matrix (one gradient)."""
 
     @staticmethod
-    def forward(ctx: Any, squared: torch.Tensor, weights: _Weights) -> torch.Tensor:
-        distance, ctx.saved = _distance_forward(_blocks(squared), weights)
+    def forward(ctx: Any, squared: torch.Tensor, weights: _Weights, on_sphere: bool) -> torch.Tensor:
+        distance, ctx.saved = _distance_forward(_blocks(squared), weights, on_sphere)
         return distance
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         g = _distance_backward(ctx.saved, grad)
         x1y2 = g.x1y2.clone()
         x1y2.diagonal().add_(g.x12.sum(1) + g.y12.sum(0))  # |x_2p - x_2p+1|^2 is entry (2p, 2p+1)
         pairs = len(x1y2)
         blocks = torch.stack([g.x1y1, x1y2, g.x2y1, g.x2y2]).view(2, 2, pairs, pairs)
-        return blocks.permute(2, 0, 3, 1).reshape(2 * pairs, 2 * pairs), None
+        return blocks.permute(2, 0, 3, 1).reshape(2 * pairs, 2 * pairs), None, None
