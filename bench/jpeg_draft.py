@@ -1,12 +1,13 @@
 """Does JPEG draft decoding (libjpeg's reduced-size DCT) change retrieval? Recall@K, full vs draft decoding.
 
     python bench/jpeg_draft.py --data ../shared/data/cars196/images [--classes 98] [--size 1600]
-                               [--draft-sizes 224,448]
+                               [--draft-margins 1,2]
 
 Real queries are phone photos, not 224-pixel crops. Each Cars196 test image (the DML protocol's unseen
 classes) is upscaled to ``--size`` pixels on a side and re-encoded as a JPEG, like a photo straight off a
-phone. The same bytes are then decoded in full and with ``draft`` at each requested size (the server uses
-the model's resize size), and every decoding is embedded with the same model. For each: Recall@1/2/4/8 and
+phone. The same bytes are then decoded in full and with ``draft`` keeping each requested margin over the
+model's resize size (``engine.images.DRAFT_MARGIN`` is what the server and the indexer use), and every
+decoding is embedded with the same model. For each: Recall@1/2/4/8 and
 MAP@R, the time per image to decode and preprocess (resize, crop, normalise), how often each image's
 nearest neighbour agrees with full decoding, the cosine between its embedding and the full one, and a paired
 sign test on the queries that one decoding gets right at rank 1 and the other wrong. All from one run,
@@ -28,7 +29,7 @@ from scipy.stats import binomtest
 from tqdm import tqdm
 
 from engine.embedder import Embedder
-from engine.images import decode_image
+from engine.images import DRAFT_MARGIN, decode_image
 from training.data import load_labelled_images, split_classes
 from training.features import backbone_model
 from training.metrics import nearest_neighbours, retrieval_metrics
@@ -42,10 +43,14 @@ def phone_photo(path: Path, size: int, quality: int) -> bytes:
     return buffer.getvalue()
 
 
-def timed_decode(embedder: Embedder, data: bytes, draft_size: int | None) -> tuple[np.ndarray, int, float]:
-    """The model input of ``data``, the decoded short side, and the milliseconds of decode + preprocess."""
+def timed_decode(embedder: Embedder, data: bytes, margin: int | None) -> tuple[np.ndarray, int, float]:
+    """The model input of ``data`` decoded in full (``margin`` None) or in draft mode, the decoded short
+    side, and the milliseconds of decode + preprocess."""
     started = time.perf_counter()
-    image = decode_image(data, draft_size=draft_size)
+    if margin is None:
+        image = decode_image(data)
+    else:
+        image = decode_image(data, draft_size=embedder.card.preprocessing.resize_size, draft_margin=margin)
     tensor = embedder.preprocess([image])
     return tensor, min(image.size), (time.perf_counter() - started) * 1000.0
 
@@ -62,9 +67,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument(
-        "--draft-sizes",
-        type=lambda text: [int(size) for size in text.split(",")],
-        help="comma-separated draft sizes to compare (default: the model's resize size, as served)",
+        "--draft-margins",
+        type=lambda text: [int(margin) for margin in text.split(",")],
+        default=[1, DRAFT_MARGIN],
+        help="comma-separated margins over the resize size to compare (default: 1 and the served one)",
     )
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
@@ -78,8 +84,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         model = args.model or backbone_model(Path(workdir), "efficientnet_lite0")
         embedder = Embedder(model, threads=args.threads)
-    draft_sizes = args.draft_sizes or [embedder.card.preprocessing.resize_size]
-    decoders = {"full": None, **{f"draft_{size}": size for size in draft_sizes}}
+    decoders = {"full": None, **{f"draft_x{margin}": margin for margin in args.draft_margins}}
     vectors: dict[str, list[np.ndarray]] = {name: [] for name in decoders}
     milliseconds: dict[str, list[float]] = {name: [] for name in decoders}
     sides: dict[str, list[int]] = {name: [] for name in decoders}
@@ -92,8 +97,8 @@ def main() -> None:
             except OSError as err:  # the data set's one truncated JPEG, for example
                 tqdm.write(f"skipped {files[row]}: {err}")
                 continue
-            for name, draft_size in decoders.items():
-                tensor, side, elapsed = timed_decode(embedder, photo, draft_size)
+            for name, margin in decoders.items():
+                tensor, side, elapsed = timed_decode(embedder, photo, margin)
                 tensors[name].append(tensor)
                 sides[name].append(side)
                 milliseconds[name].append(elapsed)

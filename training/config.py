@@ -29,6 +29,7 @@ class TrainConfig(BaseModel):
     embedding_dim: int = Field(512, ge=1)
     head_hidden: int = Field(1024, ge=1)
     embedding_scale: float = Field(1.0, gt=0, description="the loss sees the head output times this")
+    unit_embeddings: bool = Field(False, description="the loss sees L2-normalised head outputs (x scale)")
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     backbone_lr_factor: float = Field(

@@ -25,18 +25,21 @@ class TrainingObjective(nn.Module):
     One module, so that DistributedDataParallel sees every trained parameter (the head, the backbone when
     fine-tuning, and the loss's own parameters such as the PDDM unit) and checkpoints hold all of them.
     ``backbone`` is ``nn.Identity`` when training on cached backbone features. The loss receives the head's
-    raw output (losses that need unit vectors normalise themselves; N-pair style losses use the norm) times
-    ``scale``: dot-product losses on unnormalised embeddings (N-pair, ALMN, Angular) see softmax logits
-    that grow with the squared norm, and the PCA-initialised head starts with norms below 1, so ``scale``
-    sets their starting temperature. Retrieval uses cosine similarity and does not see it.
+    raw output (losses that need unit vectors normalise themselves; N-pair style losses use the norm), or
+    with ``unit`` its L2-normalised direction, the one retrieval compares, times ``scale``: dot-product
+    losses (N-pair, ALMN, Angular) see softmax logits that grow with the squared norm, and the
+    PCA-initialised head starts with norms below 1, so ``scale`` sets their temperature.
     """
 
-    def __init__(self, backbone: nn.Module, head: nn.Module, loss: nn.Module, scale: float = 1.0) -> None:
+    def __init__(
+        self, backbone: nn.Module, head: nn.Module, loss: nn.Module, *, scale: float = 1.0, unit: bool = False
+    ) -> None:
         super().__init__()
         self.backbone = backbone
         self.head = head
         self.loss = loss
         self.scale = scale
+        self.unit = unit
 
     def train(self, mode: bool = True) -> TrainingObjective:
         """Batch-norm statistics of the backbone stay frozen: class-balanced batches of a few classes
@@ -52,4 +55,7 @@ class TrainingObjective(nn.Module):
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor, **batch_info: torch.Tensor) -> torch.Tensor:
         # Mixed precision stops at the loss: distances and log-sum-exps want float32.
-        return self.loss(self.scale * self.embed(inputs).float(), labels, **batch_info)
+        embeddings = self.embed(inputs).float()
+        if self.unit:
+            embeddings = F.normalize(embeddings, dim=1)
+        return self.loss(self.scale * embeddings, labels, **batch_info)

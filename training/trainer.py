@@ -107,7 +107,7 @@ def build_objective(config: TrainConfig, feature_dim: int) -> TrainingObjective:
     backbone = create_backbone(config.backbone) if config.mode == "finetune" else nn.Identity()
     head = ResidualHead(feature_dim, config.embedding_dim, config.head_hidden)
     loss = build_loss(config.loss, **loss_hparams(config))
-    return TrainingObjective(backbone, head, loss, scale=config.embedding_scale)
+    return TrainingObjective(backbone, head, loss, scale=config.embedding_scale, unit=config.unit_embeddings)
 
 
 def train(config: TrainConfig, out: Path, *, progress: bool = True) -> dict[str, Any]:

@@ -66,7 +66,6 @@ _DIST_EPS = 1e-12  # clamp before sqrt, as pairs.pairwise_distances does
 # the first end, the second end]: p1 is x1 in cases 1, 5, 6 and x2 in cases 2, 7, 8; p2 is y1 in cases
 # 3, 5, 7 and y2 in cases 4, 6, 8.
 _SOURCE = torch.tensor([[0, 3, 4, 1, 2, 3, 3, 4, 4], [0, 1, 2, 3, 4, 3, 4, 3, 4]])
-_SIDE_OFFSET = torch.tensor([0, 9])  # into the flattened table
 _SECOND_END = 4
 
 
@@ -174,7 +173,7 @@ def curve_distances(
             y_ends = _point_on_arc(
                 torch.stack([cos.x1y1, cos.x1y2]), torch.stack([cos.x2y1, cos.x2y2]), x_arc
             )
-            corners = torch.stack([cos.x1y1, cos.x1y2, cos.x2y1, cos.x2y2])
+            corners = [cos.x1y1, cos.x1y2, cos.x2y1, cos.x2y2]
             case, weights, alpha, beta = _arc_kkt(x_arc, y_arc, x_ends, y_ends, corners)
         else:
             raise ValueError(f"unknown geometry {geometry!r}; choose 'arc' or 'segment'")
@@ -234,6 +233,20 @@ def _in_arc(cos_t: torch.Tensor, sin_t: torch.Tensor, arc: _Arc) -> torch.Tensor
     return torch.minimum(sin_t, cos_t * arc.lim_sin - sin_t * arc.lim_cos) > 0
 
 
+def _first_argmax(scores: list[torch.Tensor]) -> torch.Tensor:
+    """Index of the largest of ``scores`` (one tensor per KKT case), ties to the lowest: the case.
+
+    The first maximum is where the running maximum reaches the overall one, i.e. the number of
+    running maxima below it. Elementwise ops and a sum only: torch's max/argmax reductions, like
+    ``sqrt``, go multi-threaded even on small inputs (see :func:`_sqrt`).
+    """
+    running = [scores[0]]
+    for score in scores[1:]:
+        running.append(torch.maximum(running[-1], score))
+    below = [(torch.stack(torch.broadcast_tensors(*chunk)) < running[-1]).sum(0) for chunk in (running[:4], running[4:-1])]
+    return below[0] + below[1]
+
+
 def _arc_kkt_batch(cosines: torch.Tensor) -> tuple[torch.Tensor, _Weights, torch.Tensor, torch.Tensor]:
     """:func:`_arc_kkt` for all pairs of pairs of a (B, B) cosine matrix."""
     pairs = len(cosines) // 2
@@ -244,13 +257,13 @@ def _arc_kkt_batch(cosines: torch.Tensor) -> tuple[torch.Tensor, _Weights, torch
     table = [t.view(pairs, 2, pairs) for t in _point_on_arc(cosines[:, 0::2], cosines[:, 1::2], _Arc(*arc))]
     x_ends = _PointOnArc(*(t.transpose(0, 1) for t in table))
     y_ends = _PointOnArc(*(t.permute(1, 2, 0) for t in table))
-    corners = cosines.view(pairs, 2, pairs, 2).permute(1, 3, 0, 2).reshape(4, pairs, pairs)
+    corners = [cosines[0::2, 0::2], cosines[0::2, 1::2], cosines[1::2, 0::2], cosines[1::2, 1::2]]
     x_arc, y_arc = _Arc(*(t.unsqueeze(1) for t in arc)), _Arc(*arc)
     return _arc_kkt(x_arc, y_arc, x_ends, y_ends, corners)
 
 
 def _arc_kkt(
-    x_arc: _Arc, y_arc: _Arc, x_ends: _PointOnArc, y_ends: _PointOnArc, corners: torch.Tensor
+    x_arc: _Arc, y_arc: _Arc, x_ends: _PointOnArc, y_ends: _PointOnArc, corners: list[torch.Tensor]
 ) -> tuple[torch.Tensor, _Weights, torch.Tensor, torch.Tensor]:
     """Best of the nine KKT candidates of Table 1 for two arcs: (case, weights, alpha, beta).
 
@@ -274,7 +287,7 @@ def _arc_kkt(
     inside = _in_arc(u_cos, u_sin, x_arc) & _in_arc(v_cos, v_sin, y_arc)
     inner = torch.where(inside, torch.hypot(v_cos, v_sin) / torch.hypot(u_cos, u_sin), -math.inf)
 
-    case = torch.cat([inner.unsqueeze(0), x_ends.score, y_ends.score, corners]).max(0).indices  # ties: lowest
+    case = _first_argmax([inner, *x_ends.score, *y_ends.score, *corners])
     # Both optimal points at once, dim 0 = (p1 on arc x, p2 on arc y). Candidate directions, in the order
     # of _SOURCE: inside (case 0), the two point-against-arc cases, the first end (1, 0), the second
     # end (its direction is unused: it is the endpoint itself).
@@ -283,7 +296,8 @@ def _arc_kkt(
     sin_t = torch.cat(
         [u_sin.unsqueeze(0), y_ends.sin, zero, zero, v_sin.unsqueeze(0), x_ends.sin, zero, zero]
     )
-    source = _SOURCE.to(case.device).take(case + _SIDE_OFFSET.to(case.device).view(2, *[1] * case.ndim))
+    table = _SOURCE.to(case.device).view(2, *[1] * case.ndim, 9).expand(2, *case.shape, 9)
+    source = table.gather(-1, case.expand(2, *case.shape).unsqueeze(-1)).squeeze(-1)
     pick = source.unsqueeze(1)
     cos_t, sin_t = (t.view(2, 5, *case.shape).gather(1, pick).squeeze(1) for t in (cos_t, sin_t))
     norm = torch.hypot(cos_t, sin_t).clamp_min(torch.finfo(cos_t.dtype).tiny)
@@ -345,8 +359,7 @@ def _segment_kkt(sq: _Endpoints) -> tuple[torch.Tensor, _Weights, torch.Tensor, 
         for a, b, ok in zip(k1, k2, inside, strict=True)
     ]
     corners = [sq.x1y1, sq.x1y2, sq.x2y1, sq.x2y2]  # cases 5-8: (0, 0), (0, 1), (1, 0), (1, 1)
-    score = torch.stack(torch.broadcast_tensors(*[-f for f in [*free, *corners]]))
-    case = score.max(0).indices  # ties: lowest case (argmax over dim 0 is much slower)
+    case = _first_argmax([-f for f in [*free, *corners]])
     pick = case.unsqueeze(0)
     k1, k2 = (
         torch.stack([t.expand(case.shape) for t in k]).gather(0, pick).squeeze(0)
