@@ -80,11 +80,19 @@ def register_peers() -> None:
 
 @dataclass(frozen=True)
 class Method:
-    """One row: a registered loss with (optionally) non-default hyperparameters."""
+    """One row: a registered loss with (optionally) non-default loss hyperparameters and training settings."""
 
     label: str
     loss: str
     hparams: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def run_name(self) -> str:
+        return "".join(char if char.isalnum() or char in "-_." else "_" for char in self.label)
+
+    def describe(self) -> str:
+        return ", ".join(f"{key}={value}" for key, value in {**self.hparams, **self.settings}.items()) or "-"
 
 
 def all_methods() -> list[Method]:
@@ -99,21 +107,24 @@ def all_methods() -> list[Method]:
 
 
 def run_method(method: Method, args: argparse.Namespace) -> dict[str, Any]:
+    settings = {
+        "max_steps": args.max_steps,
+        "patience": args.patience,
+        "views": args.views,
+        "seed": args.seed,
+        **method.settings,
+    }
     config = TrainConfig(
         loss=method.loss,
         data=str(args.data.resolve()),
         mode="frozen",
         loss_hparams=method.hparams,
-        max_steps=args.max_steps,
-        patience=args.patience,
-        views=args.views,
-        seed=args.seed,
         cache_dir=str(args.cache_dir.resolve()),
         device="cpu",
+        **settings,
     )
-    run_name = method.label.replace(" ", "").replace("(", "_").replace(")", "").replace("=", "")
-    summary = train(config, args.runs_dir / run_name, progress=True)
-    return {"method": method.label, "loss": method.loss, "hparams": method.hparams, **summary}
+    summary = train(config, args.runs_dir / method.run_name, progress=True)
+    return {"method": method.label, "loss": method.loss, "settings": method.describe(), **summary}
 
 
 def percent(metrics: dict[str, float]) -> dict[str, float]:
@@ -121,7 +132,7 @@ def percent(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def markdown(rows: list[dict[str, Any]], baseline: dict[str, float], command: str, budget: str) -> str:
-    header = "| method | " + " | ".join(METRICS) + " | best step | train s |"
+    header = "| method | " + " | ".join(METRICS) + " | best step | train s | settings |"
     lines = [
         "# Frozen-mode training of every loss on Cars196 (unseen classes 99-196)",
         "",
@@ -130,12 +141,13 @@ def markdown(rows: list[dict[str, Any]], baseline: dict[str, float], command: st
         budget,
         "",
         header,
-        "|" + "---|" * (len(METRICS) + 3),
-        "| pretrained, no training | " + " | ".join(f"{v:.2f}" for v in baseline.values()) + " | - | - |",
+        "|" + "---|" * (len(METRICS) + 4),
+        "| pretrained, no training | " + " | ".join(f"{v:.2f}" for v in baseline.values()) + " | - | - | - |",
     ]
     for row in rows:
-        values = " | ".join(f"{v:.2f}" for v in row["test"].values())
-        lines.append(f"| {row['method']} | {values} | {row['best_step']} | {row['train_seconds']:.0f} |")
+        cells = [row["method"], *(f"{v:.2f}" for v in row["test"].values())]
+        cells += [str(row["best_step"]), f"{row['train_seconds']:.0f}", row["settings"]]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -235,8 +235,6 @@ def remove(
         unknown = sorted(set(wanted) - set(gallery.items.get_many(wanted)))
         if unknown:
             raise fail(f"no items with ids {', '.join(map(str, unknown))} in {index}")
-        if gallery.manifest.index_type == "hnsw":
-            typer.echo("HNSW cannot remove in place: rebuilding its graph from the stored vectors")
         removed = gallery.remove(wanted)
         gallery.save()
         typer.echo(f"removed {removed} items; {len(gallery)} remain")

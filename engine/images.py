@@ -25,7 +25,7 @@ DEFAULT_MAX_PIXELS = 50_000_000
 # JPEG draft decoding keeps twice the final size and leaves the last step to Pillow's antialiased resize.
 # bench/jpeg_draft.py, Cars196 test classes as 1600-px JPEGs, 8,131 queries: decoding straight down to the
 # final size (margin 1) cost 0.5 points of Recall@1 (paired sign test p = 0.004); margin 2 was within
-# noise of full decoding (-0.2 points, p = 0.15) and still 2.4x faster to decode and preprocess.
+# noise of full decoding (-0.2 points, p = 0.15) and still 2.6x faster to decode and preprocess.
 DRAFT_MARGIN = 2
 
 

@@ -67,7 +67,8 @@ class FaissBackend:
         return self.index is not None
 
     def __len__(self) -> int:
-        return len(self.store)
+        # The FAISS count is kept in step with the store (and is free; SQLite's COUNT(*) scans the table).
+        return len(self.index) if self.index is not None else len(self.store)
 
     def add(self, vectors: np.ndarray, entries: Sequence[Entry]) -> list[int]:
         vectors = normalize_rows(vectors)
@@ -84,7 +85,8 @@ class FaissBackend:
         if self.index is not None and len(present):
             if self.index.spec.index_type == "hnsw":
                 log.warning(
-                    "HNSW cannot remove in place: rebuilding the graph from %d stored vectors", len(self)
+                    "HNSW cannot remove in place: rebuilding the graph from %d stored vectors",
+                    len(self.store),
                 )
                 self._build(self.index.spec)
             else:

@@ -102,13 +102,13 @@ class FaissIndex:
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` ``(ids, cosine scores)``; rows are padded with id -1 and score -inf.
 
-        Rows that come back short although the index holds ``k`` vectors (a k near the gallery size:
-        the probed IVF lists or the HNSW beam did not reach that many) are searched again exhaustively.
+        Rows that come back with fewer than ``min(k, len(self))`` results (a k near the gallery size: the
+        probed IVF lists or the HNSW beam did not reach that many) are searched again exhaustively.
         """
         queries = normalize_rows(queries)
         check_dim(queries, self.dim, "queries")
         scores, ids = self._searcher().search(queries, k)
-        short = (ids < 0).any(axis=1) & (k <= len(self))
+        short = (ids >= 0).sum(axis=1) < min(k, len(self))
         if short.any():
             scores[short], ids[short] = self._exhaustive_search(queries[short], k)
         scores[ids < 0] = -np.inf
@@ -119,7 +119,7 @@ class FaissIndex:
         if self.spec.index_type == "hnsw":  # brute force over the graph's flat storage
             storage = faiss.downcast_index(faiss.downcast_index(self.index.index).storage)
             scores, positions = storage.search(queries, k)
-            return scores, faiss.vector_to_array(self.index.id_map)[positions]
+            return scores, np.where(positions >= 0, faiss.vector_to_array(self.index.id_map)[positions], -1)
         return self.index.search(queries, k, params=self._all_lists())
 
     def _all_lists(self) -> object:

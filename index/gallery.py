@@ -14,7 +14,7 @@ import numpy as np
 from index.faiss_backend import FaissBackend
 from index.items import now_utc
 from index.manifest import MANIFEST_NAME, Manifest
-from index.protocol import Entry, Item, ItemCatalog
+from index.protocol import Entry, Item, ItemCatalog, VectorIndex
 from index.selection import IndexOptions, IndexSpec
 
 BACKENDS = ("faiss", "milvus")
@@ -31,7 +31,9 @@ class Hit:
     rank: int
 
 
-def _connect(directory: Path, manifest: Manifest, *, create: bool, milvus_uri: str | None = None):
+def _connect(
+    directory: Path, manifest: Manifest, *, create: bool, milvus_uri: str | None = None
+) -> VectorIndex:
     if manifest.backend == "milvus":
         from index.milvus_backend import MilvusBackend  # pymilvus is an optional extra
 
@@ -42,7 +44,7 @@ def _connect(directory: Path, manifest: Manifest, *, create: bool, milvus_uri: s
 class GalleryIndex:
     """Search, add and remove over one index directory; ``save`` makes changes durable."""
 
-    def __init__(self, directory: Path, manifest: Manifest, backend: FaissBackend) -> None:
+    def __init__(self, directory: Path, manifest: Manifest, backend: VectorIndex) -> None:
         self.directory = directory
         self.manifest = manifest
         self.backend = backend
@@ -137,9 +139,9 @@ class GalleryIndex:
         return self.backend.build(self.manifest.options, retune=retune, progress=progress)
 
     def search(self, queries: np.ndarray, k: int) -> list[list[Hit]]:
-        k = min(k, len(self))
-        if k == 0:
-            return [[] for _ in range(len(queries))]
+        """The top-``k`` hits of each query, best first (fewer when the gallery is smaller)."""
+        if k < 1:
+            raise ValueError(f"k must be at least 1, got {k}")
         ids, scores = self.backend.search(queries, k)
         # Quantised (PQ) and float-rounded inner products can stray past +-1: report true cosine bounds.
         scores = np.clip(scores, -1.0, 1.0)
@@ -161,7 +163,7 @@ class GalleryIndex:
         info: dict[str, object] = self.manifest.model_dump()
         info["count"] = len(self)
         info["files"] = {p.name: p.stat().st_size for p in sorted(self.directory.iterdir()) if p.is_file()}
-        if self.manifest.backend == "faiss":
+        if isinstance(self.backend, FaissBackend):
             info["indexed_vectors"] = len(self.backend.index) if self.backend.built else 0
         if self.manifest.index_spec is not None:
             spec = IndexSpec(self.manifest.index_type, self.manifest.index_spec, self.manifest.dim)
@@ -170,7 +172,8 @@ class GalleryIndex:
 
     @property
     def _builds_faiss(self) -> bool:
-        return self.manifest.backend == "faiss" and self.manifest.shard is None
+        """A FAISS index is built here; Milvus indexes itself and FAISS shards only store vectors."""
+        return isinstance(self.backend, FaissBackend) and self.manifest.shard is None
 
     def save(self) -> None:
         """Make every change durable: a fresh FAISS index is built first; then files, then the manifest."""

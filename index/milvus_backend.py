@@ -24,6 +24,7 @@ METADATA_FIELDS = ["path", "label", "content_hash", "added"]
 MAX_PATH = 4096
 MAX_LABEL = 512
 PAGE = 1000
+MAX_TOP_K = 16_384  # Milvus's limit on k
 # Milvus index and search parameters per requested index type ("auto" lets Milvus choose; in Milvus Lite
 # it builds a graph index on sealed segments, whose search beam "ef" must be at least k).
 MILVUS_INDEXES: dict[str, tuple[str, dict[str, int], dict[str, int]]] = {
@@ -137,6 +138,8 @@ class MilvusBackend:
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         queries = normalize_rows(queries)
         check_dim(queries, self.dim, "queries")
+        if k > MAX_TOP_K:
+            raise ValueError(f"Milvus returns at most {MAX_TOP_K} neighbours a query, not {k}")
         ids = np.full((len(queries), k), -1, dtype=np.int64)
         scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
         if len(queries) == 0:

@@ -20,8 +20,9 @@ from engine.images import ImageDecodeError, load_image_file
 from training.backbone import BACKBONES
 from training.data import LabelledImages, load_labelled_images, split_classes
 from training.metrics import evaluate
+from training.model import build_objective
 from training.run_dir import RunDirectory, RunDirError
-from training.trainer import build_objective, cache_directory, prepare_data
+from training.trainer import cache_directory, prepare_data
 from training.workloads import FinetuneWorkload, FrozenWorkload
 
 EvalSplit = Literal["test", "val", "all"]

@@ -12,9 +12,8 @@ from torch import nn
 from engine.model_card import ModelCard, Preprocessing, file_fingerprint
 from index.atomic import atomic_path
 from training.backbone import BACKBONES, create_backbone
-from training.model import EmbeddingModel
+from training.model import EmbeddingModel, build_objective
 from training.run_dir import RunDirectory, RunDirError
-from training.trainer import build_objective
 
 ONNX_OPSET = 17
 

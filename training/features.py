@@ -31,6 +31,9 @@ from engine.images import ImageDecodeError, load_image_file
 from engine.model_card import Preprocessing
 from engine.preprocess import to_tensor
 from index.atomic import atomic_path
+from training.backbone import BACKBONES, create_backbone
+from training.export import export_onnx
+from training.model import EmbeddingModel
 
 SHARD_SIZE = 512
 AUGMENT_SCALE = (0.35, 1.0)  # RandomResizedCrop area range, as in the papers' crop augmentation
@@ -47,10 +50,6 @@ class FeatureSet:
 
 def backbone_model(cache_dir: Path, backbone: str) -> Path:
     """The pretrained ``backbone`` as ``model.onnx`` under ``cache_dir`` (exported on first use)."""
-    from training.backbone import BACKBONES, create_backbone
-    from training.export import export_onnx
-    from training.model import EmbeddingModel
-
     path = cache_dir / "backbones" / backbone / "model.onnx"
     if not (path.exists() and path.with_suffix(".json").exists()):
         export_onnx(

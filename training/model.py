@@ -1,10 +1,17 @@
-"""The search model: backbone features, an optional embedding head, then L2 normalisation."""
+"""The search model (backbone, optional embedding head, L2 normalisation) and the training objective."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from training.backbone import create_backbone
+from training.config import TrainConfig
+from training.heads import ResidualHead
+from training.losses import LOSSES, build_loss
 
 
 class EmbeddingModel(nn.Module):
@@ -59,3 +66,20 @@ class TrainingObjective(nn.Module):
         if self.unit:
             embeddings = F.normalize(embeddings, dim=1)
         return self.loss(self.scale * embeddings, labels, **batch_info)
+
+
+def loss_hparams(config: TrainConfig) -> dict[str, Any]:
+    """The loss's hyperparameters; a loss with an ``embedding_dim`` (PDDM's unit) gets the head's."""
+    hparams = dict(config.loss_hparams)
+    if "embedding_dim" in LOSSES[config.loss].defaults:
+        hparams.setdefault("embedding_dim", config.embedding_dim)
+    return hparams
+
+
+def build_objective(config: TrainConfig, feature_dim: int) -> TrainingObjective:
+    """Backbone (finetune only), residual head and loss, freshly initialised from ``config.seed``."""
+    torch.manual_seed(config.seed)
+    backbone = create_backbone(config.backbone) if config.mode == "finetune" else nn.Identity()
+    head = ResidualHead(feature_dim, config.embedding_dim, config.head_hidden)
+    loss = build_loss(config.loss, **loss_hparams(config))
+    return TrainingObjective(backbone, head, loss, scale=config.embedding_scale, unit=config.unit_embeddings)

@@ -23,15 +23,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from training.backbone import BACKBONES, create_backbone
+from training.backbone import BACKBONES
 from training.config import TrainConfig
 from training.data import DataError, LabelledImages, load_labelled_images, split_classes
 from training.distributed import Distributed, distributed_from_env
 from training.features import FeatureExtractor
-from training.heads import ResidualHead
-from training.losses import LOSSES, build_loss
+from training.losses import LOSSES
 from training.metrics import evaluate
-from training.model import TrainingObjective
+from training.model import TrainingObjective, build_objective
 from training.run_dir import RunDirectory, RunDirError
 from training.samplers import ClassBalancedSampler, sampler_for
 from training.workloads import FinetuneWorkload, FrozenWorkload
@@ -91,23 +90,6 @@ def prepare_data(
         features={name: base.features[kept] for name, kept in indices.items()},
         train_views=np.stack(views),
     )
-
-
-def loss_hparams(config: TrainConfig) -> dict[str, Any]:
-    """The loss's hyperparameters; a loss with an ``embedding_dim`` (PDDM's unit) gets the head's."""
-    hparams = dict(config.loss_hparams)
-    if "embedding_dim" in LOSSES[config.loss].defaults:
-        hparams.setdefault("embedding_dim", config.embedding_dim)
-    return hparams
-
-
-def build_objective(config: TrainConfig, feature_dim: int) -> TrainingObjective:
-    """Backbone (finetune only), residual head and loss, freshly initialised from ``config.seed``."""
-    torch.manual_seed(config.seed)
-    backbone = create_backbone(config.backbone) if config.mode == "finetune" else nn.Identity()
-    head = ResidualHead(feature_dim, config.embedding_dim, config.head_hidden)
-    loss = build_loss(config.loss, **loss_hparams(config))
-    return TrainingObjective(backbone, head, loss, scale=config.embedding_scale, unit=config.unit_embeddings)
 
 
 def train(config: TrainConfig, out: Path, *, progress: bool = True) -> dict[str, Any]:

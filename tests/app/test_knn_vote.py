@@ -40,15 +40,23 @@ def test_no_labelled_neighbour_means_no_prediction() -> None:
 
 def test_readers_share_the_lock_and_a_writer_excludes_them() -> None:
     lock = ReadWriteLock()
-    inside, most_inside, writer_saw = [0], [0], []
+    readers = 4
+    # Every reader waits inside the lock for all the others: this only completes if they hold it together.
+    all_inside = threading.Barrier(readers, timeout=10)
+    readers_in = threading.Event()
+    inside, writer_saw, failures = [0], [], []
     guard = threading.Lock()
 
     def reader() -> None:
         with lock.read():
             with guard:
                 inside[0] += 1
-                most_inside[0] = max(most_inside[0], inside[0])
-            time.sleep(0.05)
+            try:
+                all_inside.wait()
+            except threading.BrokenBarrierError:
+                failures.append("readers were serialised")
+            readers_in.set()
+            time.sleep(0.1)  # stay inside while the writer asks for the lock
             with guard:
                 inside[0] -= 1
 
@@ -56,10 +64,13 @@ def test_readers_share_the_lock_and_a_writer_excludes_them() -> None:
         with lock.write(), guard:
             writer_saw.append(inside[0])
 
-    threads = [threading.Thread(target=reader) for _ in range(4)] + [threading.Thread(target=writer)]
+    threads = [threading.Thread(target=reader) for _ in range(readers)]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join(timeout=10)
-    assert most_inside[0] >= 2, "readers were serialised"
+    assert readers_in.wait(timeout=20)
+    writing = threading.Thread(target=writer)
+    writing.start()
+    for thread in [*threads, writing]:
+        thread.join(timeout=20)
+    assert not failures
     assert writer_saw == [0], "the writer ran while readers were inside"

@@ -235,6 +235,19 @@ def test_extreme_embeddings_are_finite(name: str, case: str, dtype: torch.dtype)
             assert torch.isfinite(value) and torch.isfinite(e.grad).all(), (form, normalize)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_float32_matches_float64_at_training_size(name: str) -> None:
+    gen = torch.Generator().manual_seed(9)
+    labels = torch.arange(32).repeat_interleave(4)
+    x = (
+        torch.randn(128, 512, generator=gen, dtype=torch.float64)
+        + 2 * torch.randn(32, 512, generator=gen, dtype=torch.float64)[labels]
+    )
+    for form in FORMS:
+        loss = _loss(name, form, **ACTIVE[name])
+        torch.testing.assert_close(loss(x.float(), labels).double(), loss(x, labels), rtol=1e-4, atol=1e-5)
+
+
 def test_extra_batch_info_is_accepted() -> None:
     x, labels = _batch(0, LAYOUTS["2 per class"])
     for name in NAMES:

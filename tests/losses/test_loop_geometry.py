@@ -64,7 +64,7 @@ def _grid_minimum(points: np.ndarray, geometry: str) -> float:
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("dim", [3, 5])
 def test_closed_form_equals_grid_search(geometry: str, dim: int) -> None:
-    points = _tuples(seed=dim, count=40, dim=dim, geometry=geometry)
+    points = _tuples(seed=dim, count=25, dim=dim, geometry=geometry)
     ours = curve_distances(*points, geometry=geometry)
     for n in range(points.shape[1]):
         grid = _grid_minimum(points[:, n].numpy(), geometry)

@@ -22,9 +22,9 @@ from training.data import load_labelled_images
 from training.evaluation import evaluate_onnx, evaluate_run
 from training.export import export_run
 from training.features import FeatureExtractor
-from training.model import EmbeddingModel
+from training.model import EmbeddingModel, build_objective
 from training.run_dir import RunDirectory
-from training.trainer import build_objective, train
+from training.trainer import train
 
 runner = CliRunner()
 

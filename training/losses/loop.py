@@ -53,11 +53,12 @@ labels) raises ValueError: LoOp's curves are undefined there.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from training.losses.baselines import multi_similarity_loss, multi_similarity_mining
 from training.losses.loop_geometry import Geometry, pair_of_pair_distances
@@ -90,9 +91,25 @@ def loop_distance_matrix(
     if hard_negatives != "loop":
         raise ValueError(f"unknown hard_negatives {hard_negatives!r}; choose 'loop' or 'endpoints'")
     optimum = pair_of_pair_distances(dist.square(), geometry).distance
-    pairs = len(optimum)
-    per_sample = optimum[:, None, :, None].expand(pairs, 2, pairs, 2).reshape(2 * pairs, 2 * pairs)
-    return torch.where(neg_mask, per_sample, dist)
+    return torch.where(neg_mask, _SpreadToSamples.apply(optimum), dist)
+
+
+class _SpreadToSamples(torch.autograd.Function):
+    """(B/2, B/2) values of pairs of pairs -> (B, B), each value on its pairs' 2 x 2 block of samples.
+
+    The backward is the sum of the four strided blocks: autograd's backward of ``expand`` is a strided
+    reduction several times slower at these sizes.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, pairwise: torch.Tensor) -> torch.Tensor:
+        pairs = len(pairwise)
+        return pairwise[:, None, :, None].expand(pairs, 2, pairs, 2).reshape(2 * pairs, 2 * pairs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad[0::2, 0::2] + grad[0::2, 1::2] + grad[1::2, 0::2] + grad[1::2, 1::2]
 
 
 def pair_triplet_loss(dist: torch.Tensor, neg_mask: torch.Tensor, margin: float) -> torch.Tensor:

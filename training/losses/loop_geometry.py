@@ -219,7 +219,7 @@ def _point_on_arc(cos_first: torch.Tensor, cos_second: torch.Tensor, arc: _Arc) 
     (Eq. 2); the maximum is at the direction ``(A, B)`` (``t = atan2(B, A)``, the paper's ``tan^-1``
     with its ``+pi`` branch) with value ``hypot(A, B)``. It counts only strictly inside ``(0, t0)``.
     """
-    along = (cos_second - arc.cos * cos_first) / arc.sin
+    along = torch.addcmul(cos_second, arc.cos, cos_first, value=-1) / arc.sin
     score = torch.where(_in_arc(cos_first, along, arc), torch.hypot(cos_first, along), -math.inf)
     return _PointOnArc(score, cos_first, along)
 
@@ -230,21 +230,20 @@ def _in_arc(cos_t: torch.Tensor, sin_t: torch.Tensor, arc: _Arc) -> torch.Tensor
     With ``t0 in (0, pi]``: the angle is in ``(0, pi)`` iff ``sin_t > 0``, and then below ``t0`` iff the
     direction turns counter-clockwise onto ``(cos t0, sin t0)``, i.e. their cross product is positive.
     """
-    return torch.minimum(sin_t, cos_t * arc.lim_sin - sin_t * arc.lim_cos) > 0
+    return torch.minimum(sin_t, torch.addcmul(cos_t * arc.lim_sin, sin_t, arc.lim_cos, value=-1)) > 0
 
 
 def _first_argmax(scores: list[torch.Tensor]) -> torch.Tensor:
     """Index of the largest of ``scores`` (one tensor per KKT case), ties to the lowest: the case.
 
     The first maximum is where the running maximum reaches the overall one, i.e. the number of
-    running maxima below it. Elementwise ops and a sum only: torch's max/argmax reductions, like
-    ``sqrt``, go multi-threaded even on small inputs (see :func:`_sqrt`).
+    running maxima below it: elementwise ops and a sum, as torch's max/argmax reductions go
+    multi-threaded even on small inputs (see :func:`_sqrt`).
     """
     running = [scores[0]]
     for score in scores[1:]:
         running.append(torch.maximum(running[-1], score))
-    below = [(torch.stack(torch.broadcast_tensors(*chunk)) < running[-1]).sum(0) for chunk in (running[:4], running[4:-1])]
-    return below[0] + below[1]
+    return (torch.stack(torch.broadcast_tensors(*running[:-1])) < running[-1]).sum(0)
 
 
 def _arc_kkt_batch(cosines: torch.Tensor) -> tuple[torch.Tensor, _Weights, torch.Tensor, torch.Tensor]:
@@ -272,18 +271,18 @@ def _arc_kkt(
     """
     # Inner products of the bases n1, n2 (of x1, x2) and n3, n4 (of y1, y2), Eq. 2: M_rc = n_r . n_c.
     m13, m14, m23 = x_ends.cos[0], x_ends.sin[0], y_ends.sin[0]
-    m24 = (x_ends.sin[1] - x_arc.cos * m14) / x_arc.sin
+    m24 = torch.addcmul(x_ends.sin[1], x_arc.cos, m14, value=-1) / x_arc.sin
 
     # Case 0: u is the top eigenvector of M M^T = [[p, r], [r, q]]. Both rows of 2 (M M^T - lambda I)
     # give it, as (diff + gap, r2) and (r2, gap - diff); their sign-aligned sum never vanishes (unless
     # M M^T is a multiple of I), taken in the upper half-plane (alpha0 <= pi). v = M^T u, and
     # p1.p2 = |v| / |u| = sigma_max is the largest p1.p2 anywhere on the two great circles.
-    diff = m13.square() + m14.square() - m23.square() - m24.square()  # p - q
-    r2 = (m13 * m23 + m14 * m24) * 2
+    diff = torch.addcmul(m13.square(), m14, m14) - torch.addcmul(m23.square(), m24, m24)  # p - q
+    r2 = torch.addcmul(m13 * m23, m14, m24) * 2
     gap = torch.hypot(diff, r2)  # lambda_max - lambda_min
     abs_r2 = r2.abs()
     u_cos, u_sin = torch.copysign(diff + gap + abs_r2, r2), abs_r2 + (gap - diff)
-    v_cos, v_sin = m13 * u_cos + m23 * u_sin, m14 * u_cos + m24 * u_sin
+    v_cos, v_sin = torch.addcmul(m13 * u_cos, m23, u_sin), torch.addcmul(m14 * u_cos, m24, u_sin)
     inside = _in_arc(u_cos, u_sin, x_arc) & _in_arc(v_cos, v_sin, y_arc)
     inner = torch.where(inside, torch.hypot(v_cos, v_sin) / torch.hypot(u_cos, u_sin), -math.inf)
 
@@ -313,7 +312,7 @@ def _arc_kkt(
     # The point n1 cos t + n2 sin t with n2 = (e2 - c e1) / s (Eqs. 2-3) is (cos t - c sin t / s) e1
     # + (sin t / s) e2; the second end is (0, 1).
     sin_over_s = sin_t / arc_sin
-    w1, w2 = cos_t - arc_cos * sin_over_s, sin_over_s + at_end.to(sin_t.dtype)
+    w1, w2 = torch.addcmul(cos_t, arc_cos, sin_over_s, value=-1), sin_over_s + at_end.to(sin_t.dtype)
     alpha, beta = torch.where(at_end, end_angle, torch.atan2(sin_t, cos_t))
     return case, _Weights(w1[0], w2[0], w1[1], w2[1]), alpha, beta
 
@@ -419,8 +418,9 @@ def _distance_forward(sq: _Endpoints, w: _Weights, on_sphere: bool) -> tuple[tor
 
 
 def _sqrt(x: torch.Tensor) -> torch.Tensor:
-    """``sqrt`` of a positive tensor as ``x * rsqrt(x)``: torch's ``sqrt`` (like ``acos``) goes through a
-    multi-threaded kernel from 2048 elements on, whose thread wake-up dominates on a loaded machine."""
+    """``sqrt`` of a positive tensor as ``x * rsqrt(x)``: on CPU torch's ``sqrt`` (like ``acos``) runs
+    multi-threaded from 2048 elements on, and after the long run of small single-threaded ops above,
+    waking the sleeping worker thread costs up to milliseconds on a loaded machine."""
     return x * x.clamp_min(torch.finfo(x.dtype).tiny).rsqrt()
 
 
