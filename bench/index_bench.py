@@ -197,17 +197,20 @@ def run_size(name: str, base: np.ndarray, queries: np.ndarray, args: argparse.Na
     tqdm.write(f"{name} x {count}: exact ground truth")
     truth = exact_neighbours(queries, [ArraySource(np.arange(count), base)], K)
     rows = []
-    specs = {t: choose_index(count, DIM, IndexOptions(t)) for t in args.types}
+    budget = args.memory_budget
+    # ivfpq gets the largest code that fits the budget; the others are what their type builds at this size.
+    specs = [choose_index(count, DIM, IndexOptions(t, budget if t == "ivfpq" else None)) for t in args.types]
     auto = choose_index(count, DIM, IndexOptions())
-    budgeted = choose_index(count, DIM, IndexOptions("ivfpq", memory_budget=args.memory_budget))
-    auto_budgeted = choose_index(count, DIM, IndexOptions(memory_budget=args.memory_budget))
-    for index_type, spec in specs.items():
-        label = index_type + (" = auto" if spec == auto else "")
-        if index_type == "ivfpq":
-            spec = budgeted
-            label = f"ivfpq, {format_bytes(args.memory_budget)} budget" + (
-                " = auto" if budgeted == auto_budgeted else ""
-            )
+    auto_budgeted = choose_index(count, DIM, IndexOptions(memory_budget=budget))
+    if auto_budgeted not in specs:
+        specs.append(auto_budgeted)
+    for spec in specs:
+        label = spec.index_type + (f" within {format_bytes(budget)}" if spec.index_type == "ivfpq" else "")
+        label += "".join(
+            note
+            for note, chosen in ((" = auto", auto), (f" = auto @ {format_bytes(budget)}", auto_budgeted))
+            if spec == chosen
+        )
         tqdm.write(f"{name} x {count}: {label} {spec.factory}")
         rows.append(bench_faiss(label, spec, base, queries, truth, args.target_recall, args.latency_budget))
     if args.milvus_max and count <= args.milvus_max:
@@ -251,8 +254,10 @@ def main() -> None:
     )
     parser.add_argument("--sizes", default="100k", help="comma-separated gallery sizes, e.g. 100k,1M")
     parser.add_argument("--data", default="embedding,uniform", help="embedding and/or uniform")
-    parser.add_argument("--types", default="flat,hnsw,ivf,ivfpq", help="FAISS index types to build")
-    parser.add_argument("--memory-budget", type=parse_size, default=parse_size("512MB"), help="for ivfpq")
+    parser.add_argument("--types", default="flat,hnsw,ivf,ivfsq,ivfpq", help="FAISS index types to build")
+    parser.add_argument(
+        "--memory-budget", type=parse_size, default=parse_size("512MB"), help="for ivfpq and the auto row"
+    )
     parser.add_argument("--target-recall", type=float, default=0.95)
     parser.add_argument("--queries", type=int, default=1000)
     parser.add_argument(

@@ -26,6 +26,7 @@ class IndexType(StrEnum):
     flat = "flat"
     hnsw = "hnsw"
     ivf = "ivf"
+    ivfsq = "ivfsq"
     ivfpq = "ivfpq"
 
 

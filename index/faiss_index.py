@@ -21,6 +21,14 @@ from index.selection import IndexSpec
 
 log = logging.getLogger("dmlsearch.index")
 
+# OPQ and PQ training, lighter than faiss's defaults (50 OPQ iterations on 65,536 vectors; 25 k-means
+# iterations on 256 points per centroid), which took many minutes on 2 cores: OPQ on 128 codes took 432 s
+# for 20k vectors with the defaults here.
+OPQ_ITERATIONS = 10
+OPQ_TRAIN_POINTS = 16_384
+PQ_ITERATIONS = 15
+PQ_POINTS_PER_CENTROID = 64
+
 
 class RemovalNotSupportedError(RuntimeError):
     """FAISS's HNSW graph cannot delete vectors in place; the graph must be rebuilt without them."""
@@ -57,13 +65,19 @@ class FaissIndex:
         self.spec = spec
         self.search_params: dict[str, int] = {}
         self._source = source  # the file a memory-mapped (read-only) index was mapped from
-        self._gpu_index: object | None = None
+        self._gpu_index: object | bool | None = None  # the GPU copy; False once the GPU refused it
 
     @classmethod
     def create(cls, spec: IndexSpec) -> FaissIndex:
         """An empty index; IVF and PQ indexes must be trained before vectors are added."""
         faiss = faiss_module()
-        return cls(faiss.index_factory(spec.dim, spec.factory, faiss.METRIC_INNER_PRODUCT), spec)
+        index = faiss.index_factory(spec.dim, spec.factory, faiss.METRIC_INNER_PRODUCT)
+        if spec.index_type == "ivfpq":
+            opq = faiss.downcast_VectorTransform(index.chain.at(0))
+            opq.niter, opq.niter_pq_0, opq.max_train_points = OPQ_ITERATIONS, OPQ_ITERATIONS, OPQ_TRAIN_POINTS
+            pq = faiss.downcast_index(faiss.extract_index_ivf(index)).pq
+            pq.cp.niter, pq.cp.max_points_per_centroid = PQ_ITERATIONS, PQ_POINTS_PER_CENTROID
+        return cls(index, spec)
 
     @property
     def dim(self) -> int:
@@ -203,12 +217,17 @@ class FaissIndex:
 
     def _searcher(self) -> object:
         resources = _gpu_resources()
-        if resources is None or self.spec.index_type == "hnsw":
+        if resources is None or self.spec.index_type == "hnsw" or self._gpu_index is False:
             return self.index
         if self._gpu_index is None:
             faiss = faiss_module()
-            self._gpu_index = faiss.index_cpu_to_gpu(resources, 0, self.index)
-            for name, value in self.search_params.items():
-                faiss.GpuParameterSpace().set_index_parameter(self._gpu_index, name, value)
-            log.info("searching %s on the GPU", self.spec.factory)
+            try:
+                self._gpu_index = faiss.index_cpu_to_gpu(resources, 0, self.index)
+                for name, value in self.search_params.items():
+                    faiss.GpuParameterSpace().set_index_parameter(self._gpu_index, name, value)
+                log.info("searching %s on the GPU", self.spec.factory)
+            except RuntimeError as err:  # e.g. a PQ code size or nprobe faiss's GPU kernels do not support
+                log.warning("searching %s on the CPU: the GPU cannot take it (%s)", self.spec.factory, err)
+                self._gpu_index = False
+                return self.index
         return self._gpu_index

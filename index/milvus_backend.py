@@ -32,6 +32,7 @@ MILVUS_INDEXES: dict[str, tuple[str, dict[str, int], dict[str, int]]] = {
     "flat": ("FLAT", {}, {}),
     "hnsw": ("HNSW", {"M": 32, "efConstruction": 200}, {"ef": 128}),
     "ivf": ("IVF_FLAT", {"nlist": 1024}, {"nprobe": 32}),
+    "ivfsq": ("IVF_SQ8", {"nlist": 1024}, {"nprobe": 32}),
     "ivfpq": ("IVF_PQ", {"nlist": 1024, "m": 64, "nbits": 8}, {"nprobe": 32}),
 }
 DEFAULT_LITE_FILE = "milvus.db"

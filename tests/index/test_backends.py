@@ -1,4 +1,4 @@
-"""One behaviour suite for every backend: FAISS flat, HNSW, IVF, IVF-PQ, and Milvus Lite (a real engine)."""
+"""One behaviour suite for every backend: FAISS flat, HNSW, IVF, IVF-SQ8, IVF-PQ and Milvus Lite."""
 
 from __future__ import annotations
 
@@ -12,11 +12,18 @@ from index.gallery import GalleryIndex
 from index.selection import IndexOptions
 from tests.index.conftest import clustered_vectors, entries
 
-DIM = 16
+DIM = 32
 COUNT = 600
-BACKENDS = ["faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfpq", "milvus-lite"]
+BACKENDS = ["faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfsq", "faiss-ivfpq", "milvus-lite"]
 # Fraction of exact top-10 neighbours each backend must find on these small sets (PQ codes are lossy).
-MIN_RECALL = {"faiss-flat": 1.0, "faiss-hnsw": 0.9, "faiss-ivf": 0.9, "faiss-ivfpq": 0.5, "milvus-lite": 0.9}
+MIN_RECALL = {
+    "faiss-flat": 1.0,
+    "faiss-hnsw": 0.9,
+    "faiss-ivf": 0.9,
+    "faiss-ivfsq": 0.9,
+    "faiss-ivfpq": 0.5,
+    "milvus-lite": 0.9,
+}
 
 MakeIndex = Callable[[], GalleryIndex]
 
@@ -86,9 +93,9 @@ def test_search_returns_cosine_scores_best_first_and_finds_neighbours(
         assert scores == sorted(scores, reverse=True)
         assert [hit.rank for hit in row] == list(range(1, len(row) + 1))
         assert all(-1.0 - 1e-5 <= s <= 1.0 + 1e-5 for s in scores)
-        # The score is the cosine of the query with the item found (up to quantisation for PQ).
+        # The score is the cosine of the query with the item found (up to quantisation for SQ and PQ).
         found = vectors[ids.index(row[0].item.id)]
-        tolerance = 0.1 if backend == "faiss-ivfpq" else 1e-4
+        tolerance = {"faiss-ivfpq": 0.1, "faiss-ivfsq": 0.01}.get(backend, 1e-4)
         assert row[0].score == pytest.approx(float(query @ found), abs=tolerance)
 
 

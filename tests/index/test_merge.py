@@ -44,7 +44,7 @@ def _snapshot(index: GalleryIndex, queries: np.ndarray) -> tuple[list, list, tup
     return items, hits, (m.index_type, m.index_spec, m.search_params, m.achieved_recall, m.count)
 
 
-@pytest.mark.parametrize("index_type", ["flat", "ivf", "ivfpq"])
+@pytest.mark.parametrize("index_type", ["flat", "ivf", "ivfsq", "ivfpq"])
 def test_two_shards_merge_into_the_single_process_index(tmp_path: Path, index_type: str) -> None:
     rows, vectors = _gallery()
     options = IndexOptions(index_type, target_recall=0.9)

@@ -17,9 +17,10 @@ MB = 1024**2
         (9_999, 512, None, "IDMap2,Flat"),
         (100_000, 512, None, "IVF1024,Flat"),  # 4*sqrt(n) = 1265 -> 1024
         (1_000_000, 512, None, "IVF4096,Flat"),
-        (1_000_000, 512, 512 * MB, "OPQ256,IVF4096,PQ256x8np"),  # raw vectors (2 GB) do not fit
-        (1_000_000, 512, 128 * MB, "OPQ64,IVF4096,PQ64x8np"),
-        (1_000_000, 100, 64 * MB, "OPQ48_144,IVF4096,PQ48x8np"),  # rotated to a multiple of the code size
+        (1_000_000, 512, 512 * MB, "IVF4096,SQ8"),  # raw vectors (2 GB) do not fit, one byte a dimension does
+        (1_000_000, 512, 256 * MB, "OPQ128,IVF4096,PQ128x8np"),  # codes of at least 4 dimensions each
+        (1_000_000, 512, 100 * MB, "OPQ64,IVF4096,PQ64x8np"),
+        (1_000_000, 100, 64 * MB, "OPQ24_120,IVF4096,PQ24x8np"),  # rotated to a multiple of the code size
         (100_000_000, 512, None, "IVF32768_HNSW32,Flat"),  # a graph over the many coarse centroids
     ],
 )
@@ -38,7 +39,8 @@ def test_forced_types_and_budget_errors() -> None:
         choose_index(1_000_000, 64, IndexOptions("hnsw", memory_budget=400 * MB)).factory == "IDMap2,HNSW14"
     )
     assert choose_index(50_000, 64, IndexOptions("ivf")).factory == "IVF1024,Flat"
-    assert choose_index(50_000, 64, IndexOptions("ivfpq")).factory == "OPQ32,IVF1024,PQ32x8np"
+    assert choose_index(50_000, 64, IndexOptions("ivfsq")).factory == "IVF1024,SQ8"
+    assert choose_index(50_000, 64, IndexOptions("ivfpq")).factory == "OPQ16,IVF1024,PQ16x8np"
     with pytest.raises(ValueError, match="too small"):
         choose_index(1_000_000, 512, IndexOptions(memory_budget=4 * MB))
     with pytest.raises(ValueError, match="too small"):
