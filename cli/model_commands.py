@@ -125,6 +125,9 @@ def evaluate(
     split: Annotated[
         Literal["test", "val", "all"], typer.Option(help="Which classes: the unseen test half, val, or all.")
     ] = "test",
+    train_classes: Annotated[
+        int | None, typer.Option(min=1, help="model.onnx: the first N classes count as training classes.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Recall@K, NMI, F1 and MAP@R by the papers' protocol (query = each image, gallery = the others)."""
@@ -138,7 +141,7 @@ def evaluate(
         elif target.is_file() and target.suffix == ".onnx":
             if data is None:
                 raise fail("--data is required to evaluate a model.onnx")
-            metrics = evaluate_onnx(target, data, split=split)
+            metrics = evaluate_onnx(target, data, split=split, train_classes=train_classes)
         else:
             raise fail(f"{target} is neither a run directory nor a .onnx model")
     except (DataError, RunDirError, FileNotFoundError, ValueError) as err:

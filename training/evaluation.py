@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -28,10 +28,10 @@ from training.workloads import FinetuneWorkload, FrozenWorkload
 EvalSplit = Literal["test", "val", "all"]
 
 
-def _split_indices(images: LabelledImages, split: EvalSplit, **split_args: Any) -> np.ndarray:
+def _split_indices(images: LabelledImages, split: EvalSplit, train_classes: int | None) -> np.ndarray:
     if split == "all":
         return np.arange(len(images))
-    return split_classes(images, **split_args)[split]
+    return split_classes(images, train_classes=train_classes)[split]
 
 
 def evaluate_onnx(
@@ -39,14 +39,14 @@ def evaluate_onnx(
     data: Path,
     *,
     split: EvalSplit = "test",
+    train_classes: int | None = None,
     batch_size: int = 32,
     progress: bool = True,
-    **split_args: Any,
 ) -> dict[str, float]:
     """Metrics of an exported ``model.onnx`` on ``split`` of ``data`` (unreadable images skipped)."""
     embedder = Embedder(model_path)
     images = load_labelled_images(data)
-    indices = _split_indices(images, split, **split_args)
+    indices = _split_indices(images, split, train_classes)
     draft = embedder.card.preprocessing.resize_size
     vectors, labels, batch = [], [], []
     for index in tqdm(indices, desc="embedding", unit="img", disable=not progress):

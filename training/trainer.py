@@ -66,24 +66,25 @@ def prepare_data(
     dist = dist or Distributed()
     images = load_labelled_images(Path(config.data))
     split = split_classes(images, train_classes=config.train_classes, val_fraction=config.val_fraction)
-    # The main process extracts first; the others then find every shard in the cache.
-    for turn in (True, False):
+    for turn in (True, False):  # the main process extracts first; the others then read the cache
         if dist.is_main == turn:
             extractor = FeatureExtractor(cache_dir, config.backbone, progress=progress and dist.is_main)
             base = extractor.extract(images.files())
+            # Augmented views are extracted for the readable images of all training classes, validation
+            # ones included, so the cache stays valid when the validation share changes.
+            training_range = np.sort(np.concatenate([split.train, split.val]))
+            training_range = training_range[base.ok[training_range]]
+            augmented = [
+                extractor.extract(images.files(training_range), view=view, seed=config.seed).features
+                for view in range(1, config.views + 1)
+            ]
         dist.barrier()
     indices = {name: split[name][base.ok[split[name]]] for name in ("train", "val", "test")}
     for name, kept in indices.items():
         if len(np.unique(images.labels[kept])) < 2:
             raise DataError(f"the {name} split has fewer than two classes of readable images")
-    # Augmented views are extracted for all training classes, validation ones included, so that the cache
-    # stays valid when the validation share changes; the training rows are then picked out.
-    training_range = np.sort(np.concatenate([indices["train"], indices["val"]]))
     rows = np.searchsorted(training_range, indices["train"])
-    views = [base.features[indices["train"]]]
-    for view in range(1, config.views + 1):
-        augmented = extractor.extract(images.files(training_range), view=view, seed=config.seed)
-        views.append(augmented.features[rows])
+    views = [base.features[indices["train"]], *(features[rows] for features in augmented)]
     return PreparedData(
         images=images,
         indices=indices,
@@ -166,7 +167,8 @@ class _Training:
         model: nn.Module = objective
         if self.dist.enabled:
             # Buffers stay per rank: ALMN's centre table grows with the labels each rank sees.
-            model = DistributedDataParallel(objective, broadcast_buffers=False)
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            model = DistributedDataParallel(objective, device_ids=device_ids, broadcast_buffers=False)
         self._loop(model, sampler, view_rng, optimizer, scaler, state, records)
         return self._finish(state)
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -109,3 +110,20 @@ def test_magnet_trains_on_neighbourhood_batches_with_a_refreshed_cluster_index(
     assert len(sampler["centres"]) == 4 * 2  # 4 training classes x 2 clusters
     assert torch.isfinite(sampler["example_losses"]).any(), "the loss fed per-example losses back"
     assert summary["steps"] == 7
+
+
+def test_augmented_views_are_cached_reproducible_and_differ_from_the_serving_view(
+    labelled_folder: Path, feature_cache: Path
+) -> None:
+    from training.trainer import prepare_data
+
+    config = _config(labelled_folder, feature_cache, views=2)
+    first = prepare_data(config, feature_cache, progress=False)
+    assert first.train_views.shape == (3, len(first.indices["train"]), 1280)
+    np.testing.assert_array_equal(first.train_views[0], first.features["train"])
+    assert not np.allclose(first.train_views[1], first.train_views[0], atol=1e-3)
+    assert not np.allclose(first.train_views[1], first.train_views[2], atol=1e-3)
+    again = prepare_data(config, feature_cache, progress=False)
+    np.testing.assert_array_equal(again.train_views, first.train_views)
+    reseeded = prepare_data(config.model_copy(update={"seed": 1}), feature_cache, progress=False)
+    assert not np.allclose(reseeded.train_views[1], first.train_views[1], atol=1e-3)
