@@ -45,15 +45,33 @@ async def search_options(
     settings: Annotated[Settings, Depends(get_settings)],
     k: Annotated[int, Query(ge=1, le=1000, description="How many results (per page).")] = 10,
     min_score: Annotated[
-        float, Query(ge=-1.0, le=1.0, description="Drop results whose cosine score is below this.")
+        float,
+        Query(
+            ge=-1.0,
+            le=1.0,
+            description="Drop results whose cosine score is below this (the cosine score, with rerank too).",
+        ),
     ] = -1.0,
-    offset: Annotated[int, Query(ge=0, description="Skip this many best results (paging).")] = 0,
+    offset: Annotated[
+        int,
+        Query(
+            ge=0,
+            description="Skip this many best results (paging). With rerank, pages walk through the "
+            "re-ranked candidate pool and end with it.",
+        ),
+    ] = 0,
     predict: Annotated[
         bool, Query(description="Also predict the query's label by a score-weighted kNN vote.")
     ] = False,
     rerank: Annotated[
         Literal["pddm"] | None,
-        Query(description="Re-score the candidates with the model's PDDM unit (when it has one)."),
+        Query(
+            description="pddm: re-score the top max(rerank_pool, 4k) cosine neighbours (rerank_pool is a "
+            "server setting, 100 by default) with the model's learned PDDM unit and order them by that "
+            "score; each result then carries pddm_score beside its cosine score. 422 when the served "
+            "model has no PDDM unit (see rerankers in /v1/stats) or the index cannot give back stored "
+            "vectors (Milvus)."
+        ),
     ] = None,
 ) -> SearchOptions:
     if k > settings.max_k:

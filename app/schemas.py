@@ -15,6 +15,11 @@ class ResultOut(BaseModel):
     label: str | None
     score: float = Field(description="cosine similarity to the query, in [-1, 1]")
     rank: int = Field(description="1-based position among all results (paging keeps ranks global)")
+    pddm_score: float | None = Field(
+        None,
+        description="with rerank=pddm: the PDDM unit's learned similarity S(query, item), which orders the "
+        "results (higher = more similar; unbounded, not comparable across models); null otherwise",
+    )
 
 
 class PredictionOut(BaseModel):
@@ -121,7 +126,10 @@ class StatsOut(BaseModel):
     model_fingerprint: str
     achieved_recall: float | None
     model: ModelOut
-    rerankers: list[str] = Field(description="rerank= values the served model supports")
+    rerankers: list[str] = Field(
+        description="rerank= values this server answers (pddm: the model carries its PDDM unit and the "
+        "index gives back stored vectors)"
+    )
     writes_enabled: bool
 
 

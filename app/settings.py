@@ -32,6 +32,12 @@ class Settings(BaseSettings):
     max_offset: int = Field(10_000, ge=0)
     max_batch: int = Field(64, ge=1, description="most images in one batch search or add")
     jpeg_draft: bool = Field(True, description="decode large JPEGs at reduced DCT scale (much faster)")
+    rerank_pool: int = Field(
+        100,
+        ge=1,
+        le=10_000,
+        description="rerank=pddm re-scores the top max(rerank_pool, 4k) cosine neighbours with the PDDM unit",
+    )
     vote_sigma2: float = Field(
         0.05, gt=0, description="sigma^2 of the predict=true vote: neighbour weight exp(-|q-x|^2/2sigma^2)"
     )

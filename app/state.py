@@ -30,6 +30,7 @@ class EngineState:
                 max_pixels=settings.max_image_pixels,
                 jpeg_draft=settings.jpeg_draft,
                 vote_sigma2=settings.vote_sigma2,
+                rerank_pool=settings.rerank_pool,
             )
         except Exception as err:  # any load failure leaves the process up and not ready
             log.error("search engine not ready: %s", err)

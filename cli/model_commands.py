@@ -49,6 +49,12 @@ def export(
         model = EmbeddingModel(create_backbone(backbone))
         card = export_onnx(model, out, preprocessing=BACKBONES[backbone].preprocessing, backbone=backbone)
     typer.echo(f"wrote {out} ({card.embedding_dim}-d, fingerprint {card.fingerprint[:12]})")
+    if card.reranker is not None:
+        reranker = card.reranker
+        typer.echo(
+            f"wrote {reranker.path_beside(out)} ({reranker.kind} unit for rerank={reranker.kind}, "
+            f"fingerprint {reranker.fingerprint[:12]})"
+        )
 
 
 @commands.command()
@@ -57,9 +63,10 @@ def train(
     data: Annotated[Path, typer.Option(help="Image folder (label = sub-folder) or CSV path,label[,split].")],
     out: Annotated[Path, typer.Option(help="Run directory (an existing run there is resumed).")],
     mode: Annotated[
-        Literal["frozen", "finetune"] | None,
+        Literal["frozen", "partial", "finetune"] | None,
         typer.Option(
-            help="frozen: train the head on cached features; finetune: the whole network "
+            help="frozen: train the head on cached features; partial: also the backbone's last stage, on "
+            "cached maps entering it; finetune: the whole network "
             "(default: finetune with a GPU, frozen without)."
         ),
     ] = None,

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from engine.model_card import ModelCard, file_fingerprint
+from engine.model_card import ModelCard, check_fingerprint
 from engine.preprocess import to_tensor
 
 
@@ -35,19 +35,8 @@ class Embedder:
         if not self.model_path.exists():
             raise FileNotFoundError(f"model file {self.model_path} does not exist")
         self.card = ModelCard.load(self.model_path)
-        actual = file_fingerprint(self.model_path)
-        if actual != self.card.fingerprint:
-            raise ValueError(
-                f"{self.model_path} does not match its model.json (fingerprint {actual[:12]} vs "
-                f"{self.card.fingerprint[:12]}): re-export the model"
-            )
-        ort = _onnxruntime()
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads  # 0 lets onnxruntime use every core
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self.session = ort.InferenceSession(
-            str(self.model_path), sess_options=options, providers=select_providers(device)
-        )
+        check_fingerprint(self.model_path, self.card.fingerprint, self.model_path)
+        self.session = onnx_session(self.model_path, threads=threads, device=device)
         self.input_name = self.session.get_inputs()[0].name
 
     @property
@@ -61,10 +50,14 @@ class Embedder:
     def preprocess(self, images: Sequence[Image.Image]) -> np.ndarray:
         return to_tensor(images, self.card.preprocessing)
 
+    def run_tensor(self, batch: np.ndarray) -> np.ndarray:
+        """The model's raw output for a preprocessed NCHW batch."""
+        (output,) = self.session.run(None, {self.input_name: np.ascontiguousarray(batch, dtype=np.float32)})
+        return output
+
     def embed_tensor(self, batch: np.ndarray) -> np.ndarray:
         """Run the model on a preprocessed NCHW batch; rows are L2-normalised."""
-        (output,) = self.session.run(None, {self.input_name: np.ascontiguousarray(batch, dtype=np.float32)})
-        return l2_normalize(output)
+        return l2_normalize(self.run_tensor(batch))
 
     def embed(self, images: Sequence[Image.Image]) -> np.ndarray:
         if not images:
@@ -80,6 +73,15 @@ class Embedder:
                 batch = []
         if batch:
             yield self.embed(batch)
+
+
+def onnx_session(path: Path, *, threads: int = 0, device: str = "auto") -> object:
+    """An onnxruntime session with every graph optimisation; ``threads=0`` lets it use every core."""
+    ort = _onnxruntime()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(str(path), sess_options=options, providers=select_providers(device))
 
 
 def select_providers(device: str = "auto") -> list[str]:

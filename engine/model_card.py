@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -21,6 +21,27 @@ class Preprocessing(BaseModel):
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
 
 
+# The graph contract of an exported reranker: its two inputs and its output, by name.
+RERANKER_INPUTS = ("queries", "candidates")
+RERANKER_OUTPUT = "scores"
+
+
+class RerankerCard(BaseModel):
+    """A scoring unit exported beside the model (``rerank=<kind>`` re-orders search candidates by it).
+
+    The PDDM unit's graph takes ``queries`` (q, d) and their ``candidates`` (q, k, d), both embeddings of
+    this model, and returns ``scores`` (q, k): the learned similarity S(query, candidate), higher = more
+    similar, not bounded (it is not a cosine).
+    """
+
+    kind: Literal["pddm"]
+    file: str = Field(pattern=r"^[^/\\]+\.onnx$", description="ONNX file in the model's folder")
+    fingerprint: str  # sha256 of that file
+
+    def path_beside(self, model_path: Path) -> Path:
+        return model_path.parent / self.file
+
+
 class ModelCard(BaseModel):
     format_version: int = 1
     embedding_dim: int
@@ -32,6 +53,7 @@ class ModelCard(BaseModel):
     run: str | None = None
     created: str
     extra: dict[str, Any] = Field(default_factory=dict)
+    reranker: RerankerCard | None = None  # a model trained with the pddm loss carries its PDDM unit
 
     @staticmethod
     def path_for(model_path: Path) -> Path:
@@ -46,6 +68,16 @@ class ModelCard(BaseModel):
 
     def save(self, model_path: Path) -> None:
         atomic_write_text(self.path_for(model_path), self.model_dump_json(indent=2))
+
+
+def check_fingerprint(path: Path, expected: str, model_path: Path) -> None:
+    """Refuse a file that is not the one the model's card describes (edited, truncated, another export)."""
+    actual = file_fingerprint(path)
+    if actual != expected:
+        raise ValueError(
+            f"{path} does not match its {ModelCard.path_for(model_path).name} (fingerprint {actual[:12]} "
+            f"vs {expected[:12]}): re-export the model"
+        )
 
 
 def file_fingerprint(path: Path) -> str:

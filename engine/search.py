@@ -1,8 +1,9 @@
 """The search service used by the API, the UI and ``dmlsearch query`` alike.
 
 It joins an :class:`Embedder` to a :class:`GalleryIndex` built with the same model, and owns the rules of
-serving: decoding untrusted uploads, batching, paging, the kNN label vote, and adding/removing items
-under a readers-writer lock (searches run side by side; a write waits for them and runs alone).
+serving: decoding untrusted uploads, batching, paging, the kNN label vote, re-ranking with the model's
+PDDM unit, and adding/removing items under a readers-writer lock (searches run side by side; a write waits
+for them and runs alone).
 """
 
 from __future__ import annotations
@@ -28,13 +29,20 @@ from engine.images import (
     thumbnail_jpeg,
 )
 from engine.locks import ReadWriteLock
+from engine.reranker import PDDMReranker
 from engine.voting import Prediction, knn_vote
 from index.atomic import atomic_write_bytes
-from index.gallery import GalleryIndex
+from index.gallery import GalleryIndex, Hit
+from index.items import ItemStore
 from index.protocol import Item
 
 # A label becomes a folder name under the gallery root: no separators, no hidden or relative names.
 _LABEL_PATTERN = re.compile(r"^(?![.])[^/\\\x00-\x1f]{1,100}$")
+# rerank=pddm re-scores the top max(rerank_pool, RERANK_POOL_FACTOR x k) cosine neighbours: deep enough
+# that the unit can lift items the cosine ranked a few pages down, and a fixed pool for a fixed k, so that
+# paging with ``offset`` walks through one re-ranked list.
+DEFAULT_RERANK_POOL = 100
+RERANK_POOL_FACTOR = 4
 
 
 class ItemNotFoundError(LookupError):
@@ -58,8 +66,9 @@ class SearchResult:
     id: int
     path: str
     label: str | None
-    score: float
+    score: float  # cosine similarity to the query
     rank: int
+    pddm_score: float | None = None  # S(query, item) of the PDDM unit, with rerank="pddm"
 
 
 @dataclass(frozen=True)
@@ -130,10 +139,17 @@ class SearchService:
         max_pixels: int = DEFAULT_MAX_PIXELS,
         jpeg_draft: bool = True,
         vote_sigma2: float = 0.05,
+        reranker: PDDMReranker | None = None,
+        rerank_pool: int = DEFAULT_RERANK_POOL,
     ) -> None:
+        """``reranker``: the model's PDDM unit (:meth:`open` loads it when the model card names one)."""
         index.check_model(embedder.fingerprint, embedder.dim)
+        if rerank_pool < 1:
+            raise ValueError(f"rerank_pool must be at least 1, got {rerank_pool}")
         self.embedder = embedder
         self.index = index
+        self.reranker = reranker
+        self.rerank_pool = rerank_pool
         self.max_pixels = max_pixels
         # JPEG draft decoding: libjpeg scales by 1/2..1/8 while decoding, keeping the short side at least
         # the model's resize size, so a 12-MP photo is not decoded in full only to be shrunk to 224 px.
@@ -152,9 +168,14 @@ class SearchService:
         milvus_uri: str | None = None,
         **options: object,
     ) -> SearchService:
-        """``backend``: refuse an index of another backend; ``milvus_uri``: where its Milvus collection is."""
+        """``backend``: refuse an index of another backend; ``milvus_uri``: where its Milvus collection is.
+
+        The model's PDDM unit is loaded too when its card names one (a model exported from a pddm run).
+        """
         index = GalleryIndex.open(index_dir, backend=backend, milvus_uri=milvus_uri)
-        return cls(Embedder(model_path, threads=threads), index, **options)
+        embedder = Embedder(model_path, threads=threads)
+        reranker = PDDMReranker.for_model(embedder.model_path, embedder.card, threads=threads)
+        return cls(embedder, index, reranker=reranker, **options)
 
     @property
     def model_fingerprint(self) -> str:
@@ -162,11 +183,21 @@ class SearchService:
 
     @property
     def rerankers(self) -> list[str]:
-        """The ``rerank`` values the served model supports.
+        """The ``rerank`` values this service can answer: ``pddm`` when the model carries its PDDM unit
+        and the index gives back the stored vectors of its candidates."""
+        return ["pddm"] if self.reranker is not None and self._stored_vectors is not None else []
 
-        None yet: the PDDM unit is trained with the pddm loss but not exported with the model.
-        """
-        return []
+    @property
+    def _stored_vectors(self) -> ItemStore | None:
+        """Where the candidates' exact embeddings are read from: the FAISS backend's item store keeps the
+        vector of every item (any FAISS index type, quantised ones included). The Milvus backend does not
+        give vectors back (yet), and re-embedding the candidates' images per query is out of the question."""
+        store = self.index.items
+        return store if isinstance(store, ItemStore) else None
+
+    def rerank_depth(self, k: int) -> int:
+        """How many cosine neighbours rerank=pddm re-scores for a page of ``k``: max(rerank_pool, 4k)."""
+        return max(self.rerank_pool, RERANK_POOL_FACTOR * k)
 
     # -- queries -----------------------------------------------------------------------------------
 
@@ -201,8 +232,7 @@ class SearchService:
             tensor = self.embedder.preprocess(decoded)
         with timer.stage("embed"):
             vectors = self.embedder.embed_tensor(tensor)
-        with timer.stage("search"):
-            queries = self._search_vectors(vectors, options)
+        queries = self._search_vectors(vectors, options, timer)
         return BatchResponse(queries, timer.elapsed_ms(), self.model_fingerprint, timer.ms)
 
     def similar(self, item_id: int, options: SearchOptions) -> SearchResponse:
@@ -216,8 +246,7 @@ class SearchService:
             tensor = self.embedder.preprocess([image])
         with timer.stage("embed"):
             vector = self.embedder.embed_tensor(tensor)
-        with timer.stage("search"):
-            (hits,) = self._search_vectors(vector, options, exclude=item_id)
+        (hits,) = self._search_vectors(vector, options, timer, exclude=item_id)
         return SearchResponse(
             hits.results, timer.elapsed_ms(), self.model_fingerprint, timer.ms, hits.prediction
         )
@@ -225,12 +254,18 @@ class SearchService:
     def _check_options(self, options: SearchOptions) -> None:
         if options.k < 1 or options.offset < 0:
             raise ValueError(f"k must be >= 1 and offset >= 0, got k={options.k}, offset={options.offset}")
-        if options.rerank is not None and options.rerank not in self.rerankers:
+        if options.rerank is None or options.rerank in self.rerankers:
+            return
+        if options.rerank != "pddm" or self.reranker is None:
             raise RerankUnavailableError(
                 f"the served model ({self.embedder.card.backbone}, loss {self.embedder.card.loss or 'none'}) "
                 f"cannot re-rank with {options.rerank!r}: rerank=pddm needs a model exported with its PDDM "
-                "scoring unit"
+                "scoring unit (dmlsearch export of a run trained with --loss pddm)"
             )
+        raise RerankUnavailableError(
+            f"rerank=pddm needs the stored vectors of the candidates, and this {self.index.manifest.backend} "
+            "index does not give them back: serve a FAISS index to re-rank"
+        )
 
     def _decode_all(self, images: Sequence[bytes]) -> list[Image.Image]:
         decoded = []
@@ -244,19 +279,41 @@ class SearchService:
         return decoded
 
     def _search_vectors(
-        self, vectors: np.ndarray, options: SearchOptions, exclude: int | None = None
+        self, vectors: np.ndarray, options: SearchOptions, timer: StageTimer, exclude: int | None = None
     ) -> list[QueryHits]:
+        """Search, drop the excluded item and those below ``min_score`` (a cosine cut, re-ranked or not),
+        re-rank when asked, rank, vote and cut the page.
+
+        With rerank, the page is taken from the re-ranked pool (:meth:`rerank_depth`): an ``offset`` past
+        the pool gives short or empty pages, and the vote is over the top ``offset + k`` of the re-ranked
+        list, weighted by their cosine scores like any vote.
+        """
+        depth = self.rerank_depth(options.k) if options.rerank else options.offset + options.k
         # One extra neighbour when the query item itself will be dropped from its own results.
-        depth = options.offset + options.k + (exclude is not None)
-        with self.lock.read():
-            hit_lists = self.index.search(vectors, depth)
+        depth += exclude is not None
+        with self.lock.read():  # the candidates' vectors are read before a write can remove them
+            with timer.stage("search"):
+                hit_lists = [
+                    [hit for hit in hits if hit.item.id != exclude and hit.score >= options.min_score]
+                    for hits in self.index.search(vectors, depth)
+                ]
+            pddm_lists: list[np.ndarray | None] = [None] * len(hit_lists)
+            if options.rerank:
+                with timer.stage("rerank"):
+                    pddm_lists = [
+                        self._pddm_scores(v, hits) for v, hits in zip(vectors, hit_lists, strict=True)
+                    ]
         queries = []
-        for hits in hit_lists:
-            ranked = [
-                SearchResult(hit.item.id, hit.item.path, hit.item.label, hit.score, rank)
-                for rank, hit in enumerate((hit for hit in hits if hit.item.id != exclude), start=1)
-                if hit.score >= options.min_score
-            ]
+        for hits, pddm in zip(hit_lists, pddm_lists, strict=True):
+            # A stable sort: equal PDDM scores keep their cosine order.
+            order = range(len(hits)) if pddm is None else np.argsort(-pddm, kind="stable")
+            pddm_scores = [None] * len(hits) if pddm is None else pddm.tolist()
+            ranked = []
+            for rank, i in enumerate(order, start=1):
+                hit = hits[i]
+                ranked.append(
+                    SearchResult(hit.item.id, hit.item.path, hit.item.label, hit.score, rank, pddm_scores[i])
+                )
             prediction = None
             if options.predict:
                 voters = ranked[: options.offset + options.k]
@@ -266,6 +323,11 @@ class SearchService:
             page = ranked[options.offset : options.offset + options.k]
             queries.append(QueryHits(page, prediction))
         return queries
+
+    def _pddm_scores(self, query: np.ndarray, hits: list[Hit]) -> np.ndarray:
+        """S(query, candidate) for each hit, from the candidates' stored (exact, not re-embedded) vectors."""
+        ids = np.array([hit.item.id for hit in hits], dtype=np.int64)
+        return self.reranker.score(query, self._stored_vectors.vectors(ids))
 
     # -- items -------------------------------------------------------------------------------------
 

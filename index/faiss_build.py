@@ -13,13 +13,12 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm import tqdm
 
-from index.faiss_index import FaissIndex
-from index.selection import PQ_CENTROIDS, IndexSpec
+from index.faiss_index import PQ_POINTS_PER_CENTROID, FaissIndex
+from index.selection import IndexSpec
 from index.sources import ExcludingSource, VectorSource, all_ids, fetch_vectors
 from index.tuning import Tuning, held_out_ids, needs_tuning, sample_ids, tune
 
 TRAIN_POINTS_PER_LIST = 50  # faiss warns below 39; autofaiss uses 30-256
-TRAIN_POINTS_PQ = 64 * PQ_CENTROIDS  # enough for OPQ and 8-bit PQ codebooks
 ADD_CHUNK = 65_536
 TRAIN_SEED = 0
 
@@ -29,7 +28,7 @@ def training_size(spec: IndexSpec, count: int) -> int:
         return 0
     needed = spec.nlist * TRAIN_POINTS_PER_LIST
     if spec.index_type == "ivfpq":
-        needed = max(needed, TRAIN_POINTS_PQ)
+        needed = max(needed, PQ_POINTS_PER_CENTROID * 2 ** (spec.pq_bits or 8))  # what PQ training samples
     return min(count, needed)
 
 

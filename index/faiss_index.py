@@ -72,9 +72,10 @@ class FaissIndex:
         """An empty index; IVF and PQ indexes must be trained before vectors are added."""
         faiss = faiss_module()
         index = faiss.index_factory(spec.dim, spec.factory, faiss.METRIC_INNER_PRODUCT)
-        if spec.index_type == "ivfpq":
+        if spec.opq:
             opq = faiss.downcast_VectorTransform(index.chain.at(0))
             opq.niter, opq.niter_pq_0, opq.max_train_points = OPQ_ITERATIONS, OPQ_ITERATIONS, OPQ_TRAIN_POINTS
+        if spec.index_type == "ivfpq":
             pq = faiss.downcast_index(faiss.extract_index_ivf(index)).pq
             pq.cp.niter, pq.cp.max_points_per_centroid = PQ_ITERATIONS, PQ_POINTS_PER_CENTROID
         return cls(index, spec)
@@ -144,7 +145,7 @@ class FaissIndex:
         if self.spec.hnsw_quantizer:
             params.quantizer_params = faiss.SearchParametersHNSW()
             params.quantizer_params.efSearch = self.spec.nlist
-        if self.spec.index_type != "ivfpq":
+        if not self.spec.opq:
             return params
         wrapped = faiss.SearchParametersPreTransform()  # the OPQ rotation wraps the IVF index
         wrapped.index_params = params

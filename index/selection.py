@@ -13,11 +13,16 @@ search engine that adds and removes items in place and builds on a few CPU cores
 - otherwise ``ivfsq`` (IVF with 8-bit scalar quantisation, d bytes a vector) when it fits. autofaiss
   goes straight to PQ; we add this tier because on embedding-like data (tight clusters) SQ8 kept
   recall@10 at 0.97 where the largest PQ code within the same memory reached 0.79 (see the benchmark).
-- otherwise ``ivfpq``: OPQ rotation + IVF + product quantisation (8-bit codes, no polysemous training:
-  we never filter by Hamming distance) with the largest code (from autofaiss's list 256, 128, 64, ...
-  bytes) of at least 4 dimensions a sub-quantizer whose index fits the budget. 2-dimensional
-  sub-quantizers are left out: faiss trained them ~100x slower (175 s against 1.8 s for 64 codes on
-  16k vectors here) and SQ8 is better at that size anyway.
+- otherwise ``ivfpq``: IVF + product quantisation (no polysemous training: we never filter by Hamming
+  distance) with the most accurate code whose index fits the budget, from: 2-dimensional sub-vectors
+  with 10-bit codes (5 bits a dimension, from 39 * 1024 vectors on, so every codebook centroid gets
+  faiss's minimum of training points), then with 8-bit codes (4 bits a dimension), then autofaiss's
+  8-bit codes of 128, 64, 48, ... sub-quantizers of at least 4 dimensions each behind an OPQ rotation.
+  The fine codes come first because coarser ones cannot order the neighbours inside a tight cluster,
+  whose distances differ by less than their quantisation error: at 100k embedding-like vectors
+  (bench/index_bench.py) recall@10 reached 0.90 with ``PQ256x10``, 0.83 with ``PQ256x8`` and 0.56 with
+  ``PQ128x8`` with or without OPQ. The fine codes get no OPQ rotation: a rotation matters little to
+  2-dimensional sub-vectors, and faiss trains OPQ by training the whole PQ again at every iteration.
 - ``nlist`` = 4*sqrt(n) rounded to a power of two (autofaiss, below 1M vectors), at most n/39 so every
   centroid gets faiss's minimum of 39 training points; an HNSW coarse quantizer from 16,384 lists on,
   as autofaiss does for large quantizers.
@@ -36,9 +41,11 @@ FLAT_LIMIT = 10_000
 MIN_POINTS_PER_CENTROID = 39
 HNSW_QUANTIZER_FROM = 16_384
 HNSW_M = 32
-PQ_CODE_SIZES = (256, 128, 64, 48, 32, 24, 16, 8, 4)
-PQ_CENTROIDS = 256  # 8-bit codes
-MIN_PQ_SUBDIM = 4
+PQ_CODE_SIZES = (256, 128, 64, 48, 32, 24, 16, 8, 4)  # autofaiss's sub-quantizer counts for OPQ + PQ
+PQ_BITS = 8
+PQ_CENTROIDS = 2**PQ_BITS
+MIN_PQ_SUBDIM = 4  # OPQ + PQ codes; the fine codes below use 2-dimensional sub-vectors
+FINE_PQ_BITS = (10, 8)
 ID_BYTES = 8
 IDMAP2_BYTES_PER_ID = 48  # IndexIDMap2 keeps the id array and a hash map back from id to position
 
@@ -93,9 +100,19 @@ class IndexSpec:
         return "_HNSW" in self.factory
 
     @property
-    def pq_bytes(self) -> int | None:
+    def pq_subquantizers(self) -> int | None:
         match = re.search(r",PQ(\d+)", self.factory)
         return int(match.group(1)) if match else None
+
+    @property
+    def pq_bits(self) -> int | None:
+        match = re.search(r",PQ\d+x(\d+)", self.factory)
+        return int(match.group(1)) if match else None
+
+    @property
+    def opq(self) -> bool:
+        """Whether an OPQ rotation precedes the index (faiss wraps it in an IndexPreTransform)."""
+        return self.factory.startswith("OPQ")
 
     @property
     def hnsw_m(self) -> int | None:
@@ -114,9 +131,10 @@ class IndexSpec:
         centroids = (self.nlist or 1) * d * 4
         if self.index_type == "ivf":
             return count * (4 * d + ID_BYTES) + centroids
-        m = self.pq_bytes or 1
-        rotated = m * math.ceil(d / m)
-        return count * (m + ID_BYTES) + centroids + d * rotated * 4 + PQ_CENTROIDS * rotated * 4
+        m, bits = self.pq_subquantizers or 1, self.pq_bits or PQ_BITS
+        rotated = m * math.ceil(d / m) if self.opq else d
+        rotation = d * rotated * 4 if self.opq else 0
+        return count * (math.ceil(m * bits / 8) + ID_BYTES) + centroids + rotation + 2**bits * rotated * 4
 
 
 def ivf_lists(count: int) -> int:
@@ -130,15 +148,25 @@ def _ivf_prefix(count: int) -> str:
     return f"IVF{nlist}_HNSW32" if nlist >= HNSW_QUANTIZER_FROM else f"IVF{nlist}"
 
 
-def _ivfpq(count: int, dim: int, code_bytes: int) -> IndexSpec:
-    rotated = code_bytes * math.ceil(dim / code_bytes)
-    opq = f"OPQ{code_bytes}" if rotated == dim else f"OPQ{code_bytes}_{rotated}"
-    return IndexSpec("ivfpq", f"{opq},{_ivf_prefix(count)},PQ{code_bytes}x8np", dim)
+def _ivfpq(count: int, dim: int, subquantizers: int, bits: int, *, rotate: bool) -> IndexSpec:
+    """IVF-PQ, behind an OPQ rotation when asked or when the sub-quantizers do not divide ``dim``."""
+    ivf = _ivf_prefix(count)
+    rotated = subquantizers * math.ceil(dim / subquantizers)
+    if not rotate and rotated == dim:
+        return IndexSpec("ivfpq", f"{ivf},PQ{subquantizers}x{bits}np", dim)
+    opq = f"OPQ{subquantizers}" if rotated == dim else f"OPQ{subquantizers}_{rotated}"
+    return IndexSpec("ivfpq", f"{opq},{ivf},PQ{subquantizers}x{bits}np", dim)
 
 
 def _pq_candidates(count: int, dim: int) -> list[IndexSpec]:
-    """IVF-PQ specs from the largest code to the smallest; codes use at least 2 dimensions each."""
-    return [_ivfpq(count, dim, m) for m in PQ_CODE_SIZES if MIN_PQ_SUBDIM * m <= dim]
+    """IVF-PQ specs from the most accurate (and largest) code to the smallest."""
+    fine = [
+        _ivfpq(count, dim, math.ceil(dim / 2), bits, rotate=False)
+        for bits in FINE_PQ_BITS
+        if bits == PQ_BITS or count >= MIN_POINTS_PER_CENTROID * 2**bits
+    ]
+    coarse = [_ivfpq(count, dim, m, PQ_BITS, rotate=True) for m in PQ_CODE_SIZES if MIN_PQ_SUBDIM * m <= dim]
+    return fine + coarse
 
 
 def _spec(index_type: str, count: int, dim: int, budget: int | None) -> IndexSpec:

@@ -6,10 +6,16 @@ with vectors that are in the index would flatter an HNSW graph, whose nodes star
 neighbours. The smallest parameter reaching the target wins; when none does (product quantisation
 saturates), the smallest value within ``PLATEAU`` of the best recall seen is kept and the shortfall
 is reported in the result.
+
+The ladder also stops once a search takes more than ``MAX_QUERY_MS`` a query: an index that slow is no
+use for interactive search whatever its recall, and on vectors without structure (uniform random) the
+ladder would otherwise climb to an all but exhaustive scan, which for the slowest codes (10-bit PQ) at a
+million vectors means hours of tuning. Small galleries never come near it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +31,7 @@ HELD_OUT_FRACTION = 10  # at most one vector in ten is held out, for small galle
 PLATEAU = 0.002
 EXACT_CHUNK = 65_536
 QUERY_SEED = 1
+MAX_QUERY_MS = 20.0
 
 
 @dataclass(frozen=True)
@@ -114,11 +121,15 @@ def tune(
     values, to_params = _parameters(index, k)
     truth = exact_neighbours(queries, sources, k)
     measured: dict[int, float] = {}
+    query_ms: dict[int, float] = {}
 
     def recall(value: int) -> float:
         if value not in measured:
             index.set_search_params(to_params(value))
-            measured[value] = recall_at_k(index.search(queries, k)[0], truth)
+            began = time.perf_counter()
+            found = index.search(queries, k)[0]
+            query_ms[value] = (time.perf_counter() - began) * 1000.0 / len(queries)
+            measured[value] = recall_at_k(found, truth)
         return measured[value]
 
     bar = tqdm(desc=f"tuning {next(iter(to_params(1)))}", unit="try", disable=not progress)
@@ -130,6 +141,8 @@ def tune(
             break
         if failing is not None and recall(value) - recall(failing) < PLATEAU / 2:
             break  # more probing no longer helps: a quantisation ceiling
+        if query_ms[value] > MAX_QUERY_MS:
+            break  # too slow to serve already: searching more only gets slower
         failing = value
     if passing is not None and failing is not None:
         while passing - failing > 1:  # bisect between the last failing and the first passing value

@@ -18,6 +18,8 @@ class BackboneSpec:
     factory: Callable[[bool, bool], nn.Module]  # (pretrained, with_classifier) -> module
     feature_dim: int
     preprocessing: Preprocessing
+    # (backbone) -> (trunk, last stage): partial-mode training caches the trunk's output maps
+    split: Callable[[nn.Module], tuple[nn.Module, nn.Module]]
 
 
 BACKBONES: dict[str, BackboneSpec] = {}
@@ -54,10 +56,22 @@ def _efficientnet_lite0(pretrained: bool, with_classifier: bool) -> nn.Module:
     return model.eval()
 
 
+def _split_efficientnet(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """A timm EfficientNet (classifier removed) as ``(trunk, last stage + head convolution + pooling)``.
+
+    Both share the model's modules, so training the last stage trains the model itself, and
+    ``last_stage(trunk(x)) == model(x)`` exactly (eval mode; drop-path and dropout are off in Lite0).
+    """
+    trunk = nn.Sequential(model.conv_stem, model.bn1, *model.blocks[:-1])
+    last_stage = nn.Sequential(model.blocks[-1], model.conv_head, model.bn2, model.global_pool)
+    return trunk, last_stage
+
+
 BACKBONES["efficientnet_lite0"] = BackboneSpec(
     name="efficientnet_lite0",
     factory=_efficientnet_lite0,
     feature_dim=1280,
+    split=_split_efficientnet,
     preprocessing=Preprocessing(
         input_size=224, resize_size=224, interpolation="bicubic", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)
     ),
@@ -72,3 +86,8 @@ def create_backbone(
     except KeyError:
         raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(BACKBONES)}") from None
     return spec.factory(pretrained, with_classifier)
+
+
+def split_backbone(name: str, backbone: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """``(trunk, last_stage)`` of a backbone built by :func:`create_backbone` (sharing its modules)."""
+    return BACKBONES[name].split(backbone)

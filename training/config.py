@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from training.losses import LOSSES
 
-Mode = Literal["frozen", "finetune"]
+Mode = Literal["frozen", "partial", "finetune"]
 
 # Fields that may change when a run is resumed (they do not change what the steps already taken computed).
 RESUMABLE_FIELDS = frozenset({"max_steps", "patience", "workers", "cache_dir", "eval_batch_size"})

@@ -23,7 +23,7 @@ from training.metrics import evaluate
 from training.model import build_objective
 from training.run_dir import RunDirectory, RunDirError
 from training.trainer import cache_directory, prepare_data
-from training.workloads import FinetuneWorkload, FrozenWorkload
+from training.workloads import CachedWorkload, FinetuneWorkload
 
 EvalSplit = Literal["test", "val", "all"]
 
@@ -76,14 +76,14 @@ def evaluate_run(
     if data is not None:
         config = config.model_copy(update={"data": str(data)})
     prepared = prepare_data(config, cache_directory(config, run_path), progress=progress)
-    objective = build_objective(config, prepared.train_views.shape[2])
+    objective = build_objective(config, prepared.features["train"].shape[1])
     objective.load_state_dict(best["objective"])
     names = ("train", "val", "test") if split == "all" else (split,)
     labels = np.concatenate([prepared.labels(name) for name in names])
     device = torch.device("cpu")
-    if config.mode == "frozen":
-        features = {"eval": np.concatenate([prepared.features[name] for name in names])}
-        workload = FrozenWorkload(objective, prepared.train_views, features, device)
+    if config.mode != "finetune":
+        inputs = {"eval": np.concatenate([prepared.inputs[name] for name in names])}
+        workload = CachedWorkload(objective, prepared.train_views, inputs, device)
     else:
         files = {"eval": [file for name in names for file in prepared.files(name)]}
         preprocessing = BACKBONES[config.backbone].preprocessing

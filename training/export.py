@@ -1,4 +1,8 @@
-"""Export an :class:`EmbeddingModel` to ``model.onnx`` + ``model.json``, atomically."""
+"""Export an :class:`EmbeddingModel` to ``model.onnx`` + ``model.json``, atomically.
+
+A run trained with the pddm loss also exports its PDDM unit, as ``<model>.pddm.onnx`` beside the model,
+named with its fingerprint in the card: the server re-ranks search candidates with it (``rerank=pddm``).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.model_card import ModelCard, Preprocessing, file_fingerprint
+from engine.model_card import (
+    RERANKER_INPUTS,
+    RERANKER_OUTPUT,
+    ModelCard,
+    Preprocessing,
+    RerankerCard,
+    file_fingerprint,
+)
 from index.atomic import atomic_path
-from training.backbone import BACKBONES, create_backbone
+from training.backbone import BACKBONES, create_backbone, split_backbone
+from training.losses.pddm import PDDMUnit
 from training.model import EmbeddingModel, build_objective
 from training.run_dir import RunDirectory, RunDirError
 
@@ -28,8 +40,13 @@ def export_onnx(
     loss: str | None = None,
     run: str | None = None,
     extra: dict[str, Any] | None = None,
+    reranker: RerankerCard | None = None,
 ) -> ModelCard:
-    """Trace ``model`` (TorchScript exporter, dynamic batch axis) and write the ONNX file and its card."""
+    """Trace ``model`` (TorchScript exporter, dynamic batch axis) and write the ONNX file and its card.
+
+    ``reranker``: a unit already exported beside ``model_path`` (:func:`export_pddm_unit`). The card is
+    written last, so an interrupted export never leaves a card naming files that are not in place.
+    """
     model = model.eval()
     example = torch.zeros(2, 3, preprocessing.input_size, preprocessing.input_size)
     with torch.no_grad():
@@ -56,16 +73,59 @@ def export_onnx(
         run=run,
         created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         extra=extra or {},
+        reranker=reranker,
     )
     card.save(model_path)
     return card
+
+
+class PDDMScorer(nn.Module):
+    """The PDDM unit as an exported graph: queries (q, d) and their candidates (q, k, d) -> S (q, k)."""
+
+    def __init__(self, unit: PDDMUnit) -> None:
+        super().__init__()
+        self.unit = unit
+
+    def forward(self, queries: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        return self.unit.score(queries, candidates)
+
+
+def pddm_path_for(model_path: Path) -> Path:
+    """Where a model's PDDM unit goes: ``model.onnx`` -> ``model.pddm.onnx`` in the same folder."""
+    return model_path.with_name(f"{model_path.stem}.pddm.onnx")
+
+
+def export_pddm_unit(unit: PDDMUnit, path: Path) -> RerankerCard:
+    """Trace the full unit (no dropout), with dynamic query and candidate axes, atomically to ``path``."""
+    scorer = PDDMScorer(unit).eval()
+    queries, candidates = torch.randn(2, unit.dim), torch.randn(2, 3, unit.dim)
+    queries_name, candidates_name = RERANKER_INPUTS
+    with atomic_path(path) as temporary, torch.no_grad():
+        torch.onnx.export(
+            scorer,
+            (queries, candidates),
+            str(temporary),
+            input_names=list(RERANKER_INPUTS),
+            output_names=[RERANKER_OUTPUT],
+            dynamic_axes={
+                queries_name: {0: "queries"},
+                candidates_name: {0: "queries", 1: "candidates"},
+                RERANKER_OUTPUT: {0: "queries", 1: "candidates"},
+            },
+            opset_version=ONNX_OPSET,
+            dynamo=False,
+        )
+        fingerprint = file_fingerprint(temporary)
+    return RerankerCard(kind="pddm", file=path.name, fingerprint=fingerprint)
 
 
 def export_run(run_path: Path, model_path: Path) -> ModelCard:
     """Export a training run's best checkpoint: backbone + head + L2 normalisation in one ONNX graph.
 
     A frozen-mode run trained the head only, so its graph uses the pretrained backbone; a fine-tuned run
-    brings its own backbone weights. The card records the loss, the run and its validation metrics.
+    brings its own backbone weights. The card records the loss, the run and its validation metrics, and
+    the PDDM unit when the loss trained one (it scores the exported, L2-normalised embeddings: the unit
+    normalises its inputs itself, so the training loss's ``embedding_scale`` does not change its scores).
     """
     run = RunDirectory(run_path)
     config = run.require_config()
@@ -75,8 +135,15 @@ def export_run(run_path: Path, model_path: Path) -> ModelCard:
     spec = BACKBONES[config.backbone]
     objective = build_objective(config, spec.feature_dim)
     objective.load_state_dict(best["objective"])
-    backbone = objective.backbone if config.mode == "finetune" else create_backbone(config.backbone)
+    if config.mode == "finetune":
+        backbone = objective.backbone
+    else:
+        backbone = create_backbone(config.backbone)
+        if config.mode == "partial":
+            split_backbone(config.backbone, backbone)[1].load_state_dict(objective.backbone.state_dict())
     head = objective.head
+    unit = getattr(objective.loss, "unit", None)
+    reranker = export_pddm_unit(unit, pddm_path_for(model_path)) if isinstance(unit, PDDMUnit) else None
     return export_onnx(
         EmbeddingModel(backbone, head),
         model_path,
@@ -86,4 +153,5 @@ def export_run(run_path: Path, model_path: Path) -> ModelCard:
         loss=config.loss,
         run=str(run_path.resolve()),
         extra={"mode": config.mode, "best_step": best["step"], "val": best["val"]},
+        reranker=reranker,
     )

@@ -1,9 +1,13 @@
 """Frozen-backbone features, extracted once through onnxruntime and cached on disk.
 
-The pretrained backbone is exported to ONNX (exactly as ``dmlsearch export`` does) and run with the
-serving engine's :class:`~engine.embedder.Embedder`, which is several times faster on CPU than eager
-torch and yields the very features the deployed model starts from (L2-normalised, pooled). View 0 is the
-serving preprocessing; views 1.. are seeded random resized crops with horizontal flips, for training.
+The pretrained backbone is exported to ONNX (exactly as ``dmlsearch export`` does) and run with
+onnxruntime, which is several times faster on CPU than eager torch. Two stages can be cached:
+
+* ``pooled``: the features the deployed model starts from (L2-normalised, pooled), for frozen mode;
+* ``trunk``: the feature maps entering the backbone's last stage (float16, to halve the cache), for
+  partial mode, which trains that stage on them.
+
+View 0 is the serving preprocessing; views 1.. are seeded random resized crops with horizontal flips.
 
 The cache is keyed by the backbone's ONNX fingerprint, the view and seed, and every file's path, size and
 modification time, so a changed image or model never reuses stale features. It is written in shards, each
@@ -19,6 +23,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -31,10 +36,11 @@ from engine.images import ImageDecodeError, load_image_file
 from engine.model_card import Preprocessing
 from engine.preprocess import to_tensor
 from index.atomic import atomic_path
-from training.backbone import BACKBONES, create_backbone
+from training.backbone import BACKBONES, create_backbone, split_backbone
 from training.export import export_onnx
 from training.model import EmbeddingModel
 
+Stage = Literal["pooled", "trunk"]
 SHARD_SIZE = 512
 AUGMENT_SCALE = (0.35, 1.0)  # RandomResizedCrop area range, as in the papers' crop augmentation
 
@@ -43,17 +49,19 @@ AUGMENT_SCALE = (0.35, 1.0)  # RandomResizedCrop area range, as in the papers' c
 class FeatureSet:
     """Features of a list of files (rows in file order); ``ok[i]`` is False where the file was unreadable."""
 
-    features: np.ndarray  # float32 (n, d)
+    features: np.ndarray  # pooled: float32 (n, d); trunk: float16 (n, channels, height, width)
     ok: np.ndarray  # bool (n,)
     skipped: tuple[tuple[str, str], ...]  # (path, reason)
 
 
-def backbone_model(cache_dir: Path, backbone: str) -> Path:
-    """The pretrained ``backbone`` as ``model.onnx`` under ``cache_dir`` (exported on first use)."""
-    path = cache_dir / "backbones" / backbone / "model.onnx"
+def backbone_model(cache_dir: Path, backbone: str, stage: Stage = "pooled") -> Path:
+    """The pretrained ``backbone`` as ONNX under ``cache_dir`` (exported on first use): ``model.onnx``
+    (pooled, L2-normalised) or ``trunk.onnx`` (the maps entering the last stage)."""
+    path = cache_dir / "backbones" / backbone / ("model.onnx" if stage == "pooled" else "trunk.onnx")
     if not (path.exists() and path.with_suffix(".json").exists()):
+        network = create_backbone(backbone)
         export_onnx(
-            EmbeddingModel(create_backbone(backbone)),
+            EmbeddingModel(network) if stage == "pooled" else split_backbone(backbone, network)[0],
             path,
             preprocessing=BACKBONES[backbone].preprocessing,
             backbone=backbone,
@@ -99,24 +107,32 @@ def view_images(
 
 
 class FeatureExtractor:
-    """Extract and cache backbone features of image files."""
+    """Extract and cache backbone features (``stage``) of image files."""
 
     def __init__(
         self,
         cache_dir: Path,
         backbone: str = "efficientnet_lite0",
         *,
+        stage: Stage = "pooled",
         batch_size: int = 32,
         progress: bool = True,
     ) -> None:
         self.cache_dir = cache_dir
-        self.embedder = Embedder(backbone_model(cache_dir, backbone))
+        self.stage = stage
+        self.embedder = Embedder(backbone_model(cache_dir, backbone, stage))
         self.batch_size = batch_size
         self.progress = progress
+        size = self.embedder.card.preprocessing.input_size
+        self.row_shape = self._run(np.zeros((1, 3, size, size), np.float32)).shape[1:]
 
-    @property
-    def dim(self) -> int:
-        return self.embedder.dim
+    def _run(self, batch: np.ndarray) -> np.ndarray:
+        if self.stage == "pooled":
+            return self.embedder.embed_tensor(batch)
+        return self.embedder.run_tensor(batch).astype(np.float16)
+
+    def _empty(self, rows: int) -> np.ndarray:
+        return np.zeros((rows, *self.row_shape), np.float32 if self.stage == "pooled" else np.float16)
 
     def extract(self, files: Sequence[Path], *, view: int = 0, seed: int = 0) -> FeatureSet:
         """Features of ``files`` for ``view``, from the cache where present."""
@@ -139,7 +155,7 @@ class FeatureExtractor:
         for path, reason in skipped:
             warnings.warn(f"skipped unreadable image {path}: {reason}", stacklevel=2)
         if not parts:
-            return FeatureSet(np.zeros((0, self.dim), np.float32), np.zeros(0, bool), ())
+            return FeatureSet(self._empty(0), np.zeros(0, bool), ())
         return FeatureSet(
             np.concatenate([part["features"] for part in parts]),
             np.concatenate([part["ok"] for part in parts]),
@@ -149,7 +165,7 @@ class FeatureExtractor:
     def _extract_shard(
         self, files: Sequence[Path], offset: int, view: int, seed: int, target: Path, bar: tqdm
     ) -> None:
-        features = np.zeros((len(files), self.dim), np.float32)
+        features = self._empty(len(files))
         ok = np.zeros(len(files), bool)
         skipped: list[tuple[str, str]] = []
         preprocessing = self.embedder.card.preprocessing
@@ -163,7 +179,7 @@ class FeatureExtractor:
                     skipped.append((str(files[row]), str(err)))
             if images:
                 batch = view_images(images, [offset + row for row in rows], view, seed, preprocessing)
-                features[rows] = self.embedder.embed_tensor(batch)
+                features[rows] = self._run(batch)
                 ok[rows] = True
             bar.update(min(self.batch_size, len(files) - start))
         with atomic_path(target) as temporary, temporary.open("wb") as handle:

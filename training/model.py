@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.backbone import create_backbone
+from training.backbone import create_backbone, split_backbone
 from training.config import TrainConfig
 from training.heads import ResidualHead
 from training.losses import LOSSES, build_loss
@@ -77,9 +77,17 @@ def loss_hparams(config: TrainConfig) -> dict[str, Any]:
 
 
 def build_objective(config: TrainConfig, feature_dim: int) -> TrainingObjective:
-    """Backbone (finetune only), residual head and loss, freshly initialised from ``config.seed``."""
+    """Trained backbone part, residual head and loss, freshly initialised from ``config.seed``.
+
+    The backbone part is nothing in frozen mode (inputs are pooled features), the pretrained last stage
+    in partial mode (inputs are the maps entering it) and the whole pretrained backbone in finetune mode.
+    """
     torch.manual_seed(config.seed)
-    backbone = create_backbone(config.backbone) if config.mode == "finetune" else nn.Identity()
+    backbone: nn.Module = nn.Identity()
+    if config.mode != "frozen":
+        backbone = create_backbone(config.backbone)
+    if config.mode == "partial":
+        backbone = split_backbone(config.backbone, backbone)[1]
     head = ResidualHead(feature_dim, config.embedding_dim, config.head_hidden)
     loss = build_loss(config.loss, **loss_hparams(config))
     return TrainingObjective(backbone, head, loss, scale=config.embedding_scale, unit=config.unit_embeddings)

@@ -33,7 +33,7 @@ from training.metrics import evaluate
 from training.model import TrainingObjective, build_objective
 from training.run_dir import RunDirectory, RunDirError
 from training.samplers import ClassBalancedSampler, sampler_for
-from training.workloads import FinetuneWorkload, FrozenWorkload
+from training.workloads import CachedWorkload, FinetuneWorkload
 
 SELECTION_METRIC = "recall@1"
 MAX_NONFINITE_STEPS = 20  # consecutive non-finite losses before a run is declared diverged
@@ -41,12 +41,13 @@ MAX_NONFINITE_STEPS = 20  # consecutive non-finite losses before a run is declar
 
 @dataclass(frozen=True)
 class PreparedData:
-    """The readable images of each split, their labels and backbone features."""
+    """The readable images of each split, their labels and cached backbone outputs."""
 
     images: LabelledImages
     indices: dict[str, np.ndarray]  # split -> image indices
-    features: dict[str, np.ndarray]  # split -> view-0 features (serving preprocessing)
-    train_views: np.ndarray  # (1 + augmented views, n_train, d)
+    features: dict[str, np.ndarray]  # split -> pooled pretrained features, serving view (PCA, baseline)
+    inputs: dict[str, np.ndarray]  # split -> model input: `features` (frozen) or trunk maps (partial)
+    train_views: np.ndarray  # (1 + augmented views, n_train, *input shape): inputs of training
 
     def labels(self, split: str) -> np.ndarray:
         return self.images.labels[self.indices[split]]
@@ -62,14 +63,23 @@ def cache_directory(config: TrainConfig, run_dir: Path) -> Path:
 def prepare_data(
     config: TrainConfig, cache_dir: Path, dist: Distributed | None = None, *, progress: bool = True
 ) -> PreparedData:
-    """Load and split the images, extract (or read cached) features, drop unreadable images."""
+    """Load and split the images, extract (or read cached) backbone outputs, drop unreadable images.
+
+    Frozen mode feeds the head pooled features; partial mode feeds the backbone's last stage the maps
+    entering it. Either way the pooled features are prepared too (PCA initialisation, baseline metrics).
+    """
     dist = dist or Distributed()
     images = load_labelled_images(Path(config.data))
     split = split_classes(images, train_classes=config.train_classes, val_fraction=config.val_fraction)
     for turn in (True, False):  # the main process extracts first; the others then read the cache
         if dist.is_main == turn:
-            extractor = FeatureExtractor(cache_dir, config.backbone, progress=progress and dist.is_main)
-            base = extractor.extract(images.files())
+            show = progress and dist.is_main
+            pooled = FeatureExtractor(cache_dir, config.backbone, progress=show)
+            base = pooled.extract(images.files())
+            extractor = pooled
+            if config.mode == "partial":
+                extractor = FeatureExtractor(cache_dir, config.backbone, stage="trunk", progress=show)
+            base_inputs = base.features if extractor is pooled else extractor.extract(images.files()).features
             # Augmented views are extracted for the readable images of all training classes, validation
             # ones included, so the cache stays valid when the validation share changes.
             training_range = np.sort(np.concatenate([split.train, split.val]))
@@ -84,11 +94,12 @@ def prepare_data(
         if len(np.unique(images.labels[kept])) < 2:
             raise DataError(f"the {name} split has fewer than two classes of readable images")
     rows = np.searchsorted(training_range, indices["train"])
-    views = [base.features[indices["train"]], *(features[rows] for features in augmented)]
+    views = [base_inputs[indices["train"]], *(inputs[rows] for inputs in augmented)]
     return PreparedData(
         images=images,
         indices=indices,
         features={name: base.features[kept] for name, kept in indices.items()},
+        inputs={name: base_inputs[kept] for name, kept in indices.items()},
         train_views=np.stack(views),
     )
 
@@ -125,8 +136,8 @@ class _Training:
 
         data = prepare_data(config, cache_directory(config, run.path), self.dist, progress=self.progress)
         self.data = data
-        objective = build_objective(config, data.train_views.shape[2])
-        objective.head.init_from_pca(data.train_views[0], seed=config.seed)
+        objective = build_objective(config, data.features["train"].shape[1])
+        objective.head.init_from_pca(data.features["train"], seed=config.seed)
         objective.to(self.device)
         self.objective = objective
         self.workload = self._workload(objective, data)
@@ -174,10 +185,10 @@ class _Training:
 
     def _workload(
         self, objective: TrainingObjective, data: PreparedData
-    ) -> FrozenWorkload | FinetuneWorkload:
-        if self.config.mode == "frozen":
-            eval_features = {name: data.features[name] for name in ("val", "test")}
-            return FrozenWorkload(objective, data.train_views, eval_features, self.device)
+    ) -> CachedWorkload | FinetuneWorkload:
+        if self.config.mode != "finetune":
+            eval_inputs = {name: data.inputs[name] for name in ("val", "test")}
+            return CachedWorkload(objective, data.train_views, eval_inputs, self.device)
         files = {name: data.files(name) for name in ("train", "val", "test")}
         preprocessing = BACKBONES[self.config.backbone].preprocessing
         return FinetuneWorkload(

@@ -1,7 +1,8 @@
 """Where training batches come from and how a split is embedded, per mode.
 
-* :class:`FrozenWorkload`: inputs are cached backbone features (one of the augmentation views per sample),
-  so a step costs a head forward/backward only.
+* :class:`CachedWorkload`: inputs are cached backbone outputs (one of the augmentation views per sample):
+  pooled features in frozen mode, so a step costs a head forward/backward only; the maps entering the
+  backbone's last stage in partial mode, so a step also trains that stage.
 * :class:`FinetuneWorkload`: inputs are augmented images decoded by DataLoader workers; the backbone trains.
 """
 
@@ -36,36 +37,40 @@ def eval_mode(module: torch.nn.Module) -> Iterator[None]:
         module.train(was_training)
 
 
-class FrozenWorkload:
-    """Training on cached features: ``train_views`` is (views, n_train, d), view 0 being the serving one."""
+class CachedWorkload:
+    """Training on cached inputs: ``train_views`` is (views, n_train, *shape), view 0 the serving one.
+
+    Inputs may be stored as float16 (trunk maps); the model always sees float32.
+    """
+
+    EVAL_BATCH_ELEMENTS = 1 << 22  # input values per evaluation batch: bounds the last stage's activations
 
     def __init__(
         self,
         objective: TrainingObjective,
         train_views: np.ndarray,
-        eval_features: dict[str, np.ndarray],
+        eval_inputs: dict[str, np.ndarray],
         device: torch.device,
-        batch_size: int = 4096,
     ) -> None:
         self.objective = objective
         self.train_views = torch.from_numpy(train_views)
-        self.eval_features = {"train": train_views[0], **eval_features}
+        self.eval_inputs = {"train": train_views[0], **eval_inputs}
         self.device = device
-        self.batch_size = batch_size
+        self.batch_size = max(1, self.EVAL_BATCH_ELEMENTS // int(np.prod(train_views.shape[2:])))
 
     def batches(self, sampler: ClassBalancedSampler, rng: np.random.Generator) -> Iterator[Batch]:
         while True:
             indices = sampler.next_indices()
             views = rng.integers(0, len(self.train_views), size=len(indices))
-            yield indices, self.train_views[views, indices].to(self.device)
+            yield indices, self.train_views[views, indices].to(self.device, torch.float32)
 
     @torch.no_grad()
     def embed(self, split: str) -> np.ndarray:
-        features = torch.from_numpy(self.eval_features[split])
+        inputs = torch.from_numpy(self.eval_inputs[split])
         with eval_mode(self.objective):
             parts = [
-                self.objective.embed(chunk.to(self.device)).float().cpu()
-                for chunk in features.split(self.batch_size)
+                self.objective.embed(chunk.to(self.device, torch.float32)).float().cpu()
+                for chunk in inputs.split(self.batch_size)
             ]
         return torch.cat(parts).numpy()
 

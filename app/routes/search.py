@@ -30,7 +30,8 @@ async def search(
     metrics: AppMetrics,
     compute: Compute,
 ) -> SearchOut:
-    """The gallery images most similar to one query image, best first, with cosine scores.
+    """The gallery images most similar to one query image, best first, with cosine scores (re-ordered by
+    the model's PDDM unit, with its scores beside them, under ``rerank=pddm``).
 
     Send the image as a multipart file field ``image`` or as JSON ``{"image": "<base64>"}``.
     """

@@ -152,3 +152,22 @@ def test_the_manifest_records_what_was_built(tmp_path: Path) -> None:
     assert manifest.achieved_recall >= 0.9 and manifest.recall_queries == 200
     assert set(manifest.search_params) == {"nprobe"}
     assert manifest.count == 2000 and manifest.target_recall == 0.9
+
+
+@pytest.mark.parametrize("factory", ["IVF16,PQ12x8np", "OPQ6,IVF16,PQ6x8np"])
+def test_pq_codes_with_and_without_a_rotation_remove_and_fill_every_row(factory: str) -> None:
+    vectors = clustered_vectors(1500, DIM)
+    spec = IndexSpec("ivfpq", factory, DIM)
+    index, tuning = build_faiss_index(spec, [ArraySource(np.arange(1500), vectors)], target_recall=0.9)
+    assert spec.opq == factory.startswith("OPQ") and 0.0 < tuning.recall <= 1.0
+    assert index.remove(np.arange(10)) == 10
+    found, _ = index.search(vectors[:3], 1480)  # more than the probed lists hold: searched exhaustively
+    assert (found >= 0).all() and not set(found.ravel().tolist()) & set(range(10))
+
+
+def test_tuning_stops_at_searches_too_slow_to_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    vectors = np.random.default_rng(4).standard_normal((3000, DIM)).astype(np.float32)
+    spec = choose_index(3000, DIM, IndexOptions("ivf"))
+    monkeypatch.setattr("index.tuning.MAX_QUERY_MS", 0.0)  # every search counts as too slow
+    _, tuning = build_faiss_index(spec, [ArraySource(np.arange(3000), vectors)], target_recall=0.99)
+    assert tuning.params == {"nprobe": 1} and not tuning.met  # the first try on uniform data falls short

@@ -18,9 +18,12 @@ MB = 1024**2
         (100_000, 512, None, "IVF1024,Flat"),  # 4*sqrt(n) = 1265 -> 1024
         (1_000_000, 512, None, "IVF4096,Flat"),
         (1_000_000, 512, 512 * MB, "IVF4096,SQ8"),  # raw vectors (2 GB) do not fit, one byte a dimension does
-        (1_000_000, 512, 256 * MB, "OPQ128,IVF4096,PQ128x8np"),  # codes of at least 4 dimensions each
+        (1_000_000, 512, 400 * MB, "IVF4096,PQ256x10np"),  # 2-d sub-vectors, 10 bits each: 320 bytes
+        (1_000_000, 512, 300 * MB, "IVF4096,PQ256x8np"),  # 2-d sub-vectors, 8 bits each: 256 bytes
+        (1_000_000, 512, 256 * MB, "OPQ128,IVF4096,PQ128x8np"),  # then OPQ + codes of >= 4 dimensions
         (1_000_000, 512, 100 * MB, "OPQ64,IVF4096,PQ64x8np"),
-        (1_000_000, 100, 64 * MB, "OPQ24_120,IVF4096,PQ24x8np"),  # rotated to a multiple of the code size
+        (1_000_000, 100, 64 * MB, "IVF4096,PQ50x8np"),
+        (1_000_000, 100, 40 * MB, "OPQ24_120,IVF4096,PQ24x8np"),  # rotated to a multiple of the code size
         (100_000_000, 512, None, "IVF32768_HNSW32,Flat"),  # a graph over the many coarse centroids
     ],
 )
@@ -40,7 +43,10 @@ def test_forced_types_and_budget_errors() -> None:
     )
     assert choose_index(50_000, 64, IndexOptions("ivf")).factory == "IVF1024,Flat"
     assert choose_index(50_000, 64, IndexOptions("ivfsq")).factory == "IVF1024,SQ8"
-    assert choose_index(50_000, 64, IndexOptions("ivfpq")).factory == "OPQ16,IVF1024,PQ16x8np"
+    # With no budget the most accurate code; 10-bit codes once each of their 1024 centroids gets 39 points.
+    assert choose_index(50_000, 64, IndexOptions("ivfpq")).factory == "IVF1024,PQ32x10np"
+    assert choose_index(30_000, 64, IndexOptions("ivfpq")).factory == "IVF512,PQ32x8np"
+    assert choose_index(1_000, 15, IndexOptions("ivfpq")).factory == "OPQ8_16,IVF25,PQ8x8np"  # odd: padded
     with pytest.raises(ValueError, match="too small"):
         choose_index(1_000_000, 512, IndexOptions(memory_budget=4 * MB))
     with pytest.raises(ValueError, match="too small"):
