@@ -61,11 +61,13 @@ class TrainingObjective(nn.Module):
         return self.head(self.backbone(inputs))
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor, **batch_info: torch.Tensor) -> torch.Tensor:
-        # Mixed precision stops at the loss: distances and log-sum-exps want float32.
+        # Mixed precision stops at the loss: distances and log-sum-exps want float32, and autocast left on
+        # would run the loss's matmuls in half precision (and its custom backwards on mixed dtypes).
         embeddings = self.embed(inputs).float()
         if self.unit:
             embeddings = F.normalize(embeddings, dim=1)
-        return self.loss(self.scale * embeddings, labels, **batch_info)
+        with torch.autocast(embeddings.device.type, enabled=False):
+            return self.loss(self.scale * embeddings, labels, **batch_info)
 
 
 def loss_hparams(config: TrainConfig) -> dict[str, Any]:

@@ -137,9 +137,9 @@ class FinetuneWorkload:
             batch_size=self.batch_size,
             num_workers=self.workers,
         )
-        autocast = torch.autocast(self.device.type, enabled=self.device.type == "cuda")
         parts = []
-        with eval_mode(self.objective), autocast:
+        # Float32, not mixed precision: validation must rank with the embeddings the ONNX model serves.
+        with eval_mode(self.objective):
             for _, images in loader:
                 parts.append(self.objective.embed(images.to(self.device)).float().cpu())
         return torch.cat(parts).numpy()
