@@ -1,13 +1,15 @@
 """Vector-index benchmark: every FAISS index type and Milvus Lite on embedding-like and uniform vectors.
 
     python bench/index_bench.py --sizes 100k            # a few minutes on 2 cores
-    python bench/index_bench.py --sizes 100k,1M         # the 1M runs take much longer
+    python bench/index_bench.py --sizes 100k,1M --milvus-max 100k --skip hnsw@uniform:1M   # about an hour
 
 For each data set and size: build time (train + add + tuning), index size, query latency p50/p99 for
 single queries and for batches of 64, and recall@10 against exact search on 1,000 held-out queries
 (drawn like the data, never added to the index). Approximate FAISS indexes are tuned at build time to
-reach recall@10 >= --target-recall on their own held-out sample; the table shows what they reach on the
-benchmark's queries. All rows of one run share the machine, so their ratios compare.
+reach recall@10 >= --target-recall on their own held-out sample (index/tuning.py: it stops short at a
+quantisation ceiling or at searches slower than 20 ms a query); the table shows what they reach on the
+benchmark's queries. All rows of one run share the machine, so their ratios compare. Rows left out
+(--skip, Milvus above --milvus-max) are listed under the table with what the nearest measured row cost.
 
 Data (dimension 512, unit vectors):
 - ``embedding``: a mixture of many tight clusters on the sphere, ~100 vectors per cluster (cosine ~0.9
@@ -46,12 +48,22 @@ MEMBER_COSINE = 0.9  # a vector to its cluster centre
 CENTRE_COSINE = 0.8  # a cluster centre to its seed
 K = 10
 MILVUS_TUNING_QUERIES = 500
+NUMPY_CHECK_QUERIES = 100
 SHARED_CARS = Path(__file__).resolve().parents[2] / "shared" / "data" / "cars196" / "images"
 
 
 def count_of(text: str) -> int:
     """``100k`` -> 100000, ``1M`` -> 1000000."""
     return int(float(text.strip().lower().replace("k", "e3").replace("m", "e6")))
+
+
+def skip_entry(text: str) -> tuple[str, str, int]:
+    """``hnsw@uniform:1M`` -> ("hnsw", "uniform", 1000000): a type left out for one data set and size."""
+    index_type, _, rest = text.partition("@")
+    data, _, size = rest.partition(":")
+    if not (index_type and data and size):
+        raise argparse.ArgumentTypeError(f"--skip takes TYPE@DATA:SIZE, e.g. hnsw@uniform:1M; got {text!r}")
+    return index_type, data, count_of(size)
 
 
 def unit(vectors: np.ndarray) -> np.ndarray:
@@ -137,6 +149,19 @@ def measure(
     return row
 
 
+def numpy_agreement(index: object, base: np.ndarray, queries: np.ndarray) -> int:
+    """How many of the first ``NUMPY_CHECK_QUERIES`` get the same top-10 ids from ``index`` as from a numpy
+    brute force (the exact index must agree on all)."""
+    queries = queries[:NUMPY_CHECK_QUERIES]
+    found = index.search(queries, K)[0]
+    agree = 0
+    for query, ids in zip(queries, found, strict=True):
+        scores = base @ query
+        top = np.argpartition(-scores, K)[:K]
+        agree += set(top.tolist()) == set(ids.tolist())
+    return agree
+
+
 def bench_faiss(
     label: str,
     spec: IndexSpec,
@@ -161,6 +186,11 @@ def bench_faiss(
         search_params=tuning.params,
         tuned_recall=tuning.recall,
     )
+    if spec.index_type == "flat":
+        row["numpy_check"] = {
+            "queries": NUMPY_CHECK_QUERIES,
+            "same_top10": numpy_agreement(index, base, queries),
+        }
     return row
 
 
@@ -229,7 +259,10 @@ def bench_milvus(
     return row
 
 
-def run_size(name: str, base: np.ndarray, held_out: np.ndarray, args: argparse.Namespace) -> list[dict]:
+def run_size(
+    name: str, base: np.ndarray, held_out: np.ndarray, args: argparse.Namespace
+) -> tuple[list[dict], list[dict]]:
+    """The measured rows for one data set and size, and the rows left out (``--skip``, ``--milvus-max``)."""
     count = len(base)
     tqdm.write(f"{name} x {count}: exact ground truth")
     truth = exact_neighbours(held_out, [ArraySource(np.arange(count), base)], K)
@@ -239,7 +272,7 @@ def run_size(name: str, base: np.ndarray, held_out: np.ndarray, args: argparse.N
         truth[: args.queries],
         (held_out[args.queries :], truth[args.queries :]),
     )
-    rows = []
+    rows, left_out = [], []
     budget = args.memory_budget
     # ivfpq gets the largest code that fits the budget; the others are what their type builds at this size.
     specs = [choose_index(count, DIM, IndexOptions(t, budget if t == "ivfpq" else None)) for t in args.types]
@@ -248,6 +281,10 @@ def run_size(name: str, base: np.ndarray, held_out: np.ndarray, args: argparse.N
     if auto_budgeted not in specs:
         specs.append(auto_budgeted)
     for spec in specs:
+        if (spec.index_type, name, count) in args.skip:
+            tqdm.write(f"{name} x {count}: {spec.index_type} skipped (--skip)")
+            left_out.append({"index": spec.index_type, "data": name, "count": count, "why": "--skip"})
+            continue
         label = spec.index_type + (f" within {format_bytes(budget)}" if spec.index_type == "ivfpq" else "")
         chosen_by = [
             note
@@ -259,24 +296,64 @@ def run_size(name: str, base: np.ndarray, held_out: np.ndarray, args: argparse.N
         rows.append(bench_faiss(label, spec, base, queries, truth, args.target_recall, args.latency_budget))
     if args.milvus_max and count <= args.milvus_max:
         rows.append(bench_milvus(base, queries, truth, tuning, args))
+    elif args.milvus_max:
+        left_out.append({"index": "milvus-lite", "data": name, "count": count, "why": "above --milvus-max"})
     exact = next((r for r in rows if r["index"].startswith("flat")), None)
     for row in rows:
         row.update(data=name, count=count, dim=DIM)
         if exact is not None:
             row["speedup_single_vs_exact"] = exact["single"]["p50_ms"] / row["single"]["p50_ms"]
-    return rows
+    return rows, left_out
 
 
-def markdown(rows: list[dict], meta: dict) -> str:
+def _kind(row: dict) -> str:
+    """``ivfpq within 512.0 MiB (auto ...)`` -> ``ivfpq``: the index type a row measured."""
+    return row["index"].split()[0]
+
+
+def _nearest_measured(rows: list[dict], missing: dict) -> dict | None:
+    """The largest measured row of the same index type and data, smaller than the one left out."""
+    smaller = [
+        r
+        for r in rows
+        if _kind(r) == missing["index"] and r["data"] == missing["data"] and r["count"] < missing["count"]
+    ]
+    return max(smaller, key=lambda r: r["count"], default=None)
+
+
+def left_out_notes(rows: list[dict], left_out: list[dict]) -> list[str]:
+    """One line per row left out, with what the nearest measured row of its kind cost."""
+    lines = []
+    for missing in left_out:
+        line = (
+            f"- {missing['index']} on {missing['data']} at {missing['count']:,}: not run ({missing['why']})"
+        )
+        near = _nearest_measured(rows, missing)
+        if near is not None:
+            scale = missing["count"] / near["count"]
+            params = ", ".join(f"{k}={v}" for k, v in near.get("search_params", {}).items())
+            line += (
+                f". At {near['count']:,} it took {near['build_s']:.0f} s to build ({params}: recall@10 "
+                f"{near['recall_at_10']:.3f}, {near['single']['p50_ms']:.1f} ms a single query); "
+                f"{scale:.0f}x the vectors take at least {scale:.0f}x that, "
+                f"{near['build_s'] * scale / 60:.0f} min"
+            )
+        lines.append(line + ".")
+    return lines
+
+
+def markdown(rows: list[dict], left_out: list[dict], meta: dict) -> str:
     lines = [
         "# Vector-index benchmark",
         "",
-        f"`{meta['command']}` on {meta['machine']}, {meta['date']} (load average at start {meta['load']}).",
+        f"`{meta['command']}` on {meta['machine']}, {meta['date']}; {meta['wall_min']:.0f} min wall time; "
+        f"load average {meta['load']} at the start and {meta['load_end']} at the end (shared cores).",
         f"Recall@10 against exact search on {meta['queries']} held-out queries; FAISS indexes tuned to "
         f"recall@10 >= {meta['target_recall']} at build time. Latency in ms (single query; batch of 64).",
         f"Seeds of the embedding-like data: {meta['seeds']}. Milvus Lite's ef is tuned the same way on "
         f"{MILVUS_TUNING_QUERIES} other held-out queries. Size: the serialised FAISS index, Milvus Lite's "
-        "files on disk.",
+        "files on disk. Build: train + add + tune. * after the params: tuning stopped short of the target "
+        "(a quantisation ceiling, or searches slower than 20 ms a query).",
         "",
         "| data | n | index | spec | build s | size | recall@10 | single p50 | single p99 | batch64 p50 "
         "| batch64 p99 | vs exact | params |",
@@ -286,12 +363,27 @@ def markdown(rows: list[dict], meta: dict) -> str:
         ratio = r.get("speedup_single_vs_exact")
         speedup = "-" if ratio is None else f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
         params = ", ".join(f"{k}={v}" for k, v in r.get("search_params", {}).items()) or "-"
+        params += " *" if r.get("tuned_recall", 1.0) < meta["target_recall"] else ""
         lines.append(
             f"| {r['data']} | {r['count']:,} | {r['index']} | `{r['spec']}` | {r['build_s']:.1f} "
             f"| {format_bytes(r['index_bytes'])} | {r['recall_at_10']:.3f} | {r['single']['p50_ms']:.3f} "
             f"| {r['single']['p99_ms']:.3f} | {r['batch64']['p50_ms']:.2f} | {r['batch64']['p99_ms']:.2f} "
             f"| {speedup} | {params} |"
         )
+    checks = [r for r in rows if "numpy_check" in r]
+    if checks:
+        lines += ["", "Exact search (flat) against a numpy brute-force top-10:"]
+        lines += [
+            f"- {r['data']} at {r['count']:,}: the same top-10 ids for {r['numpy_check']['same_top10']} of "
+            f"{r['numpy_check']['queries']} queries"
+            for r in checks
+        ]
+    if left_out:
+        lines += [
+            "",
+            "Left out of this run, to keep it to about an hour on 2 shared cores:",
+            *left_out_notes(rows, left_out),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -312,6 +404,13 @@ def main() -> None:
         type=count_of,
         default=1_000_000,
         help="skip Milvus Lite above this size (0: never)",
+    )
+    parser.add_argument(
+        "--skip",
+        type=skip_entry,
+        action="append",
+        default=[],
+        help="leave an index type out for one data set and size, e.g. hnsw@uniform:1M (repeatable)",
     )
     parser.add_argument("--latency-budget", type=float, default=20.0, help="seconds per latency measurement")
     parser.add_argument("--seed-images", type=int, default=600, help="Cars196 images embedded as seeds")
@@ -338,19 +437,29 @@ def main() -> None:
         "target_recall": args.target_recall,
         "seeds": seeds_note,
     }
-    rows = []
+    began = time.perf_counter()
+    rows, left_out = [], []
     for count in sizes:
         for name in args.data.split(","):
             if name == "embedding":
                 base, queries = embedding_like(count, args.queries + MILVUS_TUNING_QUERIES, seeds, rng)
             else:
                 base, queries = uniform(count, args.queries + MILVUS_TUNING_QUERIES, DIM, rng)
-            rows.extend(run_size(name, base, queries, args))
+            measured, missing = run_size(name, base, queries, args)
+            rows += measured
+            left_out += missing
             del base
+    meta.update(
+        wall_min=(time.perf_counter() - began) / 60, load_end=" ".join(f"{x:.1f}" for x in os.getloadavg())
+    )
+    report = markdown(rows, left_out, meta)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.out.with_suffix(".json"), json.dumps({"meta": meta, "rows": rows}, indent=2))
-    atomic_write_text(args.out.with_suffix(".md"), markdown(rows, meta))
-    print(markdown(rows, meta))
+    atomic_write_text(
+        args.out.with_suffix(".json"),
+        json.dumps({"meta": meta, "rows": rows, "left_out": left_out}, indent=2),
+    )
+    atomic_write_text(args.out.with_suffix(".md"), report)
+    print(report)
 
 
 if __name__ == "__main__":

@@ -11,16 +11,17 @@ search engine that adds and removes items in place and builds on a few CPU cores
   faiss's own tools, loads memory-mapped, and trains in minutes on 2 cores where an HNSW graph over
   millions of 512-d vectors takes much longer to build.
 - otherwise ``ivfsq`` (IVF with 8-bit scalar quantisation, d bytes a vector) when it fits. autofaiss
-  goes straight to PQ; we add this tier because on embedding-like data (tight clusters) SQ8 kept
-  recall@10 at 0.97 where the largest PQ code within the same memory reached 0.79 (see the benchmark).
+  goes straight to PQ; we add this tier because on embedding-like data (tight clusters) SQ8 keeps more
+  recall than any PQ code: at 1M x 512 in bench/results/index_bench.md, 0.967 recall@10 in 504 MiB
+  against 0.881 for the most accurate PQ code below (323 MiB).
 - otherwise ``ivfpq``: IVF + product quantisation (no polysemous training: we never filter by Hamming
   distance) with the most accurate code whose index fits the budget, from: 2-dimensional sub-vectors
   with 10-bit codes (5 bits a dimension, from 39 * 1024 vectors on, so every codebook centroid gets
   faiss's minimum of training points), then with 8-bit codes (4 bits a dimension), then autofaiss's
   8-bit codes of 128, 64, 48, ... sub-quantizers of at least 4 dimensions each behind an OPQ rotation.
   The fine codes come first because coarser ones cannot order the neighbours inside a tight cluster,
-  whose distances differ by less than their quantisation error: at 100k embedding-like vectors
-  (bench/index_bench.py) recall@10 reached 0.90 with ``PQ256x10``, 0.83 with ``PQ256x8`` and 0.56 with
+  whose distances differ by less than their quantisation error: on bench/index_bench.py's 100k
+  embedding-like vectors recall@10 reached 0.90 with ``PQ256x10``, 0.83 with ``PQ256x8`` and 0.56 with
   ``PQ128x8`` with or without OPQ. The fine codes get no OPQ rotation: a rotation matters little to
   2-dimensional sub-vectors, and faiss trains OPQ by training the whole PQ again at every iteration.
 - ``nlist`` = 4*sqrt(n) rounded to a power of two (autofaiss, below 1M vectors), at most n/39 so every
