@@ -148,7 +148,10 @@ class FaissIndex:
             storage = faiss.downcast_index(faiss.downcast_index(self.index.index).storage)
             scores, positions = storage.search(queries, k)
             return scores, np.where(positions >= 0, faiss.vector_to_array(self.index.id_map)[positions], -1)
-        return self.index.search(queries, k, params=self._all_lists())
+        # faiss.contrib.torch_utils (imported by pytorch-metric-learning, for one) replaces ``search`` with a
+        # version that takes no ``params`` and keeps faiss's own as ``search_numpy``.
+        search = getattr(self.index, "search_numpy", self.index.search)
+        return search(queries, k, params=self._all_lists())
 
     def _all_lists(self) -> object:
         """Per-call faiss search parameters that probe every inverted list (thread-safe, unlike nprobe)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -163,6 +165,28 @@ def test_pq_codes_with_and_without_a_rotation_remove_and_fill_every_row(factory:
     assert index.remove(np.arange(10)) == 10
     found, _ = index.search(vectors[:3], 1480)  # more than the probed lists hold: searched exhaustively
     assert (found >= 0).all() and not set(found.ravel().tolist()) & set(range(10))
+
+
+def test_exhaustive_fallback_survives_faiss_torch_utils() -> None:
+    """pytorch-metric-learning imports faiss.contrib.torch_utils, which swaps Index.search for a version
+    without ``params``: the exhaustive re-search of short rows must still work in such a process. (In a
+    subprocess: the patch is process-wide and would leak into later tests, Milvus Lite's included.)"""
+    script = f"""
+import faiss.contrib.torch_utils
+import numpy as np
+from index.faiss_build import build_faiss_index
+from index.selection import IndexSpec
+from index.sources import ArraySource
+from tests.index.conftest import clustered_vectors
+vectors = clustered_vectors(1500, {DIM})
+spec = IndexSpec("ivf", "IVF16,Flat", {DIM})
+index, _ = build_faiss_index(spec, [ArraySource(np.arange(1500), vectors)], target_recall=0.9)
+found, _ = index.search(vectors[:3], 1490)  # more than the probed lists hold: searched exhaustively
+assert (found >= 0).all()
+"""
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_tuning_stops_at_searches_too_slow_to_serve(monkeypatch: pytest.MonkeyPatch) -> None:
