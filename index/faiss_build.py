@@ -14,7 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from index.faiss_index import PQ_POINTS_PER_CENTROID, FaissIndex
-from index.selection import IndexSpec
+from index.selection import PQ_BITS, IndexSpec
 from index.sources import ExcludingSource, VectorSource, all_ids, fetch_vectors
 from index.tuning import Tuning, held_out_ids, needs_tuning, sample_ids, tune
 
@@ -28,7 +28,7 @@ def training_size(spec: IndexSpec, count: int) -> int:
         return 0
     needed = spec.nlist * TRAIN_POINTS_PER_LIST
     if spec.index_type == "ivfpq":
-        needed = max(needed, PQ_POINTS_PER_CENTROID * 2 ** (spec.pq_bits or 8))  # what PQ training samples
+        needed = max(needed, PQ_POINTS_PER_CENTROID * 2 ** (spec.pq_bits or PQ_BITS))  # what PQ trains on
     return min(count, needed)
 
 

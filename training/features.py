@@ -124,7 +124,8 @@ class FeatureExtractor:
         self.batch_size = batch_size
         self.progress = progress
         size = self.embedder.card.preprocessing.input_size
-        self.row_shape = self._run(np.zeros((1, 3, size, size), np.float32)).shape[1:]
+        probe = self._run(np.zeros((1, 3, size, size), np.float32))  # the stage's row shape and dtype
+        self.row_shape, self.dtype = probe.shape[1:], probe.dtype
 
     def _run(self, batch: np.ndarray) -> np.ndarray:
         if self.stage == "pooled":
@@ -132,7 +133,7 @@ class FeatureExtractor:
         return self.embedder.run_tensor(batch).astype(np.float16)
 
     def _empty(self, rows: int) -> np.ndarray:
-        return np.zeros((rows, *self.row_shape), np.float32 if self.stage == "pooled" else np.float16)
+        return np.zeros((rows, *self.row_shape), self.dtype)
 
     def extract(self, files: Sequence[Path], *, view: int = 0, seed: int = 0) -> FeatureSet:
         """Features of ``files`` for ``view``, from the cache where present."""

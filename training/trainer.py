@@ -95,11 +95,15 @@ def prepare_data(
             raise DataError(f"the {name} split has fewer than two classes of readable images")
     rows = np.searchsorted(training_range, indices["train"])
     views = [base_inputs[indices["train"]], *(inputs[rows] for inputs in augmented)]
+    features = {name: base.features[kept] for name, kept in indices.items()}
     return PreparedData(
         images=images,
         indices=indices,
-        features={name: base.features[kept] for name, kept in indices.items()},
-        inputs={name: base_inputs[kept] for name, kept in indices.items()},
+        features=features,
+        # Frozen mode feeds the pooled features themselves: share them rather than copy every split again.
+        inputs=features
+        if base_inputs is base.features
+        else {name: base_inputs[kept] for name, kept in indices.items()},
         train_views=np.stack(views),
     )
 
