@@ -17,9 +17,14 @@ def _mean(rows: list[list[float]]) -> list[float]:
 
 
 def magnet_loss_reference(
-    embeddings: list[list[float]], labels: list[int], cluster_ids: list[int] | None, alpha: float
+    embeddings: list[list[float]],
+    labels: list[int],
+    cluster_ids: list[int] | None,
+    alpha: float,
+    global_scaling: float = 1.0,
 ) -> float:
-    """Eq. 5: a cluster is the samples sharing (label, cluster id); each class is one cluster without ids."""
+    """Eq. 5: a cluster is the samples sharing (label, cluster id); each class is one cluster without ids.
+    ``global_scaling`` s divides the variance of every Gaussian (Appendix B, Table 1)."""
     ids = labels if cluster_ids is None else cluster_ids
     keys = [(labels[i], ids[i]) for i in range(len(labels))]
     members: dict[tuple[int, int], list[list[float]]] = {}
@@ -29,6 +34,7 @@ def magnet_loss_reference(
 
     n = len(embeddings)
     variance = sum(_squared_distance(embeddings[i], mu[keys[i]]) for i in range(n)) / (n - 1)
+    variance /= global_scaling
 
     total = 0.0
     for i in range(n):

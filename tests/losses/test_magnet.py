@@ -35,15 +35,19 @@ def _neighbourhood_batch(
 
 
 def _reference(
-    embeddings: torch.Tensor, labels: torch.Tensor, cluster_ids: torch.Tensor | None, alpha: float
+    embeddings: torch.Tensor,
+    labels: torch.Tensor,
+    cluster_ids: torch.Tensor | None,
+    alpha: float,
+    global_scaling: float = 1.0,
 ) -> float:
     ids = None if cluster_ids is None else cluster_ids.tolist()
-    return magnet_loss_reference(embeddings.tolist(), labels.tolist(), ids, alpha)
+    return magnet_loss_reference(embeddings.tolist(), labels.tolist(), ids, alpha, global_scaling)
 
 
 def test_registry_entry() -> None:
     spec = LOSSES["magnet"]
-    assert spec.defaults == {"alpha": 1.0, "variance_momentum": 0.1}
+    assert spec.defaults == {"alpha": 1.0, "variance_momentum": 0.1, "global_scaling": 1.0}
     assert spec.layout.kind == "clusters_x_examples"
     assert (spec.layout.classes, spec.layout.samples_per_class) == (12, 4)
     assert spec.layout.description == "M clusters x D examples"
@@ -93,8 +97,9 @@ def test_matches_loop_reference(seed: int, with_cluster_ids: bool) -> None:
     embeddings, labels, cluster_ids = _neighbourhood_batch(g, clusters, per_cluster, 5, clusters_per_class=2)
     ids = cluster_ids if with_cluster_ids else None
     alpha = [1.0, 0.5, 2.0, 1.0, 7.18][seed]
-    value = MagnetLoss(alpha=alpha)(embeddings, labels, cluster_ids=ids)
-    expected = torch.tensor(_reference(embeddings, labels, ids, alpha), dtype=torch.float64)
+    scaling = [1.0, 8.0, 3.52, 0.5, 14.2][seed]  # Table 1's tuned "global scaling" values among them
+    value = MagnetLoss(alpha=alpha, global_scaling=scaling)(embeddings, labels, cluster_ids=ids)
+    expected = torch.tensor(_reference(embeddings, labels, ids, alpha, scaling), dtype=torch.float64)
     torch.testing.assert_close(value, expected, atol=1e-6, rtol=1e-6)
 
 
@@ -128,12 +133,13 @@ def test_without_cluster_ids_each_class_is_one_cluster() -> None:
     assert not torch.allclose(loss(embeddings, labels), loss(embeddings, labels, cluster_ids=cluster_ids))
 
 
-def test_invariant_to_global_scale() -> None:
+@pytest.mark.parametrize("global_scaling", [1.0, 8.0])
+def test_invariant_to_rescaled_embeddings(global_scaling: float) -> None:
     # Variance standardisation (Section 3.1): |r - mu|^2 / sigma^2 is scale-free only with sigma^2 itself
     # in the denominator; dividing by (sigma^2)^2 would change the loss when the embeddings are rescaled.
     g = torch.Generator().manual_seed(5)
     embeddings, labels, cluster_ids = _neighbourhood_batch(g, 12, 4, 6, clusters_per_class=3)
-    loss = MagnetLoss()
+    loss = MagnetLoss(global_scaling=global_scaling)
     base = loss(embeddings, labels, cluster_ids=cluster_ids)
     for factor in (0.01, 3.0, 100.0):
         torch.testing.assert_close(loss(factor * embeddings, labels, cluster_ids=cluster_ids), base)
@@ -150,12 +156,14 @@ def test_gradient_flows_through_variance() -> None:
     assert (embeddings.grad * embeddings).sum().abs() < 1e-10
 
 
+@pytest.mark.parametrize("global_scaling", [1.0, 8.0])
 @pytest.mark.parametrize("with_cluster_ids", [True, False])
-def test_gradcheck(with_cluster_ids: bool) -> None:
+def test_gradcheck(with_cluster_ids: bool, global_scaling: float) -> None:
     g = torch.Generator().manual_seed(7)
     embeddings, labels, cluster_ids = _neighbourhood_batch(g, 4, 3, 5, clusters_per_class=2)
     ids = cluster_ids if with_cluster_ids else None
-    loss = MagnetLoss(alpha=2.0)  # a large gap keeps most hinge terms active
+    # A large gap keeps most hinge terms active.
+    loss = MagnetLoss(alpha=2.0 * global_scaling, global_scaling=global_scaling)
     embeddings.requires_grad_(True)
     assert loss(embeddings, labels, cluster_ids=ids) > 0
     assert torch.autograd.gradcheck(lambda x: loss(x, labels, cluster_ids=ids), (embeddings,))
@@ -163,7 +171,7 @@ def test_gradcheck(with_cluster_ids: bool) -> None:
 
 def test_running_variance_is_an_ema_updated_in_training_only() -> None:
     g = torch.Generator().manual_seed(8)
-    loss = MagnetLoss(variance_momentum=0.25)
+    loss = MagnetLoss(variance_momentum=0.25, global_scaling=4.0)
     batches = [_neighbourhood_batch(g, 6, 4, 5, clusters_per_class=2) for _ in range(3)]
 
     def batch_variance(embeddings: torch.Tensor, cluster_ids: torch.Tensor) -> float:
@@ -180,6 +188,7 @@ def test_running_variance_is_an_ema_updated_in_training_only() -> None:
     loss(batches[0][0] * 10, batches[0][1], cluster_ids=batches[0][2])
     assert loss.running_variance.item() == pytest.approx(expected, rel=1e-6)
     assert int(loss.num_batches_tracked) == 3
+    assert loss.kernel_variance == pytest.approx(expected / 4.0, rel=1e-6)  # the loss's own kernel for kNC
     assert set(loss.state_dict()) == {"running_variance", "num_batches_tracked"}
 
 
