@@ -12,7 +12,9 @@ from training.losses import LOSSES
 Mode = Literal["frozen", "partial", "finetune"]
 
 # Fields that may change when a run is resumed (they do not change what the steps already taken computed).
-RESUMABLE_FIELDS = frozenset({"max_steps", "patience", "workers", "cache_dir", "eval_batch_size"})
+RESUMABLE_FIELDS = frozenset(
+    {"max_steps", "patience", "min_steps", "workers", "cache_dir", "eval_batch_size"}
+)
 
 
 class TrainConfig(BaseModel):
@@ -38,6 +40,9 @@ class TrainConfig(BaseModel):
     max_steps: int = Field(3000, ge=0)
     eval_every: int = Field(0, ge=0, description="steps between validations; 0 = one epoch")
     patience: int = Field(8, ge=1, description="validations without improvement before stopping")
+    min_steps: int = Field(
+        0, ge=0, description="early stopping never ends a run before this step (losses that start slowly)"
+    )
     classes_per_batch: int | None = Field(None, ge=1, description="override the loss's batch layout")
     samples_per_class: int | None = Field(None, ge=1)
     views: int = Field(0, ge=0, description="frozen: augmented feature views per training image")

@@ -44,7 +44,7 @@ def pddm_loss_reference(
     alpha: float,
     beta: float,
     lam: float,
-    per_class: bool,
+    quadruplets: str,
     masks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """E_m + lambda E_e (Eqs. 3, 4), averaged over the mined quadruplets; 0 when there is none."""
@@ -68,11 +68,12 @@ def pddm_loss_reference(
     def squared_distance(i: int, j: int) -> torch.Tensor:
         return ((_unit(embeddings[i]) - _unit(embeddings[j])) ** 2).sum()
 
-    groups = (
-        [list(range(n))]
-        if not per_class
-        else [[i for i in range(n) if labels[i] == c] for c in sorted(set(labels))]
-    )
+    # Where (i^, j^) is searched: the whole batch, each class, or each sample as i^.
+    groups = {
+        "batch": [list(range(n))],
+        "per_class": [[i for i in range(n) if labels[i] == c] for c in sorted(set(labels))],
+        "per_sample": [[i] for i in range(n)],
+    }[quadruplets]
     terms = []
     for group in groups:
         hardest = None  # (i^, j^) = argmin over positive pairs of S_ij

@@ -18,7 +18,7 @@ from training.losses import LOSSES, build_loss
 from training.losses import pddm as pddm_module
 from training.losses.pddm import PDDMLoss, PDDMUnit, graph_extremes, hard_quadruplets
 
-MODES = ["batch", "per_class"]
+MODES = ["batch", "per_class", "per_sample"]
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def _reference(
         loss.alpha,
         loss.beta,
         loss.lam,
-        loss.quadruplets == "per_class",
+        loss.quadruplets,
         masks,
     )
 
@@ -154,9 +154,18 @@ def test_hard_quadruplets_on_hand_built_graph() -> None:
     quadruplet = hard_quadruplets(graph, labels)
     # Least similar positive (3,4); 3's most similar negative 0 (.7), 4's is 5 (.95).
     assert [t.tolist() for t in quadruplet] == [[3], [4], [0], [5]]
-    quadruplets = hard_quadruplets(graph, labels, per_class=True)
+    quadruplets = hard_quadruplets(graph, labels, "per_class")
     # Class 0: (0,2); 0's hardest negative 5 (.85), 2's is 4 (.6). Class 1 as above. Class 2: none.
     assert [t.tolist() for t in quadruplets] == [[0, 3], [2, 4], [5, 0], [4, 5]]
+    per_sample = hard_quadruplets(graph, labels, "per_sample")
+    # Every sample with a positive is an i^: 0 -> (0,2), 1 -> (1,2) (.8 < .9), 2 -> (2,0), 3 -> (3,4),
+    # 4 -> (4,3); 5 has none. 1's negatives all score .5: the tie goes to the first, 3.
+    assert [t.tolist() for t in per_sample] == [
+        [0, 1, 2, 3, 4],
+        [2, 2, 0, 4, 3],
+        [5, 3, 4, 0, 5],
+        [4, 4, 5, 5, 0],
+    ]
     rows, cols = graph_extremes(graph)
     assert (rows.tolist(), cols.tolist()) == ([3, 4], [5, 5])  # min (3,5)=.1, max (4,5)=.95
 
@@ -178,14 +187,16 @@ def test_matches_loop_reference(mode: str) -> None:
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_per_class_holds_the_batch_quadruplet() -> None:
+def test_per_class_and_per_sample_hold_the_batch_quadruplet() -> None:
     loss = _loss(5, 6, "per_class", seed=3)
     embeddings, labels = _batch(3, 4, 4, 5)
     graph = loss.unit.similarity_graph(embeddings)
     batch = torch.stack(hard_quadruplets(graph, labels))
-    per_class = torch.stack(hard_quadruplets(graph, labels, per_class=True))
-    assert per_class.shape == (4, 4)  # one per class
+    per_class = torch.stack(hard_quadruplets(graph, labels, "per_class"))
+    per_sample = torch.stack(hard_quadruplets(graph, labels, "per_sample"))
+    assert per_class.shape == (4, 4) and per_sample.shape == (4, 16)  # one per class, one per sample
     assert batch[:, 0].tolist() in per_class.T.tolist()
+    assert set(map(tuple, per_class.T.tolist())) <= set(map(tuple, per_sample.T.tolist()))
     assert torch.equal(labels[per_class[0]], labels.unique())
     assert (labels[per_class[0]] == labels[per_class[1]]).all()
     assert (labels[per_class[0]] != labels[per_class[2]]).all()

@@ -127,3 +127,14 @@ def test_augmented_views_are_cached_reproducible_and_differ_from_the_serving_vie
     np.testing.assert_array_equal(again.train_views, first.train_views)
     reseeded = prepare_data(config.model_copy(update={"seed": 1}), feature_cache, progress=False)
     assert not np.allclose(reseeded.train_views[1], first.train_views[1], atol=1e-3)
+
+
+@pytest.mark.parametrize(("min_steps", "stop_step"), [(0, 4), (10, 12)])
+def test_early_stopping_waits_for_min_steps(
+    labelled_folder: Path, feature_cache: Path, tmp_path: Path, min_steps: int, stop_step: int
+) -> None:
+    # At lr 1e-12 validation never improves on step 0, so patience 1 stops at the first validation that
+    # min_steps allows: step 4 without it, the first validation at or after step 10 with it.
+    config = _config(labelled_folder, feature_cache, lr=1e-12, patience=1, max_steps=40, min_steps=min_steps)
+    summary = train(config, tmp_path / "run", progress=False)
+    assert summary["stopped_early"] and summary["steps"] == stop_step and summary["best_step"] == 0

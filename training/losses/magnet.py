@@ -89,7 +89,7 @@ class MagnetLoss(nn.Module):
       sigma^2 sums the spread over all d dimensions, so in a 512-d embedding the exponents of near and far
       clusters differ by a fraction of a unit at s = 1 (Eq. 5 as printed), and the loss mostly shrinks
       clusters. Measured on Cars196 frozen features, validation R@1 fell from 72.0 to 60-66 within 300
-      steps at s = 1 and rose to 76.8 after 1,500 steps at s = 8 (``bench/train_all.py`` keeps the setting).
+      steps at s = 1 and peaked at 76.7 at s = 8 (``bench/train_all.py`` keeps that setting).
     * The running sigma^2 for the kNC classifier (Eq. 6: "a running average of stochastic estimates") is
       an exponential moving average with ``variance_momentum`` (the first batch initialises it), updated
       on every forward in training mode; it is the ``running_variance`` buffer. The classifier's kernel
