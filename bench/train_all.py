@@ -22,9 +22,9 @@ last column lists them.
 
 Backbone features are extracted once into ``--cache-dir`` (minutes on a CPU) and reused by every run;
 each run directory under ``--runs-dir`` is resumed rather than retrained when it exists.
-Writes ``bench/results/train_all.{md,json}`` (partial: ``train_all_partial.{md,json}``); with
-``--methods``, the rows run replace those of the same method in an existing table made with the same
-budget, and the others are kept.
+Writes ``bench/results/train_all.{md,json}`` (partial: ``train_all_partial.{md,json}``; a seed other
+than 0 adds ``_seed{N}``); with ``--methods``, the rows run replace those of the same method in an
+existing table made with the same budget, and the others are kept.
 """
 
 from __future__ import annotations
@@ -252,7 +252,9 @@ def main() -> None:
         f"validation every epoch, early stopping after {args.patience} validations without improvement; "
         f"{args.views} augmented feature views; seed {args.seed}. Metrics in %, test = unseen classes."
     )
-    stem = "train_all" if args.mode == "frozen" else f"train_all_{args.mode}"
+    # Other seeds get tables of their own, so a seed study never mixes into the main table.
+    stem = "train_all" + ("" if args.mode == "frozen" else f"_{args.mode}")
+    stem += f"_seed{args.seed}" if args.seed else ""
     previous = RESULTS / f"{stem}.json"
     if args.methods and previous.exists():
         rows = merged_rows(json.loads(previous.read_text()), rows, budget, [m.label for m in all_methods()])
