@@ -293,8 +293,8 @@ class _Training:
                 self.run_dir.save_checkpoint("best", self.best)
         elif step > 0:
             state["since_best"] += 1
-            patient = state["since_best"] >= self.config.patience
-            state["stopped"] = patient and step >= self.config.min_steps
+            out_of_patience = state["since_best"] >= self.config.patience
+            state["stopped"] = out_of_patience and step >= self.config.min_steps
         return {"step": step, "train_loss": train_loss, "val": metrics, "best_step": state["best_step"]}
 
     def _save(

@@ -11,7 +11,7 @@ Huang, Loy, Tang, "Local Similarity-Aware Deep Feature Embedding", NIPS 2016.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import nn
@@ -227,8 +227,8 @@ class PDDMLoss(nn.Module):
         quadruplets: Quadruplets = "batch",
     ) -> None:
         super().__init__()
-        if quadruplets not in ("batch", "per_class", "per_sample"):
-            raise ValueError(f"quadruplets must be 'batch', 'per_class' or 'per_sample', got {quadruplets!r}")
+        if quadruplets not in get_args(Quadruplets):
+            raise ValueError(f"quadruplets must be one of {get_args(Quadruplets)}, got {quadruplets!r}")
         self.unit = PDDMUnit(embedding_dim, hidden, dropout)
         self.alpha, self.beta, self.lam = alpha, beta, lam
         self.quadruplets = quadruplets
