@@ -1,39 +1,12 @@
-"""Shared fixtures: an exported pretrained model, generated galleries, a built index, free ports."""
+"""Shared fixtures: an exported pretrained model, generated galleries, a built index."""
 
 from __future__ import annotations
 
-import io
-import socket
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
-
-def make_image(seed: int, size: tuple[int, int] = (96, 80), mode: str = "RGB") -> Image.Image:
-    """A deterministic synthetic photo-like image: smooth colour gradients plus seeded blobs."""
-    rng = np.random.default_rng(seed)
-    width, height = size
-    y, x = np.mgrid[0:height, 0:width] / max(width, height)
-    channels = []
-    for _ in range(3):
-        a, b, c = rng.uniform(-3, 3, size=3)
-        channels.append(np.sin(a * x * 6 + b * y * 6 + c))
-    array = (np.stack(channels, axis=-1) * 0.5 + 0.5) * 255
-    return Image.fromarray(array.astype(np.uint8), "RGB").convert(mode)
-
-
-def image_bytes(image: Image.Image, fmt: str = "PNG", **save_args: object) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format=fmt, **save_args)
-    return buffer.getvalue()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.helpers import make_image
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image, features
 
-from tests.app.conftest import API_KEY, Served, index_digest, uvicorn_server
-from tests.conftest import image_bytes, make_image
+from tests.helpers import API_KEY, Served, image_bytes, index_digest, make_image, uvicorn_server
 
 MAX_UPLOAD = 400_000
 MAX_REQUEST = 1_000_000

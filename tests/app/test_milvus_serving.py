@@ -10,8 +10,7 @@ from fastapi.testclient import TestClient
 
 from app.api import create_app
 from app.settings import Settings
-from tests.app.conftest import API_KEY
-from tests.conftest import image_bytes, make_image
+from tests.helpers import API_KEY, image_bytes, make_image
 
 pytest.importorskip("milvus_lite", reason="Milvus Lite is not installed (pip install 'dmlsearch[milvus]')")
 

@@ -13,8 +13,7 @@ from fastapi.testclient import TestClient
 from app.api import create_app
 from app.settings import Settings
 from engine.model_card import ModelCard
-from tests.app.conftest import Served, uvicorn_server
-from tests.conftest import image_bytes, make_image
+from tests.helpers import Served, image_bytes, make_image, uvicorn_server
 
 
 def not_ready_client(model: Path, index: Path) -> TestClient:

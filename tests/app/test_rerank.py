@@ -18,7 +18,7 @@ from engine.model_card import ModelCard
 from engine.reranker import PDDMReranker
 from engine.search import RerankUnavailableError, SearchService
 from index.gallery import GalleryIndex
-from tests.app.conftest import Served
+from tests.helpers import Served
 from training.export import export_pddm_unit, pddm_path_for
 from training.losses.pddm import PDDMUnit
 

@@ -15,8 +15,7 @@ from types import ModuleType
 import httpx
 import pytest
 
-from tests.app.conftest import uvicorn_server
-from tests.conftest import free_port
+from tests.helpers import free_port, uvicorn_server
 
 PAGE = Path(__file__).resolve().parents[2] / "app" / "ui.py"
 CHROMIUM = Path("/usr/bin/chromium")

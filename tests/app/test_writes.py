@@ -11,8 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from index.gallery import GalleryIndex
-from tests.app.conftest import API_KEY, Served, uvicorn_server
-from tests.conftest import image_bytes, make_image
+from tests.helpers import API_KEY, Served, image_bytes, make_image, uvicorn_server
 
 KEY = {"X-API-Key": API_KEY}
 

@@ -10,7 +10,7 @@ import pytest
 
 from index.gallery import GalleryIndex
 from index.selection import IndexOptions
-from tests.index.conftest import clustered_vectors, entries
+from tests.helpers import clustered_vectors, entries
 
 DIM = 32
 COUNT = 600

@@ -17,7 +17,7 @@ from index.protocol import IndexNotBuiltError
 from index.selection import IndexOptions, IndexSpec, choose_index
 from index.sources import ArraySource
 from index.tuning import recall_at_k
-from tests.index.conftest import clustered_vectors, entries
+from tests.helpers import clustered_vectors, entries
 
 DIM = 24
 
@@ -177,7 +177,7 @@ import numpy as np
 from index.faiss_build import build_faiss_index
 from index.selection import IndexSpec
 from index.sources import ArraySource
-from tests.index.conftest import clustered_vectors
+from tests.helpers import clustered_vectors
 vectors = clustered_vectors(1500, {DIM})
 spec = IndexSpec("ivf", "IVF16,Flat", {DIM})
 index, _ = build_faiss_index(spec, [ArraySource(np.arange(1500), vectors)], target_recall=0.9)

@@ -11,7 +11,7 @@ from index.gallery import GalleryIndex
 from index.merge import merge_shards
 from index.selection import IndexOptions
 from index.sharding import Shard
-from tests.index.conftest import clustered_vectors, entries
+from tests.helpers import clustered_vectors, entries
 
 DIM = 16
 COUNT = 1500

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import free_port
+from tests.helpers import free_port
 from training.config import TrainConfig
 from training.run_dir import RunDirectory
 

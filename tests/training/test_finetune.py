@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.training.conftest import write_labelled_folder
+from tests.helpers import write_labelled_folder
 from training.backbone import create_backbone
 from training.config import TrainConfig
 from training.heads import ResidualHead

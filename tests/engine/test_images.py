@@ -6,7 +6,7 @@ import pytest
 from PIL import Image
 
 from engine.images import ImageDecodeError, decode_image
-from tests.conftest import image_bytes, make_image
+from tests.helpers import image_bytes, make_image
 
 
 @pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P", "CMYK", "LA", "I;16"])

@@ -11,8 +11,8 @@ import io
 
 import pytest
 import torch
-from reference_almn import almn_angles, almn_reference, centre_update_reference
 
+from tests.training.losses.reference_almn import almn_angles, almn_reference, centre_update_reference
 from training.losses import LOSSES, build_loss
 from training.losses.almn import ALMNLoss
 

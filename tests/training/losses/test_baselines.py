@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from reference_baselines import (
+
+from tests.training.losses.reference_baselines import (
     contrastive_reference,
     hphn_reference,
     lifted_reference,
@@ -15,7 +16,6 @@ from reference_baselines import (
     normalize,
     triplet_reference,
 )
-
 from training.losses import LOSSES, build_loss
 from training.losses.baselines import ContrastiveLoss, masked_logsumexp
 

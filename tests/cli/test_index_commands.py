@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
-from tests.conftest import make_image
+from tests.helpers import make_image
 
 runner = CliRunner()
 

@@ -12,7 +12,7 @@ from engine.indexing import add_images, build_index
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
 from index.sharding import Shard
-from tests.conftest import make_image
+from tests.helpers import make_image
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from reference_loop import arc_reference, segment_reference
 
+from tests.training.losses.reference_loop import arc_reference, segment_reference
 from training.losses.loop_geometry import OptimalNegatives, curve_distances, pair_of_pair_distances
 from training.losses.pairs import pairwise_distances
 

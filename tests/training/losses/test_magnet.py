@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from reference_magnet import knc_proba_reference, magnet_loss_reference
 
+from tests.training.losses.reference_magnet import knc_proba_reference, magnet_loss_reference
 from training.losses import LOSSES, build_loss
 from training.losses.magnet import KNCClassifier, MagnetLoss
 

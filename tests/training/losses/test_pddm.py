@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from reference_pddm import pddm_loss_reference, pddm_score_reference
 from torch.func import functional_call
 
+from tests.training.losses.reference_pddm import pddm_loss_reference, pddm_score_reference
 from training.losses import LOSSES, build_loss
 from training.losses import pddm as pddm_module
 from training.losses.pddm import PDDMLoss, PDDMUnit, graph_extremes, hard_quadruplets

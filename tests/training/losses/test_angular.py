@@ -6,8 +6,12 @@ import math
 
 import pytest
 import torch
-from reference_angular import angular_npair_reference, angular_triplet_reference, npair_angular_reference
 
+from tests.training.losses.reference_angular import (
+    angular_npair_reference,
+    angular_triplet_reference,
+    npair_angular_reference,
+)
 from training.losses import LOSSES, build_loss
 from training.losses.angular import AngularLoss, NPairAngularLoss
 

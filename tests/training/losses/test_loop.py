@@ -6,8 +6,12 @@ from typing import Any
 
 import pytest
 import torch
-from reference_loop import hardest_negative_reference, multi_similarity_reference, triplet_reference
 
+from tests.training.losses.reference_loop import (
+    hardest_negative_reference,
+    multi_similarity_reference,
+    triplet_reference,
+)
 from training.losses import LOSSES, build_loss
 from training.losses.baselines import MultiSimilarityLoss, batch_hard_triplet_loss, triplet_loss
 from training.losses.loop import (

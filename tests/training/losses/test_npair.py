@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference_npair import npair_all_pairs_reference, npair_reference, sohn_tuples_reference
 
+from tests.training.losses.reference_npair import (
+    npair_all_pairs_reference,
+    npair_reference,
+    sohn_tuples_reference,
+)
 from training.losses import LOSSES, build_loss
 from training.losses.npair import NPairLoss, log1p_sum_exp, sohn_tuples
 from training.losses.pairs import gram_matrix

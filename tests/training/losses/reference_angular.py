@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from reference_npair import npair_all_pairs_reference
+from tests.training.losses.reference_npair import npair_all_pairs_reference
 
 
 def _dot(a: list[float], b: list[float]) -> float:

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from index.gallery import GalleryIndex
-from tests.conftest import free_port, image_bytes, make_image
+from tests.helpers import free_port, image_bytes, make_image
 
 runner = CliRunner()
 
@@ -157,9 +157,7 @@ def test_streamlit_page_shows_results_grid(live_api: str, monkeypatch: pytest.Mo
     from streamlit.testing.v1 import AppTest
 
     monkeypatch.setenv("DMLSEARCH_API_URL", live_api)
-    page = AppTest.from_file(
-        str(Path(__file__).resolve().parent.parent / "app" / "ui.py"), default_timeout=60
-    )
+    page = AppTest.from_file(str(Path(__file__).resolve().parents[2] / "app" / "ui.py"), default_timeout=60)
     page.run()
     assert not page.exception
     assert page.sidebar.metric[0].value == "78"

@@ -1,0 +1,138 @@
+"""Helpers shared by the tests: generated images, labelled folders, clustered vectors, served index copies and
+real uvicorn servers. Fixtures live in the conftests; everything a test imports lives here."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image, ImageOps
+
+from index.manifest import Manifest
+
+API_KEY = "test-key-0123456789"
+INDEX_FILES = ("manifest.json", "vectors.faiss", "items.sqlite")
+
+
+def make_image(seed: int, size: tuple[int, int] = (96, 80), mode: str = "RGB") -> Image.Image:
+    """A deterministic synthetic photo-like image: smooth colour gradients plus seeded blobs."""
+    rng = np.random.default_rng(seed)
+    width, height = size
+    y, x = np.mgrid[0:height, 0:width] / max(width, height)
+    channels = []
+    for _ in range(3):
+        a, b, c = rng.uniform(-3, 3, size=3)
+        channels.append(np.sin(a * x * 6 + b * y * 6 + c))
+    array = (np.stack(channels, axis=-1) * 0.5 + 0.5) * 255
+    return Image.fromarray(array.astype(np.uint8), "RGB").convert(mode)
+
+
+def image_bytes(image: Image.Image, fmt: str = "PNG", **save_args: object) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **save_args)
+    return buffer.getvalue()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def write_labelled_folder(root: Path, classes: int = 12, per_class: int = 5, size: int = 64) -> Path:
+    """``root/class_XX/img_Y.png``: each class is one generated picture; its images are crops/tints of it."""
+    for label in range(classes):
+        base = make_image(1000 + label, (size + 16, size + 16))
+        folder = root / f"class_{label:02d}"
+        folder.mkdir(parents=True)
+        rng = np.random.default_rng(label)
+        for i in range(per_class):
+            left, top = rng.integers(0, 16, size=2)
+            image = base.crop((left, top, left + size, top + size))
+            if i % 2:
+                image = ImageOps.mirror(image)
+            tint = Image.new("RGB", image.size, tuple(int(v) for v in rng.integers(0, 255, size=3)))
+            Image.blend(image, tint, 0.15).save(folder / f"img_{i}.png")
+    return root
+
+
+def clustered_vectors(
+    count: int, dim: int, *, clusters: int = 30, spread: float = 0.15, seed: int = 0
+) -> np.ndarray:
+    """Unit vectors in tight clusters around random centres, the way image embeddings of classes sit."""
+    centres = np.random.default_rng(1234).standard_normal((clusters, dim))  # the same for every seed
+    rng = np.random.default_rng(seed)
+    points = centres[rng.integers(clusters, size=count)] + spread * rng.standard_normal((count, dim))
+    points /= np.linalg.norm(points, axis=1, keepdims=True)
+    return points.astype(np.float32)
+
+
+def entries(count: int, prefix: str = "img") -> list[tuple[str, str | None, str]]:
+    """``(path, label, content_hash)`` rows with distinct paths and hashes."""
+    return [(f"{prefix}/{i:05d}.png", f"class{i % 7}", f"{prefix}-hash-{i}") for i in range(count)]
+
+
+@dataclass(frozen=True)
+class Served:
+    """A writable copy of the demo gallery and its index (so tests may add, delete and tamper)."""
+
+    gallery: Path
+    index: Path
+    model: Path
+
+
+def copy_served(demo_gallery: Path, demo_index: Path, exported_model: Path, target: Path) -> Served:
+    gallery = target / "gallery"
+    index = target / "index"
+    shutil.copytree(demo_gallery, gallery)
+    shutil.copytree(demo_index, index)
+    manifest = Manifest.load(index)
+    manifest.gallery_root = str(gallery.resolve())
+    manifest.save(index)
+    return Served(gallery, index, exported_model)
+
+
+def index_digest(index: Path) -> dict[str, str]:
+    """Content hashes of the index files, to show that a request changed nothing."""
+    return {name: hashlib.sha256((index / name).read_bytes()).hexdigest() for name in INDEX_FILES}
+
+
+@contextmanager
+def uvicorn_server(
+    args: list[str], env: dict[str, str] | None = None, ready_path: str = "/readyz"
+) -> Iterator[str]:
+    """``dmlsearch serve ARGS`` in a real uvicorn process on a free port; yields its base URL.
+
+    Waits until ``ready_path`` answers 200 (``/healthz`` for servers that are meant not to be ready).
+    """
+    port = free_port()
+    command = [sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--threads", "1", *args]
+    process = subprocess.Popen(command, env={**os.environ, **(env or {})})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert process.poll() is None, f"server exited with code {process.returncode}"
+            try:
+                if httpx.get(f"{base}{ready_path}", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"{base}{ready_path} never answered 200"
+            time.sleep(0.2)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
