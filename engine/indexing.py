@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from engine.embedder import Embedder
 from engine.images import IMAGE_SUFFIXES, ImageDecodeError, decode_image, list_images
 from index.gallery import GalleryIndex, replace_directory
 from index.manifest import MANIFEST_NAME, Manifest
-from index.protocol import Item
+from index.protocol import Item, Move
 from index.selection import IndexOptions
 from index.sharding import Shard
 
@@ -31,6 +31,7 @@ class BuildReport:
     indexed: int = 0  # files embedded and added by this run
     unchanged: int = 0  # files already indexed with the same content
     removed: int = 0  # items whose file is gone or changed
+    moved: int = 0  # items whose file was renamed or moved (same content: same id, not re-embedded)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (relative path, reason)
     duplicates: list[tuple[str, str]] = field(default_factory=list)  # (relative path, path it duplicates)
     rebuilt: bool = False  # whether the search index was (re)built rather than updated in place
@@ -48,6 +49,7 @@ class GalleryFile:
 class SyncPlan:
     embed: list[GalleryFile] = field(default_factory=list)
     remove: list[int] = field(default_factory=list)
+    moves: list[Move] = field(default_factory=list)
     unchanged: int = 0
     duplicates: list[tuple[str, str]] = field(default_factory=list)
 
@@ -67,31 +69,47 @@ def hash_files(root: Path, files: Sequence[Path], report: BuildReport, progress:
     return sorted(hashed, key=lambda f: f.relative)
 
 
-def plan_sync(files: Sequence[GalleryFile], stored: Iterable[Item], *, remove_missing: bool) -> SyncPlan:
-    """What to embed and what to remove so the stored items match ``files``.
+def plan_sync(
+    files: Sequence[GalleryFile], stored: Iterable[Item], *, gone: Callable[[str], bool]
+) -> SyncPlan:
+    """What to embed, move and remove so the stored items match ``files``.
 
     An item is kept when its path still holds the same content; a changed file is removed and embedded
-    again; with ``remove_missing`` items whose file is gone are removed. Content already indexed (kept,
-    or earlier in sorted path order) is reported as a duplicate instead of being embedded twice.
+    again. An item whose path is not among ``files`` and whose file is ``gone`` has moved when one of
+    ``files`` holds its content (it keeps its id and vector under the new path), and is removed otherwise.
+    Content already indexed (kept, or earlier in sorted path order) is reported as a duplicate instead of
+    being embedded twice.
     """
     plan = SyncPlan()
     current = {f.relative: f.content_hash for f in files}
-    kept: dict[str, Item] = {}
+    first_path: dict[str, str] = {}  # content hash -> the path that holds it in the index
+    kept: set[str] = set()
+    moved_away: dict[str, list[Item]] = {}  # content hash -> items whose file is gone
     for item in stored:
         content = current.get(item.path)
         if content == item.content_hash:
-            kept[item.path] = item
-        elif content is not None or remove_missing:
+            kept.add(item.path)
+            first_path.setdefault(item.content_hash, item.path)
+        elif content is not None:
             plan.remove.append(item.id)
-    first_path = {item.content_hash: item.path for item in kept.values()}
+        elif gone(item.path):
+            moved_away.setdefault(item.content_hash, []).append(item)
+        else:  # not part of this sync and still on disk
+            first_path.setdefault(item.content_hash, item.path)
     for gallery_file in files:
+        content_hash = gallery_file.content_hash
         if gallery_file.relative in kept:
             plan.unchanged += 1
-        elif gallery_file.content_hash in first_path:
-            plan.duplicates.append((gallery_file.relative, first_path[gallery_file.content_hash]))
+        elif content_hash in first_path:
+            plan.duplicates.append((gallery_file.relative, first_path[content_hash]))
+        elif moved_away.get(content_hash):
+            item = moved_away[content_hash].pop(0)
+            plan.moves.append(Move(item.id, gallery_file.relative, gallery_file.label))
+            first_path[content_hash] = gallery_file.relative
         else:
-            first_path[gallery_file.content_hash] = gallery_file.relative
+            first_path[content_hash] = gallery_file.relative
             plan.embed.append(gallery_file)
+    plan.remove.extend(item.id for items in moved_away.values() for item in items)
     return plan
 
 
@@ -127,24 +145,30 @@ def embed_files(
         flush()
 
 
-def _sync(
+def sync_files(
     index: GalleryIndex,
     root: Path,
     files: Sequence[Path],
     embedder: Embedder,
     report: BuildReport,
     *,
-    shard: Shard | None,
-    remove_missing: bool,
+    gone: Callable[[str], bool],
+    shard: Shard | None = None,
     batch_size: int,
     progress: bool,
 ) -> SyncPlan:
+    """Bring the items of ``files`` (and of the stored items whose file is ``gone``) up to date in ``index``.
+
+    The index is changed but not rebuilt or saved: the caller does both.
+    """
     hashed = hash_files(root, files, report, progress)
     stored = (item for item in index.items.scan() if shard is None or shard.owns(item.path))
-    plan = plan_sync(hashed, stored, remove_missing=remove_missing)
+    plan = plan_sync(hashed, stored, gone=gone)
     report.unchanged, report.duplicates = plan.unchanged, plan.duplicates
     if plan.remove:
         report.removed = index.remove(plan.remove)
+    if plan.moves:
+        report.moved = index.move(plan.moves)
     embed_files(index, embedder, plan.embed, report, batch_size=batch_size, progress=progress)
     return plan
 
@@ -247,14 +271,14 @@ def build_index(
         )
     discard = False
     try:
-        plan = _sync(
+        plan = sync_files(
             index,
             gallery_root,
             files,
             embedder,
             report,
+            gone=lambda _: True,  # every file of the gallery was listed: the others are gone
             shard=shard,
-            remove_missing=True,
             batch_size=batch_size,
             progress=progress,
         )
@@ -295,14 +319,13 @@ def add_images(
                 raise ValueError(f"{path} is outside the index's gallery folder {root}: copy it there first")
             files.extend(list_images(resolved) if resolved.is_dir() else [resolved])
         report = BuildReport()
-        _sync(
+        sync_files(
             index,
             root,
             files,
             embedder,
             report,
-            shard=None,
-            remove_missing=False,
+            gone=lambda _: False,  # only the named files are looked at
             batch_size=batch_size,
             progress=progress,
         )

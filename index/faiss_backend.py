@@ -18,7 +18,7 @@ from index.faiss_build import retune as retune_index
 from index.faiss_index import FaissIndex
 from index.items import ItemStore
 from index.manifest import Manifest
-from index.protocol import Entry, IndexNotBuiltError, normalize_rows
+from index.protocol import Entry, IndexNotBuiltError, Move, normalize_rows
 from index.selection import IndexOptions, IndexSpec, choose_index
 from index.sources import StoreSource
 from index.tuning import Tuning
@@ -93,6 +93,10 @@ class FaissBackend:
                 self.index.remove(present)
                 self._dirty = True
         return removed
+
+    def move(self, moves: Sequence[Move]) -> int:
+        """Metadata only: the vectors and the FAISS index are untouched."""
+        return self.store.move(moves)
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         if self.index is None and self.manifest.shard is not None:

@@ -14,7 +14,7 @@ import numpy as np
 from index.faiss_backend import FaissBackend
 from index.items import now_utc
 from index.manifest import MANIFEST_NAME, Manifest
-from index.protocol import Entry, Item, ItemCatalog, VectorIndex
+from index.protocol import Entry, Item, ItemCatalog, Move, VectorIndex
 from index.selection import IndexOptions, IndexSpec
 
 BACKENDS = ("faiss", "milvus")
@@ -122,6 +122,10 @@ class GalleryIndex:
     def remove(self, ids: Sequence[int]) -> int:
         """Remove items by id; returns how many existed. Ids are never reused."""
         return self.backend.remove(ids)
+
+    def move(self, moves: Sequence[Move]) -> int:
+        """New paths and labels for renamed or moved files; returns how many items existed."""
+        return self.backend.move(moves)
 
     def build(
         self, options: IndexOptions | None = None, *, retune: bool = True, progress: bool = False

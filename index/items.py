@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from index.protocol import Entry, Item, check_dim, normalize_rows
+from index.protocol import Entry, Item, Move, check_dim, normalize_rows
 
 _COLUMNS = "id, path, label, content_hash, added"
 _SQL_CHUNK = 10_000  # ids per "IN (...)" query, below SQLite's variable limit
@@ -73,6 +73,13 @@ class ItemStore:
             removed = self.connection.executemany("DELETE FROM items WHERE id = ?", rows).rowcount
             self.connection.executemany("DELETE FROM vectors WHERE id = ?", rows)
         return removed
+
+    def move(self, moves: Sequence[Move]) -> int:
+        with self.connection:
+            return self.connection.executemany(
+                "UPDATE items SET path = ?, label = ? WHERE id = ?",
+                [(move.path, move.label, int(move.id)) for move in moves],
+            ).rowcount
 
     # -- metadata ----------------------------------------------------------------------------------
 

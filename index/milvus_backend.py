@@ -16,7 +16,7 @@ import numpy as np
 
 from index.items import now_utc
 from index.manifest import Manifest
-from index.protocol import Entry, Item, check_dim, normalize_rows
+from index.protocol import Entry, Item, Move, check_dim, normalize_rows
 from index.selection import IndexOptions
 
 MODEL_PROPERTY = "dmlsearch.model_fingerprint"
@@ -166,6 +166,13 @@ class MilvusBackend:
         if present:
             self.client.delete(self.collection, ids=present)
         return len(present)
+
+    def move(self, moves: Sequence[Move]) -> int:
+        present = self.get_many([move.id for move in moves])
+        rows = [{"id": m.id, "path": m.path, "label": m.label} for m in moves if m.id in present]
+        if rows:  # a partial upsert keeps each row's id and vector
+            self.client.upsert(self.collection, rows, partial_update=True)
+        return len(rows)
 
     # -- ItemCatalog -------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -20,6 +20,14 @@ class Item:
     label: str | None
     content_hash: str
     added: str
+
+
+class Move(NamedTuple):
+    """An item whose file was renamed or moved: same content, so same id and vector, new path and label."""
+
+    id: int
+    path: str
+    label: str | None
 
 
 class IndexNotBuiltError(RuntimeError):
@@ -49,7 +57,8 @@ class ItemCatalog(Protocol):
 class VectorIndex(Protocol):
     """A backend: top-k cosine search over stored vectors, with stable int64 ids and item metadata.
 
-    ``add`` stores vectors with their metadata and returns the ids it gave them; ``search`` returns
+    ``add`` stores vectors with their metadata and returns the ids it gave them; ``move`` changes
+    items' paths and labels only; ``search`` returns
     ``(ids, scores)``, both (n, k), with id -1 and score -inf where fewer than k items exist; ``save``
     makes everything durable; a backend is loaded again by its ``open`` class method.
     """
@@ -64,6 +73,10 @@ class VectorIndex(Protocol):
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]: ...
 
     def remove(self, ids: Sequence[int]) -> int: ...
+
+    def move(self, moves: Sequence[Move]) -> int:
+        """Give items a new path and label; returns how many existed."""
+        ...
 
     def __len__(self) -> int: ...
 

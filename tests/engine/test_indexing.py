@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engine.embedder import Embedder
@@ -61,6 +62,35 @@ def test_rerunning_embeds_only_new_or_changed_files(
     assert after["alpha/alpha_0.png"][0] > max(i for i, _ in before.values())  # new content, new id
     assert all(after[p] == before[p] for p in after if p in before and p != "alpha/alpha_0.png")
     assert Manifest.load(out).count == 9
+
+
+def test_a_renamed_or_moved_file_keeps_its_item_id_and_is_not_embedded_again(
+    embedder: Embedder, gallery: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "index"
+    build_index(gallery, embedder, out, progress=False)
+    before = _items(out)
+    (gallery / "alpha" / "alpha_0.png").rename(gallery / "alpha" / "renamed.png")
+    (gallery / "delta").mkdir()
+    (gallery / "beta" / "beta_1.png").rename(gallery / "delta" / "moved.png")
+    embedded: list[int] = []
+    real_embed = Embedder.embed
+    monkeypatch.setattr(
+        Embedder, "embed", lambda self, images: embedded.append(len(images)) or real_embed(self, images)
+    )
+
+    report = build_index(gallery, embedder, out, progress=False)
+    assert (report.indexed, report.moved, report.removed, embedded) == (0, 2, 0, [])
+    after = _items(out)
+    assert after["alpha/renamed.png"] == before["alpha/alpha_0.png"]
+    assert after["delta/moved.png"] == before["beta/beta_1.png"]
+    index = GalleryIndex.open(out)
+    moved = index.items.get_by_path("delta/moved.png")
+    assert moved is not None and moved.label == "delta"  # the new folder is its label
+    # Its stored vector still finds it first.
+    ((hit, *_),) = index.search(index.items.vectors(np.array([moved.id])), 3)
+    index.close()
+    assert hit.item.id == moved.id and hit.item.path == "delta/moved.png"
 
 
 def test_an_interrupted_build_resumes_where_it_stopped(

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from index.gallery import GalleryIndex
+from index.protocol import Move
 from index.selection import IndexOptions
 from tests.helpers import clustered_vectors, entries
 
@@ -131,6 +132,20 @@ def test_removed_items_leave_results_and_ids_are_not_reused(
     assert not set(new_ids) & set(ids)
     index.save()
     assert len(index) == COUNT - 18 == index.manifest.count
+
+
+def test_moved_items_keep_their_id_and_vector(filled: tuple[GalleryIndex, list[int], np.ndarray]) -> None:
+    index, ids, vectors = filled
+    assert index.move([Move(ids[3], "elsewhere/x.png", "elsewhere"), Move(10**12, "y.png", None)]) == 1
+    item = index.items.get(ids[3])
+    assert (item.path, item.label, item.content_hash) == (
+        "elsewhere/x.png",
+        "elsewhere",
+        entries(COUNT)[3][2],
+    )
+    assert index.items.get_by_path(entries(COUNT)[3][0]) is None
+    ((best, *_),) = index.search(vectors[3:4], 3)
+    assert best.item.id == ids[3] and best.item.path == "elsewhere/x.png"
 
 
 def test_saved_index_reopens_with_the_same_results(
