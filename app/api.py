@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -18,6 +20,22 @@ from app.routes import router
 from app.settings import Settings
 from app.state import EngineState
 
+log = logging.getLogger("dmlsearch.app")
+
+
+async def _poll_index(app: FastAPI, seconds: float) -> None:
+    """Reload the index when another process saved it (see ``SearchService.reload_if_changed``)."""
+    while seconds > 0:
+        await asyncio.sleep(seconds)
+        service = app.state.engine.service
+        if service is None:
+            continue
+        try:
+            if await run_in_threadpool(service.reload_if_changed):
+                log.info("index reloaded: %d items", len(service.index))
+        except Exception as err:  # a save in progress or a bad index: keep serving the one loaded
+            log.warning("index not reloaded: %s", err)
+
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The API over one model and one index, both loaded once at start-up and shared by all requests."""
@@ -28,7 +46,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.compute = ComputeSlots(settings.compute_slots or default_slots())
         app.state.engine = await run_in_threadpool(EngineState.load, settings)
+        poller = asyncio.create_task(_poll_index(app, settings.index_poll_seconds))
         yield
+        poller.cancel()
         if app.state.engine.service is not None:
             app.state.engine.service.index.close()
 

@@ -41,6 +41,12 @@ class Settings(BaseSettings):
     vote_sigma2: float = Field(
         0.05, gt=0, description="sigma^2 of the predict=true vote: neighbour weight exp(-|q-x|^2/2sigma^2)"
     )
+    index_poll_seconds: float = Field(
+        2.0,
+        ge=0,
+        description="check this often whether another process (dmlsearch watch, build-index) saved the "
+        "index, and reload it (0 = never)",
+    )
     rate_limit_per_second: float = Field(
         20.0, ge=0, description="sustained requests per second per client on /v1 (0 disables limiting)"
     )

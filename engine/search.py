@@ -34,6 +34,7 @@ from engine.voting import Prediction, knn_vote
 from index.atomic import atomic_write_bytes
 from index.gallery import GalleryIndex, Hit
 from index.items import ItemStore
+from index.manifest import MANIFEST_NAME
 from index.protocol import Item
 
 # A label becomes a folder name under the gallery root: no separators, no hidden or relative names.
@@ -156,6 +157,7 @@ class SearchService:
         self.draft_size = embedder.card.preprocessing.resize_size if jpeg_draft else None
         self.vote_sigma2 = vote_sigma2
         self.lock = ReadWriteLock()
+        self._index_stamp = self._read_index_stamp()
 
     @classmethod
     def open(
@@ -198,6 +200,35 @@ class SearchService:
     def rerank_depth(self, k: int) -> int:
         """How many cosine neighbours rerank=pddm re-scores for a page of ``k``: max(rerank_pool, 4k)."""
         return max(self.rerank_pool, RERANK_POOL_FACTOR * k)
+
+    def _read_index_stamp(self) -> tuple[int, int] | None:
+        """Identifies the manifest on disk: every save replaces it atomically (a new inode)."""
+        try:
+            stat = (self.index.directory / MANIFEST_NAME).stat()
+        except OSError:
+            return None
+        return stat.st_ino, stat.st_mtime_ns
+
+    def reload_if_changed(self) -> bool:
+        """Swap in the FAISS index from disk when another process saved it (``dmlsearch watch``,
+        ``build-index``, ``index add``); returns whether it did.
+
+        The new index is opened beside the old one while searches go on; they wait only for the swap.
+        (Milvus collections are live: their changes are seen without this.)
+        """
+        stamp = self._read_index_stamp()
+        if stamp is None or stamp == self._index_stamp or self.index.manifest.backend != "faiss":
+            return False
+        fresh = GalleryIndex.open(self.index.directory, backend="faiss")
+        try:
+            fresh.check_model(self.embedder.fingerprint, self.embedder.dim)
+        except ValueError:
+            fresh.close()
+            raise
+        with self.lock.write():
+            stale, self.index, self._index_stamp = self.index, fresh, stamp
+        stale.close()
+        return True
 
     # -- queries -----------------------------------------------------------------------------------
 
@@ -405,6 +436,7 @@ class SearchService:
                     target.unlink(missing_ok=True)
                 raise
             self.index.save()
+            self._index_stamp = self._read_index_stamp()  # our own write: nothing to reload
         return [self.item(item_id) for item_id in ids]
 
     def remove_item(self, item_id: int) -> Item:
@@ -413,6 +445,7 @@ class SearchService:
             item = self._find(item_id)
             self.index.remove([item_id])
             self.index.save()
+            self._index_stamp = self._read_index_stamp()
         return item
 
     def _gallery_root(self) -> Path:

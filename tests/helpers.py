@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +43,14 @@ def image_bytes(image: Image.Image, fmt: str = "PNG", **save_args: object) -> by
     buffer = io.BytesIO()
     image.save(buffer, format=fmt, **save_args)
     return buffer.getvalue()
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> None:
+    """Poll ``condition`` until it is true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(interval)
 
 
 def free_port() -> int:

@@ -1,0 +1,68 @@
+"""``dmlsearch watch``: keep an index in sync with a gallery folder as it changes."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.common import DEFAULT_MODEL, fail
+from engine.changes import DEFAULT_MAX_BATCH, DEFAULT_SETTLE_SECONDS
+
+commands = typer.Typer()
+
+
+@commands.command()
+def watch(
+    gallery: Annotated[Path, typer.Argument(help="Folder of images; sub-folder names become labels.")],
+    index: Annotated[Path, typer.Option(help="Index directory to keep in sync (built first if absent).")],
+    model: Annotated[Path, typer.Option(help="Exported model.onnx.")] = DEFAULT_MODEL,
+    settle: Annotated[
+        float,
+        typer.Option(min=0.05, help="Seconds a file must stay unchanged (size and mtime) before indexing."),
+    ] = DEFAULT_SETTLE_SECONDS,
+    max_batch: Annotated[
+        int, typer.Option(min=1, help="Most files applied in one batch.")
+    ] = DEFAULT_MAX_BATCH,
+    batch_size: Annotated[int, typer.Option(min=1, max=1024, help="Images embedded at once.")] = 32,
+    threads: Annotated[int, typer.Option(min=0, help="onnxruntime threads (0 = all cores).")] = 0,
+) -> None:
+    """Catch INDEX up with GALLERY (as build-index does), then apply every addition, change, rename, move and
+    deletion in debounced batches until interrupted. A `dmlsearch serve` on INDEX picks the changes up."""
+    from engine.embedder import Embedder
+    from engine.indexing import BuildReport
+    from engine.watching import GalleryWatcher
+    from index.gallery import IndexMismatchError
+
+    if not gallery.is_dir():
+        raise fail(f"gallery folder {gallery} does not exist")
+
+    def report(batch: list[Path], result: BuildReport) -> None:
+        what = f"{len(batch)} changed paths" if batch else "catch-up"
+        typer.echo(
+            f"{what}: {result.indexed} indexed, {result.moved} moved, {result.removed} removed, "
+            f"{result.unchanged} unchanged, {len(result.skipped)} skipped",
+        )
+        for path, reason in result.skipped:
+            typer.secho(f"  skipped {path}: {reason}", fg=typer.colors.YELLOW, err=True)
+        if not batch:
+            typer.echo(f"watching {gallery} (Ctrl-C stops)")
+
+    stop = threading.Event()
+    try:
+        watcher = GalleryWatcher(
+            gallery,
+            index,
+            Embedder(model, threads=threads),
+            settle=settle,
+            max_batch=max_batch,
+            batch_size=batch_size,
+            on_batch=report,
+        )
+        watcher.run(stop)
+    except KeyboardInterrupt:
+        typer.echo("stopped")
+    except (IndexMismatchError, FileNotFoundError, ValueError, RuntimeError, OSError) as err:
+        raise fail(str(err)) from None

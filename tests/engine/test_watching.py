@@ -1,0 +1,117 @@
+"""``GalleryWatcher``: a real watchdog observer over a temporary gallery, the real embedder and index."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.embedder import Embedder
+from engine.watching import GalleryWatcher
+from index.gallery import GalleryIndex
+from tests.helpers import image_bytes, make_image, wait_until
+
+SETTLE = 0.3
+TIMEOUT = 60  # seconds for a batch to be embedded and saved on a busy 2-core machine
+
+
+@pytest.fixture(scope="module")
+def embedder(exported_model: Path) -> Embedder:
+    return Embedder(exported_model, threads=1)
+
+
+@pytest.fixture
+def gallery(tmp_path: Path) -> Path:
+    root = tmp_path / "gallery"
+    for label_index, label in enumerate(["alpha", "beta"]):
+        (root / label).mkdir(parents=True)
+        for i in range(2):
+            make_image(10 * label_index + i, size=(64, 56)).save(root / label / f"{label}_{i}.png")
+    return root
+
+
+@pytest.fixture
+def running(gallery: Path, tmp_path: Path, embedder: Embedder) -> Iterator[GalleryWatcher]:
+    watcher = GalleryWatcher(gallery, tmp_path / "index", embedder, settle=SETTLE)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            watcher.run(stop)
+        except BaseException as err:  # surfaced by the test, not lost in the thread
+            errors.append(err)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_until(lambda: watcher.caught_up.is_set() or errors, TIMEOUT, "the catch-up build")
+    yield watcher
+    stop.set()
+    thread.join(timeout=TIMEOUT)
+    assert not thread.is_alive()
+    assert not errors, errors
+
+
+def _items(index_dir: Path) -> dict[str, tuple[int, str | None]]:
+    """path -> (id, label), as a fresh reader (another process) sees the saved index."""
+    index = GalleryIndex.open(index_dir)
+    try:
+        return {item.path: (item.id, item.label) for item in index.items.scan()}
+    finally:
+        index.close()
+
+
+def test_additions_changes_renames_moves_and_deletions_are_applied(
+    running: GalleryWatcher, gallery: Path
+) -> None:
+    index_dir = running.index_dir
+    before = _items(index_dir)
+    assert set(before) == {"alpha/alpha_0.png", "alpha/alpha_1.png", "beta/beta_0.png", "beta/beta_1.png"}
+
+    make_image(500, size=(64, 56)).save(gallery / "alpha" / "new.png")
+    (gallery / "beta" / "beta_0.png").rename(gallery / "beta" / "renamed.png")
+    (gallery / "gamma").mkdir()
+    (gallery / "alpha" / "alpha_1.png").rename(gallery / "gamma" / "moved.png")
+    (gallery / "beta" / "beta_1.png").unlink()
+    make_image(600, size=(64, 56)).save(gallery / "alpha" / "alpha_0.png")  # new content, same path
+
+    expected = {"alpha/alpha_0.png", "alpha/new.png", "beta/renamed.png", "gamma/moved.png"}
+    wait_until(lambda: set(_items(index_dir)) == expected, TIMEOUT, "the index to match the folder")
+    wait_until(lambda: running.stats.moved == 2, TIMEOUT, "the moves to be counted")
+    after = _items(index_dir)
+    assert after["beta/renamed.png"] == before["beta/beta_0.png"]  # a rename keeps the id
+    assert after["gamma/moved.png"] == (before["alpha/alpha_1.png"][0], "gamma")  # a move: same id, new label
+    assert after["alpha/alpha_0.png"][0] > max(i for i, _ in before.values())  # changed content: a new item
+    assert (running.stats.indexed, running.stats.removed) == (4 + 2, 2)  # catch-up 4, then new + changed
+
+    # A folder moved in from outside arrives as one directory event: its images are indexed too.
+    outside = gallery.parent / "outside" / "delta"
+    outside.mkdir(parents=True)
+    make_image(700, size=(64, 56)).save(outside / "d.png")
+    shutil.move(outside, gallery / "delta")
+    wait_until(lambda: "delta/d.png" in _items(index_dir), TIMEOUT, "the moved-in folder's image")
+    # And a whole folder deleted removes its items.
+    shutil.rmtree(gallery / "gamma")
+    wait_until(lambda: "gamma/moved.png" not in _items(index_dir), TIMEOUT, "the deleted folder's item")
+
+
+def test_a_half_written_file_is_indexed_only_once_complete(running: GalleryWatcher, gallery: Path) -> None:
+    index_dir = running.index_dir
+    data = image_bytes(make_image(800, size=(120, 100)))
+    target = gallery / "alpha" / "big.png"
+    with target.open("wb") as handle:
+        handle.write(data[: len(data) // 2])
+        handle.flush()
+        # The writer stalls for longer than the settle interval: the half file is looked at, fails to
+        # decode and is skipped, not indexed.
+        wait_until(lambda: running.stats.skipped >= 1, TIMEOUT, "the half-written file to be skipped")
+        assert "alpha/big.png" not in _items(index_dir)
+        handle.write(data[len(data) // 2 :])
+    wait_until(lambda: "alpha/big.png" in _items(index_dir), TIMEOUT, "the completed file")
+    index = GalleryIndex.open(index_dir)
+    assert index.items.get_by_path("alpha/big.png").content_hash == hashlib.sha256(data).hexdigest()
+    index.close()
