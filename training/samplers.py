@@ -17,8 +17,8 @@ from typing import Any
 import faiss
 import numpy as np
 import torch
-from torch import nn
 
+from training.losses.base import MetricLoss
 from training.losses.registry import BatchLayout
 
 
@@ -47,8 +47,8 @@ class ClassBalancedSampler:
     def batch_info(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         return {}
 
-    def after_step(self, indices: np.ndarray, loss: nn.Module) -> None:
-        """Hook for samplers that learn from the loss (no-op here)."""
+    def after_step(self, indices: np.ndarray, loss: MetricLoss) -> None:
+        """Hook for samplers that learn from the loss's ``last_sample_losses`` (no-op here)."""
 
     def refresh_due(self, step: int) -> bool:
         """Whether :meth:`refresh` must run before the batch of ``step`` (never, here)."""
@@ -74,8 +74,9 @@ class NeighbourhoodSampler(ClassBalancedSampler):
       (``p_I(I) ∝ L_I``), its ``clusters - 1`` nearest impostor clusters (centres of *other* classes
       nearest to I's centre), and ``samples_per_class`` = D examples from each.
     * Starvation: an example's loss is cached when it is in a batch (:meth:`after_step`, from the loss's
-      ``last_sample_losses``); clusters with no cached loss yet count as the largest known loss, and every
-      cluster keeps at least ``min_share`` of the uniform probability, so no cluster is starved.
+      ``last_sample_losses``, part of every loss's contract); clusters with no cached loss yet count as the
+      largest known loss, and every cluster keeps at least ``min_share`` of the uniform probability, so no
+      cluster is starved.
     * ``batch_info`` passes the global cluster id of each example as ``cluster_ids``.
     """
 
@@ -162,9 +163,9 @@ class NeighbourhoodSampler(ClassBalancedSampler):
     def batch_info(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         return {"cluster_ids": torch.as_tensor(self.assignment[indices])}
 
-    def after_step(self, indices: np.ndarray, loss: nn.Module) -> None:
-        """Cache the per-example losses the Magnet loss kept from this batch."""
-        sample_losses = getattr(loss, "last_sample_losses", None)
+    def after_step(self, indices: np.ndarray, loss: MetricLoss) -> None:
+        """Cache the per-example losses the loss kept from this batch (Magnet's; none from most losses)."""
+        sample_losses = loss.last_sample_losses
         if sample_losses is not None and len(sample_losses) == len(indices):
             # A repeated example (drawn with replacement) keeps its last value; any is a fine estimate.
             self.example_losses[indices] = sample_losses.detach().float().cpu().numpy()

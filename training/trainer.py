@@ -28,7 +28,7 @@ from training.config import TrainConfig
 from training.data import DataError, LabelledImages, load_labelled_images, split_classes
 from training.distributed import Distributed, distributed_from_env
 from training.features import FeatureExtractor
-from training.losses import LOSSES
+from training.losses import LOSSES, LossSpec
 from training.metrics import evaluate
 from training.model import TrainingObjective, build_objective
 from training.run_dir import RunDirectory, RunDirError
@@ -110,15 +110,17 @@ def prepare_data(
 
 def train(config: TrainConfig, out: Path, *, progress: bool = True) -> dict[str, Any]:
     """Train (or continue training) the run in ``out``; returns its summary (also in summary.json)."""
-    if config.loss not in LOSSES:
-        raise ValueError(f"unknown loss {config.loss!r}; choose one of {sorted(LOSSES)}")
+    spec = LOSSES[config.loss]  # an unknown loss fails here, before the run directory is touched
     with distributed_from_env(config.device) as dist:
-        return _Training(config, RunDirectory(out), dist, progress).run()
+        return _Training(config, spec, RunDirectory(out), dist, progress).run()
 
 
 class _Training:
-    def __init__(self, config: TrainConfig, run: RunDirectory, dist: Distributed, progress: bool) -> None:
+    def __init__(
+        self, config: TrainConfig, spec: LossSpec, run: RunDirectory, dist: Distributed, progress: bool
+    ) -> None:
         self.config = config
+        self.spec = spec
         self.run_dir = run
         self.dist = dist
         self.progress = progress and dist.is_main
@@ -145,9 +147,8 @@ class _Training:
         objective.to(self.device)
         self.objective = objective
         self.workload = self._workload(objective, data)
-        layout = LOSSES[config.loss].layout
         sampler = sampler_for(
-            layout,
+            self.spec.layout,
             data.labels("train"),
             classes=config.classes_per_batch,
             samples_per_class=config.samples_per_class,
@@ -226,8 +227,8 @@ class _Training:
     ) -> None:
         config, objective = self.config, self.objective
         labels = torch.as_tensor(self.data.labels("train"))
-        batch_size = (config.classes_per_batch or LOSSES[config.loss].layout.classes) * (
-            config.samples_per_class or LOSSES[config.loss].layout.samples_per_class
+        batch_size = (config.classes_per_batch or self.spec.layout.classes) * (
+            config.samples_per_class or self.spec.layout.samples_per_class
         )
         eval_every = config.eval_every or max(1, math.ceil(len(labels) / batch_size))
         amp_dtype = torch.bfloat16 if self.device.type == "cuda" and torch.cuda.is_bf16_supported() else None

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from training.losses import LOSSES
+from training.losses import LOSSES, MetricLoss
 from training.samplers import ClassBalancedSampler, NeighbourhoodSampler, sampler_for
 
 
@@ -81,7 +81,7 @@ def test_neighbourhood_batch_is_a_seed_cluster_and_its_nearest_impostors() -> No
     assert torch.equal(info["cluster_ids"], torch.as_tensor(sampler.assignment[indices]))
 
 
-class _FakeMagnet(torch.nn.Module):
+class _FakeMagnet(MetricLoss):
     def __init__(self, losses: torch.Tensor) -> None:
         super().__init__()
         self.last_sample_losses = losses

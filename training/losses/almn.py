@@ -23,8 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
+from training.losses.base import MetricLoss
 from training.losses.npair import l2_term, log1p_sum_exp
 from training.losses.registry import BatchLayout, register_loss
 
@@ -34,7 +34,7 @@ _COS_EPS = 1e-7
 _DIST_EPS = 1e-12
 
 
-class ALMNLoss(nn.Module):
+class ALMNLoss(MetricLoss):
     """Adaptive Large Margin N-pair loss (Eq. 8) with class centres updated by Eq. 2.
 
     Centres: a buffer ``centres`` (num_classes, d) with a boolean buffer ``seen``; both move with the
@@ -77,6 +77,7 @@ class ALMNLoss(nn.Module):
     centres: torch.Tensor
     seen: torch.Tensor
 
+    # beta = 3 gives the paper's best results (Tables 2-4); lambda = 0.0005 (Section 5.1).
     def __init__(self, beta: float = 3.0, l2_reg: float = 0.0005, center_lr: float = 0.5) -> None:
         super().__init__()
         if beta < 0:
@@ -87,7 +88,9 @@ class ALMNLoss(nn.Module):
         self.register_buffer("centres", torch.zeros(0, 0))
         self.register_buffer("seen", torch.zeros(0, dtype=torch.bool))
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, **_: object) -> torch.Tensor:
+    def forward(
+        self, embeddings: torch.Tensor, labels: torch.Tensor, **batch_info: torch.Tensor
+    ) -> torch.Tensor:
         if len(labels) == 0:
             return embeddings.sum() * 0.0
         if int(labels.min()) < 0:
@@ -186,6 +189,4 @@ register_loss(
     paper="Chen & Deng, ALMN: Deep Embedding Learning with Geometrical Virtual Point Generating, ECCV 2018",
     summary="N-pair loss anchored at class centres (updated per batch by Eq. 2) with an adaptive angular "
     "margin from a virtual point generated away from the centre (Eq. 6-8).",
-    # beta = 3 gives the paper's best results (Tables 2-4); lambda = 0.0005 (Section 5.1).
-    defaults={"beta": 3.0, "l2_reg": 0.0005, "center_lr": 0.5},
 )

@@ -21,8 +21,8 @@ import math
 from typing import Literal
 
 import torch
-from torch import nn
 
+from training.losses.base import MetricLoss
 from training.losses.npair import NPairLoss, log1p_sum_exp, positive_pairs
 from training.losses.pairs import gram_matrix
 from training.losses.registry import BatchLayout, register_loss
@@ -30,7 +30,7 @@ from training.losses.registry import BatchLayout, register_loss
 Form = Literal["npair", "triplet"]
 
 
-class AngularLoss(nn.Module):
+class AngularLoss(MetricLoss):
     """Angular loss, Eq. 8 (``form="npair"``, default) or Eq. 6 (``form="triplet"``); alpha in degrees.
 
     Tuples: every ordered positive pair (x_a, x_p) of the batch, with every sample of another class as a
@@ -57,7 +57,9 @@ class AngularLoss(nn.Module):
         self.form = form
         self.sq_tan_alpha = math.tan(math.radians(alpha)) ** 2
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, **_: object) -> torch.Tensor:
+    def forward(
+        self, embeddings: torch.Tensor, labels: torch.Tensor, **batch_info: torch.Tensor
+    ) -> torch.Tensor:
         anchors, positives = positive_pairs(labels)
         negatives = labels[anchors].unsqueeze(1) != labels.unsqueeze(0)  # (pairs, B)
         if not negatives.any():
@@ -80,7 +82,7 @@ class AngularLoss(nn.Module):
         return torch.where(negatives, hinge, 0.0).sum() / negatives.sum()
 
 
-class NPairAngularLoss(nn.Module):
+class NPairAngularLoss(MetricLoss):
     """NL&AL, Eq. 9: ``l_npair(B) + lambda * l_ang(B)`` with the paper's lambda = 2.
 
     l_npair is the paper's Eq. 10 (every positive pair is a tuple, every other-class sample a negative,
@@ -94,7 +96,9 @@ class NPairAngularLoss(nn.Module):
         self.angular = AngularLoss(alpha=alpha, form="npair")
         self.lam = lam
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, **_: object) -> torch.Tensor:
+    def forward(
+        self, embeddings: torch.Tensor, labels: torch.Tensor, **batch_info: torch.Tensor
+    ) -> torch.Tensor:
         return self.npair(embeddings, labels) + self.lam * self.angular(embeddings, labels)
 
 
@@ -109,7 +113,6 @@ register_loss(
     paper=_PAPER,
     summary="Angular loss: bounds the angle at the negative of the triangle (x_c, x_m, x_n); N-pair form "
     "with log-sum-exp (Eq. 8) or triplet hinge form (Eq. 6).",
-    defaults={"alpha": 45.0, "form": "npair"},
 )
 register_loss(
     "npair-angular",
@@ -117,5 +120,4 @@ register_loss(
     layout=_LAYOUT,
     paper=_PAPER,
     summary="NL&AL (Eq. 9): the paper's N-pair loss (Eq. 10) plus lambda times the angular loss (Eq. 8).",
-    defaults={"alpha": 45.0, "lam": 2.0},
 )

@@ -2,8 +2,8 @@
 
 Every loss is written twice over: a small function on a (B, B) distance or similarity matrix plus the
 boolean ``(positive, negative)`` masks of :func:`training.losses.pairs.label_masks` (importable
-building blocks, e.g. for the LoOp variants in ``loop.py``), and a thin ``nn.Module`` that turns
-``(embeddings, labels)`` into those matrices.
+building blocks, e.g. for the LoOp variants in ``loop.py``), and a thin
+:class:`~training.losses.pairs.PairLoss` that turns ``(embeddings, labels)`` into those matrices.
 
 Conventions shared by all five losses:
 
@@ -26,10 +26,9 @@ Conventions shared by all five losses:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from training.losses.pairs import gram_matrix, label_masks, pairwise_distances
+from training.losses.pairs import PairLoss
 from training.losses.registry import BatchLayout, register_loss
 
 # ---------------------------------------------------------------------------------------------------
@@ -203,35 +202,11 @@ def multi_similarity_loss(
 
 
 # ---------------------------------------------------------------------------------------------------
-# nn.Module wrappers: embeddings + labels -> matrices + masks
+# The losses: embeddings + labels -> matrices + masks (PairLoss) -> the equation above
 # ---------------------------------------------------------------------------------------------------
 
 
-class _BatchPairLoss(nn.Module):
-    """Normalises the embeddings, builds the label masks and the pair geometry, calls :meth:`pair_loss`."""
-
-    uses_similarity = False  # True: pass the dot-product similarity matrix instead of distances
-
-    def __init__(self, normalize: bool) -> None:
-        super().__init__()
-        self.normalize = normalize
-
-    def forward(self, embeddings: Tensor, labels: Tensor, **batch_info: object) -> Tensor:
-        if embeddings.ndim != 2 or labels.shape != embeddings.shape[:1] or len(labels) == 0:
-            raise ValueError(
-                f"expected embeddings (B, d) and labels (B,) with B >= 1, got {tuple(embeddings.shape)} "
-                f"and {tuple(labels.shape)}"
-            )
-        x = F.normalize(embeddings, dim=1) if self.normalize else embeddings
-        pos_mask, neg_mask = label_masks(labels)
-        geometry = gram_matrix(x) if self.uses_similarity else pairwise_distances(x)
-        return self.pair_loss(geometry, pos_mask, neg_mask)
-
-    def pair_loss(self, geometry: Tensor, pos_mask: Tensor, neg_mask: Tensor) -> Tensor:
-        raise NotImplementedError
-
-
-class ContrastiveLoss(_BatchPairLoss):
+class ContrastiveLoss(PairLoss):
     """:func:`contrastive_loss` on the batch (default: Hadsell's squared form, ``power=2``)."""
 
     def __init__(
@@ -246,9 +221,10 @@ class ContrastiveLoss(_BatchPairLoss):
         return contrastive_loss(geometry, pos_mask, neg_mask, self.pos_margin, self.neg_margin, self.power)
 
 
-class TripletLoss(_BatchPairLoss):
+class TripletLoss(PairLoss):
     """:func:`triplet_loss` over all valid triplets of the batch."""
 
+    # margin 0.1: the LoOp reference code's triplet margin (the paper gives no value)
     def __init__(self, margin: float = 0.1, normalize: bool = True) -> None:
         super().__init__(normalize)
         self.margin = margin
@@ -257,9 +233,10 @@ class TripletLoss(_BatchPairLoss):
         return triplet_loss(geometry, pos_mask, neg_mask, self.margin)
 
 
-class BatchHardTripletLoss(_BatchPairLoss):
+class BatchHardTripletLoss(PairLoss):
     """:func:`batch_hard_triplet_loss` (HPHN): hardest positive and hardest negative per anchor."""
 
+    # margin 0.2: the LoOp reference code's HPHN margin (the paper gives no value)
     def __init__(self, margin: float = 0.2, normalize: bool = True) -> None:
         super().__init__(normalize)
         self.margin = margin
@@ -268,9 +245,10 @@ class BatchHardTripletLoss(_BatchPairLoss):
         return batch_hard_triplet_loss(geometry, pos_mask, neg_mask, self.margin)
 
 
-class LiftedStructureLoss(_BatchPairLoss):
+class LiftedStructureLoss(PairLoss):
     """:func:`lifted_structure_loss`, equal to pml's ``LiftedStructureLoss(neg_margin, pos_margin)``."""
 
+    # neg_margin is Song's alpha = 1 (also pml's default)
     def __init__(self, neg_margin: float = 1.0, pos_margin: float = 0.0, normalize: bool = True) -> None:
         super().__init__(normalize)
         self.neg_margin, self.pos_margin = neg_margin, pos_margin
@@ -279,7 +257,7 @@ class LiftedStructureLoss(_BatchPairLoss):
         return lifted_structure_loss(geometry, pos_mask, neg_mask, self.pos_margin, self.neg_margin)
 
 
-class MultiSimilarityLoss(_BatchPairLoss):
+class MultiSimilarityLoss(PairLoss):
     """:func:`multi_similarity_mining` then :func:`multi_similarity_loss` on the cosine similarities.
 
     Equal to pml's ``MultiSimilarityLoss(alpha, beta, base)`` fed the pairs of
@@ -318,7 +296,6 @@ register_loss(
     layout=_LAYOUT,
     paper="Hadsell, Chopra & LeCun, Dimensionality Reduction by Learning an Invariant Mapping, CVPR 2006",
     summary="Pull positive pairs together, push negative pairs beyond a margin (squared hinges).",
-    defaults={"pos_margin": 0.0, "neg_margin": 1.0, "power": 2.0, "normalize": True},
 )
 register_loss(
     "triplet",
@@ -326,8 +303,6 @@ register_loss(
     layout=_LAYOUT,
     paper="Weinberger & Saul, JMLR 2009; Schroff et al., FaceNet, CVPR 2015 (LoOp baseline, Eq. 14)",
     summary="Hinge on d(a,p) - d(a,n) + margin, mean over all valid triplets of the batch.",
-    # 0.1: the LoOp reference code's triplet margin (the paper gives no value)
-    defaults={"margin": 0.1, "normalize": True},
 )
 register_loss(
     "hphn-triplet",
@@ -335,8 +310,6 @@ register_loss(
     layout=_LAYOUT,
     paper="Hermans, Beyer & Leibe, In Defense of the Triplet Loss, 2017 (LoOp's HPHN-triplet)",
     summary="Batch-hard triplet: hardest positive and hardest negative per anchor, mean over anchors.",
-    # 0.2: the LoOp reference code's HPHN margin (the paper gives no value)
-    defaults={"margin": 0.2, "normalize": True},
 )
 register_loss(
     "lifted",
@@ -344,8 +317,6 @@ register_loss(
     layout=_LAYOUT,
     paper="Song et al., Deep Metric Learning via Lifted Structured Feature Embedding, CVPR 2016",
     summary="Smooth lifted structure: each positive pair against all negatives of both members.",
-    # neg_margin is Song's alpha = 1 (also pml's default)
-    defaults={"neg_margin": 1.0, "pos_margin": 0.0, "normalize": True},
 )
 register_loss(
     "ms",
@@ -353,5 +324,4 @@ register_loss(
     layout=_LAYOUT,
     paper="Wang et al., Multi-Similarity Loss with General Pair Weighting, CVPR 2019",
     summary="Mine informative pairs (epsilon), then soft-weight them by self and relative similarity.",
-    defaults={"alpha": 2.0, "beta": 50.0, "base": 0.5, "epsilon": 0.1, "normalize": True},
 )

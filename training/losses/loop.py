@@ -56,13 +56,11 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.autograd.function import once_differentiable
 
 from training.losses.baselines import multi_similarity_loss, multi_similarity_mining
 from training.losses.loop_geometry import Geometry, pair_of_pair_distances
-from training.losses.pairs import label_masks, pairwise_distances
+from training.losses.pairs import PairLoss, pairwise_distances
 from training.losses.registry import BatchLayout, register_loss
 
 HardNegatives = Literal["loop", "endpoints"]
@@ -144,31 +142,24 @@ def pair_hardest_negative_loss(
     return torch.where(has_negative, (positive + margin - negative).relu(), 0).mean()
 
 
-class _LoOpLoss(nn.Module):
-    """Shared batch plumbing: layout check, normalisation, distances, LoOp negatives, masks."""
+class _LoOpLoss(PairLoss):
+    """The pair losses on LoOp's batches: consecutive same-class pairs, negatives from ``hard_negatives``.
+
+    Only the equation (:meth:`~training.losses.pairs.PairLoss.pair_loss`) differs between the four.
+    """
 
     def __init__(self, hard_negatives: HardNegatives, normalize: bool) -> None:
-        super().__init__()
+        super().__init__(normalize)
         if hard_negatives not in ("loop", "endpoints"):
             raise ValueError(f"unknown hard_negatives {hard_negatives!r}; choose 'loop' or 'endpoints'")
         self.hard_negatives = hard_negatives
-        self.normalize = normalize
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, **batch_info: object) -> torch.Tensor:
-        if embeddings.ndim != 2 or labels.shape != embeddings.shape[:1]:
-            raise ValueError(
-                f"expected embeddings (B, d) and labels (B,), got {tuple(embeddings.shape)} "
-                f"and {tuple(labels.shape)}"
-            )
+    def check_labels(self, labels: torch.Tensor) -> None:
         check_pair_layout(labels)
-        x = F.normalize(embeddings, dim=1) if self.normalize else embeddings
-        pos_mask, neg_mask = label_masks(labels)
-        geometry: Geometry = "arc" if self.normalize else "segment"
-        dist = loop_distance_matrix(pairwise_distances(x), neg_mask, self.hard_negatives, geometry)
-        return self.pair_loss(dist, pos_mask, neg_mask)
 
-    def pair_loss(self, dist: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    def geometry(self, x: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
+        curves: Geometry = "arc" if self.normalize else "segment"  # Sec. 3.1-3.2 / Sec. 4.2
+        return loop_distance_matrix(pairwise_distances(x), neg_mask, self.hard_negatives, curves)
 
 
 class LoOpTripletLoss(_LoOpLoss):
@@ -254,7 +245,6 @@ register_loss(
     layout=BatchLayout("classes_x_samples", classes=16, samples_per_class=2, description=_PAIRS),
     paper=f"{_PAPER} (Eq. 15)",
     summary="Triplet hinge whose negative distance is the closest approach of the two pairs' arcs.",
-    defaults={"margin": 0.1, "normalize": True},
     fixed={"hard_negatives": "loop"},
 )
 register_loss(
@@ -263,7 +253,6 @@ register_loss(
     layout=BatchLayout("classes_x_samples", classes=4, samples_per_class=8, description=_PAIRS),
     paper=f"{_PAPER} (Sec. 3.3.2)",
     summary="Per pair: hardest positive vs the closest arc of another class's pair, hinge with margin.",
-    defaults={"margin": 0.2, "normalize": True},
     fixed={"hard_negatives": "loop"},
 )
 register_loss(
@@ -272,7 +261,6 @@ register_loss(
     layout=BatchLayout("classes_x_samples", classes=16, samples_per_class=2, description=_PAIRS),
     paper=f"{_PAPER} (modified Eq. 16)",
     summary="Per pair: its distance vs the closest arc of another class's pair, hinge with margin.",
-    defaults={"margin": 0.2, "normalize": True},
     fixed={"hard_negatives": "loop"},
 )
 register_loss(
@@ -281,6 +269,5 @@ register_loss(
     layout=BatchLayout("classes_x_samples", classes=8, samples_per_class=4, description=_PAIRS),
     paper=f"{_PAPER} (Sec. 3.3.4)",
     summary="Multi-similarity loss whose negative similarities are the closest approach of two arcs.",
-    defaults={"alpha": 2.0, "beta": 50.0, "base": 0.5, "epsilon": 0.1, "normalize": True},
     fixed={"hard_negatives": "loop"},
 )

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch import nn
 from torch.nn import functional as F
 
+from training.losses.base import MetricLoss
 from training.losses.registry import BatchLayout, register_loss
 
 ArrayLike = np.ndarray | torch.Tensor
@@ -60,7 +60,7 @@ def _squared_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.addmm(squared_norms, a, b.T, alpha=-2.0).clamp_min(0.0)
 
 
-class MagnetLoss(nn.Module):
+class MagnetLoss(MetricLoss):
     """Magnet loss, Eq. 5 (Rippel et al. 2016)::
 
         L = 1/(MD) sum_m sum_d { -log [ exp(-|r_d^m - mu_m|^2 / (2 sigma^2) - alpha)
@@ -100,8 +100,9 @@ class MagnetLoss(nn.Module):
     variance is then not updated. If sigma^2 is 0 (every cluster a single example) it is floored at
     1e-12: the loss stays finite.
 
-    After each forward, ``last_sample_losses`` holds the detached per-example terms (after the hinge),
-    which the neighbourhood sampler averages per cluster for ``p_I(I) ∝ L_I`` (Section 3.2).
+    After each forward, ``last_sample_losses`` (the :class:`~training.losses.base.MetricLoss` contract)
+    holds the detached per-example terms (after the hinge), which the neighbourhood sampler averages per
+    cluster for ``p_I(I) ∝ L_I`` (Section 3.2).
     """
 
     running_variance: torch.Tensor
@@ -120,16 +121,16 @@ class MagnetLoss(nn.Module):
         self.variance_momentum = variance_momentum
         self.register_buffer("running_variance", torch.tensor(1.0))
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
-        self.last_sample_losses: torch.Tensor | None = None
 
     def forward(
-        self, embeddings: torch.Tensor, labels: torch.Tensor, cluster_ids: torch.Tensor | None = None
+        self, embeddings: torch.Tensor, labels: torch.Tensor, **batch_info: torch.Tensor
     ) -> torch.Tensor:
+        """``batch_info["cluster_ids"]``: each sample's cluster (absent: one cluster per class)."""
         if embeddings.ndim != 2 or len(embeddings) != len(labels):
             raise ValueError(
                 f"expected (B, d) embeddings and B labels, got {tuple(embeddings.shape)}, {len(labels)}"
             )
-        assignment, cluster_labels = cluster_assignments(labels, cluster_ids)
+        assignment, cluster_labels = cluster_assignments(labels, batch_info.get("cluster_ids"))
         if not bool((cluster_labels != cluster_labels[0]).any()):
             self.last_sample_losses = embeddings.new_zeros(len(embeddings))
             return embeddings.sum() * 0.0
@@ -249,5 +250,4 @@ register_loss(
     paper="Rippel et al., Metric Learning with Adaptive Density Discrimination, ICLR 2016 (Eq. 5)",
     summary="Magnet loss: each example vs its own cluster mean and other classes' cluster means, "
     "in units of the batch variance, with gap alpha and a hinge; kNC classifier (Eq. 6) for prediction.",
-    defaults={"alpha": 1.0, "variance_momentum": 0.1, "global_scaling": 1.0},
 )

@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from torch import nn
 from torch.nn import functional as F
 
+from training.losses.base import MetricLoss
 from training.losses.pairs import gram_matrix, label_masks
 from training.losses.registry import BatchLayout, register_loss
 
@@ -65,7 +65,7 @@ def l2_term(embeddings: torch.Tensor, l2_reg: float) -> torch.Tensor:
     return 0.5 * l2_reg * embeddings.pow(2).sum() / max(len(embeddings), 1)
 
 
-class NPairLoss(nn.Module):
+class NPairLoss(MetricLoss):
     """Multi-class N-pair loss with the L2 embedding term (ALMN Eq. 1; Sohn 2016).
 
     ``tuples="sohn"`` (the registered ``npair``): one (anchor, positive) tuple per class from
@@ -90,7 +90,9 @@ class NPairLoss(nn.Module):
         self.l2_reg = l2_reg
         self.tuples = tuples
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor, **_: object) -> torch.Tensor:
+    def forward(
+        self, embeddings: torch.Tensor, labels: torch.Tensor, **batch_info: torch.Tensor
+    ) -> torch.Tensor:
         anchors, positives = sohn_tuples(labels) if self.tuples == "sohn" else positive_pairs(labels)
         if len(anchors) == 0:
             return embeddings.sum() * 0.0 + l2_term(embeddings, self.l2_reg)
@@ -116,6 +118,5 @@ register_loss(
     "(as ALMN Eq. 1, Chen & Deng 2018)",
     summary="Multi-class N-pair loss: per class an anchor and a positive, softmax of the anchor's "
     "similarity to its positive against the other classes' positives, plus lambda/2 mean ||x||^2.",
-    defaults={"l2_reg": 0.0005},
     fixed={"tuples": "sohn"},
 )

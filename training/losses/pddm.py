@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from training.losses.base import MetricLoss
 from training.losses.pairs import label_masks
 from training.losses.registry import BatchLayout, register_loss
 
@@ -174,7 +175,7 @@ def graph_extremes(graph: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return flat // size, flat % size
 
 
-class PDDMLoss(nn.Module):
+class PDDMLoss(MetricLoss):
     """Joint PDDM metric and embedding loss, Eqs. 3 and 4 (Huang et al. 2016)::
 
         L = 1/Q sum_q [ E_m + lambda E_e ]
@@ -233,7 +234,9 @@ class PDDMLoss(nn.Module):
         self.alpha, self.beta, self.lam = alpha, beta, lam
         self.quadruplets = quadruplets
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, embeddings: torch.Tensor, labels: torch.Tensor, **batch_info: torch.Tensor
+    ) -> torch.Tensor:
         if embeddings.ndim != 2 or len(embeddings) != len(labels) or embeddings.shape[1] != self.unit.dim:
             raise ValueError(
                 f"expected (B, {self.unit.dim}) embeddings and B labels, "
@@ -276,13 +279,4 @@ register_loss(
     summary="PDDM: a learned position-dependent similarity unit mines one hard quadruplet per batch "
     "(least similar positive pair, each member's most similar negative); double-header hinges on the "
     "[0, 1]-scaled scores and on the embedding distances.",
-    defaults={
-        "embedding_dim": 128,
-        "hidden": 128,
-        "dropout": 0.5,
-        "alpha": 0.5,
-        "beta": 1.0,
-        "lam": 0.5,
-        "quadruplets": "batch",
-    },
 )

@@ -1,17 +1,23 @@
 """Registry of every loss by name, with the paper defaults and the batch layout it needs.
 
-A loss is any ``nn.Module`` called as ``loss(embeddings, labels, **batch_info) -> scalar``.
-Each loss module registers itself with :func:`register_loss`; :func:`build_loss` constructs one
-by name, so the trainer and the CLI never import loss classes directly.
+A loss is a :class:`~training.losses.base.MetricLoss`, called as ``loss(embeddings, labels, **batch_info)
+-> scalar``. Each loss module registers itself with :func:`register_loss`; :func:`build_loss` constructs
+one by name, so the trainer and the CLI never import loss classes directly.
+
+The paper defaults are written once, in the loss's constructor: a spec's :attr:`LossSpec.defaults` are
+read from the factory's signature (as timm keeps a model's defaults with its code), so a registration
+only adds what the constructor cannot say: the batch layout, the paper, a summary, and ``fixed``.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from torch import nn
+from training.losses.base import MetricLoss
+from training.registry import Registry
 
 LayoutKind = Literal["classes_x_samples", "clusters_x_examples"]
 
@@ -36,17 +42,32 @@ class BatchLayout:
         return self.classes * self.samples_per_class
 
 
+def signature_defaults(factory: Callable[..., Any], exclude: set[str]) -> dict[str, Any]:
+    """The keyword defaults of ``factory``'s signature, minus ``exclude``; every argument needs one."""
+    defaults: dict[str, Any] = {}
+    for parameter in inspect.signature(factory).parameters.values():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD) or parameter.name in exclude:
+            continue
+        if parameter.default is parameter.empty:
+            raise TypeError(f"{factory!r}: argument {parameter.name!r} has no default to register")
+        defaults[parameter.name] = parameter.default
+    return defaults
+
+
 @dataclass(frozen=True)
 class LossSpec:
+    """A registered loss. ``fixed`` are constructor arguments that define this entry (e.g. which base
+    loss a LoOp loss wraps) and cannot be overridden through :func:`build_loss`."""
+
     name: str
-    factory: Callable[..., nn.Module]
-    defaults: dict[str, Any]
+    factory: Callable[..., MetricLoss]
+    defaults: dict[str, Any]  # the tunable hyperparameters with their paper values, from the constructor
     layout: BatchLayout
     paper: str
     summary: str
     fixed: dict[str, Any] = field(default_factory=dict)
 
-    def build(self, **hparams: Any) -> nn.Module:
+    def build(self, **hparams: Any) -> MetricLoss:
         unknown = set(hparams) - set(self.defaults)
         if unknown:
             raise ValueError(
@@ -56,34 +77,24 @@ class LossSpec:
         return self.factory(**{**self.defaults, **hparams, **self.fixed})
 
 
-LOSSES: dict[str, LossSpec] = {}
+LOSSES: Registry[LossSpec] = Registry("loss")
 
 
 def register_loss(
     name: str,
-    factory: Callable[..., nn.Module],
+    factory: Callable[..., MetricLoss],
     *,
     layout: BatchLayout,
     paper: str,
     summary: str,
-    defaults: dict[str, Any] | None = None,
     fixed: dict[str, Any] | None = None,
-) -> None:
-    """Add a loss to the registry.
-
-    ``defaults`` are the tunable hyperparameters with the paper's values; ``fixed`` are constructor
-    arguments that define this registry entry (e.g. which base loss a LoOp loss wraps) and cannot be
-    overridden through :func:`build_loss`.
-    """
-    if name in LOSSES:
-        raise ValueError(f"loss {name!r} registered twice")
-    LOSSES[name] = LossSpec(name, factory, dict(defaults or {}), layout, paper, summary, dict(fixed or {}))
+) -> LossSpec:
+    """Add a loss to the registry; its defaults are its constructor's (see the module docstring)."""
+    fixed = dict(fixed or {})
+    defaults = signature_defaults(factory, exclude=set(fixed))
+    return LOSSES.add(name, LossSpec(name, factory, defaults, layout, paper, summary, fixed))
 
 
-def build_loss(name: str, **hparams: Any) -> nn.Module:
+def build_loss(name: str, **hparams: Any) -> MetricLoss:
     """Construct the loss registered as ``name`` with the paper defaults overridden by ``hparams``."""
-    try:
-        spec = LOSSES[name]
-    except KeyError:
-        raise ValueError(f"unknown loss {name!r}; choose one of {sorted(LOSSES)}") from None
-    return spec.build(**hparams)
+    return LOSSES[name].build(**hparams)
