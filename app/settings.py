@@ -13,7 +13,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DMLSEARCH_", env_file=".env", extra="ignore")
 
     index_path: Path = Path("artifacts/index")
-    model_path: Path = Path("artifacts/model/model.onnx")
+    model_path: Path | None = Field(
+        None, description="model.onnx to embed queries with (default: the model the index carries)"
+    )
     backend: str | None = Field(None, pattern="^(faiss|milvus)$", description="expected index backend")
     milvus_uri: str | None = Field(None, description="reach the index's Milvus collection here instead")
     threads: int = Field(0, ge=0, description="onnxruntime intra-op threads (0 = all cores)")

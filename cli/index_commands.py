@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 commands = typer.Typer()
 index_app = typer.Typer(
-    help="Change and inspect an index in place: add, remove, stats, merge.", no_args_is_help=True
+    help="Change and inspect an index: add, remove, stats, merge, rebuild.", no_args_is_help=True
 )
 commands.add_typer(index_app, name="index")
 
@@ -36,6 +36,10 @@ class Backend(StrEnum):
 
 
 ModelOption = Annotated[Path, typer.Option(help="Exported model.onnx.")]
+StoredModelOption = Annotated[
+    Path | None,
+    typer.Option(help="Exported model.onnx (default: the one the index carries; if given, it must match)."),
+]
 IndexTypeOption = Annotated[
     IndexType | None,
     typer.Option(help="FAISS index type; auto picks from gallery size, dimension and memory budget."),
@@ -150,7 +154,7 @@ def build_index(
 def query(
     image: Annotated[Path, typer.Argument(help="Query image file.")],
     index: Annotated[Path, typer.Option(help="Index directory.")],
-    model: ModelOption = DEFAULT_MODEL,
+    model: StoredModelOption = None,
     k: Annotated[int, typer.Option("-k", "--k", min=1, max=1000, help="How many results.")] = 10,
     min_score: Annotated[float, typer.Option(min=-1.0, max=1.0)] = -1.0,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
@@ -190,11 +194,12 @@ def add(
     paths: Annotated[
         list[Path], typer.Argument(help="Image files or folders inside the index's gallery folder.")
     ],
-    model: ModelOption = DEFAULT_MODEL,
+    model: StoredModelOption = None,
     batch_size: Annotated[int, typer.Option(min=1, max=1024)] = 32,
     progress: ProgressOption = True,
 ) -> None:
     """Embed and add images to an index without rebuilding it."""
+    from engine.bundle import resolve_model
     from engine.embedder import Embedder
     from engine.indexing import add_images
     from index.gallery import IndexMismatchError
@@ -203,7 +208,8 @@ def add(
     if missing:
         raise fail(f"{missing[0]} does not exist")
     try:
-        report = add_images(index, Embedder(model), paths, batch_size=batch_size, progress=progress)
+        embedder = Embedder(resolve_model(index, model))
+        report = add_images(index, embedder, paths, batch_size=batch_size, progress=progress)
     except (IndexMismatchError, *EXPECTED_ERRORS) as err:
         raise fail(str(err)) from None
     _print_build_summary(index, report)
@@ -269,6 +275,42 @@ def stats(
         typer.echo(f"{key:>22}: {value}")
 
 
+@index_app.command("rebuild")
+def rebuild(
+    index: Annotated[Path, typer.Argument(help="Index directory to re-embed (only read).")],
+    model: Annotated[Path, typer.Option(help="The new exported model.onnx.")],
+    out: Annotated[Path, typer.Option(help="New index directory to write.")],
+    gallery: Annotated[
+        Path | None, typer.Option(help="Where the gallery is now, if not where INDEX recorded it.")
+    ] = None,
+    batch_size: Annotated[int, typer.Option(min=1, max=1024)] = 32,
+    threads: Annotated[int, typer.Option(min=0, help="onnxruntime threads (0 = all cores).")] = 0,
+    progress: ProgressOption = True,
+) -> None:
+    """Re-embed INDEX's gallery with a new model into a new index: same items, labels and ids.
+
+    Run it again after an interruption to continue. Serve the result, or switch a running server to it
+    (POST /v1/admin/reload, or SIGHUP after repointing the served path).
+    """
+    from engine.embedder import Embedder
+    from engine.rebuild import rebuild_index
+
+    try:
+        report = rebuild_index(
+            index,
+            Embedder(model, threads=threads),
+            out,
+            gallery_root=gallery,
+            batch_size=batch_size,
+            progress=progress,
+        )
+    except EXPECTED_ERRORS as err:
+        raise fail(str(err)) from None
+    if report.unchanged:
+        typer.echo(f"continued an interrupted rebuild: {report.unchanged} items were already re-embedded")
+    _print_build_summary(out, report)
+
+
 @index_app.command("merge")
 def merge(
     shards: Annotated[list[Path], typer.Argument(help="Shard index directories (build-index --shard I/N).")],
@@ -279,14 +321,20 @@ def merge(
     progress: ProgressOption = True,
 ) -> None:
     """Merge the FAISS shard directories of one gallery into one index (faiss's IVF merge)."""
+    from engine.bundle import store_model, stored_model
     from index.manifest import Manifest
     from index.merge import merge_shards
 
     try:
-        options = Manifest.load(shards[0]).options.with_changes(
+        first = Manifest.load(shards[0])
+        options = first.options.with_changes(
             index_type.value if index_type else None, _budget(memory_budget), target_recall
         )
         merged = merge_shards(shards, out, options=options, progress=progress)
+        model = stored_model(shards[0], first)
+        if model is not None:  # the merged index carries the shards' model too
+            merged.manifest.model_file = store_model(out, model)
+            merged.save()
     except EXPECTED_ERRORS as err:
         raise fail(str(err)) from None
     manifest = merged.manifest

@@ -22,7 +22,10 @@ commands = typer.Typer()
 def serve(
     index: Annotated[Path | None, typer.Option(help="Index directory (env DMLSEARCH_INDEX_PATH).")] = None,
     model: Annotated[
-        Path | None, typer.Option(help="Exported model.onnx (env DMLSEARCH_MODEL_PATH).")
+        Path | None,
+        typer.Option(
+            help="Exported model.onnx (env DMLSEARCH_MODEL_PATH; default: the one the index carries)."
+        ),
     ] = None,
     backend: Annotated[
         str | None, typer.Option(help="Refuse an index of another backend: faiss or milvus.")
@@ -184,9 +187,7 @@ def demo(
             *cli,
             "serve",
             "--index",
-            str(index_dir),
-            "--model",
-            str(model),
+            str(index_dir),  # the index carries its model
             "--host",
             host,
             "--port",

@@ -14,14 +14,17 @@ import shutil
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
+import numpy as np
 from tqdm import tqdm
 
+from engine.bundle import store_model
 from engine.embedder import Embedder
 from engine.images import IMAGE_SUFFIXES, ImageDecodeError, decode_image, list_images
 from index.gallery import GalleryIndex, replace_directory
 from index.manifest import MANIFEST_NAME, Manifest
-from index.protocol import Item, Move
+from index.protocol import Entry, Item, Move
 from index.selection import IndexOptions
 from index.sharding import Shard
 
@@ -113,8 +116,14 @@ def plan_sync(
     return plan
 
 
+class ItemSink(Protocol):
+    """Where embedded files go: an index, or a writer that keeps the ids of the items it re-embeds."""
+
+    def add(self, vectors: np.ndarray, entries: Sequence[Entry]) -> object: ...
+
+
 def embed_files(
-    index: GalleryIndex,
+    index: ItemSink,
     embedder: Embedder,
     files: Sequence[GalleryFile],
     report: BuildReport,
@@ -218,7 +227,7 @@ def build_index(
     """Make the index at ``out_dir`` match the images below ``gallery_root`` (or its shard of them).
 
     Index options and backend not given keep what an existing index was built with (auto, 0.95 recall,
-    no memory budget, faiss for a new one).
+    no memory budget, faiss for a new one). The index stores the embedder's model (``engine.bundle``).
     An index built with another model is rebuilt aside and swapped in when complete. Unreadable files are
     skipped and listed in the report.
     """
@@ -287,6 +296,7 @@ def build_index(
             raise ValueError(f"none of the {len(files)} files under {gallery_root} could be decoded")
         changed = bool(plan.remove or report.indexed) or options is not None
         report.rebuilt = index.build(retune=changed, progress=progress)
+        index.manifest.model_file = store_model(target, embedder.model_path)
         index.save()
     finally:
         index.close()

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from engine.bundle import resolve_model
 from engine.embedder import Embedder
 from engine.images import (
     DEFAULT_MAX_PIXELS,
@@ -162,7 +163,7 @@ class SearchService:
     @classmethod
     def open(
         cls,
-        model_path: Path,
+        model_path: Path | None,
         index_dir: Path,
         *,
         threads: int = 0,
@@ -172,10 +173,11 @@ class SearchService:
     ) -> SearchService:
         """``backend``: refuse an index of another backend; ``milvus_uri``: where its Milvus collection is.
 
-        The model's PDDM unit is loaded too when its card names one (a model exported from a pddm run).
+        ``model_path``: None serves the model the index carries. The model's PDDM unit is loaded too when
+        its card names one (a model exported from a pddm run).
         """
+        embedder = Embedder(resolve_model(index_dir, model_path), threads=threads)
         index = GalleryIndex.open(index_dir, backend=backend, milvus_uri=milvus_uri)
-        embedder = Embedder(model_path, threads=threads)
         reranker = PDDMReranker.for_model(embedder.model_path, embedder.card, threads=threads)
         return cls(embedder, index, reranker=reranker, **options)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Iterator
@@ -58,3 +60,23 @@ def atomic_write_with(target: Path, writer: Callable[[Path], object]) -> None:
     """Call ``writer(temporary_path)`` and move the result into place."""
     with atomic_path(target) as temporary:
         writer(temporary)
+
+
+def atomic_link_or_copy(source: Path, target: Path) -> None:
+    """Put the file ``source`` at ``target`` whole or not at all: a hard link where the file system allows
+    (no bytes copied; an export replaces its files by renaming, so the link keeps the old bytes), else a copy.
+
+    Unlike :func:`atomic_path` the new name keeps ``source``'s permissions: it may be the same inode.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(f".{target.name}.{secrets.token_hex(8)}.link")
+    try:
+        os.link(source, temporary)
+    except OSError:  # another file system, or one without hard links
+        atomic_write_with(target, lambda path: shutil.copyfile(source, path))
+        return
+    try:
+        os.replace(temporary, target)
+        _fsync(target.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    finally:
+        temporary.unlink(missing_ok=True)

@@ -27,9 +27,16 @@ def now_utc() -> str:
 class ItemStore:
     FILE_NAME = "items.sqlite"
 
-    def __init__(self, directory: Path, dim: int) -> None:
+    def __init__(self, directory: Path, dim: int, *, read_only: bool = False) -> None:
+        """``read_only``: open an existing store without the right to change it (reading another index)."""
         self.dim = dim
-        self.connection = sqlite3.connect(directory / self.FILE_NAME, check_same_thread=False)
+        path = directory / self.FILE_NAME
+        if read_only:
+            if not path.is_file():
+                raise FileNotFoundError(f"{directory} has no {self.FILE_NAME}")
+            self.connection = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+            return
+        self.connection = sqlite3.connect(path, check_same_thread=False)
         with self.connection:
             # AUTOINCREMENT: an id is never handed out again, even after its item is removed.
             self.connection.execute(
@@ -44,28 +51,38 @@ class ItemStore:
     # -- writing -----------------------------------------------------------------------------------
 
     def add(
-        self, vectors: np.ndarray, entries: Sequence[Entry], *, added: Sequence[str] | None = None
+        self,
+        vectors: np.ndarray,
+        entries: Sequence[Entry],
+        *,
+        added: Sequence[str] | None = None,
+        ids: Sequence[int] | None = None,
     ) -> list[int]:
         """Insert items and their vectors in one transaction; return their new ids.
 
-        ``added``: the items' original times (when copying items between indexes); default now.
+        ``added`` and ``ids``: the items' original times and ids (when copying items between indexes);
+        default now and the next free ids.
         """
         vectors = normalize_rows(vectors)
         check_dim(vectors, self.dim)
         if len(vectors) != len(entries):
             raise ValueError(f"{len(vectors)} vectors but {len(entries)} metadata rows")
         times = added if added is not None else [now_utc()] * len(entries)
-        ids = []
+        given = ids if ids is not None else [None] * len(entries)  # None: SQLite picks the next id
+        new_ids = []
         with self.connection:
             cursor = self.connection.cursor()
-            for vector, (path, label, content_hash), time in zip(vectors, entries, times, strict=True):
+            rows = zip(vectors, entries, times, given, strict=True)
+            for vector, (path, label, content_hash), time, item_id in rows:
                 cursor.execute(
-                    "INSERT INTO items (path, label, content_hash, added) VALUES (?, ?, ?, ?)",
-                    (path, label, content_hash, time),
+                    "INSERT INTO items (id, path, label, content_hash, added) VALUES (?, ?, ?, ?, ?)",
+                    (item_id, path, label, content_hash, time),
                 )
-                ids.append(int(cursor.lastrowid))
-                cursor.execute("INSERT INTO vectors (id, vector) VALUES (?, ?)", (ids[-1], vector.tobytes()))
-        return ids
+                new_ids.append(int(cursor.lastrowid))
+                cursor.execute(
+                    "INSERT INTO vectors (id, vector) VALUES (?, ?)", (new_ids[-1], vector.tobytes())
+                )
+        return new_ids
 
     def remove(self, ids: Sequence[int]) -> int:
         rows = [(int(i),) for i in ids]

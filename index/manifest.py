@@ -1,4 +1,11 @@
-"""``manifest.json``: what an index directory holds, how it was built and which model made its vectors."""
+"""``manifest.json``: what an index directory holds, how it was built and which model made its vectors.
+
+An index directory (FAISS) holds ``manifest.json``, ``items.sqlite`` (items and their vectors) and
+``vectors.faiss``; a Milvus one holds the manifest (and a Milvus Lite file). Since indexes carry their
+model, it also holds the model its vectors were embedded with: ``model.onnx``, its card ``model.json``,
+and the PDDM unit the card names, if any (``engine.bundle`` writes and reads them; ``model_file`` names
+the model, ``None`` for indexes built before). Copying the directory copies a servable search engine.
+"""
 
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ class Manifest(BaseModel):
     metric: str = "cosine"
     count: int = 0
     model_fingerprint: str
+    model_file: str | None = None  # the stored model (beside its card), None for indexes built before
     gallery_root: str | None = None
     shard: str | None = None  # "I/N" for a directory holding one shard of a gallery
     milvus_uri: str | None = None

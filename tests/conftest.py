@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import make_image
+from tests.helpers import export_small_model, make_image
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +24,12 @@ def exported_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         backbone="efficientnet_lite0",
     )
     return path
+
+
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another model than ``exported_model`` (a small 24-d CNN): what indexes are rebuilt or reloaded with."""
+    return export_small_model(tmp_path_factory.mktemp("small_model") / "small.onnx", seed=7)
 
 
 @pytest.fixture(scope="session")

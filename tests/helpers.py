@@ -76,6 +76,34 @@ def write_labelled_folder(root: Path, classes: int = 12, per_class: int = 5, siz
     return root
 
 
+def export_small_model(path: Path, *, seed: int, dim: int = 24, reranker: object = None) -> Path:
+    """A small seeded CNN embedder exported like any model (model.onnx + model.json): a "new model" for
+    rebuild and reload tests that embeds fast and differs from the pretrained one (fingerprint, dimension)."""
+    import torch
+    from torch import nn
+
+    from engine.model_card import Preprocessing
+    from training.export import export_onnx
+    from training.model import EmbeddingModel
+
+    torch.manual_seed(seed)
+    network = nn.Sequential(
+        nn.Conv2d(3, 8, kernel_size=4, stride=4),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32, dim),
+    )
+    export_onnx(
+        EmbeddingModel(network),
+        path,
+        preprocessing=Preprocessing(input_size=32, resize_size=32),
+        backbone=f"small-cnn-seed{seed}",
+        reranker=reranker,
+    )
+    return path
+
+
 def clustered_vectors(
     count: int, dim: int, *, clusters: int = 30, spread: float = 0.15, seed: int = 0
 ) -> np.ndarray:

@@ -122,6 +122,12 @@ def test_two_shards_merge_into_what_one_process_builds(
         )
     a, b = (Manifest.load(d) for d in (merged, whole))
     assert (a.count, a.index_spec, a.search_params) == (b.count, b.index_spec, b.search_params)
+    assert a.model_file == "model.onnx"  # the merged index carries the shards' model
+    image = synthetic_gallery / "beta" / "beta_0.png"
+    no_model = json.loads(_run("query", image, "--index", merged, "-k", "5", "--json"))["results"]
+    assert [(r["id"], r["path"], round(r["score"], 5)) for r in no_model] == _query(
+        merged, exported_model, image
+    )
 
 
 def test_milvus_lite_backend_end_to_end(
