@@ -11,6 +11,7 @@ import os
 import streamlit as st
 
 from app.client import ApiCallError, SearchClient
+from engine.images import IMAGE_SUFFIXES  # importing it also lets st.image show HEIC queries (pillow-heif)
 
 API_URL = os.environ.get("DMLSEARCH_API_URL", "http://127.0.0.1:8000").rstrip("/")
 COLUMNS = 4
@@ -102,9 +103,7 @@ def run_query(params: dict) -> dict | None:
     client = api_client(API_URL)
     source = st.radio("Query", [UPLOAD, GALLERY], horizontal=True, key="source")
     if source == UPLOAD:
-        upload = st.file_uploader(
-            "Query image", type=["jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff"]
-        )
+        upload = st.file_uploader("Query image", type=sorted(suffix[1:] for suffix in IMAGE_SUFFIXES))
         if upload is None:
             st.write("Upload an image to find visually similar gallery images.")
             return None

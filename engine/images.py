@@ -7,9 +7,14 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pillow_heif
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+# HEIC/HEIF (phones' default) through pillow-heif's Pillow plugin; AVIF is built into Pillow >= 11.
+# libheif applies the HEIF rotation boxes and resets the EXIF orientation, so exif_transpose below never
+# rotates a HEIC twice.
+pillow_heif.register_heif_opener()
+
 # Pillow format name -> the suffix a stored file of that format gets (MPO is a multi-picture JPEG).
 FORMAT_SUFFIXES = {
     "JPEG": ".jpg",
@@ -19,8 +24,13 @@ FORMAT_SUFFIXES = {
     "BMP": ".bmp",
     "GIF": ".gif",
     "TIFF": ".tif",
+    "HEIF": ".heic",
+    "AVIF": ".avif",
 }
 ALLOWED_FORMATS = frozenset(FORMAT_SUFFIXES)
+# Files with these suffixes are taken as images without looking inside; any other file is recognised by
+# its content (see is_image_file). Either way decoding goes by content, never by the name.
+IMAGE_SUFFIXES = frozenset({*FORMAT_SUFFIXES.values(), ".jpeg", ".tiff", ".heif", ".hif"})
 DEFAULT_MAX_PIXELS = 50_000_000
 # JPEG draft decoding keeps twice the final size and leaves the last step to Pillow's antialiased resize.
 # bench/jpeg_draft.py, Cars196 test classes as 1600-px JPEGs, 8,131 queries: decoding straight down to the
@@ -74,7 +84,7 @@ def decode_image(
     draft_size: int | None = None,
     draft_margin: int = DRAFT_MARGIN,
 ) -> Image.Image:
-    """Decode ``data`` into an RGB image with its EXIF orientation applied.
+    """Decode ``data`` (its first frame, for animations) into an RGB image with its EXIF orientation applied.
 
     ``draft_size``: the size the image will be resized to. JPEGs are then decoded by libjpeg at the
     smallest DCT scale (1/2, 1/4, 1/8) that keeps both sides >= ``draft_margin * draft_size``: a large
@@ -131,6 +141,24 @@ def load_image_file(
     return decode_image(path.read_bytes(), max_pixels=max_pixels, draft_size=draft_size)
 
 
+def is_image_file(path: Path) -> bool:
+    """Whether a gallery file is an image: by a known suffix, else by its header (Pillow's sniffing).
+
+    Hidden files without an image suffix are not sniffed: they are atomic writes' temporary files.
+    """
+    if not path.is_file():
+        return False
+    if path.suffix.lower() in IMAGE_SUFFIXES:
+        return True
+    if path.name.startswith("."):
+        return False
+    try:
+        with Image.open(path) as image:  # reads the header only
+            return image.format in ALLOWED_FORMATS
+    except Exception:  # unrecognised or unreadable: not an image of the gallery
+        return False
+
+
 def list_images(root: Path) -> list[Path]:
-    """All image files below ``root`` (by suffix), sorted for a deterministic order."""
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    """All image files below ``root`` (see :func:`is_image_file`), sorted for a deterministic order."""
+    return sorted(p for p in root.rglob("*") if is_image_file(p))

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from engine.bundle import store_model
 from engine.embedder import Embedder
-from engine.images import IMAGE_SUFFIXES, ImageDecodeError, decode_image, list_images
+from engine.images import ImageDecodeError, decode_image, list_images
 from index.gallery import GalleryIndex, replace_directory
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item, Move
@@ -236,7 +236,7 @@ def build_index(
         files = [p for p in files if shard.owns(p.relative_to(gallery_root).as_posix())]
     if not files:
         where = f"in shard {shard} of" if shard else "under"
-        raise ValueError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) {where} {gallery_root}")
+        raise ValueError(f"no images {where} {gallery_root}")
     out_dir = out_dir.resolve()
     target = out_dir
     changes = (index_type, memory_budget, target_recall)

@@ -21,7 +21,7 @@ from watchdog.observers import Observer
 
 from engine.changes import DEFAULT_MAX_BATCH, DEFAULT_SETTLE_SECONDS, ChangeBatcher
 from engine.embedder import Embedder
-from engine.images import IMAGE_SUFFIXES, list_images
+from engine.images import is_image_file, list_images
 from engine.indexing import BuildReport, build_index, sync_files
 from index.gallery import GalleryIndex
 
@@ -86,7 +86,7 @@ class GalleryWatcher:
         for path in paths:
             if path.is_dir():
                 files.update(list_images(path))
-            elif path.suffix.lower() in IMAGE_SUFFIXES and path.is_file():
+            elif is_image_file(path):
                 files.add(path)
         report = BuildReport()
         sync_files(
