@@ -2,7 +2,8 @@
 
     OMP_NUM_THREADS=1 python bench/train_all.py --data ../shared/data/cars196/images \\
         [--mode frozen|partial] [--cache-dir ../cache/dmlsearch] [--runs-dir ../cache/dmlsearch/bench-runs] \\
-        [--methods almn magnet ...] [--max-steps 3000] [--patience 8] [--views 4] [--seed 0]
+        [--methods almn magnet ...] [--recipe recommended|paper] [--max-steps N] [--patience N] [--seed 0] \\
+        [--set views=2 ...]
 
 ``--mode frozen`` trains the head on cached pooled features; ``--mode partial`` also trains the backbone's
 last stage on cached maps entering it (about 0.6 s a 128-image step on one core instead of milliseconds,
@@ -17,14 +18,15 @@ every test image, gallery = the other test images); checkpoints are selected on 
 head on the same cached EfficientNet-Lite0 features (plus augmented views), with Adam, the same learning rate
 and step budget, and early stopping on validation Recall@1. The first row is the pretrained backbone with no
 training; the peers are pytorch-metric-learning's MultiSimilarityLoss (+ its miner) and AngularLoss trained
-the same way. A few losses get settings chosen on the validation classes (``METHOD_SETTINGS``); the table's
-last column lists them.
+the same way. Every row trains with its loss's recipe from ``training/recipes.py`` (the one source of truth
+that ``dmlsearch train`` uses too; ``--recipe paper`` for the values as printed); the table's last column
+lists what the recipe set.
 
 Backbone features are extracted once into ``--cache-dir`` (minutes on a CPU) and reused by every run;
 each run directory under ``--runs-dir`` is resumed rather than retrained when it exists.
-Writes ``bench/results/train_all.{md,json}`` (partial: ``train_all_partial.{md,json}``; a seed other
-than 0 adds ``_seed{N}``); with ``--methods``, the rows run replace those of the same method in an
-existing table made with the same budget, and the others are kept.
+Writes ``bench/results/train_all.{md,json}`` after every row (partial adds ``_partial``, the paper recipe
+``_paper``, a seed other than 0 ``_seed{N}``); the rows run replace those of the same method in an existing
+table made with the same budget, and the others are kept.
 """
 
 from __future__ import annotations
@@ -47,6 +49,15 @@ from pytorch_metric_learning import miners as pml_miners
 from index.atomic import atomic_write_text
 from training.config import TrainConfig
 from training.losses import LOSSES, MetricLoss, register_loss
+from training.recipes import (
+    DEFAULT_RECIPE,
+    RECIPE_NAMES,
+    RecipeName,
+    Resolved,
+    parse_assignments,
+    recipe,
+    resolve,
+)
 from training.trainer import train
 
 RESULTS = Path(__file__).parent / "results"
@@ -105,52 +116,22 @@ def register_peers() -> None:
 
 @dataclass(frozen=True)
 class Method:
-    """One row: a registered loss with (optionally) non-default loss hyperparameters and training settings."""
+    """One row: a registered loss trained with its recipe (training/recipes.py), plus any overrides."""
 
     label: str
     loss: str
-    hparams: dict[str, Any] = field(default_factory=dict)
-    settings: dict[str, Any] = field(default_factory=dict)
+    overrides: dict[str, Any] = field(default_factory=dict)
 
     @property
     def run_name(self) -> str:
         return "".join(char if char.isalnum() or char in "-_." else "_" for char in self.label)
 
-    def describe(self) -> str:
-        return ", ".join(f"{key}={value}" for key, value in {**self.hparams, **self.settings}.items()) or "-"
+    def resolved(self, recipe_name: RecipeName, budget: dict[str, Any]) -> Resolved:
+        return resolve(self.loss, recipe_name, {**budget, **self.overrides})
 
-
-# Settings chosen on the validation classes (never the test classes). Losses on raw dot products of
-# unnormalised embeddings have the squared norm as softmax temperature, and the PCA-initialised head starts
-# with norms below 1 (logits within +-1): N-pair and Angular improve with the loss seeing 4x the head output
-# and degrade without it; ALMN's centre logits need more (validation R@1 peak 72.7 at 4x, 73.3 at 16x).
-# LoOp-triplet's 16 classes x 2 (the authors' code) peaked at 75.5 on validation, 32 x 4 at 76.4.
-# PDDM's unit starts random, and the quadruplets it mines dip validation R@1 (to 70-71 around steps 200-500
-# in every run) before it recovers: early stopping may not end a PDDM run before step 1500.
-METHOD_SETTINGS: dict[str, dict[str, Any]] = {
-    "almn": {"embedding_scale": 16.0},
-    "pddm": {"min_steps": 1500},
-    "loop-triplet": {"classes_per_batch": 32, "samples_per_class": 4},
-    "npair": {"embedding_scale": 4.0},
-    "angular": {"embedding_scale": 4.0},
-    "npair-angular": {"embedding_scale": 4.0},
-}
-
-
-# Loss hyperparameters other than the paper defaults, chosen on validation R@1 like the settings above.
-# ALMN's virtual-point factor after 800 steps: 73.3 (beta 3, the default), 74.3 (1), 75.5 (0.5); beta 0,
-# the paper's baseline, is its own row. PDDM with its defaults peaked at 72.3 (untrained 72.0) and then
-# fell; one hard quadruplet per class, embedding margin 0.2 and the embedding term weighted 10x reached 75.0;
-# one per sample with margin 0.2 peaked at 75.6 (lambda 1) and 74.0 (lambda 10); 32 x 4 batches 74.5,
-# a unit as wide as the embedding (hidden 512) 75.1, no dropout 72.1.
-# Magnet at the printed Eq. 5 (global scaling 1) fell from 72.0 to 60-66 within 300 steps whatever the
-# sampling; the paper's tuned "global scaling" (Appendix B, 2.3-14.2) at 4: peak 71.0, 8: 76.8, 16: 74.1
-# (16 with gap 4: 76.6), 64: 72.5.
-METHOD_HPARAMS: dict[str, dict[str, Any]] = {
-    "almn": {"beta": 0.5},
-    "magnet": {"global_scaling": 8.0},
-    "pddm": {"quadruplets": "per_sample", "beta": 0.2, "lam": 1.0},
-}
+    def describe(self, recipe_name: RecipeName) -> str:
+        values = {key: choice.value for key, choice in recipe(self.loss, recipe_name).items()}
+        return ", ".join(f"{key}={value}" for key, value in {**values, **self.overrides}.items()) or "-"
 
 
 def all_methods() -> list[Method]:
@@ -158,32 +139,30 @@ def all_methods() -> list[Method]:
     for name in sorted(LOSSES):
         if name.startswith("pml-"):
             continue
-        settings = METHOD_SETTINGS.get(name, {})
-        if name == "almn":  # the paper's baseline (beta = 0, Eq. 3) and its method (beta > 0)
-            methods.append(Method("almn (beta=0)", name, {"beta": 0.0}, settings))
-        methods.append(Method(name, name, METHOD_HPARAMS.get(name, {}), settings))
+        if name == "almn":  # the paper's baseline (beta = 0, Eq. 3) beside its method (beta > 0)
+            methods.append(Method("almn (beta=0)", name, {"beta": 0.0}))
+        methods.append(Method(name, name))
     return [*methods, Method("pml-ms (peer)", "pml-ms"), Method("pml-angular (peer)", "pml-angular")]
 
 
 def run_method(method: Method, args: argparse.Namespace) -> dict[str, Any]:
-    settings = {
-        "max_steps": args.max_steps,
-        "patience": args.patience,
-        "views": args.views,
-        "seed": args.seed,
-        **method.settings,
-    }
-    config = TrainConfig(
-        loss=method.loss,
-        data=str(args.data.resolve()),
+    resolved = method.resolved(args.recipe, budget_overrides(args, method.loss))
+    config = resolved.config(
+        method.loss,
+        str(args.data.resolve()),
         mode=args.mode,
-        loss_hparams=method.hparams,
         cache_dir=str(args.cache_dir.resolve()),
         device="cpu",
-        **settings,
+        seed=args.seed,
     )
-    summary = train(config, args.runs_dir / args.mode / method.run_name, progress=True)
-    return {"method": method.label, "loss": method.loss, "settings": method.describe(), **summary}
+    summary = train(config, args.runs_dir / args.mode / args.recipe / method.run_name, progress=True)
+    return {"method": method.label, "loss": method.loss, "settings": method.describe(args.recipe), **summary}
+
+
+def budget_overrides(args: argparse.Namespace, loss: str) -> dict[str, Any]:
+    """What the command line sets over every recipe: the budget flags given and ``--set`` values."""
+    given = {key: getattr(args, key) for key in ("max_steps", "patience") if getattr(args, key) is not None}
+    return {**given, **parse_assignments(loss, args.set)}
 
 
 def percent(metrics: dict[str, float]) -> dict[str, float]:
@@ -227,6 +206,51 @@ def merged_rows(
     return sorted(by_method.values(), key=lambda row: order.index(row["method"]))
 
 
+def table_stem(mode: str, recipe_name: str, seed: int) -> str:
+    """Other modes, recipes and seeds get tables of their own, so a study never mixes into the main table."""
+    stem = "train_all" + ("" if mode == "frozen" else f"_{mode}")
+    stem += "" if recipe_name == DEFAULT_RECIPE else f"_{recipe_name}"
+    return stem + (f"_seed{seed}" if seed else "")
+
+
+def budget_text(args: argparse.Namespace) -> str:
+    defaults = TrainConfig.model_fields
+    max_steps = args.max_steps or defaults["max_steps"].default
+    patience = args.patience or defaults["patience"].default
+    return (
+        f"Budget per method: at most {max_steps} Adam steps (lr {defaults['lr'].default}"
+        f"{STAGE_LR[args.mode]} unless the recipe sets it), validation every epoch, early stopping after "
+        f"{patience} validations without improvement (not before the recipe's min_steps); each loss's "
+        f"{args.recipe} recipe (training/recipes.py; its values in the settings column)"
+        f"{'; every row also ' + ', '.join(args.set) if args.set else ''}; seed {args.seed}. "
+        "Metrics in %, test = unseen classes."
+    )
+
+
+def write_table(args: argparse.Namespace, rows: list[dict[str, Any]], baseline: dict[str, float]) -> str:
+    """Write the table (merged with the existing one when only some ``--methods`` ran); after every row."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    command = shlex.join([*([f"OMP_NUM_THREADS={threads}"] if threads else []), "python", *sys.argv])
+    budget = budget_text(args)
+    stem = table_stem(args.mode, args.recipe, args.seed)
+    previous = RESULTS / f"{stem}.json"
+    if previous.exists():
+        rows = merged_rows(json.loads(previous.read_text()), rows, budget, [m.label for m in all_methods()])
+    report = {
+        "command": command,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        "budget": budget,
+        "pretrained": baseline,
+        "rows": rows,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    table = markdown(rows, baseline, command, budget, args.mode)
+    atomic_write_text(RESULTS / f"{stem}.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(RESULTS / f"{stem}.md", table)
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -235,11 +259,14 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, default=Path("../cache/dmlsearch"))
     parser.add_argument("--runs-dir", type=Path, default=Path("../cache/dmlsearch/bench-runs"))
     parser.add_argument("--methods", nargs="*", help="row labels to run (default: all)")
-    parser.add_argument("--max-steps", type=int, default=3000)
-    parser.add_argument("--patience", type=int, default=8)
+    parser.add_argument("--recipe", choices=RECIPE_NAMES, default=DEFAULT_RECIPE)
+    parser.add_argument("--max-steps", type=int, help="override every recipe's step budget")
+    parser.add_argument("--patience", type=int, help="override every recipe's early-stopping patience")
     parser.add_argument("--mode", choices=("frozen", "partial"), default="frozen")
-    parser.add_argument("--views", type=int, default=4, help="augmented feature views per training image")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="override every recipe, e.g. views=2"
+    )
     args = parser.parse_args()
 
     register_peers()
@@ -256,32 +283,7 @@ def main() -> None:
         baseline = percent(result.pop("test_backbone"))
         rows.append({**result, "test": percent(result["test"]), "val": percent(result["val"])})
         print(f"{method.label}: test R@1 {rows[-1]['test']['recall@1']:.2f}", flush=True)
-    threads = os.environ.get("OMP_NUM_THREADS")
-    command = shlex.join([*([f"OMP_NUM_THREADS={threads}"] if threads else []), "python", *sys.argv])
-    budget = (
-        f"Budget per method: at most {args.max_steps} Adam steps (lr 1e-4{STAGE_LR[args.mode]}, each loss's "
-        "paper batch layout), "
-        f"validation every epoch, early stopping after {args.patience} validations without improvement; "
-        f"{args.views} augmented feature views; seed {args.seed}. Metrics in %, test = unseen classes."
-    )
-    # Other seeds get tables of their own, so a seed study never mixes into the main table.
-    stem = "train_all" + ("" if args.mode == "frozen" else f"_{args.mode}")
-    stem += f"_seed{args.seed}" if args.seed else ""
-    previous = RESULTS / f"{stem}.json"
-    if args.methods and previous.exists():
-        rows = merged_rows(json.loads(previous.read_text()), rows, budget, [m.label for m in all_methods()])
-    report = {
-        "command": command,
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
-        "budget": budget,
-        "pretrained": baseline,
-        "rows": rows,
-    }
-    RESULTS.mkdir(exist_ok=True)
-    table = markdown(rows, baseline, command, budget, args.mode)
-    atomic_write_text(RESULTS / f"{stem}.json", json.dumps(report, indent=2) + "\n")
-    atomic_write_text(RESULTS / f"{stem}.md", table)
+        table = write_table(args, rows, baseline)
     print(table)
 
 

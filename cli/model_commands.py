@@ -61,9 +61,22 @@ def export(
 
 @commands.command()
 def train(
-    loss: Annotated[str, typer.Option(help="Loss name (see the loss registry).")],
+    loss: Annotated[
+        str,
+        typer.Option(
+            help="Loss name (`dmlsearch losses` lists them), or `auto` to race the strongest recipes on "
+            "the validation classes and keep the best."
+        ),
+    ],
     data: Annotated[Path, typer.Option(help="Image folder (label = sub-folder) or CSV path,label[,split].")],
     out: Annotated[Path, typer.Option(help="Run directory (an existing run there is resumed).")],
+    recipe: Annotated[
+        str | None,
+        typer.Option(
+            help="recommended (default): the settings validated by class-fold cross-validation "
+            "(training/recipes.py); paper: the values as printed in the loss's paper."
+        ),
+    ] = None,
     mode: Annotated[
         Literal["frozen", "partial", "finetune"] | None,
         typer.Option(
@@ -75,7 +88,9 @@ def train(
     hparam: Annotated[
         list[str] | None,
         typer.Option(
-            "--hparam", "-p", help="key=value for the loss or the trainer, e.g. -p lr=1e-4 -p beta=0."
+            "--hparam",
+            "-p",
+            help="key=value for the loss or the trainer, over the recipe, e.g. -p lr=1e-4 -p beta=0.",
         ),
     ] = None,
     train_classes: Annotated[
@@ -83,6 +98,13 @@ def train(
     ] = None,
     cache_dir: Annotated[Path | None, typer.Option(help="Feature cache to share between runs.")] = None,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    race_steps: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="--loss auto: steps each candidate trains before the race is judged (default: printed).",
+        ),
+    ] = None,
 ) -> None:
     """Train an embedding head (and, fine-tuning, the backbone) with a deep-metric-learning loss.
 
@@ -92,26 +114,38 @@ def train(
     import torch
     from pydantic import ValidationError
 
-    from training.config import TrainConfig, parse_hparams
+    from training.auto import train_auto
     from training.data import DataError
+    from training.recipes import AUTO_CANDIDATES, AUTO_RACE_STEPS, DEFAULT_RECIPE, parse_assignments, resolve
     from training.run_dir import RunDirError
     from training.trainer import train as run_training
 
     if not data.exists():
         raise fail(f"data {data} does not exist")
+    fields = {
+        "mode": mode or ("finetune" if torch.cuda.is_available() else "frozen"),
+        "train_classes": train_classes,
+        "cache_dir": str(cache_dir.resolve()) if cache_dir else None,
+        "seed": seed,
+    }
     try:
-        settings, loss_hparams = parse_hparams(loss, hparam or [])
-        config = TrainConfig(
-            loss=loss,
-            data=str(data.resolve()),
-            mode=mode or ("finetune" if torch.cuda.is_available() else "frozen"),
-            loss_hparams=loss_hparams,
-            train_classes=train_classes,
-            cache_dir=str(cache_dir.resolve()) if cache_dir else None,
-            seed=seed,
-            **settings,
-        )
-        summary = run_training(config, out)
+        if loss == "auto":
+            if recipe not in (None, DEFAULT_RECIPE):
+                raise fail(f"--loss auto races the {DEFAULT_RECIPE} recipes; drop --recipe")
+            race_steps = race_steps or AUTO_RACE_STEPS
+            overrides = parse_assignments(AUTO_CANDIDATES[0], hparam or [])
+            typer.echo(
+                f"racing {', '.join(AUTO_CANDIDATES)}: {race_steps} steps each, judged on validation Recall@1"
+            )
+            summary = train_auto(
+                str(data.resolve()), out, overrides=overrides, race_steps=race_steps, **fields
+            )
+            race = summary["race"]
+            scores = ", ".join(f"{name} {100 * value:.2f}" for name, value in race["val_recall@1"].items())
+            typer.echo(f"race (validation recall@1): {scores}; kept {race['winner']}")
+        else:
+            resolved = resolve(loss, recipe or DEFAULT_RECIPE, parse_assignments(loss, hparam or []))
+            summary = run_training(resolved.config(loss, str(data.resolve()), **fields), out)
     except ValidationError as err:
         raise fail(f"invalid training setting: {err}") from None
     except (DataError, RunDirError, ValueError) as err:
@@ -123,6 +157,27 @@ def train(
     typer.echo(f"test        {_metrics_line(summary['test'])}")
     typer.echo(f"untrained   {_metrics_line(summary['test_backbone'])}")
     typer.echo(f"run in {out}; export it with: dmlsearch export {out}")
+
+
+@commands.command()
+def losses() -> None:
+    """Every loss: its paper, the batch layout it trains on, and its recommended recipe (`--recipe`)."""
+    from training.losses import LOSSES
+    from training.recipes import recipe
+
+    for name, spec in sorted(LOSSES.items()):
+        layout = spec.layout
+        typer.secho(name, bold=True)
+        typer.echo(f"  paper:  {spec.paper}")
+        typer.echo(f"  about:  {spec.summary}")
+        typer.echo(
+            f"  batch:  {layout.classes} x {layout.samples_per_class} ({layout.kind}): {layout.description}"
+        )
+        printed = ", ".join(f"{key}={value}" for key, value in spec.defaults.items()) or "-"
+        typer.echo(f"  paper values (--recipe paper): {printed}")
+        typer.echo("  recommended recipe (default):")
+        for key, choice in recipe(name).items():
+            typer.echo(f"    {key}={choice.value}: {choice.reason}")
 
 
 @commands.command("eval")

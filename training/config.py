@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from training.losses import LOSSES
 
 Mode = Literal["frozen", "partial", "finetune"]
 
 # Fields that may change when a run is resumed (they do not change what the steps already taken computed).
 RESUMABLE_FIELDS = frozenset(
-    {"max_steps", "patience", "min_steps", "workers", "cache_dir", "eval_batch_size"}
+    {"max_steps", "patience", "min_steps", "workers", "cache_dir", "eval_batch_size", "recipe"}
 )
 
 
@@ -48,6 +45,10 @@ class TrainConfig(BaseModel):
     views: int = Field(0, ge=0, description="frozen: augmented feature views per training image")
     train_classes: int | None = Field(None, ge=1)
     val_fraction: float = Field(0.2, gt=0, lt=1)
+    fold: int | None = Field(
+        None, ge=0, description="cross-validation: test on this fold of the training classes instead"
+    )
+    folds: int = Field(3, ge=2, description="cross-validation: class folds of the training classes")
     clusters_per_class: int = Field(4, ge=1, description="magnet: k-means clusters per class")
     cluster_refresh: int = Field(250, ge=1, description="magnet: steps between cluster index rebuilds")
     seed: int = 0
@@ -56,41 +57,11 @@ class TrainConfig(BaseModel):
     amp: bool = Field(True, description="finetune on GPU: mixed precision")
     workers: int = Field(2, ge=0, description="finetune: image loading processes")
     eval_batch_size: int = Field(64, ge=1)
+    recipe: dict[str, Any] | None = Field(
+        None, description="where the settings came from (training/recipes.py): name, values, overrides"
+    )
 
     def resume_conflicts(self, saved: TrainConfig) -> list[str]:
         """Fields that differ from the saved run's config and would make resuming it wrong."""
         ours, theirs = self.model_dump(), saved.model_dump()
         return sorted(key for key in ours if key not in RESUMABLE_FIELDS and ours[key] != theirs[key])
-
-
-def parse_hparams(loss: str, assignments: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split ``key=value`` strings into (training settings, loss hyperparameters).
-
-    Values are parsed as JSON where possible (numbers, booleans, null), else kept as strings. A key may
-    name a :class:`TrainConfig` field or one of the loss's hyperparameters; anything else is an error.
-    """
-    loss_keys = set(LOSSES[loss].defaults)  # an unknown loss fails here, with the known names
-    settings: dict[str, Any] = {}
-    loss_hparams: dict[str, Any] = {}
-    fixed = {"loss", "data", "loss_hparams"}
-    for assignment in assignments:
-        key, sep, raw = assignment.partition("=")
-        key = key.strip()
-        if key not in loss_keys:
-            key = key.replace("-", "_")  # --hparam max-steps=... works like max_steps=...
-        if not sep or not key:
-            raise ValueError(f"hyperparameters are key=value, got {assignment!r}")
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        if key in loss_keys:
-            loss_hparams[key] = value
-        elif key in TrainConfig.model_fields and key not in fixed:
-            settings[key] = value
-        else:
-            raise ValueError(
-                f"unknown hyperparameter {key!r}: loss {loss!r} takes {sorted(loss_keys)}; training takes "
-                f"{sorted(set(TrainConfig.model_fields) - fixed)}"
-            )
-    return settings, loss_hparams

@@ -56,6 +56,9 @@ class ClassSplit:
     train: np.ndarray
     val: np.ndarray
     test: np.ndarray
+    # Every image of the classes training may draw from (train + val, plus a cross-validation fold's test
+    # classes): augmented views are cached for these, so one cache serves every validation share and fold.
+    pool: np.ndarray
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in SPLITS:
@@ -120,7 +123,12 @@ def _index_labels(
 
 
 def split_classes(
-    data: LabelledImages, *, train_classes: int | None = None, val_fraction: float = 0.2
+    data: LabelledImages,
+    *,
+    train_classes: int | None = None,
+    val_fraction: float = 0.2,
+    fold: int | None = None,
+    folds: int = 3,
 ) -> ClassSplit:
     """The DML split: train / val / test image indices over disjoint classes.
 
@@ -128,6 +136,9 @@ def split_classes(
     ``train_classes``, are for training and the rest for testing. A CSV split column decides per image
     instead (a class must not appear in two splits). Unless the CSV names ``val`` images, the last
     ``val_fraction`` of the training classes (at least two) is held out for validation.
+
+    Cross-validation over the training classes: ``fold`` k of ``folds`` makes the k-th contiguous block of
+    the training (and validation) classes the test split; the real test classes are not used at all.
     """
     num_classes = len(data.class_names)
     if data.splits is not None and train_classes is None:
@@ -141,12 +152,27 @@ def split_classes(
         test = np.flatnonzero(data.labels >= cut)
         val = np.zeros(0, dtype=np.int64)
     _check_disjoint(data, {"train": train, "val": val, "test": test})
+    pool = np.sort(np.concatenate([train, val]))
+    if fold is not None:
+        train, test = _fold(data, pool, fold, folds)
+        val = np.zeros(0, dtype=np.int64)
     if len(val) == 0:
         train, val = _carve_validation(data, train, val_fraction)
     for name, indices in (("train", train), ("val", val), ("test", test)):
         if len(indices) == 0:
             raise DataError(f"the {name} split is empty")
-    return ClassSplit(train=train, val=val, test=test)
+    return ClassSplit(train=train, val=val, test=test, pool=pool)
+
+
+def _fold(data: LabelledImages, pool: np.ndarray, fold: int, folds: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, test) of the pool: the ``fold``-th of ``folds`` contiguous blocks of its classes is test."""
+    classes = np.unique(data.labels[pool])
+    if not 0 <= fold < folds <= len(classes):
+        raise DataError(
+            f"fold must be in 0..{folds - 1} and folds at most {len(classes)}, got {fold}/{folds}"
+        )
+    is_test = np.isin(data.labels[pool], np.array_split(classes, folds)[fold])
+    return pool[~is_test], pool[is_test]
 
 
 def _check_disjoint(data: LabelledImages, splits: dict[str, np.ndarray]) -> None:

@@ -70,7 +70,13 @@ def prepare_data(
     """
     dist = dist or Distributed()
     images = load_labelled_images(Path(config.data))
-    split = split_classes(images, train_classes=config.train_classes, val_fraction=config.val_fraction)
+    split = split_classes(
+        images,
+        train_classes=config.train_classes,
+        val_fraction=config.val_fraction,
+        fold=config.fold,
+        folds=config.folds,
+    )
     for turn in (True, False):  # the main process extracts first; the others then read the cache
         if dist.is_main == turn:
             show = progress and dist.is_main
@@ -80,10 +86,9 @@ def prepare_data(
             if config.mode == "partial":
                 extractor = FeatureExtractor(cache_dir, config.backbone, stage="trunk", progress=show)
             base_inputs = base.features if extractor is pooled else extractor.extract(images.files()).features
-            # Augmented views are extracted for the readable images of all training classes, validation
-            # ones included, so the cache stays valid when the validation share changes.
-            training_range = np.sort(np.concatenate([split.train, split.val]))
-            training_range = training_range[base.ok[training_range]]
+            # Augmented views are extracted for the readable images of the whole training pool, so the
+            # cache stays valid when the validation share or the cross-validation fold changes.
+            training_range = split.pool[base.ok[split.pool]]
             augmented = [
                 extractor.extract(images.files(training_range), view=view, seed=config.seed).features
                 for view in range(1, config.views + 1)

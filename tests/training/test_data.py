@@ -40,6 +40,23 @@ def test_dml_split_trains_on_the_first_half_and_validates_on_held_out_training_c
         split_classes(data, train_classes=3)
 
 
+def test_class_folds_cross_validate_within_the_training_classes(labelled_folder: Path) -> None:
+    data = load_labelled_images(labelled_folder)
+    plain = split_classes(data, train_classes=9)  # classes 0-8 train (+ val), 9-11 never used by folds
+    tests = []
+    for fold in range(3):
+        split = split_classes(data, train_classes=9, fold=fold, folds=3)
+        train, val, test = (set(data.labels[split[name]].tolist()) for name in ("train", "val", "test"))
+        assert test == set(range(3 * fold, 3 * fold + 3))  # the fold-th contiguous block
+        assert not (train | val) & test and (train | val | test) == set(range(9))
+        assert val == set(sorted(train | val)[-2:])  # checkpoint selection on the last training classes
+        assert list(split.pool) == list(plain.pool)  # one augmented-view cache serves every fold
+        tests.append(test)
+    assert set().union(*tests) == set(range(9))
+    with pytest.raises(DataError, match="fold must be"):
+        split_classes(data, fold=3, folds=3)
+
+
 def test_csv_with_split_column(labelled_folder: Path, tmp_path: Path) -> None:
     rows = []
     for label in range(6):

@@ -1,0 +1,265 @@
+"""Cross-validate the training recipes over class folds of the Cars196 training classes.
+
+    OMP_NUM_THREADS=1 python bench/recipes_cv.py --data ../shared/data/cars196/images \\
+        [--cache-dir ../cache/dmlsearch] [--runs-dir ../cache/dmlsearch/recipes-cv] [--folds 3] \\
+        [--methods almn magnet ...] [--candidates paper recommended ...] [--report-only]
+
+Recipes are judged on datasets nobody here sees, so they must generalise rather than fit one split. The
+98 Cars196 training classes (the test classes 99-196 are never touched) are cut into ``--folds``
+contiguous blocks (classes sorted by name, so a fold's makes are mostly unseen in its training). For fold
+k, block k is the test set; the other classes train the model, their last 20% held out for checkpoint
+selection as usual (``TrainConfig.fold``). Each method trains with each candidate recipe on each fold:
+
+* ``paper``: the values as printed (``--recipe paper``);
+* ``recommended``: ``training/recipes.py`` (the default of ``dmlsearch train``);
+* any variants in :data:`VARIANTS` (the recommended recipe with some values changed), tried where a
+  candidate failed or was marginal.
+
+The table reports each candidate's test Recall@1 per fold against the untrained model on the same fold,
+the mean and spread of the gain, and the worst fold. The preferred candidate is the one that helps on every
+fold with the highest mean gain, not the one that peaks on one fold. Run directories are resumed; the table
+is rebuilt from every finished run after each run (``--report-only`` just rebuilds it), so two processes
+working on different ``--methods`` may share one ``--runs-dir``.
+Writes ``bench/results/recipes_cv.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import statistics
+from pathlib import Path
+from typing import Any
+
+from index.atomic import atomic_write_text
+from training.config import TrainConfig
+from training.recipes import DEFAULT_RECIPE, RecipeName, recipe, resolve
+from training.run_dir import RunDirectory
+from training.trainer import SELECTION_METRIC, train
+
+RESULTS = Path(__file__).parent / "results"
+# The paper methods (ALMN, Magnet, PDDM, Angular, NL&AL, the four LoOp losses) and MS as a baseline.
+METHODS = (
+    "almn",
+    "magnet",
+    "pddm",
+    "angular",
+    "npair-angular",
+    "loop-triplet",
+    "loop-hphn-triplet",
+    "loop-lifted",
+    "loop-ms",
+    "ms",
+)
+# Candidate -> (the recipe it starts from, values changed on top), per loss; `paper` and `recommended`
+# apply to every loss.
+BASE_CANDIDATES: dict[str, tuple[RecipeName, dict[str, Any]]] = {
+    "paper": ("paper", {}),
+    "recommended": (DEFAULT_RECIPE, {}),
+}
+VARIANTS: dict[str, dict[str, tuple[RecipeName, dict[str, Any]]]] = {}
+
+
+def candidates(loss: str) -> dict[str, tuple[RecipeName, dict[str, Any]]]:
+    return {**BASE_CANDIDATES, **VARIANTS.get(loss, {})}
+
+
+def run_path(runs_dir: Path, candidate: str, loss: str, fold: int) -> Path:
+    return runs_dir / candidate / loss / f"fold{fold}"
+
+
+def fold_config(args: argparse.Namespace, loss: str, candidate: str, fold: int) -> TrainConfig:
+    recipe_name, changes = candidates(loss)[candidate]
+    resolved = resolve(loss, recipe_name, {**changes, **budget_overrides(args)})
+    return resolved.config(
+        loss,
+        str(args.data.resolve()),
+        mode="frozen",
+        fold=fold,
+        folds=args.folds,
+        cache_dir=str(args.cache_dir.resolve()),
+        device="cpu",
+        seed=args.seed,
+    )
+
+
+def budget_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {key: getattr(args, key) for key in ("max_steps", "patience") if getattr(args, key) is not None}
+
+
+def describe(loss: str, candidate: str) -> str:
+    recipe_name, changes = candidates(loss)[candidate]
+    values = {key: choice.value for key, choice in recipe(loss, recipe_name).items()}
+    return ", ".join(f"{key}={value}" for key, value in {**values, **changes}.items()) or "-"
+
+
+def collect(args: argparse.Namespace) -> dict[str, Any]:
+    """Every finished run under ``--runs-dir`` as per-method, per-candidate fold results (R@1 in %)."""
+    methods: dict[str, Any] = {}
+    untrained: dict[int, float] = {}
+    for loss in METHODS:
+        for candidate in candidates(loss):
+            folds = {}
+            for fold in range(args.folds):
+                summary = RunDirectory(run_path(args.runs_dir, candidate, loss, fold)).read_summary()
+                if summary is None:
+                    continue
+                untrained[fold] = round(100 * summary["test_backbone"][SELECTION_METRIC], 2)
+                folds[fold] = {
+                    "r1": round(100 * summary["test"][SELECTION_METRIC], 2),
+                    "gain": round(
+                        100
+                        * (summary["test"][SELECTION_METRIC] - summary["test_backbone"][SELECTION_METRIC]),
+                        2,
+                    ),
+                    "val_r1": round(100 * summary["val"][SELECTION_METRIC], 2),
+                    "best_step": summary["best_step"],
+                    "steps": summary["steps"],
+                }
+            if folds:
+                methods.setdefault(loss, {})[candidate] = {
+                    "settings": describe(loss, candidate),
+                    "folds": folds,
+                    **spread(folds, args.folds),
+                }
+    for results in methods.values():
+        results_done = {name: r for name, r in results.items() if r["complete"]}
+        helping = {name: r for name, r in results_done.items() if r["min_gain"] > 0}
+        pool = helping or results_done
+        best = max(pool, key=lambda name: pool[name]["mean_gain"]) if pool else None
+        for name, result in results.items():
+            result["preferred"] = name == best
+            result["helps_every_fold"] = result["complete"] and result["min_gain"] > 0
+    return {"untrained": untrained, "methods": methods}
+
+
+def spread(folds: dict[int, dict[str, Any]], count: int) -> dict[str, Any]:
+    gains = [fold["gain"] for fold in folds.values()]
+    return {
+        "complete": len(folds) == count,
+        "mean_gain": round(statistics.fmean(gains), 2),
+        "std_gain": round(statistics.stdev(gains), 2) if len(gains) > 1 else 0.0,
+        "min_gain": min(gains),
+        "range_gain": round(max(gains) - min(gains), 2),
+    }
+
+
+def markdown(results: dict[str, Any], command: str, budget: str, folds: int) -> str:
+    untrained = results["untrained"]
+    fold_cells = [f"fold {k}" for k in range(folds)]
+    lines = [
+        f"# Recipe cross-validation: {folds} class folds of the Cars196 training classes (1-98)",
+        "",
+        f"Command: `{command}`",
+        "",
+        budget,
+        "",
+        "Each cell: test Recall@1 (%) on the fold's held-out classes, and its gain over the untrained model "
+        "on the same fold. mean / std / min / range: of the gain across folds (range = how far it moved). "
+        "every fold: the gain is positive on every fold. **preferred**: the candidate that helps on every "
+        "fold with the highest mean gain (or, if none does, the highest mean gain).",
+        "",
+        "| method | candidate | "
+        + " | ".join(fold_cells)
+        + " | mean | std | min | range | every fold | settings |",
+        "|" + "---|" * (folds + 8),
+        "| untrained | - | "
+        + " | ".join(f"{untrained[k]:.2f}" if k in untrained else "" for k in range(folds))
+        + " | - | - | - | - | - | - |",
+    ]
+    for loss, by_candidate in results["methods"].items():
+        for name, result in by_candidate.items():
+            cells = []
+            for k in range(folds):
+                fold = result["folds"].get(k) or result["folds"].get(str(k))
+                cells.append(f"{fold['r1']:.2f} ({fold['gain']:+.2f})" if fold else "")
+            label = f"**{name}**" if result["preferred"] else name
+            lines.append(
+                f"| {loss} | {label} | "
+                + " | ".join(cells)
+                + f" | {result['mean_gain']:+.2f} | {result['std_gain']:.2f} | {result['min_gain']:+.2f} | "
+                f"{result['range_gain']:.2f} | {'yes' if result['helps_every_fold'] else 'no'} | "
+                f"{result['settings']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def reproducing_command(args: argparse.Namespace) -> str:
+    """The command that runs every cell of the table (the parts may have run as several processes)."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    words = [*([f"OMP_NUM_THREADS={threads}"] if threads else []), "python", "bench/recipes_cv.py"]
+    words += ["--data", str(args.data), "--cache-dir", str(args.cache_dir), "--runs-dir", str(args.runs_dir)]
+    words += ["--folds", str(args.folds), "--seed", str(args.seed)]
+    for flag in ("max_steps", "patience"):
+        if getattr(args, flag) is not None:
+            words += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return shlex.join(words)
+
+
+def write_report(args: argparse.Namespace) -> str:
+    results = collect(args)
+    defaults = TrainConfig.model_fields
+    budget = (
+        f"Frozen mode, seed {args.seed}. Budget per run: the candidate recipe's (at most "
+        f"{args.max_steps or defaults['max_steps'].default} Adam steps, early stopping after "
+        f"{args.patience or defaults['patience'].default} validations without improvement, not before the "
+        "recipe's min_steps). Validation (checkpoint selection): the last 20% of each fold's training "
+        "classes."
+    )
+    command = reproducing_command(args)
+    report = {
+        "command": command,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "budget": budget,
+        "folds": args.folds,
+        **results,
+    }
+    table = markdown(results, command, budget, args.folds)
+    RESULTS.mkdir(exist_ok=True)
+    atomic_write_text(RESULTS / "recipes_cv.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(RESULTS / "recipes_cv.md", table)
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data", type=Path, default=Path("../shared/data/cars196/images"))
+    parser.add_argument("--cache-dir", type=Path, default=Path("../cache/dmlsearch"))
+    parser.add_argument("--runs-dir", type=Path, default=Path("../cache/dmlsearch/recipes-cv"))
+    parser.add_argument("--methods", nargs="*", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--candidates", nargs="*", help="candidate names to run (default: all)")
+    parser.add_argument("--folds", type=int, default=TrainConfig.model_fields["folds"].default)
+    parser.add_argument("--only-folds", nargs="*", type=int, help="run only these folds")
+    parser.add_argument("--max-steps", type=int, help="override every recipe's step budget")
+    parser.add_argument("--patience", type=int, help="override every recipe's early-stopping patience")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--report-only", action="store_true", help="rebuild the table from finished runs")
+    args = parser.parse_args()
+
+    if not args.report_only:
+        folds = args.only_folds if args.only_folds is not None else range(args.folds)
+        for fold in folds:
+            for loss in args.methods:
+                for candidate in candidates(loss):
+                    if args.candidates and candidate not in args.candidates:
+                        continue
+                    summary = train(
+                        fold_config(args, loss, candidate, fold),
+                        run_path(args.runs_dir, candidate, loss, fold),
+                        progress=True,
+                    )
+                    gain = 100 * (
+                        summary["test"][SELECTION_METRIC] - summary["test_backbone"][SELECTION_METRIC]
+                    )
+                    print(f"fold {fold} {loss} {candidate}: R@1 gain {gain:+.2f}", flush=True)
+                    write_report(args)
+    print(write_report(args))
+
+
+if __name__ == "__main__":
+    main()

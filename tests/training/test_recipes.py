@@ -1,0 +1,188 @@
+"""Training recipes: one source of truth shared by `dmlsearch train`, the benches and `--loss auto`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from training import auto
+from training.config import TrainConfig
+from training.losses import LOSSES
+from training.recipes import COMMON, RECIPES, parse_assignments, recipe, resolve
+from training.run_dir import RunDirectory
+
+runner = CliRunner()
+TINY = ["-p", "embedding_dim=16", "-p", "head_hidden=32", "-p", "views=0"]
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _bench(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """A bench script as a module (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_recipe_names_real_settings_with_reasons() -> None:
+    for loss, choices in RECIPES.items():
+        assert loss in LOSSES
+        resolved = resolve(loss)  # raises on a key that is neither a loss hyperparameter nor a trainer field
+        assert resolved.record["values"] == {
+            key: choice.value for key, choice in {**COMMON, **choices}.items()
+        }
+        assert all(choice.reason.strip() for choice in choices.values())
+
+
+def test_recommended_paper_and_overrides() -> None:
+    recommended = resolve("magnet").config("magnet", "data")
+    assert recommended.loss_hparams == {"global_scaling": 8.0} and recommended.views == COMMON["views"].value
+    assert recommended.recipe["name"] == "recommended"
+
+    paper = resolve("magnet", "paper").config("magnet", "data")
+    assert paper.loss_hparams == {} and paper.views == TrainConfig.model_fields["views"].default
+    assert LOSSES["magnet"].defaults["global_scaling"] == 1.0  # the printed Eq. 5
+
+    overridden = resolve("magnet", overrides=parse_assignments("magnet", ["global_scaling=2", "max-steps=7"]))
+    config = overridden.config("magnet", "data")
+    assert config.loss_hparams == {"global_scaling": 2} and config.max_steps == 7 and config.views == 4
+    assert config.recipe["overrides"] == {"global_scaling": 2, "max_steps": 7}
+    assert resolve("pddm", "paper", {"lam": 3.0}).loss_hparams == {"lam": 3.0}
+    assert resolve("pddm").settings["min_steps"] == RECIPES["pddm"]["min_steps"].value
+
+    with pytest.raises(ValueError, match="unknown hyperparameter 'nope'"):
+        resolve("ms", overrides={"nope": 1})
+    with pytest.raises(ValueError, match="unknown recipe"):
+        recipe("ms", "tuned")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown loss"):
+        resolve("no-such-loss")
+
+
+def test_cli_and_benches_build_the_same_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`dmlsearch train`, bench/train_all.py and bench/recipes_cv.py all read training/recipes.py."""
+    seen: list[TrainConfig] = []
+
+    def fake_train(config: TrainConfig, out: Path, **_: Any) -> dict[str, Any]:
+        seen.append(config)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("training.trainer.train", fake_train)
+    data = tmp_path / "images"
+    data.mkdir()
+    runner.invoke(app, ["train", "--loss", "almn", "--data", str(data), "--out", str(tmp_path / "r")])
+
+    train_all = _bench("train_all", monkeypatch)
+    monkeypatch.setattr(train_all, "train", fake_train)
+    args = train_all.argparse.Namespace(
+        data=data, cache_dir=tmp_path, runs_dir=tmp_path, mode="frozen", seed=0, recipe="recommended", set=[]
+    )
+    args.max_steps = args.patience = None
+    almn = next(method for method in train_all.all_methods() if method.label == "almn")
+    with pytest.raises(SystemExit):
+        train_all.run_method(almn, args)
+
+    cv = _bench("recipes_cv", monkeypatch)
+    args.folds = 3
+    cli, bench = seen
+    fold = cv.fold_config(args, "almn", "recommended", 1)
+    assert cli.loss_hparams == bench.loss_hparams == fold.loss_hparams == {"beta": 0.5}
+    for field in ("embedding_scale", "views", "min_steps", "lr", "max_steps", "recipe"):
+        assert getattr(cli, field) == getattr(bench, field) == getattr(fold, field), field
+    assert (fold.fold, fold.folds) == (1, 3)
+    assert cv.fold_config(args, "almn", "paper", 0).loss_hparams == {}
+
+
+def test_cli_train_records_the_recipe(labelled_folder: Path, feature_cache: Path, tmp_path: Path) -> None:
+    common = ["--data", str(labelled_folder), "--cache-dir", str(feature_cache), *TINY]
+    steps = ["-p", "max_steps=2", "-p", "eval_every=2"]
+    out = tmp_path / "magnet"
+    result = runner.invoke(app, ["train", "--loss", "angular", "--out", str(out), *common, *steps])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["recipe"]["name"] == "recommended"
+    assert saved["embedding_scale"] == RECIPES["angular"]["embedding_scale"].value
+    assert saved["views"] == 0 and saved["recipe"]["overrides"]["views"] == 0  # -p wins over the recipe
+
+    out = tmp_path / "paper"
+    result = runner.invoke(
+        app, ["train", "--loss", "angular", "--recipe", "paper", "--out", str(out), *common, *steps]
+    )
+    assert result.exit_code == 0, result.output
+    config = RunDirectory(out).require_config()
+    assert config.recipe["name"] == "paper" and config.embedding_scale == 1.0
+
+    result = runner.invoke(
+        app, ["train", "--loss", "angular", "--recipe", "tuned", "--out", str(out), *common]
+    )
+    assert result.exit_code == 2 and "unknown recipe" in result.output
+
+
+def test_auto_races_candidates_and_records_the_winner(
+    labelled_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "auto"
+    overrides = {"embedding_dim": 16, "head_hidden": 32, "views": 0, "eval_every": 2, "max_steps": 6}
+    summary = auto.train_auto(
+        str(labelled_folder),
+        out,
+        overrides=overrides,
+        race_steps=2,
+        candidates=("contrastive", "ms", "angular"),
+        progress=False,
+        cache_dir=str(feature_cache),
+    )
+    race = summary["race"]
+    scores = race["val_recall@1"]
+    assert set(scores) == {"contrastive", "ms", "angular"} and race["budget_steps"] == 2
+    assert race["winner"] == max(scores, key=scores.__getitem__)
+    for loss, score in scores.items():  # each candidate's score is its race run's best validation R@1
+        assert RunDirectory(out / "race" / loss).read_summary()["val"]["recall@1"] == score
+        assert RunDirectory(out / "race" / loss).read_summary()["steps"] == 2
+    config = RunDirectory(out).require_config()
+    assert config.loss == race["winner"] and config.recipe["name"] == "auto"
+    assert config.recipe["race"] == race and config.max_steps == 6
+    assert summary["steps"] == 6  # the winner went on from its race run to the full budget
+    assert [record["step"] for record in RunDirectory(out).read_metrics()] == [0, 2, 4, 6]
+
+
+def test_cli_auto_states_its_budget_and_winner(
+    labelled_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "auto"
+    args = ["train", "--loss", "auto", "--data", str(labelled_folder), "--out", str(out)]
+    args += ["--cache-dir", str(feature_cache), "--race-steps", "1", "-p", "max_steps=1", *TINY]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    winner = RunDirectory(out).require_config().recipe["race"]["winner"]
+    assert "1 steps each" in result.output and f"kept {winner}" in result.output
+    result = runner.invoke(app, [*args, "-p", "beta=2"])  # a loss hyperparameter fits only some candidates
+    assert result.exit_code == 2 and "unknown hyperparameter 'beta'" in result.output
+
+
+def test_losses_command_lists_every_loss_with_paper_layout_and_recipe() -> None:
+    result = runner.invoke(app, ["losses"])
+    assert result.exit_code == 0, result.output
+    blocks: dict[str, str] = {}
+    for line in result.output.splitlines():
+        if not line.startswith(" "):
+            name = line.strip()
+            blocks[name] = ""
+        else:
+            blocks[name] += line + "\n"
+    assert set(blocks) == set(LOSSES)
+    for name, spec in LOSSES.items():
+        text = blocks[name]
+        assert f"paper:  {spec.paper}" in text
+        assert f"batch:  {spec.layout.classes} x {spec.layout.samples_per_class}" in text
+        for key, choice in recipe(name).items():
+            assert f"{key}={choice.value}: {choice.reason}" in text
+    assert "global_scaling=1.0" in blocks["magnet"] and "global_scaling=8.0: " in blocks["magnet"]

@@ -1,0 +1,69 @@
+"""``dmlsearch train --loss auto``: race the strongest recipes on the validation classes, keep the best.
+
+Each candidate in :data:`training.recipes.AUTO_CANDIDATES` trains ``race_steps`` steps with its recommended
+recipe in ``OUT/race/<loss>`` (all sharing one feature cache). The candidate with the highest validation
+Recall@1 (its best checkpoint so far) wins; its race run is copied into ``OUT`` and continues there to the
+full budget, so the race's steps are not wasted. ``config.json`` records the race: every candidate's
+validation Recall@1, the budget and the winner. Re-running the command resumes every part.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from training.config import TrainConfig
+from training.recipes import AUTO_CANDIDATES, AUTO_RACE_STEPS, resolve
+from training.run_dir import RunDirectory
+from training.trainer import SELECTION_METRIC, train
+
+
+def race_configs(
+    data: str, out: Path, overrides: dict[str, Any], fields: dict[str, Any], candidates: tuple[str, ...]
+) -> dict[str, TrainConfig]:
+    """Each candidate's full-budget config: its recommended recipe, ``overrides`` (trainer settings
+    only: the candidates' losses take different hyperparameters) and ``fields``, with one shared cache."""
+    fields = {"cache_dir": str(out / "cache"), **{k: v for k, v in fields.items() if v is not None}}
+    return {loss: resolve(loss, overrides=overrides).config(loss, data, **fields) for loss in candidates}
+
+
+def train_auto(
+    data: str,
+    out: Path,
+    *,
+    overrides: dict[str, Any] | None = None,
+    race_steps: int = AUTO_RACE_STEPS,
+    candidates: tuple[str, ...] = AUTO_CANDIDATES,
+    progress: bool = True,
+    **fields: Any,
+) -> dict[str, Any]:
+    """Race ``candidates`` for ``race_steps`` steps each, then train the winner to its full budget in
+    ``out``; returns the winner's summary with the race added under ``"race"``."""
+    configs = race_configs(data, out, dict(overrides or {}), fields, candidates)
+    scores = {}
+    for loss, config in configs.items():
+        if progress:
+            print(f"race: {loss} for {race_steps} steps ({config.recipe})", flush=True)
+        raced = config.model_copy(update={"max_steps": min(race_steps, config.max_steps)})
+        summary = train(raced, out / "race" / loss, progress=progress)
+        scores[loss] = summary["val"][SELECTION_METRIC]
+    winner = max(scores, key=scores.__getitem__)  # ties go to the earlier (stronger-listed) candidate
+    race = {
+        "budget_steps": race_steps,
+        "val_" + SELECTION_METRIC: scores,
+        "winner": winner,
+        "reason": f"highest validation {SELECTION_METRIC} after at most {race_steps} steps each",
+    }
+    final = configs[winner]
+    final = final.model_copy(update={"recipe": {**final.recipe, "name": "auto", "race": race}})
+    run = RunDirectory(out)
+    if run.read_config() is None:  # continue the winner's race run rather than start it again
+        for item in (out / "race" / winner).iterdir():
+            if item.is_dir():
+                shutil.copytree(item, out / item.name, dirs_exist_ok=True)
+            else:
+                shutil.copy2(item, out / item.name)
+        run.write_config(final)  # also when the race run stopped early and training has nothing to add
+    summary = train(final, out, progress=progress)
+    return {**summary, "race": race}
