@@ -43,6 +43,11 @@ class TrainConfig(BaseModel):
     classes_per_batch: int | None = Field(None, ge=1, description="override the loss's batch layout")
     samples_per_class: int | None = Field(None, ge=1)
     views: int = Field(0, ge=0, description="frozen: augmented feature views per training image")
+    view_seed: int | None = Field(
+        None,
+        ge=0,
+        description="seed of the augmented views' crops (default: seed); fixed, seeds share a cache",
+    )
     train_classes: int | None = Field(None, ge=1)
     val_fraction: float = Field(0.2, gt=0, lt=1)
     fold: int | None = Field(
@@ -60,6 +65,10 @@ class TrainConfig(BaseModel):
     recipe: dict[str, Any] | None = Field(
         None, description="where the settings came from (training/recipes.py): name, values, overrides"
     )
+
+    @property
+    def effective_view_seed(self) -> int:
+        return self.seed if self.view_seed is None else self.view_seed
 
     def resume_conflicts(self, saved: TrainConfig) -> list[str]:
         """Fields that differ from the saved run's config and would make resuming it wrong."""

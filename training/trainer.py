@@ -90,7 +90,9 @@ def prepare_data(
             # cache stays valid when the validation share or the cross-validation fold changes.
             training_range = split.pool[base.ok[split.pool]]
             augmented = [
-                extractor.extract(images.files(training_range), view=view, seed=config.seed).features
+                extractor.extract(
+                    images.files(training_range), view=view, seed=config.effective_view_seed
+                ).features
                 for view in range(1, config.views + 1)
             ]
         dist.barrier()
