@@ -37,6 +37,10 @@ class SearchClient:
     def similar(self, item_id: int, **params: Any) -> dict:
         return self._call("GET", f"/v1/items/{item_id}/similar", params=params).json()
 
+    def duplicates(self, threshold: float, offset: int = 0, limit: int = 20) -> dict:
+        params = {"threshold": threshold, "offset": offset, "limit": limit}
+        return self._call("GET", "/v1/duplicates", params=params).json()
+
     def thumbnail(self, item_id: int, size: int = 256) -> bytes:
         return self._call("GET", f"/v1/items/{item_id}/thumbnail", params={"size": size}).content
 

@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.images import ImageDecodeError
 from engine.search import DuplicateItemError, InvalidItemError, ItemNotFoundError, RerankUnavailableError
+from index.duplicates import DuplicatesUnavailableError
 
 log = logging.getLogger("dmlsearch.app")
 
@@ -58,6 +59,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RerankUnavailableError)
     async def rerank_unavailable(_: Request, err: RerankUnavailableError) -> JSONResponse:
         return error_response(422, "rerank_unavailable", str(err))
+
+    @app.exception_handler(DuplicatesUnavailableError)
+    async def duplicates_unavailable(_: Request, err: DuplicatesUnavailableError) -> JSONResponse:
+        return error_response(422, "duplicates_unavailable", str(err))
 
     @app.exception_handler(InvalidItemError)
     async def invalid_item(_: Request, err: InvalidItemError) -> JSONResponse:

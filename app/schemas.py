@@ -93,6 +93,25 @@ class ItemOut(BaseModel):
         )
 
 
+class DuplicateOut(BaseModel):
+    id: int
+    path: str
+    label: str | None
+    score: float = Field(description="the item's highest cosine similarity to another member of its group")
+
+
+class DuplicateGroupOut(BaseModel):
+    size: int
+    items: list[DuplicateOut]
+
+
+class DuplicatesOut(BaseModel):
+    threshold: float
+    total: int = Field(description="groups at this threshold (pages walk through them, largest first)")
+    offset: int
+    groups: list[DuplicateGroupOut]
+
+
 class ItemPageOut(BaseModel):
     items: list[ItemOut]
     total: int

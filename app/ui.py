@@ -11,12 +11,14 @@ import os
 import streamlit as st
 
 from app.client import ApiCallError, SearchClient
+from app.ui_duplicates import render_duplicates
 from engine.images import IMAGE_SUFFIXES  # importing it also lets st.image show HEIC queries (pillow-heif)
 
 API_URL = os.environ.get("DMLSEARCH_API_URL", "http://127.0.0.1:8000").rstrip("/")
 COLUMNS = 4
 THUMBNAIL_SIZE = 256
 UPLOAD, GALLERY = "Upload an image", "Pick a gallery item"
+SEARCH_PAGE, DUPLICATES_PAGE = "Search", "Duplicates"
 
 
 @st.cache_resource
@@ -144,8 +146,12 @@ def main() -> None:
     st.set_page_config(page_title="dmlsearch", layout="wide")
     st.title("dmlsearch: image search")
     stats = fetch_stats(API_URL)
+    view = st.sidebar.radio("Page", [SEARCH_PAGE, DUPLICATES_PAGE], key="page")
     params = render_sidebar(stats)
     if isinstance(stats, str):
+        return
+    if view == DUPLICATES_PAGE:
+        render_duplicates(api_client(API_URL), lambda item_id, path: fetch_thumbnail(API_URL, item_id, path))
         return
     body = run_query(params)
     if body is not None:

@@ -33,6 +33,7 @@ from engine.locks import ReadWriteLock
 from engine.reranker import PDDMReranker
 from engine.voting import Prediction, knn_vote
 from index.atomic import atomic_write_bytes
+from index.duplicates import DuplicateGroup, find_duplicates
 from index.gallery import GalleryIndex, Hit
 from index.items import ItemStore
 from index.manifest import MANIFEST_NAME
@@ -159,6 +160,7 @@ class SearchService:
         self.vote_sigma2 = vote_sigma2
         self.lock = ReadWriteLock()
         self._index_stamp = self._read_index_stamp()
+        self._duplicates: dict[tuple[object, ...], list[DuplicateGroup]] = {}  # of the index as loaded
 
     @classmethod
     def open(
@@ -361,6 +363,31 @@ class SearchService:
         """S(query, candidate) for each hit, from the candidates' stored (exact, not re-embedded) vectors."""
         ids = np.array([hit.item.id for hit in hits], dtype=np.int64)
         return self.reranker.score(query, self._stored_vectors.vectors(ids))
+
+    def duplicates(
+        self, threshold: float, offset: int, limit: int
+    ) -> tuple[list[list[tuple[Item, float]]], int]:
+        """A page of near-duplicate groups, largest first (each item with its highest cosine to another
+        member), and the number of groups. Groups are computed once per threshold and index state."""
+        with self.lock.read():
+            state = (self._index_stamp, id(self.index), len(self.index))
+            groups = self._duplicates.get((*state, threshold))
+            if groups is None:
+                groups = find_duplicates(self.index, threshold)
+                self._duplicates = {
+                    key: value for key, value in self._duplicates.items() if key[:3] == state
+                } | {(*state, threshold): groups}
+            page = groups[offset : offset + limit]
+            items = self.index.items.get_many([int(i) for group in page for i in group.ids])
+        rows = [
+            [
+                (items[int(i)], float(score))
+                for i, score in zip(group.ids, group.scores, strict=True)
+                if int(i) in items
+            ]
+            for group in page
+        ]
+        return rows, len(groups)
 
     # -- items -------------------------------------------------------------------------------------
 

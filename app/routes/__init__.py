@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from app.routes import health, items, search
+from app.routes import duplicates, health, items, search
 
 router = APIRouter()
-for module in (health, search, items):
+for module in (health, search, items, duplicates):
     router.include_router(module.router)

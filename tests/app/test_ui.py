@@ -94,6 +94,21 @@ def test_min_score_slider_filters_results(page, demo_gallery: Path) -> None:
     assert scores == ["**#1 · score 1.000**"]
 
 
+def test_duplicates_page_shows_groups_with_thumbnails_and_scores(page) -> None:
+    page.sidebar.radio(key="page").set_value("Duplicates")
+    page.run()
+    assert not page.exception
+    groups = [text for text in texts(page.markdown) if text.startswith("**Group ")]
+    assert groups and groups[0].startswith("**Group 1** · ")
+    scores = [caption for caption in texts(page.caption) if caption.startswith("score ")]
+    assert len(page.image) == len(scores) >= 2 * len(groups)
+    assert any("cat/00_original.jpg" in caption for caption in scores)
+    page.slider(key="dup_threshold").set_value(1.0)
+    page.run()
+    assert not page.exception
+    assert "No near-duplicates on this page." in texts(page.info)
+
+
 @pytest.fixture
 def streamlit_url(api_url: str) -> Iterator[str]:
     """``streamlit run app/ui.py`` on a free port, talking to the live API."""

@@ -1,0 +1,80 @@
+"""``dmlsearch duplicates``: groups of near-duplicate images in an index."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.common import fail
+from index.duplicates import DEFAULT_NEIGHBOURS, DEFAULT_THRESHOLD
+
+commands = typer.Typer()
+
+
+@commands.command()
+def duplicates(
+    index: Annotated[Path, typer.Option(help="Index directory.")],
+    threshold: Annotated[
+        float, typer.Option(min=-1.0, max=1.0, help="Cosine at or above which two images are duplicates.")
+    ] = DEFAULT_THRESHOLD,
+    neighbours: Annotated[
+        int, typer.Option(min=1, max=1000, help="Candidate neighbours searched per image.")
+    ] = DEFAULT_NEIGHBOURS,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    as_csv: Annotated[
+        bool, typer.Option("--csv", help="One row per image: group,id,score,label,path.")
+    ] = False,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = False,
+) -> None:
+    """Print groups of near-duplicate images: images joined by chains of pairs with cosine >= THRESHOLD,
+    each with its highest cosine to another member."""
+    from index.duplicates import find_duplicates
+    from index.gallery import GalleryIndex
+
+    if as_json and as_csv:
+        raise fail("choose one of --json and --csv")
+    try:
+        gallery = GalleryIndex.open(index)
+    except (FileNotFoundError, ValueError, ImportError) as err:
+        raise fail(str(err)) from None
+    try:
+        groups = find_duplicates(gallery, threshold, neighbours=neighbours, progress=progress)
+        items = gallery.items.get_many([int(i) for group in groups for i in group.ids])
+    except (ValueError, RuntimeError) as err:
+        raise fail(str(err)) from None
+    finally:
+        gallery.close()
+    rows = [
+        [(items[int(i)], float(score)) for i, score in zip(group.ids, group.scores, strict=True)]
+        for group in groups
+    ]
+    if as_json:
+        payload = {
+            "threshold": threshold,
+            "groups": [
+                [
+                    {"id": item.id, "path": item.path, "label": item.label, "score": score}
+                    for item, score in row
+                ]
+                for row in rows
+            ],
+        }
+        typer.echo(json.dumps(payload, indent=2))
+    elif as_csv:
+        writer = csv.writer(sys.stdout)
+        writer.writerow(["group", "id", "score", "label", "path"])
+        for number, row in enumerate(rows, start=1):
+            writer.writerows(
+                [number, item.id, f"{score:.4f}", item.label or "", item.path] for item, score in row
+            )
+    else:
+        for number, row in enumerate(rows, start=1):
+            typer.echo(f"group {number}: {len(row)} images")
+            for item, score in row:
+                typer.echo(f"  {score:7.4f}  {item.label or '-':<24} {item.path}")
+        typer.echo(f"{len(rows)} groups of near-duplicates at cosine >= {threshold}")
