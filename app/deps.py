@@ -16,6 +16,7 @@ from app.errors import ApiError
 from app.metrics import Metrics
 from app.settings import Settings
 from app.state import EngineState
+from engine import defaults
 from engine.search import SearchOptions, SearchService
 
 INT64_MAX = 2**63 - 1
@@ -43,7 +44,9 @@ async def ready_service(request: Request) -> SearchService:
 
 async def search_options(
     settings: Annotated[Settings, Depends(get_settings)],
-    k: Annotated[int, Query(ge=1, le=1000, description="How many results (per page).")] = 10,
+    k: Annotated[
+        int, Query(ge=1, le=defaults.MAX_K, description="How many results (per page).")
+    ] = defaults.TOP_K,
     min_score: Annotated[
         float,
         Query(
@@ -51,7 +54,7 @@ async def search_options(
             le=1.0,
             description="Drop results whose cosine score is below this (the cosine score, with rerank too).",
         ),
-    ] = -1.0,
+    ] = defaults.MIN_SCORE,
     offset: Annotated[
         int,
         Query(
@@ -66,11 +69,11 @@ async def search_options(
     rerank: Annotated[
         Literal["pddm"] | None,
         Query(
-            description="pddm: re-score the top max(rerank_pool, 4k) cosine neighbours (rerank_pool is a "
-            "server setting, 100 by default) with the model's learned PDDM unit and order them by that "
-            "score; each result then carries pddm_score beside its cosine score. 422 when the served "
-            "model has no PDDM unit (see rerankers in /v1/stats) or the index cannot give back stored "
-            "vectors (Milvus)."
+            description="pddm: re-score the top max(rerank_pool, 4k) cosine neighbours (rerank_pool is "
+            f"a server setting, {defaults.RERANK_POOL} by default) with the model's learned PDDM unit and "
+            "order them by that score; each result then carries pddm_score beside its cosine score. 422 "
+            "when the served model has no PDDM unit (see rerankers in /v1/stats) or the index cannot give "
+            "back stored vectors (Milvus)."
         ),
     ] = None,
 ) -> SearchOptions:

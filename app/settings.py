@@ -1,4 +1,9 @@
-"""All server settings in one place, from ``DMLSEARCH_*`` environment variables or CLI flags."""
+"""All server settings in one place, from ``DMLSEARCH_*`` environment variables or CLI flags.
+
+Each field is one setting: ``dmlsearch serve`` generates a flag for every field from its name, type,
+default and description (cli/settings_flags.py), so a new field needs no CLI code. Defaults shared with the
+engine and the CLI come from ``engine.defaults``.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,13 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from engine import defaults
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DMLSEARCH_", env_file=".env", extra="ignore")
 
-    index_path: Path = Path("artifacts/index")
+    index_path: Path = Field(defaults.INDEX_PATH, description="index directory to serve")
     model_path: Path | None = Field(
         None, description="model.onnx to embed queries with (default: the model the index carries)"
     )
@@ -29,19 +36,25 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(
         64 * 1024 * 1024, gt=0, description="largest request body (a batch, base64 inflates by 4/3)"
     )
-    max_image_pixels: int = Field(50_000_000, gt=0, description="refuse images with more pixels")
-    max_k: int = Field(1000, ge=1, le=1000, description="largest k a client may ask for")
-    max_offset: int = Field(10_000, ge=0)
+    max_image_pixels: int = Field(
+        defaults.MAX_IMAGE_PIXELS, gt=0, description="refuse images with more pixels"
+    )
+    max_k: int = Field(defaults.MAX_K, ge=1, le=defaults.MAX_K, description="largest k a client may ask for")
+    max_offset: int = Field(10_000, ge=0, description="largest offset (paging) a client may ask for")
     max_batch: int = Field(64, ge=1, description="most images in one batch search or add")
-    jpeg_draft: bool = Field(True, description="decode large JPEGs at reduced DCT scale (much faster)")
+    jpeg_draft: bool = Field(
+        defaults.JPEG_DRAFT, description="decode large JPEGs at reduced DCT scale (much faster)"
+    )
     rerank_pool: int = Field(
-        100,
+        defaults.RERANK_POOL,
         ge=1,
         le=10_000,
         description="rerank=pddm re-scores the top max(rerank_pool, 4k) cosine neighbours with the PDDM unit",
     )
     vote_sigma2: float = Field(
-        0.05, gt=0, description="sigma^2 of the predict=true vote: neighbour weight exp(-|q-x|^2/2sigma^2)"
+        defaults.VOTE_SIGMA2,
+        gt=0,
+        description="sigma^2 of the predict=true vote: neighbour weight exp(-|q-x|^2/2sigma^2)",
     )
     index_poll_seconds: float = Field(
         2.0,

@@ -12,9 +12,10 @@ import streamlit as st
 
 from app.client import ApiCallError, SearchClient
 from app.ui_duplicates import render_duplicates
+from engine import defaults
 from engine.images import IMAGE_SUFFIXES  # importing it also lets st.image show HEIC queries (pillow-heif)
 
-API_URL = os.environ.get("DMLSEARCH_API_URL", "http://127.0.0.1:8000").rstrip("/")
+API_URL = os.environ.get("DMLSEARCH_API_URL", defaults.API_URL).rstrip("/")
 COLUMNS = 4
 THUMBNAIL_SIZE = 256
 UPLOAD, GALLERY = "Upload an image", "Pick a gallery item"

@@ -1,12 +1,8 @@
-"""What every command module shares: the default model path and CLI errors."""
+"""What every command module shares: CLI errors."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
-
-DEFAULT_MODEL = Path("artifacts/model/model.onnx")
 
 
 def fail(message: str) -> typer.Exit:

@@ -9,7 +9,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from cli.common import DEFAULT_MODEL, fail
+from cli.common import fail
+from engine import defaults
+from index.manifest import MILVUS_COLLECTION
+from index.selection import KEEP, IndexChanges
 
 if TYPE_CHECKING:
     from engine.indexing import BuildReport
@@ -45,7 +48,11 @@ IndexTypeOption = Annotated[
     typer.Option(help="FAISS index type; auto picks from gallery size, dimension and memory budget."),
 ]
 BudgetOption = Annotated[
-    str | None, typer.Option(help="RAM the index may use, e.g. 512MB or 2G; auto then compresses to fit.")
+    str | None,
+    typer.Option(
+        help="RAM the index may use, e.g. 512MB or 2G; auto then compresses to fit. 'none' lifts an earlier "
+        "budget."
+    ),
 ]
 RecallOption = Annotated[
     float | None,
@@ -59,15 +66,21 @@ ProgressOption = Annotated[bool, typer.Option("--progress/--no-progress", help="
 EXPECTED_ERRORS = (FileNotFoundError, FileExistsError, ValueError, ImportError, RuntimeError)
 
 
-def _budget(text: str | None) -> int | None:
+def _index_changes(
+    index_type: IndexType | None, memory_budget: str | None, target_recall: float | None
+) -> IndexChanges:
+    """The index options given on the command line; those left out keep what the index was built with."""
     from index.selection import parse_size
 
-    if text is None:
-        return None
-    try:
-        return parse_size(text)
-    except ValueError as err:
-        raise fail(str(err)) from None
+    budget = KEEP
+    if memory_budget is not None:
+        try:
+            budget = None if memory_budget.strip().lower() == "none" else parse_size(memory_budget)
+        except ValueError as err:
+            raise fail(str(err)) from None
+    return IndexChanges(
+        index_type.value if index_type else KEEP, budget, KEEP if target_recall is None else target_recall
+    )
 
 
 def _print_build_summary(out: Path, report: BuildReport) -> None:
@@ -105,8 +118,8 @@ def _print_build_summary(out: Path, report: BuildReport) -> None:
 def build_index(
     gallery: Annotated[Path, typer.Argument(help="Folder of images; sub-folder names become labels.")],
     out: Annotated[Path, typer.Option(help="Index directory to write or bring up to date.")],
-    model: ModelOption = DEFAULT_MODEL,
-    batch_size: Annotated[int, typer.Option(min=1, max=1024)] = 32,
+    model: ModelOption = defaults.MODEL_PATH,
+    batch_size: Annotated[int, typer.Option(min=1, max=1024)] = defaults.BATCH_SIZE,
     threads: Annotated[int, typer.Option(min=0, help="onnxruntime threads (0 = all cores).")] = 0,
     index_type: IndexTypeOption = None,
     memory_budget: BudgetOption = None,
@@ -116,7 +129,7 @@ def build_index(
         str | None,
         typer.Option(help="Milvus URI (http://host:19530) or Milvus Lite file (default OUT/milvus.db)."),
     ] = None,
-    milvus_collection: Annotated[str, typer.Option(help="Milvus collection name.")] = "dmlsearch",
+    milvus_collection: Annotated[str, typer.Option(help="Milvus collection name.")] = MILVUS_COLLECTION,
     shard: Annotated[
         str | None, typer.Option(help="I/N: embed only this deterministic share of the files (merge later).")
     ] = None,
@@ -137,9 +150,7 @@ def build_index(
             out,
             batch_size=batch_size,
             progress=progress,
-            index_type=index_type.value if index_type else None,
-            memory_budget=_budget(memory_budget),
-            target_recall=target_recall,
+            options=_index_changes(index_type, memory_budget, target_recall),
             backend=backend.value if backend else None,
             milvus_uri=milvus_uri,
             milvus_collection=milvus_collection,
@@ -155,8 +166,10 @@ def query(
     image: Annotated[Path, typer.Argument(help="Query image file.")],
     index: Annotated[Path, typer.Option(help="Index directory.")],
     model: StoredModelOption = None,
-    k: Annotated[int, typer.Option("-k", "--k", min=1, max=1000, help="How many results.")] = 10,
-    min_score: Annotated[float, typer.Option(min=-1.0, max=1.0)] = -1.0,
+    k: Annotated[
+        int, typer.Option("-k", "--k", min=1, max=defaults.MAX_K, help="How many results.")
+    ] = defaults.TOP_K,
+    min_score: Annotated[float, typer.Option(min=-1.0, max=1.0)] = defaults.MIN_SCORE,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Print the K gallery images most similar to IMAGE with their cosine scores."""
@@ -195,7 +208,7 @@ def add(
         list[Path], typer.Argument(help="Image files or folders inside the index's gallery folder.")
     ],
     model: StoredModelOption = None,
-    batch_size: Annotated[int, typer.Option(min=1, max=1024)] = 32,
+    batch_size: Annotated[int, typer.Option(min=1, max=1024)] = defaults.BATCH_SIZE,
     progress: ProgressOption = True,
 ) -> None:
     """Embed and add images to an index without rebuilding it."""
@@ -283,7 +296,7 @@ def rebuild(
     gallery: Annotated[
         Path | None, typer.Option(help="Where the gallery is now, if not where INDEX recorded it.")
     ] = None,
-    batch_size: Annotated[int, typer.Option(min=1, max=1024)] = 32,
+    batch_size: Annotated[int, typer.Option(min=1, max=1024)] = defaults.BATCH_SIZE,
     threads: Annotated[int, typer.Option(min=0, help="onnxruntime threads (0 = all cores).")] = 0,
     progress: ProgressOption = True,
 ) -> None:
@@ -327,9 +340,7 @@ def merge(
 
     try:
         first = Manifest.load(shards[0])
-        options = first.options.with_changes(
-            index_type.value if index_type else None, _budget(memory_budget), target_recall
-        )
+        options = first.options.with_changes(_index_changes(index_type, memory_budget, target_recall))
         merged = merge_shards(shards, out, options=options, progress=progress)
         model = stored_model(shards[0], first)
         if model is not None:  # the merged index carries the shards' model too

@@ -8,7 +8,8 @@ from typing import Annotated, Literal
 
 import typer
 
-from cli.common import DEFAULT_MODEL, fail
+from cli.common import fail
+from engine import defaults
 
 commands = typer.Typer()
 
@@ -26,7 +27,9 @@ def export(
     ] = None,
     out: Annotated[
         Path | None,
-        typer.Option(help=f"Where to write model.onnx (default: RUN_DIR/model.onnx, else {DEFAULT_MODEL})."),
+        typer.Option(
+            help=f"Where to write model.onnx (default: RUN_DIR/model.onnx, else {defaults.MODEL_PATH})."
+        ),
     ] = None,
     backbone: Annotated[str, typer.Option(help="Backbone name (without RUN_DIR).")] = "efficientnet_lite0",
 ) -> None:
@@ -43,7 +46,7 @@ def export(
         except RunDirError as err:
             raise fail(str(err)) from None
     else:
-        out = out or DEFAULT_MODEL
+        out = out or defaults.MODEL_PATH
         try:
             spec = BACKBONES[backbone]
         except ValueError as err:  # unknown backbone: the registry's message lists the known ones

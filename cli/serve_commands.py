@@ -11,89 +11,44 @@ from typing import Annotated
 
 import typer
 
+from app.settings import Settings
 from cli.common import fail
 from cli.index_commands import build_index
 from cli.model_commands import export
+from cli.settings_flags import settings_flags
+from engine import defaults
 
 commands = typer.Typer()
 
 
+# Shorter names for some generated flags: what README, docker/ and tests have always used.
+SERVE_FLAG_ALIASES = {
+    "index_path": ("--index",),
+    "model_path": ("--model",),
+    "rate_limit_per_second": ("--rate-limit",),
+    "rate_limit_burst": ("--rate-burst",),
+    "cors_origins": ("--cors-origin",),
+}
+
+
 @commands.command()
+@settings_flags(Settings, SERVE_FLAG_ALIASES)
 def serve(
-    index: Annotated[Path | None, typer.Option(help="Index directory (env DMLSEARCH_INDEX_PATH).")] = None,
-    model: Annotated[
-        Path | None,
-        typer.Option(
-            help="Exported model.onnx (env DMLSEARCH_MODEL_PATH; default: the one the index carries)."
-        ),
-    ] = None,
-    backend: Annotated[
-        str | None, typer.Option(help="Refuse an index of another backend: faiss or milvus.")
-    ] = None,
-    milvus_uri: Annotated[
-        str | None,
-        typer.Option(help="Reach a Milvus index's collection at this URI instead of the recorded one."),
-    ] = None,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    threads: Annotated[int | None, typer.Option(min=0, help="onnxruntime threads (0 = all cores).")] = None,
-    compute_slots: Annotated[
-        int | None, typer.Option(min=0, help="Queries decoded/embedded at once (0 = one per CPU core).")
-    ] = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar="DMLSEARCH_API_KEY",
-            show_envvar=False,
-            help="Key for POST/DELETE /v1/items; prefer the DMLSEARCH_API_KEY variable (flags show in ps).",
-        ),
-    ] = None,
-    max_upload_bytes: Annotated[int | None, typer.Option(min=1, help="Largest image upload.")] = None,
-    max_image_pixels: Annotated[int | None, typer.Option(min=1, help="Refuse larger images.")] = None,
-    max_k: Annotated[int | None, typer.Option(min=1, max=1000, help="Largest k a client may ask.")] = None,
-    max_batch: Annotated[int | None, typer.Option(min=1, help="Most images per batch request.")] = None,
-    rate_limit: Annotated[
-        float | None, typer.Option(min=0, help="Requests/s per client on /v1 (0 = no limit).")
-    ] = None,
-    rate_burst: Annotated[int | None, typer.Option(min=1, help="Burst size per client.")] = None,
-    cors_origin: Annotated[
-        list[str] | None, typer.Option(help="Allowed CORS origin (repeat for several).")
-    ] = None,
-    jpeg_draft: Annotated[
-        bool | None, typer.Option("--jpeg-draft/--no-jpeg-draft", help="Reduced-size JPEG decoding.")
-    ] = None,
+    settings: Settings,
+    host: str = defaults.API_HOST,
+    port: int = defaults.API_PORT,
     forwarded_allow_ips: Annotated[
         str, typer.Option(help="Proxies trusted for X-Forwarded-For (the client address rate limits use).")
     ] = "127.0.0.1",
 ) -> None:
-    """Serve the HTTP API (FastAPI under uvicorn). Flags override DMLSEARCH_* environment variables."""
+    """Serve the HTTP API (FastAPI under uvicorn). Flags override DMLSEARCH_* environment variables.
+
+    Every field of app/settings.py is a flag (generated: see cli/settings_flags.py).
+    """
     import uvicorn
-    from pydantic import ValidationError
 
     from app.api import create_app
-    from app.settings import Settings
 
-    flags = {
-        "index_path": index,
-        "model_path": model,
-        "backend": backend,
-        "milvus_uri": milvus_uri,
-        "threads": threads,
-        "compute_slots": compute_slots,
-        "api_key": api_key,
-        "max_upload_bytes": max_upload_bytes,
-        "max_image_pixels": max_image_pixels,
-        "max_k": max_k,
-        "max_batch": max_batch,
-        "rate_limit_per_second": rate_limit,
-        "rate_limit_burst": rate_burst,
-        "cors_origins": cors_origin,
-        "jpeg_draft": jpeg_draft,
-    }
-    try:
-        settings = Settings(**{name: value for name, value in flags.items() if value is not None})
-    except ValidationError as err:
-        raise fail(f"invalid settings: {err}") from None
     # Concurrency comes from parallel requests, so each FAISS search runs on one OpenMP thread: on a
     # busy CPU, OpenMP's per-call thread start-up made a 78-item flat search take ~30 ms instead of
     # ~0.1 ms. Must be set before FAISS loads; an explicit OMP_NUM_THREADS in the environment wins.
@@ -103,11 +58,9 @@ def serve(
 
 @commands.command()
 def ui(
-    api_url: Annotated[
-        str, typer.Option(help="Base URL of the dmlsearch HTTP API.")
-    ] = "http://127.0.0.1:8000",
-    port: int = 8501,
-    host: str = "127.0.0.1",
+    api_url: Annotated[str, typer.Option(help="Base URL of the dmlsearch HTTP API.")] = defaults.API_URL,
+    port: int = defaults.UI_PORT,
+    host: str = defaults.API_HOST,
 ) -> None:
     """Start the Streamlit page (a client of the HTTP API)."""
     page = importlib.util.find_spec("app.ui").origin
@@ -164,9 +117,9 @@ def _wait_until_ready(url: str, process: subprocess.Popen, timeout_s: float = 12
 @commands.command()
 def demo(
     workdir: Annotated[Path, typer.Option(help="Where the model, gallery and index go.")] = Path("artifacts"),
-    api_port: int = 8000,
-    ui_port: int = 8501,
-    host: str = "127.0.0.1",
+    api_port: int = defaults.API_PORT,
+    ui_port: int = defaults.UI_PORT,
+    host: str = defaults.API_HOST,
     serve_after: Annotated[
         bool, typer.Option("--serve/--no-serve", help="Start the API and UI at the end.")
     ] = True,

@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from cli.common import DEFAULT_MODEL, fail
+from cli.common import fail
+from engine import defaults
 from engine.changes import DEFAULT_MAX_BATCH, DEFAULT_SETTLE_SECONDS
 
 commands = typer.Typer()
@@ -18,7 +19,7 @@ commands = typer.Typer()
 def watch(
     gallery: Annotated[Path, typer.Argument(help="Folder of images; sub-folder names become labels.")],
     index: Annotated[Path, typer.Option(help="Index directory to keep in sync (built first if absent).")],
-    model: Annotated[Path, typer.Option(help="Exported model.onnx.")] = DEFAULT_MODEL,
+    model: Annotated[Path, typer.Option(help="Exported model.onnx.")] = defaults.MODEL_PATH,
     settle: Annotated[
         float,
         typer.Option(min=0.05, help="Seconds a file must stay unchanged (size and mtime) before indexing."),
@@ -26,7 +27,9 @@ def watch(
     max_batch: Annotated[
         int, typer.Option(min=1, help="Most files applied in one batch.")
     ] = DEFAULT_MAX_BATCH,
-    batch_size: Annotated[int, typer.Option(min=1, max=1024, help="Images embedded at once.")] = 32,
+    batch_size: Annotated[
+        int, typer.Option(min=1, max=1024, help="Images embedded at once.")
+    ] = defaults.BATCH_SIZE,
     threads: Annotated[int, typer.Option(min=0, help="onnxruntime threads (0 = all cores).")] = 0,
 ) -> None:
     """Catch INDEX up with GALLERY (as build-index does), then apply every addition, change, rename, move and

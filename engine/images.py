@@ -10,6 +10,8 @@ import numpy as np
 import pillow_heif
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from engine.defaults import MAX_IMAGE_PIXELS
+
 # HEIC/HEIF (phones' default) through pillow-heif's Pillow plugin; AVIF is built into Pillow >= 11.
 # libheif applies the HEIF rotation boxes and resets the EXIF orientation, so exif_transpose below never
 # rotates a HEIC twice.
@@ -31,7 +33,6 @@ ALLOWED_FORMATS = frozenset(FORMAT_SUFFIXES)
 # Files with these suffixes are taken as images without looking inside; any other file is recognised by
 # its content (see is_image_file). Either way decoding goes by content, never by the name.
 IMAGE_SUFFIXES = frozenset({*FORMAT_SUFFIXES.values(), ".jpeg", ".tiff", ".heif", ".hif"})
-DEFAULT_MAX_PIXELS = 50_000_000
 # JPEG draft decoding keeps twice the final size and leaves the last step to Pillow's antialiased resize.
 # bench/jpeg_draft.py, Cars196 test classes as 1600-px JPEGs, 8,131 queries: decoding straight down to the
 # final size (margin 1) cost 0.5 points of Recall@1 (paired sign test p = 0.004); margin 2 was within
@@ -51,7 +52,7 @@ class ImageDecodeError(ValueError):
         self.message = message
 
 
-def open_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+def open_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
     """Read only the header of ``data``: a lazily decoded image whose format and size have been checked.
 
     Raises :class:`ImageDecodeError` for empty, unrecognised, unsupported or oversized input, before
@@ -80,7 +81,7 @@ def open_image(data: bytes, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Im
 def decode_image(
     data: bytes,
     *,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_pixels: int = MAX_IMAGE_PIXELS,
     draft_size: int | None = None,
     draft_margin: int = DRAFT_MARGIN,
 ) -> Image.Image:
@@ -125,7 +126,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def thumbnail_jpeg(data: bytes, size: int, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> bytes:
+def thumbnail_jpeg(data: bytes, size: int, *, max_pixels: int = MAX_IMAGE_PIXELS) -> bytes:
     """A JPEG at most ``size`` pixels on its longer side, EXIF orientation applied."""
     image = decode_image(data, max_pixels=max_pixels, draft_size=size)
     image.thumbnail((size, size), Image.Resampling.LANCZOS)
@@ -135,7 +136,7 @@ def thumbnail_jpeg(data: bytes, size: int, *, max_pixels: int = DEFAULT_MAX_PIXE
 
 
 def load_image_file(
-    path: Path, *, max_pixels: int = DEFAULT_MAX_PIXELS, draft_size: int | None = None
+    path: Path, *, max_pixels: int = MAX_IMAGE_PIXELS, draft_size: int | None = None
 ) -> Image.Image:
     """Read and decode an image file; raises :class:`ImageDecodeError` or ``OSError``."""
     return decode_image(path.read_bytes(), max_pixels=max_pixels, draft_size=draft_size)

@@ -20,12 +20,13 @@ import numpy as np
 from tqdm import tqdm
 
 from engine.bundle import store_model
+from engine.defaults import BATCH_SIZE
 from engine.embedder import Embedder
 from engine.images import ImageDecodeError, decode_image, list_images
 from index.gallery import GalleryIndex, replace_directory
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item, Move
-from index.selection import IndexOptions
+from index.selection import IndexChanges, IndexOptions
 from index.sharding import Shard
 
 
@@ -214,11 +215,9 @@ def build_index(
     embedder: Embedder,
     out_dir: Path,
     *,
-    batch_size: int = 32,
+    batch_size: int = BATCH_SIZE,
     progress: bool = True,
-    index_type: str | None = None,
-    memory_budget: int | None = None,
-    target_recall: float | None = None,
+    options: IndexChanges = IndexChanges(),
     backend: str | None = None,
     milvus_uri: str | None = None,
     milvus_collection: str | None = None,
@@ -226,8 +225,9 @@ def build_index(
 ) -> BuildReport:
     """Make the index at ``out_dir`` match the images below ``gallery_root`` (or its shard of them).
 
-    Index options and backend not given keep what an existing index was built with (auto, 0.95 recall,
-    no memory budget, faiss for a new one). The index stores the embedder's model (``engine.bundle``).
+    Index options and backend not given keep what an existing index was built with (a new index starts
+    from ``IndexOptions()``'s defaults and the faiss backend). The index stores the embedder's model
+    (``engine.bundle``).
     An index built with another model is rebuilt aside and swapped in when complete. Unreadable files are
     skipped and listed in the report.
     """
@@ -239,11 +239,10 @@ def build_index(
         raise ValueError(f"no images {where} {gallery_root}")
     out_dir = out_dir.resolve()
     target = out_dir
-    changes = (index_type, memory_budget, target_recall)
-    options = None
+    changes, options = options, None  # options: what to build with, None = what the index has
     if (out_dir / MANIFEST_NAME).exists():
         manifest = Manifest.load(out_dir)
-        options = manifest.options.with_changes(*changes) if any(changes) else None
+        options = manifest.options.with_changes(changes) if changes else None
         if (manifest.model_fingerprint, manifest.dim) != (embedder.fingerprint, embedder.dim):
             if manifest.backend == "milvus":
                 raise ValueError(
@@ -255,7 +254,7 @@ def build_index(
     else:
         if out_dir.exists() and any(out_dir.iterdir()):
             raise ValueError(f"refusing to write into {out_dir}: it is not empty and not an index directory")
-        options = IndexOptions().with_changes(*changes)
+        options = IndexOptions().with_changes(changes)
 
     report = BuildReport()
     stale = target != out_dir and (target / MANIFEST_NAME).exists()
@@ -308,7 +307,12 @@ def build_index(
 
 
 def add_images(
-    index_dir: Path, embedder: Embedder, paths: Sequence[Path], *, batch_size: int = 32, progress: bool = True
+    index_dir: Path,
+    embedder: Embedder,
+    paths: Sequence[Path],
+    *,
+    batch_size: int = BATCH_SIZE,
+    progress: bool = True,
 ) -> BuildReport:
     """Add image files (or folders of them) below the index's gallery root to an existing index.
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.bundle import store_model
+from engine.defaults import BATCH_SIZE
 from engine.embedder import Embedder
 from engine.indexing import BuildReport, embed_files, hash_files
 from index.gallery import GalleryIndex
@@ -95,7 +96,7 @@ def rebuild_index(
     out_dir: Path,
     *,
     gallery_root: Path | None = None,
-    batch_size: int = 32,
+    batch_size: int = BATCH_SIZE,
     progress: bool = True,
 ) -> BuildReport:
     """Write a new index at ``out_dir`` holding the items of ``index_dir`` embedded by ``embedder``.

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from engine import defaults
 from engine.bundle import resolve_model
 from engine.embedder import Embedder
 from engine.images import (
-    DEFAULT_MAX_PIXELS,
     FORMAT_SUFFIXES,
     ImageDecodeError,
     decode_image,
@@ -44,7 +44,6 @@ _LABEL_PATTERN = re.compile(r"^(?![.])[^/\\\x00-\x1f]{1,100}$")
 # rerank=pddm re-scores the top max(rerank_pool, RERANK_POOL_FACTOR x k) cosine neighbours: deep enough
 # that the unit can lift items the cosine ranked a few pages down, and a fixed pool for a fixed k, so that
 # paging with ``offset`` walks through one re-ranked list.
-DEFAULT_RERANK_POOL = 100
 RERANK_POOL_FACTOR = 4
 
 
@@ -76,8 +75,8 @@ class SearchResult:
 
 @dataclass(frozen=True)
 class SearchOptions:
-    k: int = 10
-    min_score: float = -1.0
+    k: int = defaults.TOP_K
+    min_score: float = defaults.MIN_SCORE
     offset: int = 0  # skip this many of the best results (paging); ranks stay global
     predict: bool = False
     rerank: str | None = None
@@ -139,11 +138,11 @@ class SearchService:
         embedder: Embedder,
         index: GalleryIndex,
         *,
-        max_pixels: int = DEFAULT_MAX_PIXELS,
-        jpeg_draft: bool = True,
-        vote_sigma2: float = 0.05,
+        max_pixels: int = defaults.MAX_IMAGE_PIXELS,
+        jpeg_draft: bool = defaults.JPEG_DRAFT,
+        vote_sigma2: float = defaults.VOTE_SIGMA2,
         reranker: PDDMReranker | None = None,
-        rerank_pool: int = DEFAULT_RERANK_POOL,
+        rerank_pool: int = defaults.RERANK_POOL,
     ) -> None:
         """``reranker``: the model's PDDM unit (:meth:`open` loads it when the model card names one)."""
         index.check_model(embedder.fingerprint, embedder.dim)
@@ -239,8 +238,8 @@ class SearchService:
     def search(
         self,
         image_bytes: bytes,
-        k: int = 10,
-        min_score: float = -1.0,
+        k: int = defaults.TOP_K,
+        min_score: float = defaults.MIN_SCORE,
         *,
         offset: int = 0,
         predict: bool = False,

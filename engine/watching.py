@@ -20,6 +20,7 @@ from pathlib import Path
 from watchdog.observers import Observer
 
 from engine.changes import DEFAULT_MAX_BATCH, DEFAULT_SETTLE_SECONDS, ChangeBatcher
+from engine.defaults import BATCH_SIZE
 from engine.embedder import Embedder
 from engine.images import is_image_file, list_images
 from engine.indexing import BuildReport, build_index, sync_files
@@ -46,7 +47,7 @@ class GalleryWatcher:
         *,
         settle: float = DEFAULT_SETTLE_SECONDS,
         max_batch: int = DEFAULT_MAX_BATCH,
-        batch_size: int = 32,
+        batch_size: int = BATCH_SIZE,
         progress: bool = False,
         on_batch: Callable[[list[Path], BuildReport], None] | None = None,
     ) -> None:

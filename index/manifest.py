@@ -18,6 +18,8 @@ from index.selection import IndexOptions
 
 FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
+MILVUS_COLLECTION = "dmlsearch"  # the collection a Milvus index uses unless told otherwise
+_OPTIONS = IndexOptions()  # the defaults of what is asked for
 
 
 class Manifest(BaseModel):
@@ -30,9 +32,9 @@ class Manifest(BaseModel):
     achieved_recall: float | None = None  # recall@10 vs exact search measured when tuning
     recall_queries: int = 0
     # What was asked for: kept so a re-run of build-index without options builds the same kind of index.
-    requested_index_type: str = "auto"
-    memory_budget: int | None = None
-    target_recall: float = 0.95
+    requested_index_type: str = _OPTIONS.index_type
+    memory_budget: int | None = _OPTIONS.memory_budget
+    target_recall: float = _OPTIONS.target_recall
     dim: int
     metric: str = "cosine"
     count: int = 0

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from index.items import now_utc
-from index.manifest import Manifest
+from index.manifest import MILVUS_COLLECTION, Manifest
 from index.protocol import Entry, Item, Move, check_dim, normalize_rows
 from index.selection import IndexOptions
 
@@ -63,7 +63,7 @@ class MilvusBackend:
     def __init__(self, client: object, manifest: Manifest) -> None:
         self.client = client
         self.manifest = manifest
-        self.collection = manifest.milvus_collection or "dmlsearch"
+        self.collection = manifest.milvus_collection or MILVUS_COLLECTION
         self.dim = manifest.dim
         _, _, self.search_params = MILVUS_INDEXES[manifest.requested_index_type]
 

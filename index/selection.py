@@ -32,6 +32,8 @@ search engine that adds and removes items in place and builds on a few CPU cores
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 import re
 from dataclasses import dataclass
@@ -69,18 +71,37 @@ class IndexOptions:
         if not 0.0 < self.target_recall <= 1.0:
             raise ValueError(f"target recall must be in (0, 1], got {self.target_recall}")
 
-    def with_changes(
-        self,
-        index_type: str | None = None,
-        memory_budget: int | None = None,
-        target_recall: float | None = None,
-    ) -> IndexOptions:
-        """These options with the given (non-None) fields replaced."""
-        return IndexOptions(
-            index_type or self.index_type,
-            memory_budget or self.memory_budget,
-            target_recall or self.target_recall,
-        )
+    def with_changes(self, changes: IndexChanges) -> IndexOptions:
+        """These options with the fields that ``changes`` sets replaced (and checked again)."""
+        return dataclasses.replace(self, **changes.set_fields())
+
+
+class Keep(enum.Enum):
+    KEEP = "keep"
+
+
+KEEP = Keep.KEEP  # leave this option as the index was built
+
+
+@dataclass(frozen=True)
+class IndexChanges:
+    """The index options a command asks to change; the others keep what the index was built with.
+
+    A sentinel rather than None marks "keep", because None is itself a value: ``memory_budget=None``
+    lifts a budget set earlier.
+    """
+
+    index_type: str | Keep = KEEP
+    memory_budget: int | Keep | None = KEEP
+    target_recall: float | Keep = KEEP
+
+    def set_fields(self) -> dict[str, object]:
+        """The options this asks to change, by field name."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: value for name, value in values.items() if value is not KEEP}
+
+    def __bool__(self) -> bool:
+        return bool(self.set_fields())
 
 
 @dataclass(frozen=True)

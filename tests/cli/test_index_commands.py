@@ -59,6 +59,9 @@ def test_build_index_options_and_stats(exported_model: Path, synthetic_gallery: 
     assert "indexed 0 images" in _run(
         "build-index", synthetic_gallery, "--out", out, "--model", exported_model
     )
+    _run("build-index", synthetic_gallery, "--out", out, "--model", exported_model, "--memory-budget", "none")
+    lifted = json.loads(_run("index", "stats", out, "--json"))
+    assert (lifted["memory_budget"], lifted["target_recall"]) == (None, 0.9)  # only the budget changed
 
 
 def test_bad_options_are_clear_errors(exported_model: Path, synthetic_gallery: Path, tmp_path: Path) -> None:

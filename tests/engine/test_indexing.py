@@ -12,6 +12,7 @@ from engine.embedder import Embedder
 from engine.indexing import add_images, build_index
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
+from index.selection import IndexChanges
 from index.sharding import Shard
 from tests.helpers import make_image
 
@@ -160,7 +161,8 @@ def test_options_change_rebuilds_from_stored_vectors(
 ) -> None:
     out = tmp_path / "index"
     build_index(gallery, embedder, out, progress=False)
-    report = build_index(gallery, embedder, out, progress=False, index_type="hnsw", target_recall=0.9)
+    changes = IndexChanges(index_type="hnsw", target_recall=0.9)
+    report = build_index(gallery, embedder, out, progress=False, options=changes)
     assert (report.indexed, report.rebuilt) == (0, True)  # no image embedded again
     manifest = Manifest.load(out)
     assert (manifest.index_type, manifest.requested_index_type, manifest.target_recall) == (
@@ -170,6 +172,16 @@ def test_options_change_rebuilds_from_stored_vectors(
     )
     assert build_index(gallery, embedder, out, progress=False).rebuilt is False  # options are remembered
     assert Manifest.load(out).index_type == "hnsw"
+
+
+def test_a_memory_budget_can_be_lifted_again(embedder: Embedder, gallery: Path, tmp_path: Path) -> None:
+    out = tmp_path / "index"
+    build_index(gallery, embedder, out, progress=False, options=IndexChanges(memory_budget=1 << 30))
+    assert Manifest.load(out).memory_budget == 1 << 30
+    build_index(gallery, embedder, out, progress=False, options=IndexChanges(target_recall=0.9))
+    assert Manifest.load(out).memory_budget == 1 << 30  # an option not named is kept
+    build_index(gallery, embedder, out, progress=False, options=IndexChanges(memory_budget=None))
+    assert (Manifest.load(out).memory_budget, Manifest.load(out).target_recall) == (None, 0.9)
 
 
 def test_index_add_embeds_files_inside_the_gallery(embedder: Embedder, gallery: Path, tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from index.selection import IndexOptions, choose_index, ivf_lists, parse_size
+from index.selection import IndexChanges, IndexOptions, choose_index, ivf_lists, parse_size
 from index.sharding import Shard
 
 MB = 1024**2
@@ -57,6 +57,18 @@ def test_forced_types_and_budget_errors() -> None:
         IndexOptions("lsh")
     with pytest.raises(ValueError, match="target recall"):
         IndexOptions(target_recall=1.5)
+
+
+def test_changes_replace_only_the_options_they_name() -> None:
+    built = IndexOptions("ivf", memory_budget=64 * MB, target_recall=0.9)
+    assert built.with_changes(IndexChanges()) == built
+    assert not IndexChanges() and IndexChanges(memory_budget=None)
+    assert built.with_changes(IndexChanges(memory_budget=None)) == IndexOptions("ivf", None, 0.9)
+    assert built.with_changes(IndexChanges(index_type="auto", target_recall=0.99)) == IndexOptions(
+        "auto", 64 * MB, 0.99
+    )
+    with pytest.raises(ValueError, match="unknown index type"):
+        built.with_changes(IndexChanges(index_type="lsh"))  # changed options are checked again
 
 
 def test_ivf_lists_leave_every_centroid_enough_training_points() -> None:

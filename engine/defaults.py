@@ -1,0 +1,38 @@
+"""Defaults that the app, the engine and the CLI share, each written once (import it, never retype it).
+
+``app.settings`` takes its field defaults from here, the engine's constructors and functions take their
+keyword defaults from here, and the CLI's options theirs; ``dmlsearch serve`` then shows the settings'
+defaults in its help. Index options (type, memory budget, target recall) live on ``index.selection``'s
+``IndexOptions`` instead: the index package sits below the engine and may not import it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Where `dmlsearch export` writes the pretrained model and where `serve` looks for the model and index.
+MODEL_PATH = Path("artifacts/model/model.onnx")
+INDEX_PATH = Path("artifacts/index")
+
+# Refuse images with more pixels (about 7,000 x 7,000) before decoding them.
+MAX_IMAGE_PIXELS = 50_000_000
+# Decode large JPEGs at reduced DCT scale (see engine.images.DRAFT_MARGIN for the measured cost).
+JPEG_DRAFT = True
+
+# Results per query, the most a client may ask for, and the cosine cut that keeps everything.
+TOP_K = 10
+MAX_K = 1000
+MIN_SCORE = -1.0
+# rerank=pddm re-scores the top max(RERANK_POOL, engine.ranking.RERANK_POOL_FACTOR x k) cosine neighbours.
+RERANK_POOL = 100
+# sigma^2 of the predict=true vote: each neighbour weighs exp(-|q - x|^2 / 2 sigma^2) (engine.voting).
+VOTE_SIGMA2 = 0.05
+
+# Images embedded per model call when indexing a folder.
+BATCH_SIZE = 32
+
+# Where `dmlsearch serve` listens and `dmlsearch ui` (and the Streamlit page) finds it.
+API_HOST = "127.0.0.1"
+API_PORT = 8000
+API_URL = f"http://{API_HOST}:{API_PORT}"
+UI_PORT = 8501
