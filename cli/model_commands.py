@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -32,9 +31,17 @@ def export(
         ),
     ] = None,
     backbone: Annotated[str, typer.Option(help="Backbone name (without RUN_DIR).")] = "efficientnet_lite0",
+    force: Annotated[
+        bool, typer.Option(help="Export a run even if it did not beat the untrained model on validation.")
+    ] = False,
 ) -> None:
-    """Export the search model to ONNX: backbone (+ trained head) + L2 normalisation, with its model.json."""
+    """Export the search model to ONNX: backbone (+ trained head) + L2 normalisation, with its model.json.
+
+    A run is refused (exit 2) unless its selected checkpoint beat the untrained backbone on the validation
+    classes; ``--force`` exports it anyway.
+    """
     from training.backbone import BACKBONES, create_backbone
+    from training.comparison import validation_gain
     from training.export import export_onnx, export_run
     from training.model import EmbeddingModel
     from training.run_dir import RunDirError
@@ -42,6 +49,14 @@ def export(
     if run_dir is not None:
         out = out or run_dir / "model.onnx"
         try:
+            gain = validation_gain(run_dir)
+            if not gain.improved and not force:
+                raise fail(
+                    f"{run_dir} is not better than the untrained model on validation (recall@1 "
+                    f"{100 * gain.trained:.2f} at step {gain.best_step} vs {100 * gain.untrained:.2f} "
+                    "untrained): serving it would not improve search. Train longer or with another recipe, "
+                    "or export anyway with --force"
+                )
             card = export_run(run_dir, out)
         except RunDirError as err:
             raise fail(str(err)) from None
@@ -181,36 +196,3 @@ def losses() -> None:
         typer.echo("  recommended recipe (default):")
         for key, choice in recipe(name).items():
             typer.echo(f"    {key}={choice.value}: {choice.reason}")
-
-
-@commands.command("eval")
-def evaluate(
-    target: Annotated[Path, typer.Argument(help="A training run directory or an exported model.onnx.")],
-    data: Annotated[
-        Path | None, typer.Option(help="Images to evaluate on (default for a run: its training data).")
-    ] = None,
-    split: Annotated[
-        Literal["test", "val", "all"], typer.Option(help="Which classes: the unseen test half, val, or all.")
-    ] = "test",
-    train_classes: Annotated[
-        int | None, typer.Option(min=1, help="model.onnx: the first N classes count as training classes.")
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-) -> None:
-    """Recall@K, NMI, F1 and MAP@R by the papers' protocol (query = each image, gallery = the others)."""
-    from training.data import DataError
-    from training.evaluation import evaluate_onnx, evaluate_run
-    from training.run_dir import RunDirError
-
-    try:
-        if target.is_dir():
-            metrics = evaluate_run(target, data, split=split)
-        elif target.is_file() and target.suffix == ".onnx":
-            if data is None:
-                raise fail("--data is required to evaluate a model.onnx")
-            metrics = evaluate_onnx(target, data, split=split, train_classes=train_classes)
-        else:
-            raise fail(f"{target} is neither a run directory nor a .onnx model")
-    except (DataError, RunDirError, FileNotFoundError, ValueError) as err:
-        raise fail(str(err)) from None
-    typer.echo(json.dumps(metrics, indent=2) if as_json else _metrics_line(metrics))

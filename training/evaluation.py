@@ -8,6 +8,7 @@ it trained the head only, on images when it fine-tuned the backbone.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -18,9 +19,10 @@ from tqdm import tqdm
 from engine.embedder import Embedder
 from engine.images import ImageDecodeError, load_image_file
 from training.backbone import BACKBONES
+from training.config import TrainConfig
 from training.data import LabelledImages, load_labelled_images, split_classes
 from training.metrics import evaluate
-from training.model import build_objective
+from training.model import TrainingObjective, build_objective
 from training.run_dir import RunDirectory, RunDirError
 from training.trainer import cache_directory, prepare_data
 from training.workloads import CachedWorkload, FinetuneWorkload
@@ -64,10 +66,27 @@ def evaluate_onnx(
     return evaluate(np.concatenate(vectors), np.asarray(labels))
 
 
-def evaluate_run(
+@dataclass(frozen=True)
+class RunEmbeddings:
+    """One split embedded by a run's best checkpoint and by the untrained backbone, row for row.
+
+    ``untrained`` holds the pretrained backbone's pooled features: what ``dmlsearch export`` without a run
+    serves, so the comparison answers "is serving this run better than serving no training at all?".
+    """
+
+    config: TrainConfig
+    objective: TrainingObjective
+    trained: np.ndarray
+    untrained: np.ndarray
+    labels: np.ndarray
+    files: list[Path]
+    class_names: tuple[str, ...]
+
+
+def embed_run(
     run_path: Path, data: Path | None = None, *, split: EvalSplit = "test", progress: bool = True
-) -> dict[str, float]:
-    """Metrics of a run's best checkpoint on ``split`` of ``data`` (default: the data it trained on)."""
+) -> RunEmbeddings:
+    """Embed ``split`` of ``data`` (default: the data the run trained on) with the run's best checkpoint."""
     run = RunDirectory(run_path)
     config = run.require_config()
     best = run.load_checkpoint("best")
@@ -80,12 +99,28 @@ def evaluate_run(
     objective.load_state_dict(best["objective"])
     names = ("train", "val", "test") if split == "all" else (split,)
     labels = np.concatenate([prepared.labels(name) for name in names])
+    files = [file for name in names for file in prepared.files(name)]
     device = torch.device("cpu")
     if config.mode != "finetune":
         inputs = {"eval": np.concatenate([prepared.inputs[name] for name in names])}
         workload = CachedWorkload(objective, prepared.train_views, inputs, device)
     else:
-        files = {"eval": [file for name in names for file in prepared.files(name)]}
         preprocessing = BACKBONES[config.backbone].preprocessing
-        workload = FinetuneWorkload(objective, files, preprocessing, device, workers=config.workers)
-    return evaluate(workload.embed("eval"), labels)
+        workload = FinetuneWorkload(objective, {"eval": files}, preprocessing, device, workers=config.workers)
+    return RunEmbeddings(
+        config=config,
+        objective=objective,
+        trained=workload.embed("eval"),
+        untrained=np.concatenate([prepared.features[name] for name in names]),
+        labels=labels,
+        files=files,
+        class_names=prepared.images.class_names,
+    )
+
+
+def evaluate_run(
+    run_path: Path, data: Path | None = None, *, split: EvalSplit = "test", progress: bool = True
+) -> dict[str, float]:
+    """Metrics of a run's best checkpoint on ``split`` of ``data`` (default: the data it trained on)."""
+    embedded = embed_run(run_path, data, split=split, progress=progress)
+    return evaluate(embedded.trained, embedded.labels)

@@ -41,6 +41,12 @@ def nearest_neighbours(embeddings: np.ndarray, k: int) -> np.ndarray:
     return found[~is_self].reshape(len(vectors), k)
 
 
+def answerable(labels: np.ndarray) -> np.ndarray:
+    """Which items can be queries: their class has at least one other item."""
+    _, inverse, counts = np.unique(np.asarray(labels), return_inverse=True, return_counts=True)
+    return counts[inverse] > 1
+
+
 def retrieval_metrics(
     embeddings: np.ndarray, labels: np.ndarray, ks: Sequence[int] = DEFAULT_KS
 ) -> dict[str, float]:

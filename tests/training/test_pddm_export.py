@@ -81,7 +81,7 @@ def test_exported_unit_scores_like_torch(tmp_path: Path, queries: int, candidate
 
 
 def test_export_of_a_pddm_run_writes_the_unit_and_names_it_in_the_card(pddm_run: Path) -> None:
-    result = runner.invoke(app, ["export", str(pddm_run)])
+    result = runner.invoke(app, ["export", str(pddm_run), "--force"])  # two steps: maybe not better
     assert result.exit_code == 0, result.output
     model_path = pddm_run / "model.onnx"
     unit_path = pddm_path_for(model_path)
@@ -107,7 +107,7 @@ def test_export_of_a_pddm_run_writes_the_unit_and_names_it_in_the_card(pddm_run:
 
 def test_a_changed_unit_file_is_refused(pddm_run: Path, tmp_path: Path) -> None:
     model_path = tmp_path / "model.onnx"
-    assert runner.invoke(app, ["export", str(pddm_run), "--out", str(model_path)]).exit_code == 0
+    assert runner.invoke(app, ["export", str(pddm_run), "--out", str(model_path), "--force"]).exit_code == 0
     card = ModelCard.load(model_path)
     unit_path = pddm_path_for(model_path)
     unit_path.write_bytes(unit_path.read_bytes() + b"\0")

@@ -1,0 +1,93 @@
+"""Proof commands: evaluate a run against the untrained backbone, and write its HTML report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
+
+import typer
+
+from cli.common import fail
+from cli.model_commands import METRIC_ORDER, _metrics_line
+
+if TYPE_CHECKING:
+    from training.comparison import Comparison
+
+commands = typer.Typer()
+
+EvalSplitOption = Annotated[
+    Literal["test", "val", "all"], typer.Option(help="Which classes: the unseen test half, val, or all.")
+]
+DataOption = Annotated[
+    Path | None, typer.Option(help="Images to evaluate on (default for a run: its training data).")
+]
+
+
+def _percent(value: float) -> str:
+    return f"{100 * value:+.2f}"
+
+
+def _comparison_text(comparison: Comparison) -> str:
+    interval = comparison.recall_at_1
+    names = [name for name in METRIC_ORDER if name in comparison.trained]
+    rows = [f"{'':10}" + "".join(f"{name:>10}" for name in names)]
+    for label, metrics in (("trained", comparison.trained), ("untrained", comparison.untrained)):
+        rows.append(f"{label:10}" + "".join(f"{100 * metrics[name]:10.2f}" for name in names))
+    if comparison.knc is not None:
+        knc = comparison.knc
+        rows.append(
+            f"kNC accuracy (Magnet Eq. 6): trained {100 * knc['trained']:.2f}, "
+            f"untrained {100 * knc['untrained']:.2f}"
+        )
+    rows.append(
+        f"recall@1 difference {_percent(interval.difference)} points, {100 * interval.level:.0f}% CI "
+        f"[{_percent(interval.low)}, {_percent(interval.high)}] (paired bootstrap, {interval.resamples} "
+        f"resamples of the queries; {comparison.images} {comparison.split} images)"
+    )
+    rows.append(f"verdict: {comparison.verdict} (trained vs the untrained backbone)")
+    return "\n".join(rows)
+
+
+@commands.command("eval")
+def evaluate(
+    target: Annotated[Path, typer.Argument(help="A training run directory or an exported model.onnx.")],
+    data: DataOption = None,
+    split: EvalSplitOption = "test",
+    train_classes: Annotated[
+        int | None, typer.Option(min=1, help="model.onnx: the first N classes count as training classes.")
+    ] = None,
+    resamples: Annotated[int, typer.Option(min=100, help="Run: paired bootstrap resamples.")] = 2000,
+    seed: Annotated[int, typer.Option(help="Run: seed of the bootstrap and the clustering.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Recall@K, NMI, F1 and MAP@R by the papers' protocol (query = each image, gallery = the others).
+
+    A run is compared with the untrained backbone on the same images: both models' metrics, a paired
+    bootstrap 95% interval on the Recall@1 difference, a verdict (better / not distinguishable / worse),
+    kNC accuracy for Magnet runs; saved as RUN/eval.json.
+    """
+    from training.comparison import compare_run, save_comparison
+    from training.data import DataError
+    from training.evaluation import evaluate_onnx
+    from training.run_dir import RunDirError
+
+    try:
+        if target.is_dir():
+            comparison, _ = compare_run(target, data, split=split, resamples=resamples, seed=seed)
+            saved = save_comparison(target, comparison)
+            if as_json:
+                typer.echo(json.dumps(comparison.to_dict(), indent=2))
+            else:
+                typer.echo(_comparison_text(comparison))
+                typer.echo(f"saved {saved}")
+            return
+        if target.is_file() and target.suffix == ".onnx":
+            if data is None:
+                raise fail("--data is required to evaluate a model.onnx")
+            metrics = evaluate_onnx(target, data, split=split, train_classes=train_classes)
+        else:
+            raise fail(f"{target} is neither a run directory nor a .onnx model")
+    except (DataError, RunDirError, FileNotFoundError, ValueError) as err:
+        raise fail(str(err)) from None
+    typer.echo(json.dumps(metrics, indent=2) if as_json else _metrics_line(metrics))

@@ -1,0 +1,147 @@
+"""Proof before promotion: the bootstrap interval, the eval verdict, kNC accuracy, the export refusal."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from training.bootstrap import paired_bootstrap
+from training.comparison import EVAL_FILE, compare_embeddings, knc_accuracy, validation_gain
+from training.config import TrainConfig
+from training.run_dir import RunDirectory
+from training.trainer import train
+
+runner = CliRunner()
+
+CLASSES, PER_CLASS, DIM = 20, 10, 32
+
+
+def _embeddings(spread: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Items around one random centre per class: small ``spread`` separates the classes, large mixes them."""
+    rng = np.random.default_rng(seed)
+    labels = np.repeat(np.arange(CLASSES), PER_CLASS)
+    centres = rng.standard_normal((CLASSES, DIM))
+    return centres[labels] + spread * rng.standard_normal((len(labels), DIM)), labels
+
+
+def test_bootstrap_interval_matches_the_normal_approximation() -> None:
+    rng = np.random.default_rng(0)
+    first, second = rng.random(4000) < 0.7, rng.random(4000) < 0.6
+    interval = paired_bootstrap(first, second, resamples=2000, seed=1)
+    difference = first.astype(float) - second
+    half_width = 1.96 * difference.std(ddof=1) / np.sqrt(len(difference))
+    assert interval.difference == pytest.approx(difference.mean())
+    assert interval.low == pytest.approx(difference.mean() - half_width, abs=0.004)
+    assert interval.high == pytest.approx(difference.mean() + half_width, abs=0.004)
+    assert interval.verdict == "better" and paired_bootstrap(second, first).verdict == "worse"
+
+
+@pytest.mark.parametrize(
+    ("trained_spread", "untrained_spread", "verdict"),
+    [(0.2, 3.0, "better"), (1.0, 1.0, "not distinguishable"), (3.0, 0.2, "worse")],
+)
+def test_eval_verdict_on_constructed_models(
+    trained_spread: float, untrained_spread: float, verdict: str
+) -> None:
+    trained, labels = _embeddings(trained_spread, seed=0)
+    untrained, _ = _embeddings(untrained_spread, seed=0)
+    if trained_spread == untrained_spread:
+        untrained = trained.copy()  # the same model: every query answered alike
+    comparison = compare_embeddings(trained, untrained, labels, resamples=500)
+    interval = comparison.recall_at_1
+    assert comparison.verdict == verdict
+    assert interval.difference == pytest.approx(
+        comparison.trained["recall@1"] - comparison.untrained["recall@1"]
+    )
+    assert interval.low <= interval.difference <= interval.high
+    if verdict == "not distinguishable":
+        assert interval.low == interval.high == 0.0
+    else:
+        assert abs(interval.difference) > 0.3
+    assert comparison.knc is None
+    assert json.loads(json.dumps(comparison.to_dict()))["verdict"] == verdict
+
+
+def test_knc_accuracy_separates_clustered_from_mixed_embeddings() -> None:
+    separated, labels = _embeddings(0.2, seed=0)
+    mixed, _ = _embeddings(5.0, seed=0)
+    assert knc_accuracy(separated, labels, clusters_per_class=2) == 1.0
+    assert knc_accuracy(mixed, labels, clusters_per_class=2) < 0.5
+    comparison = compare_embeddings(separated, mixed, labels, knc_clusters=2, resamples=200)
+    assert comparison.knc == {"trained": 1.0, "untrained": knc_accuracy(mixed, labels, clusters_per_class=2)}
+
+
+def _run(folder: Path, cache: Path, out: Path, loss: str, max_steps: int) -> Path:
+    config = TrainConfig(
+        loss=loss,
+        data=str(folder),
+        cache_dir=str(cache),
+        max_steps=max_steps,
+        eval_every=2,
+        embedding_dim=16,
+        head_hidden=32,
+    )
+    train(config, out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def magnet_run(labelled_folder: Path, feature_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _run(labelled_folder, feature_cache, tmp_path_factory.mktemp("magnet") / "run", "magnet", 4)
+
+
+def test_cli_eval_compares_a_run_with_the_untrained_backbone(magnet_run: Path) -> None:
+    result = runner.invoke(app, ["eval", str(magnet_run), "--json", "--resamples", "300"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.output)
+    assert shown == json.loads((magnet_run / EVAL_FILE).read_text())
+    summary = RunDirectory(magnet_run).read_summary()
+    assert shown["trained"]["recall@1"] == summary["test"]["recall@1"]
+    assert shown["untrained"]["recall@1"] == summary["test_backbone"]["recall@1"]
+    assert shown["verdict"] in ("better", "not distinguishable", "worse")
+    assert set(shown["knc_accuracy"]) == {"trained", "untrained"}
+    assert shown["run"]["loss"] == "magnet" and shown["images"] == 30
+
+    result = runner.invoke(app, ["eval", str(magnet_run), "--resamples", "300"])
+    assert result.exit_code == 0, result.output
+    assert f"verdict: {shown['verdict']}" in result.output
+    assert "kNC accuracy (Magnet Eq. 6)" in result.output and "95% CI" in result.output
+
+
+def test_export_refuses_a_run_no_better_than_untrained_unless_forced(
+    labelled_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    run = _run(labelled_folder, feature_cache, tmp_path / "run", "contrastive", 0)  # never trained
+    gain = validation_gain(run)
+    assert gain.best_step == 0 and not gain.improved
+    result = runner.invoke(app, ["export", str(run)])
+    assert result.exit_code == 2
+    assert "not better than the untrained model on validation" in result.output
+    assert "--force" in result.output and not (run / "model.onnx").exists()
+    result = runner.invoke(app, ["export", str(run), "--force"])
+    assert result.exit_code == 0, result.output
+    assert (run / "model.onnx").exists()
+
+
+def test_export_accepts_a_run_that_beat_the_untrained_model(magnet_run: Path, tmp_path: Path) -> None:
+    run = RunDirectory(magnet_run)
+    records = run.read_metrics()
+    gain = validation_gain(magnet_run)
+    assert gain.untrained == records[0]["val_backbone"]["recall@1"]
+    assert gain.trained == run.load_checkpoint("best")["val"]["recall@1"]
+    # Make the recorded untrained score beatable, so the answer is known whatever the tiny run learned.
+    best = run.load_checkpoint("best")
+    best.update(step=2, val={**best["val"], "recall@1": 1.0})
+    records[0]["val_backbone"]["recall@1"] = 0.5
+    copy = RunDirectory(tmp_path / "run")
+    copy.write_config(run.require_config())
+    copy.write_metrics(records)
+    copy.save_checkpoint("best", best)
+    assert validation_gain(copy.path).improved
+    result = runner.invoke(app, ["export", str(copy.path), "--out", str(tmp_path / "model.onnx")])
+    assert result.exit_code == 0, result.output

@@ -1,0 +1,70 @@
+"""Paired bootstrap confidence interval on a difference of per-query scores, and the verdict it supports.
+
+Two models answer the same queries against the same gallery, so their per-query results are paired; the
+bootstrap resamples *queries* with replacement (Efron and Tibshirani, 1993) and takes the percentile
+interval of the mean difference. The verdict only says "better" or "worse" when the whole interval lies on
+one side of zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import numpy as np
+
+Verdict = Literal["better", "not distinguishable", "worse"]
+
+DEFAULT_RESAMPLES = 2000
+DEFAULT_LEVEL = 0.95
+BLOCK_ELEMENTS = 1 << 22  # resampled indices held at once: bounds memory for large query sets
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The observed mean difference and its bootstrap interval at ``level``."""
+
+    difference: float
+    low: float
+    high: float
+    level: float
+    resamples: int
+
+    @property
+    def verdict(self) -> Verdict:
+        if self.low > 0:
+            return "better"
+        if self.high < 0:
+            return "worse"
+        return "not distinguishable"
+
+    def to_dict(self) -> dict[str, float | int | str]:
+        return {**asdict(self), "verdict": self.verdict}
+
+
+def paired_bootstrap(
+    first: np.ndarray,
+    second: np.ndarray,
+    *,
+    resamples: int = DEFAULT_RESAMPLES,
+    level: float = DEFAULT_LEVEL,
+    seed: int = 0,
+) -> Interval:
+    """Interval on ``mean(first - second)`` over queries, from ``resamples`` resamplings of the queries."""
+    difference = np.asarray(first, dtype=np.float64) - np.asarray(second, dtype=np.float64)
+    if difference.ndim != 1 or len(difference) == 0:
+        raise ValueError("paired_bootstrap needs two equally long, non-empty 1-d arrays")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    rng = np.random.default_rng(seed)
+    count = len(difference)
+    block = max(1, BLOCK_ELEMENTS // count)
+    means = np.concatenate(
+        [
+            difference[rng.integers(0, count, size=(min(block, resamples - start), count))].mean(axis=1)
+            for start in range(0, resamples, block)
+        ]
+    )
+    tail = (1 - level) / 2
+    low, high = np.quantile(means, [tail, 1 - tail])
+    return Interval(float(difference.mean()), float(low), float(high), level, resamples)

@@ -1,0 +1,209 @@
+"""Proof before promotion: a run's best model against the untrained backbone, on the same images.
+
+* :func:`compare_run` embeds a split (default: the unseen test classes) with both models and computes the
+  papers' metrics for each, the paired bootstrap interval on the Recall@1 difference (queries resampled)
+  and its verdict; for a Magnet run also the kNC accuracy of Eq. 6.
+* :func:`validation_gain` reads what the trainer recorded on the validation classes (the untrained
+  backbone at step 0, the selected checkpoint at its best step): ``dmlsearch export`` refuses a run that
+  did not beat the untrained model there.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from index.atomic import atomic_write_text
+from training.bootstrap import DEFAULT_RESAMPLES, Interval, paired_bootstrap
+from training.evaluation import EvalSplit, RunEmbeddings, embed_run
+from training.losses.magnet import KNCClassifier
+from training.metrics import answerable, evaluate, nearest_neighbours
+from training.run_dir import RunDirectory, RunDirError
+from training.samplers import NeighbourhoodSampler
+from training.trainer import SELECTION_METRIC
+
+EVAL_FILE = "eval.json"
+
+
+@dataclass(frozen=True)
+class TopHits:
+    """Per answerable query (``queries`` index the embedded rows): its nearest other item and whether
+    that item shares its class (the query's Recall@1)."""
+
+    queries: np.ndarray
+    top1: np.ndarray
+    hit: np.ndarray
+
+
+def top_hits(embeddings: np.ndarray, labels: np.ndarray) -> TopHits:
+    queries = np.flatnonzero(answerable(labels))
+    top1 = nearest_neighbours(embeddings, 1)[queries, 0]
+    return TopHits(queries, top1, labels[top1] == labels[queries])
+
+
+def knc_accuracy(
+    embeddings: np.ndarray, labels: np.ndarray, *, clusters_per_class: int, seed: int = 0
+) -> float:
+    """Accuracy of Magnet's kNC classifier (Eq. 6) on unit-length embeddings of held-out classes.
+
+    The classes are unseen in training, so each class's items alternate between reference and query: the
+    references are clustered per class exactly as the trainer's cluster index does (k-means,
+    ``clusters_per_class``), sigma^2 is Eq. 5's variance of the references about their cluster means, and
+    each query is classified among all classes' clusters. The same protocol serves both models.
+    """
+    vectors = embeddings / np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)
+    keep = answerable(labels)
+    rank = np.zeros(len(labels), dtype=np.int64)
+    for label in np.unique(labels):
+        members = np.flatnonzero(labels == label)
+        rank[members] = np.arange(len(members))
+    reference = np.flatnonzero(keep & (rank % 2 == 0))
+    queries = np.flatnonzero(keep & (rank % 2 == 1))
+    index = NeighbourhoodSampler(
+        labels[reference], clusters=1, samples_per_class=1, clusters_per_class=clusters_per_class, seed=seed
+    )
+    index.refresh(vectors[reference])
+    spread = vectors[reference] - index.centres[index.assignment]
+    variance = float((spread**2).sum() / max(len(reference) - 1, 1))
+    classifier = KNCClassifier(index.centres, index.cluster_labels, max(variance, 1e-12))
+    return float((classifier.predict(vectors[queries]) == labels[queries]).mean())
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Both models' metrics on one split, the R@1 difference's interval and (Magnet) kNC accuracies."""
+
+    split: str
+    images: int
+    trained: dict[str, float]
+    untrained: dict[str, float]
+    recall_at_1: Interval
+    knc: dict[str, float] | None
+    run: dict[str, Any]
+
+    @property
+    def verdict(self) -> str:
+        return self.recall_at_1.verdict
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "split": self.split,
+            "images": self.images,
+            "verdict": self.verdict,
+            "recall@1_difference": self.recall_at_1.to_dict(),
+            "trained": self.trained,
+            "untrained": self.untrained,
+            "knc_accuracy": self.knc,
+            "run": self.run,
+        }
+
+
+def compare_embeddings(
+    trained: np.ndarray,
+    untrained: np.ndarray,
+    labels: np.ndarray,
+    *,
+    split: str = "test",
+    knc_clusters: int | None = None,
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = 0,
+    run: dict[str, Any] | None = None,
+) -> Comparison:
+    """Compare two embeddings of the same images (rows paired); ``knc_clusters`` adds kNC accuracy."""
+    labels = np.asarray(labels)
+    interval = paired_bootstrap(
+        top_hits(trained, labels).hit, top_hits(untrained, labels).hit, resamples=resamples, seed=seed
+    )
+    knc = None
+    if knc_clusters is not None:
+        knc = {
+            name: knc_accuracy(vectors, labels, clusters_per_class=knc_clusters, seed=seed)
+            for name, vectors in (("trained", trained), ("untrained", untrained))
+        }
+    return Comparison(
+        split=split,
+        images=len(labels),
+        trained=evaluate(trained, labels, seed=seed),
+        untrained=evaluate(untrained, labels, seed=seed),
+        recall_at_1=interval,
+        knc=knc,
+        run=run or {},
+    )
+
+
+def run_description(run_path: Path, embedded: RunEmbeddings) -> dict[str, Any]:
+    """What the comparison is about: the run, its loss, mode and selected step."""
+    config = embedded.config
+    summary = RunDirectory(run_path).read_summary() or {}
+    return {
+        "path": str(run_path.resolve()),
+        "loss": config.loss,
+        "mode": config.mode,
+        "backbone": config.backbone,
+        "best_step": summary.get("best_step"),
+        "steps": summary.get("steps"),
+    }
+
+
+def compare_run(
+    run_path: Path,
+    data: Path | None = None,
+    *,
+    split: EvalSplit = "test",
+    resamples: int = DEFAULT_RESAMPLES,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[Comparison, RunEmbeddings]:
+    """Compare a run's best checkpoint with the untrained backbone on ``split`` (rows paired)."""
+    embedded = embed_run(run_path, data, split=split, progress=progress)
+    config = embedded.config
+    comparison = compare_embeddings(
+        embedded.trained,
+        embedded.untrained,
+        embedded.labels,
+        split=split,
+        knc_clusters=config.clusters_per_class if config.loss == "magnet" else None,
+        resamples=resamples,
+        seed=seed,
+        run=run_description(run_path, embedded),
+    )
+    return comparison, embedded
+
+
+def save_comparison(run_path: Path, comparison: Comparison) -> Path:
+    path = run_path / EVAL_FILE
+    atomic_write_text(path, json.dumps(comparison.to_dict(), indent=2) + "\n")
+    return path
+
+
+@dataclass(frozen=True)
+class ValidationGain:
+    """Validation Recall@1 of the untrained backbone (step 0) and of the selected checkpoint."""
+
+    untrained: float
+    trained: float
+    best_step: int
+
+    @property
+    def improved(self) -> bool:
+        return self.best_step > 0 and self.trained > self.untrained
+
+
+def validation_gain(run_path: Path) -> ValidationGain:
+    """What the trainer recorded on the validation classes; a run without that record is an error."""
+    run = RunDirectory(run_path)
+    run.require_config()
+    records = run.read_metrics()
+    start = next((record for record in records if record["step"] == 0), None)
+    best = run.load_checkpoint("best")
+    if start is None or "val_backbone" not in start or best is None:
+        raise RunDirError(f"{run_path} has no validation record of the untrained model and a best checkpoint")
+    return ValidationGain(
+        untrained=start["val_backbone"][SELECTION_METRIC],
+        trained=best["val"][SELECTION_METRIC],
+        best_step=int(best["step"]),
+    )
