@@ -91,3 +91,33 @@ def evaluate(
     except (DataError, RunDirError, FileNotFoundError, ValueError) as err:
         raise fail(str(err)) from None
     typer.echo(json.dumps(metrics, indent=2) if as_json else _metrics_line(metrics))
+
+
+@commands.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A training run directory.")],
+    data: DataOption = None,
+    resamples: Annotated[int, typer.Option(min=100, help="Paired bootstrap resamples.")] = 2000,
+    seed: Annotated[
+        int, typer.Option(help="Seed of the bootstrap, the clustering and the sampled plots.")
+    ] = 0,
+) -> None:
+    """Write RUN/report.html: one self-contained page of plots comparing the run with the untrained backbone.
+
+    Training loss and validation Recall@1 against step, Recall@K curves, per-class Recall@1 change, a
+    t-SNE map of the test embeddings, and queries whose top-1 the training fixed or broke. Also refreshes
+    RUN/eval.json; the plots are kept as PNGs under RUN/report/ for the API's Model page.
+    """
+    from training.comparison import compare_run, save_comparison
+    from training.data import DataError
+    from training.report import write_report
+    from training.run_dir import RunDirError
+
+    try:
+        comparison, embedded = compare_run(run_dir, data, resamples=resamples, seed=seed)
+        save_comparison(run_dir, comparison)
+        written = write_report(run_dir, comparison, embedded, seed=seed)
+    except (DataError, RunDirError, FileNotFoundError, ValueError) as err:
+        raise fail(str(err)) from None
+    typer.echo(_comparison_text(comparison))
+    typer.echo(f"wrote {written.html_path} ({len(written.plots)} plots; open it in a browser)")

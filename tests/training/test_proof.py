@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -145,3 +149,32 @@ def test_export_accepts_a_run_that_beat_the_untrained_model(magnet_run: Path, tm
     assert validation_gain(copy.path).improved
     result = runner.invoke(app, ["export", str(copy.path), "--out", str(tmp_path / "model.onnx")])
     assert result.exit_code == 0, result.output
+
+
+def test_report_is_one_self_contained_page_of_plots(magnet_run: Path) -> None:
+    from training.report import PLOTS, PLOTS_DIR, REPORT_FILE
+
+    result = runner.invoke(app, ["report", str(magnet_run), "--resamples", "200"])
+    assert result.exit_code == 0, result.output
+    page = (magnet_run / REPORT_FILE).read_text()
+    assert f"wrote {magnet_run / REPORT_FILE}" in result.output
+    # Every plot is embedded as a PNG and also written beside the page for the API.
+    images = re.findall(r"<img alt='(\w+)' src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)
+    assert [name for name, _ in images] == list(PLOTS)
+    for name, encoded in images:
+        data = base64.b64decode(encoded)
+        assert data == (magnet_run / PLOTS_DIR / f"{name}.png").read_bytes()
+        with Image.open(io.BytesIO(data)) as image:
+            assert image.format == "PNG" and image.width > 300 and image.height > 150
+    # Self-contained: nothing is fetched from elsewhere.
+    assert not re.search(r"""(src|href)\s*=\s*['"]?(https?:)?//""", page, flags=re.IGNORECASE)
+    assert "<script" not in page.lower() and "<link" not in page.lower()
+    shown = json.loads((magnet_run / EVAL_FILE).read_text())
+    assert f"<b>{shown['verdict']}</b>" in page
+    assert f"{100 * shown['trained']['recall@1']:.2f}" in page and "kNC accuracy" in page
+    assert "magnet" in page
+
+
+def test_report_of_a_missing_run_exits_2(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 2 and "not a training run" in result.output
