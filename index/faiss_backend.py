@@ -16,6 +16,7 @@ import numpy as np
 from index.faiss_build import build_faiss_index
 from index.faiss_build import retune as retune_index
 from index.faiss_index import FaissIndex
+from index.filters import ItemFilter
 from index.items import ItemStore
 from index.manifest import Manifest
 from index.protocol import Entry, IndexNotBuiltError, Move, normalize_rows
@@ -98,7 +99,13 @@ class FaissBackend:
         """Metadata only: the vectors and the FAISS index are untouched."""
         return self.store.move(moves)
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(
+        self, queries: np.ndarray, k: int, where: ItemFilter | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` ids and cosines; ``where`` restricts the items returned: SQLite resolves it to the ids
+        it keeps (through the label, path and time indexes) and FAISS searches with an ``IDSelector`` of
+        them, falling back to every inverted list when a very selective filter leaves the probed ones short.
+        """
         if self.index is None and self.manifest.shard is not None:
             raise IndexNotBuiltError(
                 f"{self.directory} is shard {self.manifest.shard} of a gallery: it stores vectors only; "
@@ -109,7 +116,9 @@ class FaissBackend:
                 f"{self.directory} holds {len(self.store)} stored vectors but no search index yet "
                 "(an interrupted build?): run dmlsearch build-index again to finish it"
             )
-        return self.index.search(queries, k)
+        if where is None or where.empty:
+            return self.index.search(queries, k)
+        return self.index.search(queries, k, self.store.matching_ids(where))
 
     def build(
         self,

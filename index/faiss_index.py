@@ -127,40 +127,73 @@ class FaissIndex:
         self._make_writable()
         return int(self.index.remove_ids(np.ascontiguousarray(ids, dtype=np.int64)))
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(
+        self, queries: np.ndarray, k: int, allowed: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` ``(ids, cosine scores)``; rows are padded with id -1 and score -inf.
 
-        Rows that come back with fewer than ``min(k, len(self))`` results (a k near the gallery size: the
-        probed IVF lists or the HNSW beam did not reach that many) are searched again exhaustively.
+        ``allowed``: only these ids may be returned (a filter), through a FAISS ``IDSelectorBatch`` in
+        the per-call search parameters, with the tuned nprobe / efSearch. Rows that come back with fewer
+        than ``min(k, len(self))`` results (``len(allowed)`` with a filter: the probed IVF lists or the
+        HNSW beam did not reach that many) are searched again exhaustively.
         """
         queries = normalize_rows(queries)
         check_dim(queries, self.dim, "queries")
-        scores, ids = self._searcher().search(queries, k)
-        short = (ids >= 0).sum(axis=1) < min(k, len(self))
+        selector = None
+        if allowed is None:
+            scores, ids = self._searcher().search(queries, k)
+            reachable = len(self)
+        else:
+            selector = faiss_module().IDSelectorBatch(np.ascontiguousarray(allowed, dtype=np.int64))
+            scores, ids = self._search_numpy(queries, k, self._params(selector, exhaustive=False))
+            reachable = min(len(self), len(allowed))
+        short = (ids >= 0).sum(axis=1) < min(k, reachable)
         if short.any():
-            scores[short], ids[short] = self._exhaustive_search(queries[short], k)
+            scores[short], ids[short] = self._exhaustive_search(queries[short], k, selector, allowed)
         scores[ids < 0] = -np.inf
         return ids, scores
 
-    def _exhaustive_search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        faiss = faiss_module()
-        if self.spec.index_type == "hnsw":  # brute force over the graph's flat storage
-            storage = faiss.downcast_index(faiss.downcast_index(self.index.index).storage)
-            scores, positions = storage.search(queries, k)
-            return scores, np.where(positions >= 0, faiss.vector_to_array(self.index.id_map)[positions], -1)
+    def _search_numpy(self, queries: np.ndarray, k: int, params: object) -> tuple[np.ndarray, np.ndarray]:
         # faiss.contrib.torch_utils (imported by pytorch-metric-learning, for one) replaces ``search`` with a
         # version that takes no ``params`` and keeps faiss's own as ``search_numpy``.
         search = getattr(self.index, "search_numpy", self.index.search)
-        return search(queries, k, params=self._all_lists())
+        return search(queries, k, params=params)
 
-    def _all_lists(self) -> object:
-        """Per-call faiss search parameters that probe every inverted list (thread-safe, unlike nprobe)."""
+    def _exhaustive_search(
+        self, queries: np.ndarray, k: int, selector: object | None = None, allowed: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         faiss = faiss_module()
-        params = faiss.SearchParametersIVF()
-        params.nprobe = self.spec.nlist
-        if self.spec.hnsw_quantizer:
-            params.quantizer_params = faiss.SearchParametersHNSW()
-            params.quantizer_params.efSearch = self.spec.nlist
+        if self.spec.index_type == "hnsw":  # brute force over the graph's flat storage
+            storage = faiss.downcast_index(faiss.downcast_index(self.index.index).storage)
+            id_map = faiss.vector_to_array(self.index.id_map)
+            params = None
+            if allowed is not None:  # the storage knows positions, not ids
+                params = faiss.SearchParameters()
+                params.sel = faiss.IDSelectorBatch(np.flatnonzero(np.isin(id_map, allowed)).astype(np.int64))
+            scores, positions = storage.search(queries, k, params=params)
+            return scores, np.where(positions >= 0, id_map[positions], -1)
+        return self._search_numpy(queries, k, self._params(selector, exhaustive=True))
+
+    def _params(self, selector: object | None, *, exhaustive: bool) -> object:
+        """Per-call faiss search parameters (thread-safe, unlike setting nprobe on the index): the tuned
+        ones, or every inverted list when ``exhaustive``; restricted to ``selector``'s ids when given."""
+        faiss = faiss_module()
+        tuned = self.search_params
+        if self.spec.index_type == "flat":
+            params = faiss.SearchParameters()
+        elif self.spec.index_type == "hnsw":
+            params = faiss.SearchParametersHNSW()
+            params.efSearch = tuned.get("efSearch", params.efSearch)
+        else:
+            params = faiss.SearchParametersIVF()
+            params.nprobe = self.spec.nlist if exhaustive else tuned.get("nprobe", params.nprobe)
+            if self.spec.hnsw_quantizer:
+                params.quantizer_params = faiss.SearchParametersHNSW()
+                params.quantizer_params.efSearch = (
+                    self.spec.nlist if exhaustive else tuned.get("quantizer_efSearch", self.spec.nlist)
+                )
+        if selector is not None:
+            params.sel = selector
         if not self.spec.opq:
             return params
         wrapped = faiss.SearchParametersPreTransform()  # the OPQ rotation wraps the IVF index

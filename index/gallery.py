@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from index.faiss_backend import FaissBackend
+from index.filters import ItemFilter
 from index.items import now_utc
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item, ItemCatalog, Move, VectorIndex
@@ -142,11 +143,12 @@ class GalleryIndex:
             return False
         return self.backend.build(self.manifest.options, retune=retune, progress=progress)
 
-    def search(self, queries: np.ndarray, k: int) -> list[list[Hit]]:
-        """The top-``k`` hits of each query, best first (fewer when the gallery is smaller)."""
+    def search(self, queries: np.ndarray, k: int, where: ItemFilter | None = None) -> list[list[Hit]]:
+        """The top-``k`` hits of each query, best first (fewer when the gallery is smaller); ``where``
+        restricts them to the items it lets through."""
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
-        ids, scores = self.backend.search(queries, k)
+        ids, scores = self.backend.search(queries, k, where)
         # Quantised (PQ) and float-rounded inner products can stray past +-1: report true cosine bounds.
         scores = np.clip(scores, -1.0, 1.0)
         items = self.items.get_many(sorted({int(i) for i in ids.ravel() if i >= 0}))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from index.filters import ItemFilter
 from index.protocol import Entry, Item, Move, check_dim, normalize_rows
 
 _COLUMNS = "id, path, label, content_hash, added"
@@ -44,6 +45,9 @@ class ItemStore:
                 "path TEXT NOT NULL UNIQUE, label TEXT, content_hash TEXT NOT NULL, added TEXT NOT NULL)"
             )
             self.connection.execute("CREATE INDEX IF NOT EXISTS items_by_hash ON items (content_hash)")
+            # Filtered search (index.filters) resolves labels and time ranges through these.
+            self.connection.execute("CREATE INDEX IF NOT EXISTS items_by_label ON items (label)")
+            self.connection.execute("CREATE INDEX IF NOT EXISTS items_by_added ON items (added)")
             self.connection.execute(
                 "CREATE TABLE IF NOT EXISTS vectors (id INTEGER PRIMARY KEY, vector BLOB NOT NULL)"
             )
@@ -117,6 +121,14 @@ class ItemStore:
     def get_by_path(self, path: str) -> Item | None:
         row = self.connection.execute(f"SELECT {_COLUMNS} FROM items WHERE path = ?", (path,)).fetchone()
         return Item(*row) if row else None
+
+    def matching_ids(self, where: ItemFilter) -> np.ndarray:
+        """The ids of the items ``where`` lets through, ascending."""
+        condition, values = where.sql()
+        rows = self.connection.execute(
+            f"SELECT id FROM items WHERE {condition} ORDER BY id", values
+        ).fetchall()
+        return np.array([row[0] for row in rows], dtype=np.int64)
 
     def page(self, offset: int, limit: int) -> list[Item]:
         rows = self.connection.execute(

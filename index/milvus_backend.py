@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from index.filters import ItemFilter
 from index.items import now_utc
 from index.manifest import MILVUS_COLLECTION, Manifest
 from index.protocol import Entry, Item, Move, check_dim, normalize_rows
@@ -136,7 +137,9 @@ class MilvusBackend:
             return []
         return [int(i) for i in self.client.insert(self.collection, rows)["ids"]]
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(
+        self, queries: np.ndarray, k: int, where: ItemFilter | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         queries = normalize_rows(queries)
         check_dim(queries, self.dim, "queries")
         if k > MAX_TOP_K:
@@ -154,6 +157,7 @@ class MilvusBackend:
             limit=k,
             output_fields=["id"],
             search_params={"metric_type": "COSINE", "params": params},
+            filter=where.milvus_expression() if where is not None else "",
         )
         for row, hits in enumerate(results):
             for column, hit in enumerate(hits):

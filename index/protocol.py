@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from index.filters import ItemFilter
 
 UNIT_TOLERANCE = 1e-6  # a few float32 ulps around 1.0
 # (relative path, label, content hash): what an index is told about a new item.
@@ -70,7 +73,11 @@ class VectorIndex(Protocol):
 
     def add(self, vectors: np.ndarray, entries: Sequence[Entry]) -> list[int]: ...
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]: ...
+    def search(
+        self, queries: np.ndarray, k: int, where: ItemFilter | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``where``: only items it lets through are returned."""
+        ...
 
     def remove(self, ids: Sequence[int]) -> int: ...
 
