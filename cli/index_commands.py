@@ -121,6 +121,9 @@ def build_index(
     model: ModelOption = defaults.MODEL_PATH,
     batch_size: Annotated[int, typer.Option(min=1, max=1024)] = defaults.BATCH_SIZE,
     threads: Annotated[int, typer.Option(min=0, help="onnxruntime threads (0 = all cores).")] = 0,
+    decode_workers: Annotated[
+        int, typer.Option(min=0, help="Threads decoding images while the model embeds (0 = none).")
+    ] = defaults.DECODE_WORKERS,
     index_type: IndexTypeOption = None,
     memory_budget: BudgetOption = None,
     target_recall: RecallOption = None,
@@ -155,6 +158,7 @@ def build_index(
             milvus_uri=milvus_uri,
             milvus_collection=milvus_collection,
             shard=Shard.parse(shard) if shard else None,
+            decode_workers=decode_workers,
         )
     except EXPECTED_ERRORS as err:
         raise fail(str(err)) from None

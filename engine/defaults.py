@@ -30,6 +30,9 @@ VOTE_SIGMA2 = 0.05
 
 # Images embedded per model call when indexing a folder.
 BATCH_SIZE = 32
+# Threads decoding and preprocessing images while the model embeds (engine.prefetch); why two:
+# bench/results/build_speed.md.
+DECODE_WORKERS = 2
 
 # Where `dmlsearch serve` listens and `dmlsearch ui` (and the Streamlit page) finds it.
 API_HOST = "127.0.0.1"

@@ -20,9 +20,10 @@ import numpy as np
 from tqdm import tqdm
 
 from engine.bundle import store_model
-from engine.defaults import BATCH_SIZE
+from engine.defaults import BATCH_SIZE, DECODE_WORKERS
 from engine.embedder import Embedder
-from engine.images import ImageDecodeError, decode_image, list_images
+from engine.images import list_images
+from engine.prefetch import file_array, prefetch
 from index.gallery import GalleryIndex, replace_directory
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item, Move
@@ -131,24 +132,35 @@ def embed_files(
     *,
     batch_size: int,
     progress: bool,
+    decode_workers: int = DECODE_WORKERS,
 ) -> None:
-    """Decode, embed and add ``files`` batch by batch; each batch is durable once added."""
-    draft_size = embedder.card.preprocessing.resize_size
-    batch: list[tuple[GalleryFile, object]] = []
+    """Decode, embed and add ``files`` batch by batch; each batch is durable once added.
+
+    ``decode_workers`` threads decode and preprocess the next batches while the model embeds this one.
+    """
+    preprocessing = embedder.card.preprocessing
+    batch: list[tuple[GalleryFile, np.ndarray]] = []
 
     def flush() -> None:
-        vectors = embedder.embed([image for _, image in batch])
+        vectors = embedder.embed_tensor(np.stack([array for _, array in batch]))
         index.add(vectors, [(f.relative, f.label, f.content_hash) for f, _ in batch])
         report.indexed += len(batch)
         batch.clear()
 
-    for gallery_file in tqdm(files, desc="embedding", unit="img", disable=not progress):
-        try:
-            image = decode_image(gallery_file.path.read_bytes(), draft_size=draft_size)
-        except (ImageDecodeError, OSError) as err:
-            report.skipped.append((gallery_file.relative, str(err)))
+    # Two batches in flight: the next one is complete when the model finishes this one.
+    loaded = prefetch(
+        files,
+        lambda f: file_array(f.path, preprocessing),
+        workers=decode_workers,
+        depth=2 * batch_size,
+    )
+    for gallery_file, result in tqdm(
+        loaded, total=len(files), desc="embedding", unit="img", disable=not progress
+    ):
+        if isinstance(result, Exception):
+            report.skipped.append((gallery_file.relative, str(result)))
             continue
-        batch.append((gallery_file, image))
+        batch.append((gallery_file, result))
         if len(batch) == batch_size:
             flush()
     if batch:
@@ -166,6 +178,7 @@ def sync_files(
     shard: Shard | None = None,
     batch_size: int,
     progress: bool,
+    decode_workers: int = DECODE_WORKERS,
 ) -> SyncPlan:
     """Bring the items of ``files`` (and of the stored items whose file is ``gone``) up to date in ``index``.
 
@@ -179,7 +192,15 @@ def sync_files(
         report.removed = index.remove(plan.remove)
     if plan.moves:
         report.moved = index.move(plan.moves)
-    embed_files(index, embedder, plan.embed, report, batch_size=batch_size, progress=progress)
+    embed_files(
+        index,
+        embedder,
+        plan.embed,
+        report,
+        batch_size=batch_size,
+        progress=progress,
+        decode_workers=decode_workers,
+    )
     return plan
 
 
@@ -222,6 +243,7 @@ def build_index(
     milvus_uri: str | None = None,
     milvus_collection: str | None = None,
     shard: Shard | None = None,
+    decode_workers: int = DECODE_WORKERS,
 ) -> BuildReport:
     """Make the index at ``out_dir`` match the images below ``gallery_root`` (or its shard of them).
 
@@ -289,6 +311,7 @@ def build_index(
             shard=shard,
             batch_size=batch_size,
             progress=progress,
+            decode_workers=decode_workers,
         )
         if len(index) == 0:
             discard = created  # leave no empty index behind

@@ -27,9 +27,14 @@ def resize_and_crop(image: Image.Image, config: Preprocessing) -> Image.Image:
     return image.crop((left, top, left + config.input_size, top + config.input_size))
 
 
+def to_array(image: Image.Image, config: Preprocessing) -> np.ndarray:
+    """One RGB image as a normalised float32 CHW array."""
+    mean = np.asarray(config.mean, dtype=np.float32).reshape(3, 1, 1)
+    std = np.asarray(config.std, dtype=np.float32).reshape(3, 1, 1)
+    array = np.asarray(resize_and_crop(image, config), dtype=np.float32)
+    return (array.transpose(2, 0, 1) / 255.0 - mean) / std
+
+
 def to_tensor(images: Sequence[Image.Image], config: Preprocessing) -> np.ndarray:
     """Stack RGB images into a normalised float32 NCHW batch."""
-    mean = np.asarray(config.mean, dtype=np.float32).reshape(1, 3, 1, 1)
-    std = np.asarray(config.std, dtype=np.float32).reshape(1, 3, 1, 1)
-    batch = np.stack([np.asarray(resize_and_crop(image, config), dtype=np.float32) for image in images])
-    return (batch.transpose(0, 3, 1, 2) / 255.0 - mean) / std
+    return np.stack([to_array(image, config) for image in images])

@@ -99,18 +99,18 @@ def test_an_interrupted_build_resumes_where_it_stopped(
 ) -> None:
     out = tmp_path / "index"
     calls = {"n": 0}
-    real_embed = Embedder.embed
+    real_embed = Embedder.embed_tensor
 
-    def embed_then_die(self: Embedder, images: list) -> object:
+    def embed_then_die(self: Embedder, batch: np.ndarray) -> object:
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt  # the process is killed during the third batch
-        return real_embed(self, images)
+        return real_embed(self, batch)
 
-    monkeypatch.setattr(Embedder, "embed", embed_then_die)
+    monkeypatch.setattr(Embedder, "embed_tensor", embed_then_die)
     with pytest.raises(KeyboardInterrupt):
         build_index(gallery, embedder, out, batch_size=2, progress=False)
-    monkeypatch.setattr(Embedder, "embed", real_embed)
+    monkeypatch.setattr(Embedder, "embed_tensor", real_embed)
     assert len(_items(out)) == 4  # two batches were committed
     with pytest.raises(Exception, match="build-index again"):
         GalleryIndex.open(out).search(embedder.embed([make_image(1)]), 3)

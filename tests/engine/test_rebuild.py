@@ -7,6 +7,7 @@ import json
 import sqlite3
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -87,20 +88,20 @@ def test_a_killed_rebuild_continues_where_it_stopped(
 ) -> None:
     embedder = Embedder(small_model, threads=1)
     calls = {"batches": 0}
-    real_embed = embedder.embed
+    real_embed = embedder.embed_tensor
 
-    def embed_then_die(images: list) -> object:
+    def embed_then_die(batch: np.ndarray) -> object:
         calls["batches"] += 1
         if calls["batches"] == 3:
             raise KeyboardInterrupt  # the process is stopped after two committed batches
-        return real_embed(images)
+        return real_embed(batch)
 
-    monkeypatch.setattr(embedder, "embed", embed_then_die)
+    monkeypatch.setattr(embedder, "embed_tensor", embed_then_die)
     new = tmp_path / "new"
     with pytest.raises(KeyboardInterrupt):
         rebuild_index(old.index, embedder, new, batch_size=8, progress=False)
     assert not new.exists()  # only the staging directory holds the partial work
-    monkeypatch.setattr(embedder, "embed", real_embed)
+    monkeypatch.setattr(embedder, "embed_tensor", real_embed)
     report = rebuild_index(old.index, embedder, new, batch_size=8, progress=False)
     total = len(_items(old.index))
     assert report.unchanged == 16 and report.indexed == total - 16

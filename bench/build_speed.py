@@ -1,0 +1,211 @@
+"""build-index throughput against the model alone: is the model ever idle waiting for pixels?
+
+    python bench/build_speed.py --data ../shared/data/cars196/images --work /work/cache/ingest
+                                [--count 2000] [--large-count 200] [--workers 0 1 2 3] [--threads 0]
+
+In one run, on one model (the pretrained export, or ``--model``):
+- model only: onnxruntime at ``--batch-size`` on pre-decoded tensors (``--threads`` intra-op threads);
+- decode only: the decode pool alone (read, decode, resize, crop, normalise), per worker count;
+- end to end: ``engine.indexing.build_index`` into a fresh index (hashing, decoding, embedding, adding,
+  building) on ``--count`` Cars196 images (224 px, the first in sorted path order) and on ``--large-count``
+  12-MP JPEGs generated from them (upscaled to 4000x3000, quality 92, cached under ``--work``), per
+  decode-worker count (0 = decoding on the calling thread, as build-index did before the pool).
+Each end-to-end rate is divided by the mean of the model-only rates measured right before and right after
+it, so that load drifting on a shared machine moves both sides of a ratio alike. Files are read once before
+timing, so every run reads them from the page cache. The load average is recorded at the start and the end;
+results go to ``--out``.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from tqdm import tqdm
+
+from engine import defaults
+from engine.embedder import Embedder
+from engine.images import list_images
+from engine.indexing import build_index
+from engine.prefetch import file_array, prefetch
+from index.atomic import atomic_write_text
+
+LARGE_SIZE = (4000, 3000)
+LARGE_QUALITY = 92
+
+
+def pretrained_model(work: Path) -> Path:
+    """The pretrained embedder exported once under ``work`` (what ``dmlsearch export`` writes)."""
+    path = work / "model" / "model.onnx"
+    if not path.exists():
+        from training.backbone import BACKBONES, create_backbone
+        from training.export import export_onnx
+        from training.model import EmbeddingModel
+
+        backbone = "efficientnet_lite0"
+        model = EmbeddingModel(create_backbone(backbone))
+        export_onnx(model, path, preprocessing=BACKBONES[backbone].preprocessing, backbone=backbone)
+    return path
+
+
+def small_folder(data: Path, count: int, work: Path) -> Path:
+    """The first ``count`` images of ``data`` as symlinks under ``work`` (same labels, same bytes)."""
+    folder = work / f"small_{count}"
+    if not folder.exists():
+        staging = work / f".small_{count}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        for path in list_images(data)[:count]:
+            link = staging / path.relative_to(data)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(path.resolve())
+        staging.rename(folder)
+    return folder
+
+
+def large_folder(data: Path, count: int, work: Path) -> Path:
+    """The first ``count`` images of ``data`` upscaled to 12 MP and saved as a camera would (JPEG q92)."""
+    folder = work / f"large_{count}_{LARGE_SIZE[0]}x{LARGE_SIZE[1]}_q{LARGE_QUALITY}"
+    if not folder.exists():
+        staging = work / f".{folder.name}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        for path in tqdm(list_images(data)[:count], desc="generating 12-MP JPEGs", unit="img"):
+            target = (staging / path.relative_to(data)).with_suffix(".jpg")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            image = Image.open(path).convert("RGB").resize(LARGE_SIZE, Image.Resampling.BICUBIC)
+            image.save(target, format="JPEG", quality=LARGE_QUALITY)
+        staging.rename(folder)
+    return folder
+
+
+def model_only_rate(embedder: Embedder, batch_size: int, batches: int) -> float:
+    """Images per second of onnxruntime alone on ``batches`` pre-decoded batches (after one warm-up)."""
+    config = embedder.card.preprocessing
+    batch = np.random.default_rng(0).standard_normal((batch_size, 3, config.input_size, config.input_size))
+    batch = batch.astype(np.float32)
+    embedder.embed_tensor(batch)
+    started = time.perf_counter()
+    for _ in range(batches):
+        embedder.embed_tensor(batch)
+    return batches * batch_size / (time.perf_counter() - started)
+
+
+def decode_only_rate(files: list[Path], embedder: Embedder, workers: int, batch_size: int) -> float:
+    config = embedder.card.preprocessing
+    started = time.perf_counter()
+    for _, result in prefetch(files, lambda p: file_array(p, config), workers=workers, depth=2 * batch_size):
+        assert not isinstance(result, Exception), result
+    return len(files) / (time.perf_counter() - started)
+
+
+def build_rate(folder: Path, embedder: Embedder, out: Path, workers: int, batch_size: int) -> float:
+    shutil.rmtree(out, ignore_errors=True)
+    started = time.perf_counter()
+    report = build_index(folder, embedder, out, batch_size=batch_size, progress=False, decode_workers=workers)
+    seconds = time.perf_counter() - started
+    assert not report.skipped, report.skipped
+    shutil.rmtree(out)
+    return report.indexed / seconds
+
+
+def bracketed(measure: Callable[[], float], model_rate: Callable[[], float]) -> dict[str, float]:
+    """``measure()`` between two model-only measurements, and its ratio to their mean."""
+    before = model_rate()
+    rate = measure()
+    after = model_rate()
+    model = (before + after) / 2
+    return {"img_per_s": rate, "model_img_per_s": model, "ratio": rate / model}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data", type=Path, required=True, help="Folder of 224-px images (Cars196).")
+    parser.add_argument("--work", type=Path, required=True, help="Cache for the generated files.")
+    parser.add_argument("--model", type=Path, help="model.onnx (default: the pretrained export).")
+    parser.add_argument("--count", type=int, default=2000, help="224-px images built end to end.")
+    parser.add_argument("--large-count", type=int, default=200, help="12-MP JPEGs built end to end.")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, defaults.DECODE_WORKERS])
+    parser.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0 = all).")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--model-batches", type=int, default=10, help="Batches per model-only timing.")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/build_speed"))
+    args = parser.parse_args()
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    load_start = os.getloadavg()
+    embedder = Embedder(args.model or pretrained_model(args.work), threads=args.threads)
+    folders = {
+        "224px": small_folder(args.data, args.count, args.work),
+        "12MP": large_folder(args.data, args.large_count, args.work),
+    }
+    for folder in folders.values():  # into the page cache: every timed run reads from memory
+        for path in list_images(folder):
+            path.read_bytes()
+
+    def model_rate() -> float:
+        return model_only_rate(embedder, args.batch_size, args.model_batches)
+
+    rows = []
+    model_rates = [model_rate()]
+    print(f"model only: {model_rates[0]:.1f} img/s (batch {args.batch_size}, threads {args.threads})")
+    for name, folder in folders.items():
+        files = list_images(folder)
+        for workers in args.workers:
+            decode = decode_only_rate(files, embedder, workers, args.batch_size)
+            row = bracketed(
+                lambda f=folder, w=workers: build_rate(f, embedder, args.work / "index", w, args.batch_size),
+                model_rate,
+            )
+            row.update(images=name, files=len(files), workers=workers, decode_only_img_per_s=decode)
+            model_rates.append(row["model_img_per_s"])
+            rows.append(row)
+            print(
+                f"{name:>6} workers={workers}: build-index {row['img_per_s']:.1f} img/s = "
+                f"{row['ratio']:.2f}x model ({row['model_img_per_s']:.1f} img/s); "
+                f"decode alone {decode:.1f} img/s"
+            )
+    load_end = os.getloadavg()
+    command = "python " + shlex.join(sys.argv)
+    meta = {
+        "command": command,
+        "batch_size": args.batch_size,
+        "onnxruntime_threads": args.threads,
+        "cpu_count": os.cpu_count(),
+        "load_average_start": load_start,
+        "load_average_end": load_end,
+        "large_images": f"{LARGE_SIZE[0]}x{LARGE_SIZE[1]} JPEG q{LARGE_QUALITY}, upscaled from --data",
+    }
+    atomic_write_text(args.out.with_suffix(".json"), json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = [
+        "# build-index throughput vs the model alone",
+        "",
+        f"`{command}`",
+        "",
+        f"onnxruntime batch {args.batch_size}, {args.threads or 'all'} intra-op threads, "
+        f"{os.cpu_count()} cores; load average (1, 5, 15 min) at start "
+        f"{', '.join(f'{v:.2f}' for v in load_start)}, at end {', '.join(f'{v:.2f}' for v in load_end)}.",
+        "Ratio = build-index img/s over the mean of the model-only img/s measured just before and after it.",
+        "",
+        "| images | files | workers | build-index img/s | model-only img/s | ratio | decode only img/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['images']} | {r['files']} | {r['workers']} | {r['img_per_s']:.1f} | "
+        f"{r['model_img_per_s']:.1f} | {r['ratio']:.2f}x | {r['decode_only_img_per_s']:.1f} |"
+        for r in rows
+    ]
+    atomic_write_text(args.out.with_suffix(".md"), "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Decode and preprocess image files on worker threads while the model runs, so it never waits for pixels.
+
+Threads, not processes: Pillow releases the GIL while it decodes and resizes, numpy while it converts and
+normalises, and onnxruntime while it runs, so threads overlap on every core without copying tensors
+between processes. At most ``depth`` files are in flight (decoded or being decoded, not yet consumed): a
+bounded queue, so memory stays flat however large the gallery and however slow the consumer.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+
+from engine import defaults
+from engine.images import ImageDecodeError, load_image_file
+from engine.model_card import Preprocessing
+from engine.preprocess import to_array
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# Errors that mean "this file is not a usable image": the file is skipped and reported, the build goes on.
+FILE_ERRORS = (ImageDecodeError, OSError)
+
+
+def file_array(path: Path, preprocessing: Preprocessing) -> np.ndarray:
+    """One image file as the model's normalised CHW input (large JPEGs decoded at a reduced DCT scale)."""
+    return to_array(load_image_file(path, draft_size=preprocessing.resize_size), preprocessing)
+
+
+def prefetch(
+    items: Iterable[T], load: Callable[[T], R], *, workers: int = defaults.DECODE_WORKERS, depth: int
+) -> Iterator[tuple[T, R | Exception]]:
+    """``(item, load(item))`` in the order of ``items``, loaded by ``workers`` threads up to ``depth`` ahead.
+
+    A load that raises one of :data:`FILE_ERRORS` yields the exception in place of its result; any other
+    exception propagates. ``workers=0`` loads on the calling thread (no overlap).
+    """
+    if workers == 0:
+        for item in items:
+            yield item, _attempt(load, item)
+        return
+    pending: deque[tuple[T, Future[R | Exception]]] = deque()
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="decode") as pool:
+        try:
+            for item in items:
+                pending.append((item, pool.submit(_attempt, load, item)))
+                if len(pending) >= depth:
+                    done, future = pending.popleft()
+                    yield done, future.result()
+            while pending:
+                done, future = pending.popleft()
+                yield done, future.result()
+        finally:  # the consumer stopped early (an error, a closed generator): drop what is queued
+            for _, future in pending:
+                future.cancel()
+
+
+def _attempt(load: Callable[[T], R], item: T) -> R | Exception:
+    try:
+        return load(item)
+    except FILE_ERRORS as err:
+        return err

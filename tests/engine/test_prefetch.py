@@ -1,0 +1,96 @@
+"""The decode pipeline: order kept, bad files reported in place, bounded look-ahead, serial parity."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from engine.embedder import Embedder
+from engine.images import ImageDecodeError, load_image_file
+from engine.indexing import build_index
+from engine.prefetch import prefetch
+from index.gallery import GalleryIndex
+from tests.helpers import image_bytes, make_image
+
+
+@pytest.mark.parametrize("workers", [0, 1, 3])
+def test_results_come_in_order_with_errors_in_place(workers: int) -> None:
+    def load(n: int) -> int:
+        time.sleep(0.002 * (n % 3))  # later items often finish first
+        if n % 5 == 4:
+            raise ImageDecodeError("corrupt_image", f"item {n}")
+        return n * n
+
+    results = list(prefetch(range(20), load, workers=workers, depth=4))
+    assert [item for item, _ in results] == list(range(20))
+    for item, result in results:
+        if item % 5 == 4:
+            assert isinstance(result, ImageDecodeError) and result.message == f"item {item}"
+        else:
+            assert result == item * item
+
+
+def test_other_errors_propagate() -> None:
+    def load(n: int) -> int:
+        raise RuntimeError("a bug, not a bad file")
+
+    with pytest.raises(RuntimeError, match="a bug"):
+        list(prefetch(range(3), load, workers=2, depth=2))
+
+
+def test_look_ahead_is_bounded_by_depth() -> None:
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def load(n: int) -> int:
+        with lock:
+            started.append(n)
+        return n
+
+    consumed = 0
+    for item, _ in prefetch(range(50), load, workers=4, depth=6):
+        time.sleep(0.002)  # a slow consumer: the model
+        with lock:
+            assert len(started) <= item + 6  # never more than depth items beyond the one consumed
+        consumed += 1
+    assert consumed == 50
+
+
+def test_parallel_build_embeds_what_serial_decoding_embeds(tmp_path: Path, exported_model: Path) -> None:
+    gallery = tmp_path / "gallery"
+    (gallery / "a").mkdir(parents=True)
+    for i in range(7):  # large JPEGs take the draft-decoding path, PNGs the plain one
+        fmt, size = ("JPEG", (1200, 900)) if i % 2 else ("PNG", (90, 70))
+        (gallery / "a" / f"{i}.{fmt.lower()}").write_bytes(image_bytes(make_image(i, size=size), fmt))
+    embedder = Embedder(exported_model, threads=1)
+    out = tmp_path / "index"
+    build_index(gallery, embedder, out, batch_size=3, progress=False)
+    index = GalleryIndex.open(out)
+    try:
+        items = sorted(index.items.scan(), key=lambda item: item.path)
+        stored = index.items.vectors(np.array([item.id for item in items]))
+    finally:
+        index.close()
+    draft = embedder.card.preprocessing.resize_size
+    serial = embedder.embed([load_image_file(gallery / item.path, draft_size=draft) for item in items])
+    np.testing.assert_allclose(stored, serial, atol=1e-5)
+
+    # The CLI without the pool (decoding on the calling thread) stores the very same vectors.
+    out_serial = tmp_path / "serial"
+    args = ["build-index", str(gallery), "--out", str(out_serial), "--model", str(exported_model)]
+    result = CliRunner().invoke(app, [*args, "--decode-workers", "0", "--threads", "1", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    index = GalleryIndex.open(out_serial)
+    try:
+        by_path = {item.path: item.id for item in index.items.scan()}
+        assert sorted(by_path) == [item.path for item in items]
+        serial_stored = index.items.vectors(np.array([by_path[item.path] for item in items]))
+    finally:
+        index.close()
+    np.testing.assert_array_equal(serial_stored, stored)
