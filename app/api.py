@@ -16,6 +16,7 @@ from app.errors import install_error_handlers
 from app.metrics import Metrics
 from app.middleware import BodySizeLimitMiddleware, RateLimitMiddleware, RequestMetricsMiddleware
 from app.ratelimit import TokenBucketLimiter
+from app.reload import Reloader, reload_on_sighup
 from app.routes import router
 from app.settings import Settings
 from app.state import EngineState
@@ -47,7 +48,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.compute = ComputeSlots(settings.compute_slots or default_slots())
         app.state.engine = await run_in_threadpool(EngineState.load, settings)
         poller = asyncio.create_task(_poll_index(app, settings.index_poll_seconds))
+        stop_sighup = reload_on_sighup(app.state.reloader)
         yield
+        stop_sighup()
         poller.cancel()
         if app.state.engine.service is not None:
             app.state.engine.service.index.close()
@@ -61,6 +64,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.engine = EngineState()
+    app.state.reloader = Reloader(app)
     metrics.track_index_size(lambda: app.state.engine.size())
     # Starlette wraps each new middleware around the previous ones: the last added runs first. CORS is
     # outermost so that refusals (413, 429) carry CORS headers too and browsers can read them.

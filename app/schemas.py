@@ -184,3 +184,26 @@ class ErrorBody(BaseModel):
 
 class ErrorOut(BaseModel):
     error: ErrorBody
+
+
+class ReloadIn(BaseModel):
+    index_path: str | None = Field(
+        None,
+        min_length=1,
+        description="index directory on the server to serve from now on; default: the configured path again",
+    )
+    model_path: str | None = Field(
+        None,
+        min_length=1,
+        description="model.onnx for an index that carries none (built before indexes stored their model); "
+        "default: the model the index carries",
+    )
+
+
+class ReloadOut(BaseModel):
+    status: str
+    index_path: str
+    model_fingerprint: str
+    previous_model_fingerprint: str | None
+    count: int
+    took_ms: float

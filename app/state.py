@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from app.settings import Settings
 from engine.search import SearchService
@@ -19,23 +20,38 @@ class EngineState:
     not_ready_reason: str | None = "not loaded yet"
 
     @classmethod
+    def open(
+        cls, settings: Settings, index_path: Path | None = None, model_path: Path | None = None
+    ) -> EngineState:
+        """A ready engine over ``index_path`` (default: the configured one) or an exception saying why not.
+
+        ``model_path`` None: the configured model for the configured index, else the model the index
+        carries. The embedder, its PDDM unit and the index come as one :class:`SearchService`, and are
+        swapped as one.
+        """
+        if index_path is None:
+            index_path, model_path = settings.index_path, model_path or settings.model_path
+        service = SearchService.open(
+            model_path,
+            index_path,
+            threads=settings.threads,
+            backend=settings.backend,
+            milvus_uri=settings.milvus_uri,
+            max_pixels=settings.max_image_pixels,
+            jpeg_draft=settings.jpeg_draft,
+            vote_sigma2=settings.vote_sigma2,
+            rerank_pool=settings.rerank_pool,
+        )
+        return cls(service, None)
+
+    @classmethod
     def load(cls, settings: Settings) -> EngineState:
+        """The configured engine, or a not-ready state with the reason (the process stays up)."""
         try:
-            service = SearchService.open(
-                settings.model_path,
-                settings.index_path,
-                threads=settings.threads,
-                backend=settings.backend,
-                milvus_uri=settings.milvus_uri,
-                max_pixels=settings.max_image_pixels,
-                jpeg_draft=settings.jpeg_draft,
-                vote_sigma2=settings.vote_sigma2,
-                rerank_pool=settings.rerank_pool,
-            )
+            return cls.open(settings)
         except Exception as err:  # any load failure leaves the process up and not ready
             log.error("search engine not ready: %s", err)
             return cls(None, f"{type(err).__name__}: {err}")
-        return cls(service, None)
 
     def size(self) -> int:
         return len(self.service.index) if self.service is not None else -1

@@ -249,11 +249,13 @@ class FaissIndex:
     @classmethod
     def load(cls, path: Path, spec: IndexSpec, *, mmap: bool = True) -> FaissIndex:
         faiss = faiss_module()
-        if not mmap:
-            return cls(faiss.read_index(str(path)), spec)
         # IVF lists map as read-only OnDiskInvertedLists; flat codes (flat, HNSW storage) as views.
         flag = faiss.IO_FLAG_MMAP if spec.nlist is not None else faiss.IO_FLAG_MMAP_IFC
-        return cls(faiss.read_index(str(path), flag), spec, source=path)
+        try:
+            index = faiss.read_index(str(path), flag) if mmap else faiss.read_index(str(path))
+        except RuntimeError as err:  # faiss's message names neither the file nor what is wrong with it
+            raise RuntimeError(f"{path} is damaged or truncated ({str(err).splitlines()[-1]})") from err
+        return cls(index, spec, source=path if mmap else None)
 
     def _make_writable(self) -> None:
         """faiss aborts the process on changes to a mapped index: re-read it into memory first."""

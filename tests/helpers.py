@@ -153,6 +153,15 @@ def uvicorn_server(
 
     Waits until ``ready_path`` answers 200 (``/healthz`` for servers that are meant not to be ready).
     """
+    with uvicorn_process(args, env, ready_path) as (base, _):
+        yield base
+
+
+@contextmanager
+def uvicorn_process(
+    args: list[str], env: dict[str, str] | None = None, ready_path: str = "/readyz"
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """:func:`uvicorn_server` that also yields the process (to send it signals)."""
     port = free_port()
     command = [sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--threads", "1", *args]
     process = subprocess.Popen(command, env={**os.environ, **(env or {})})
@@ -168,7 +177,7 @@ def uvicorn_server(
                 pass
             assert time.monotonic() < deadline, f"{base}{ready_path} never answered 200"
             time.sleep(0.2)
-        yield base
+        yield base, process
     finally:
         process.terminate()
         process.wait(timeout=20)

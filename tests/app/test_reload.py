@@ -1,0 +1,309 @@
+"""Serving an index that carries its model, and switching a running server to another index without
+dropping a request: POST /v1/admin/reload and SIGHUP, in process and under load in a real uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from app.api import create_app
+from app.settings import Settings
+from engine.embedder import Embedder
+from engine.rebuild import rebuild_index
+from index.manifest import Manifest
+from tests.helpers import API_KEY, Served, image_bytes, make_image, uvicorn_process
+
+PNG = image_bytes(make_image(3))
+
+
+@pytest.fixture(scope="module")
+def new_index(served_module: Served, small_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The served index re-embedded by another model (a new bundle): what servers switch to."""
+    out = tmp_path_factory.mktemp("new") / "index"
+    rebuild_index(served_module.index, Embedder(small_model, threads=1), out, progress=False)
+    return out
+
+
+@pytest.fixture
+def client_for(tmp_path: Path) -> Iterator[Callable[..., TestClient]]:
+    clients: list[TestClient] = []
+
+    def make(**settings: object) -> TestClient:
+        app = create_app(Settings(threads=1, rate_limit_per_second=0, index_poll_seconds=0, **settings))
+        client = TestClient(app, raise_server_exceptions=False)
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+def _fingerprint(index: Path) -> str:
+    return Manifest.load(index).model_fingerprint
+
+
+def _search(client: TestClient) -> str:
+    response = client.post("/v1/search?k=3", files={"image": ("q.png", PNG, "image/png")})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["results"]) == 3
+    return response.json()["model_fingerprint"]
+
+
+def test_a_copied_bundle_is_served_without_a_model_path(
+    served_module: Served, client_for: Callable[..., TestClient], tmp_path: Path
+) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(served_module.index, copy)
+    client = client_for(index_path=copy)  # no model_path: the index carries its model
+    assert client.get("/readyz").status_code == 200
+    assert _search(client) == _fingerprint(served_module.index)
+    assert client.get("/v1/stats").json()["model"]["fingerprint"] == _fingerprint(served_module.index)
+
+
+def test_a_model_that_is_not_the_index_s_keeps_the_server_not_ready(
+    served_module: Served, small_model: Path, client_for: Callable[..., TestClient]
+) -> None:
+    client = client_for(index_path=served_module.index, model_path=small_model)
+    response = client.get("/readyz")
+    assert response.status_code == 503
+    assert "is not the model" in response.json()["error"]["message"]
+
+
+def test_reload_needs_the_api_key(served_module: Served, client_for: Callable[..., TestClient]) -> None:
+    client = client_for(index_path=served_module.index, api_key=API_KEY)
+    assert client.post("/v1/admin/reload").status_code == 401
+    assert client.post("/v1/admin/reload", headers={"X-API-Key": "wrong"}).status_code == 401
+    keyless = client_for(index_path=served_module.index)
+    assert keyless.post("/v1/admin/reload", headers={"X-API-Key": API_KEY}).status_code == 403
+
+
+def test_reload_switches_index_and_model_together(
+    served_module: Served, new_index: Path, client_for: Callable[..., TestClient]
+) -> None:
+    client = client_for(index_path=served_module.index, api_key=API_KEY)
+    old, new = _fingerprint(served_module.index), _fingerprint(new_index)
+    assert _search(client) == old
+    response = client.post(
+        "/v1/admin/reload", headers={"X-API-Key": API_KEY}, json={"index_path": str(new_index)}
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert (body["model_fingerprint"], body["previous_model_fingerprint"]) == (new, old)
+    assert body["count"] == Manifest.load(new_index).count
+    stats = client.get("/v1/stats").json()
+    assert stats["model_fingerprint"] == stats["model"]["fingerprint"] == new
+    assert stats["dim"] == 24
+    assert _search(client) == new
+    # No body: the configured path again.
+    response = client.post("/v1/admin/reload", headers={"X-API-Key": API_KEY})
+    assert response.status_code == 200 and response.json()["model_fingerprint"] == old
+    assert _search(client) == old
+
+
+def _broken_indexes(new_index: Path, exported_model: Path, root: Path) -> dict[str, tuple[dict, str]]:
+    """Reload bodies that must fail, with what the answer must say."""
+    truncated = root / "truncated"
+    shutil.copytree(new_index, truncated)
+    faiss_file = truncated / "vectors.faiss"
+    faiss_file.write_bytes(faiss_file.read_bytes()[:100])
+    modelless = root / "modelless"
+    shutil.copytree(new_index, modelless)
+    (modelless / "model.onnx").unlink()
+    not_an_index = root / "empty"
+    not_an_index.mkdir()
+    return {
+        "missing directory": ({"index_path": str(root / "nowhere")}, "not an index directory"),
+        "not an index": ({"index_path": str(not_an_index)}, "not an index directory"),
+        "truncated index": ({"index_path": str(truncated)}, "vectors.faiss"),
+        "its model is missing": ({"index_path": str(modelless)}, "copy the whole index directory"),
+        "another model": (
+            {"index_path": str(new_index), "model_path": str(exported_model)},
+            "is not the model",
+        ),
+    }
+
+
+def test_a_failed_reload_keeps_the_served_index_and_says_why(
+    served_module: Served,
+    new_index: Path,
+    exported_model: Path,
+    client_for: Callable[..., TestClient],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = client_for(index_path=served_module.index, api_key=API_KEY)
+    old = _fingerprint(served_module.index)
+    for case, (body, reason) in _broken_indexes(new_index, exported_model, tmp_path).items():
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="dmlsearch.app"):
+            response = client.post("/v1/admin/reload", headers={"X-API-Key": API_KEY}, json=body)
+        assert response.status_code == 422, (case, response.text)
+        error = response.json()["error"]
+        assert error["code"] == "reload_failed", case
+        assert error["message"].startswith("still serving the loaded index"), case
+        assert reason in error["message"], (case, error["message"])
+        assert any("reload of" in record.message and reason in record.message for record in caplog.records)
+        assert client.get("/readyz").status_code == 200, case
+        assert client.get("/v1/stats").json()["model"]["fingerprint"] == old, case
+        assert _search(client) == old, case
+
+
+def test_a_query_in_flight_finishes_on_the_old_engine(
+    served_module: Served, new_index: Path, client_for: Callable[..., TestClient]
+) -> None:
+    client = client_for(index_path=served_module.index, api_key=API_KEY)
+    old_service = client.app.state.engine.service
+    entered, release = threading.Event(), threading.Event()
+    embed = old_service.embedder.embed_tensor
+
+    def slow_embed(batch: object) -> object:
+        entered.set()
+        assert release.wait(30)
+        return embed(batch)
+
+    old_service.embedder.embed_tensor = slow_embed
+    answers: list[httpx.Response] = []
+    query = threading.Thread(
+        target=lambda: answers.append(
+            client.post("/v1/search?k=3", files={"image": ("q.png", PNG, "image/png")})
+        )
+    )
+    query.start()
+    assert entered.wait(30)
+    # The reload does not wait for the query in flight; a new query is answered by the new engine.
+    reload = client.post(
+        "/v1/admin/reload", headers={"X-API-Key": API_KEY}, json={"index_path": str(new_index)}
+    )
+    assert reload.status_code == 200
+    assert _search(client) == _fingerprint(new_index)
+    release.set()
+    query.join(30)
+    (answer,) = answers
+    assert answer.status_code == 200
+    assert answer.json()["model_fingerprint"] == _fingerprint(served_module.index)
+    assert len(answer.json()["results"]) == 3
+
+
+class _Load:
+    """Client threads querying a server without pause, and one polling /readyz, recording every answer."""
+
+    def __init__(self, base: str, clients: int = 3) -> None:
+        self.base = base
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.fingerprints: list[str] = []
+        self.statuses: Counter[int] = Counter()
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._query) for _ in range(clients)]
+        self.threads.append(threading.Thread(target=self._ready))
+
+    def __enter__(self) -> _Load:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(60)
+
+    def _record(self, response: httpx.Response, fingerprint: bool) -> None:
+        with self.lock:
+            self.statuses[response.status_code] += 1
+            if fingerprint and response.status_code == 200:
+                self.fingerprints.append(response.json()["model_fingerprint"])
+
+    def _query(self) -> None:
+        with httpx.Client(timeout=60) as http:
+            while not self.stop.is_set():
+                try:
+                    response = http.post(
+                        f"{self.base}/v1/search?k=5", files={"image": ("q.png", PNG, "image/png")}
+                    )
+                except httpx.HTTPError as err:
+                    self.errors.append(repr(err))
+                    continue
+                self._record(response, fingerprint=True)
+
+    def _ready(self) -> None:
+        with httpx.Client(timeout=60) as http:
+            while not self.stop.is_set():
+                try:
+                    self._record(http.get(f"{self.base}/readyz"), fingerprint=False)
+                except httpx.HTTPError as err:
+                    self.errors.append(repr(err))
+                time.sleep(0.05)
+
+    def answered(self, fingerprint: str) -> int:
+        with self.lock:
+            return sum(1 for f in self.fingerprints if f == fingerprint)
+
+    def wait_for(self, fingerprint: str, count: int, timeout: float = 60) -> None:
+        """Until ``count`` more answers came from the model ``fingerprint``."""
+        target = self.answered(fingerprint) + count
+        deadline = time.monotonic() + timeout
+        while self.answered(fingerprint) < target:
+            assert time.monotonic() < deadline, f"fewer than {count} answers from {fingerprint[:12]}"
+            time.sleep(0.05)
+
+
+def _stats_fingerprint(http: httpx.Client, base: str) -> str:
+    return http.get(f"{base}/v1/stats").json()["model"]["fingerprint"]
+
+
+def test_hot_swap_under_load_in_a_real_server(served_module: Served, new_index: Path, tmp_path: Path) -> None:
+    """Reload by API and by SIGHUP (the served path is a symlink that gets repointed) while clients query
+    without pause: every answer is a 200, /readyz never fails, and answers move to the new model."""
+    link = tmp_path / "served"
+    link.symlink_to(served_module.index)
+    old, new = _fingerprint(served_module.index), _fingerprint(new_index)
+    env = {"DMLSEARCH_API_KEY": API_KEY, "DMLSEARCH_RATE_LIMIT_PER_SECOND": "0"}
+    with (
+        uvicorn_process(["--index", str(link)], env) as (base, process),
+        httpx.Client(timeout=60) as http,
+        _Load(base) as load,
+    ):
+        load.wait_for(old, 10)
+        # 1. SIGHUP after the operator repoints the configured path.
+        swapped = tmp_path / "swap"
+        swapped.symlink_to(new_index)
+        os.replace(swapped, link)
+        process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while _stats_fingerprint(http, base) != new:
+            assert time.monotonic() < deadline, "SIGHUP did not reload the repointed index"
+            time.sleep(0.1)
+        load.wait_for(new, 10)
+        # 2. A reload that fails keeps the new index.
+        failed = http.post(
+            f"{base}/v1/admin/reload",
+            headers={"X-API-Key": API_KEY},
+            json={"index_path": str(tmp_path / "nowhere")},
+        )
+        assert failed.status_code == 422 and "still serving" in failed.json()["error"]["message"]
+        assert _stats_fingerprint(http, base) == new
+        # 3. The API switches to a named directory (back to the old bundle).
+        response = http.post(
+            f"{base}/v1/admin/reload",
+            headers={"X-API-Key": API_KEY},
+            json={"index_path": str(served_module.index)},
+        )
+        assert response.status_code == 200, response.text
+        assert _stats_fingerprint(http, base) == old
+        load.wait_for(old, 10)
+    assert load.errors == []
+    assert set(load.statuses) == {200}, load.statuses
+    assert load.answered(old) >= 20 and load.answered(new) >= 10
