@@ -1,8 +1,27 @@
-"""What every command module shares: CLI errors."""
+"""What every command module shares: CLI errors and which model an index is built with."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
+
+from engine import defaults
+
+
+def model_for_index(index: Path, model: Path | None) -> Path:
+    """The model to build or update ``index`` with: ``model`` if given, else the one an existing index
+    carries, else the default export path."""
+    from engine.bundle import stored_model
+    from index.manifest import MANIFEST_NAME, Manifest
+
+    if model is not None:
+        return model
+    if (index / MANIFEST_NAME).is_file():
+        stored = stored_model(index, Manifest.load(index))
+        if stored is not None:
+            return stored
+    return defaults.MODEL_PATH
 
 
 def fail(message: str) -> typer.Exit:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from cli.common import fail
+from cli.common import fail, model_for_index
 from engine import defaults
 from index.manifest import MILVUS_COLLECTION
 from index.selection import KEEP, IndexChanges
@@ -38,7 +38,6 @@ class Backend(StrEnum):
     milvus = "milvus"
 
 
-ModelOption = Annotated[Path, typer.Option(help="Exported model.onnx.")]
 StoredModelOption = Annotated[
     Path | None,
     typer.Option(help="Exported model.onnx (default: the one the index carries; if given, it must match)."),
@@ -118,7 +117,10 @@ def _print_build_summary(out: Path, report: BuildReport) -> None:
 def build_index(
     gallery: Annotated[Path, typer.Argument(help="Folder of images; sub-folder names become labels.")],
     out: Annotated[Path, typer.Option(help="Index directory to write or bring up to date.")],
-    model: ModelOption = defaults.MODEL_PATH,
+    model: Annotated[
+        Path | None,
+        typer.Option(help=f"Exported model.onnx (default: the one OUT carries, else {defaults.MODEL_PATH})."),
+    ] = None,
     batch_size: Annotated[int, typer.Option(min=1, max=1024)] = defaults.BATCH_SIZE,
     threads: Annotated[int, typer.Option(min=0, help="onnxruntime threads (0 = all cores).")] = 0,
     decode_workers: Annotated[
@@ -146,7 +148,7 @@ def build_index(
     if not gallery.is_dir():
         raise fail(f"gallery folder {gallery} does not exist")
     try:
-        embedder = Embedder(model, threads=threads)
+        embedder = Embedder(model_for_index(out, model), threads=threads)
         report = run_build(
             gallery,
             embedder,

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from cli.common import fail
+from cli.common import fail, model_for_index
 from engine import defaults
 from engine.changes import DEFAULT_MAX_BATCH, DEFAULT_SETTLE_SECONDS
 
@@ -19,7 +19,12 @@ commands = typer.Typer()
 def watch(
     gallery: Annotated[Path, typer.Argument(help="Folder of images; sub-folder names become labels.")],
     index: Annotated[Path, typer.Option(help="Index directory to keep in sync (built first if absent).")],
-    model: Annotated[Path, typer.Option(help="Exported model.onnx.")] = defaults.MODEL_PATH,
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            help=f"Exported model.onnx (default: the one INDEX carries, else {defaults.MODEL_PATH})."
+        ),
+    ] = None,
     settle: Annotated[
         float,
         typer.Option(min=0.05, help="Seconds a file must stay unchanged (size and mtime) before indexing."),
@@ -58,7 +63,7 @@ def watch(
         watcher = GalleryWatcher(
             gallery,
             index,
-            Embedder(model, threads=threads),
+            Embedder(model_for_index(index, model), threads=threads),
             settle=settle,
             max_batch=max_batch,
             batch_size=batch_size,

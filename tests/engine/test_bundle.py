@@ -18,7 +18,7 @@ from engine.reranker import PDDMReranker
 from engine.search import SearchService
 from index.gallery import IndexMismatchError
 from index.manifest import Manifest
-from tests.helpers import export_small_model
+from tests.helpers import export_small_model, make_image
 
 runner = CliRunner()
 
@@ -76,6 +76,18 @@ def test_query_needs_no_model_and_a_copied_index_still_answers(
     shutil.rmtree(model.parent)
     shutil.rmtree(index)
     assert _top(moved, image) == expected
+
+
+def test_build_index_again_updates_with_the_model_the_index_carries(
+    bundle: tuple[Path, Path], synthetic_gallery: Path
+) -> None:
+    index, model = bundle
+    shutil.rmtree(model.parent)  # the model it was built with is gone from where it was exported
+    make_image(77).save(synthetic_gallery / "alpha" / "alpha_new.png")
+    code, output = _invoke("build-index", synthetic_gallery, "--out", index, "--no-progress")
+    assert code == 0, output
+    assert "indexed 1 images" in output and "9 unchanged" in output
+    assert Manifest.load(index).count == 10
 
 
 def test_a_model_that_is_not_the_index_s_is_refused(
