@@ -6,6 +6,7 @@ thread pool, one hop each, which cost milliseconds per request on a busy CPU.
 
 from __future__ import annotations
 
+import datetime as dt
 import secrets
 from typing import Annotated, Literal
 
@@ -18,6 +19,7 @@ from app.settings import Settings
 from app.state import EngineState
 from engine import defaults
 from engine.search import SearchOptions, SearchService
+from index.filters import ItemFilter
 
 INT64_MAX = 2**63 - 1
 ItemId = Annotated[int, Path(ge=0, le=INT64_MAX, description="The item's id in the index.")]
@@ -42,8 +44,35 @@ async def ready_service(request: Request) -> SearchService:
     return state.service
 
 
+async def item_filter(
+    label: Annotated[
+        list[str] | None, Query(description="Only items with this label (repeat for any of several).")
+    ] = None,
+    path_prefix: Annotated[
+        str | None,
+        Query(
+            min_length=1,
+            description="Only items whose gallery-relative path starts with this (a sub-folder).",
+        ),
+    ] = None,
+    added_from: Annotated[
+        dt.datetime | None,
+        Query(description="Only items added at or after this time (ISO 8601; UTC if no zone)."),
+    ] = None,
+    added_to: Annotated[
+        dt.datetime | None, Query(description="Only items added before this time (ISO 8601; UTC if no zone).")
+    ] = None,
+) -> ItemFilter | None:
+    try:
+        where = ItemFilter(tuple(label or ()), path_prefix, added_from, added_to)
+    except ValueError as err:
+        raise ApiError(422, "invalid_request", str(err)) from None
+    return None if where.empty else where
+
+
 async def search_options(
     settings: Annotated[Settings, Depends(get_settings)],
+    where: Annotated[ItemFilter | None, Depends(item_filter)],
     k: Annotated[
         int, Query(ge=1, le=defaults.MAX_K, description="How many results (per page).")
     ] = defaults.TOP_K,
@@ -81,7 +110,7 @@ async def search_options(
         raise ApiError(422, "invalid_request", f"k must be at most {settings.max_k}")
     if offset > settings.max_offset:
         raise ApiError(422, "invalid_request", f"offset must be at most {settings.max_offset}")
-    return SearchOptions(k=k, min_score=min_score, offset=offset, predict=predict, rerank=rerank)
+    return SearchOptions(k=k, min_score=min_score, offset=offset, predict=predict, rerank=rerank, where=where)
 
 
 async def require_api_key(

@@ -71,11 +71,29 @@ def render_sidebar(stats: dict | str) -> dict:
                 st.write(f"index recall {stats['achieved_recall']:.3f}")
             st.caption(f"model {stats['model']['backbone']} · {stats['model_fingerprint'][:12]}")
         st.header("Search")
-        return {
+        params = {
             "k": st.slider("Results (K)", min_value=1, max_value=48, value=12),
             "min_score": st.slider("Minimum score", min_value=-1.0, max_value=1.0, value=0.0, step=0.05),
             "predict": st.checkbox("Predict the label", value=True),
         }
+        return params | render_filters()
+
+
+def render_filters() -> dict:
+    """Search only within labels, a sub-folder and a range of dates added (only the filters set are sent)."""
+    st.header("Filter")
+    known = sorted({item["label"] for item in fetch_items(API_URL).values() if item["label"]})
+    labels = st.multiselect("Labels", known, accept_new_options=True, key="filter_labels")
+    prefix = st.text_input("Sub-folder (path prefix)", key="filter_prefix").strip()
+    added_from = st.date_input("Added from", value=None, key="filter_from")
+    added_to = st.date_input("Added before", value=None, key="filter_to")
+    chosen = {
+        "label": labels,
+        "path_prefix": prefix,
+        "added_from": added_from.isoformat() if added_from else None,
+        "added_to": added_to.isoformat() if added_to else None,
+    }
+    return {name: value for name, value in chosen.items() if value}
 
 
 def render_results(body: dict) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -176,20 +177,33 @@ def query(
         int, typer.Option("-k", "--k", min=1, max=defaults.MAX_K, help="How many results.")
     ] = defaults.TOP_K,
     min_score: Annotated[float, typer.Option(min=-1.0, max=1.0)] = defaults.MIN_SCORE,
+    label: Annotated[
+        list[str] | None, typer.Option(help="Only items with this label (repeat for any of several).")
+    ] = None,
+    path_prefix: Annotated[
+        str | None,
+        typer.Option(help="Only items whose gallery-relative path starts with this (a sub-folder)."),
+    ] = None,
+    added_from: Annotated[
+        datetime | None, typer.Option(help="Only items added at or after this time (UTC if no zone).")
+    ] = None,
+    added_to: Annotated[datetime | None, typer.Option(help="Only items added before this time.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
-    """Print the K gallery images most similar to IMAGE with their cosine scores."""
+    """Print the K gallery images most similar to IMAGE with their cosine scores (within the filters)."""
     from dataclasses import asdict
 
     from engine.images import ImageDecodeError
     from engine.search import SearchService
+    from index.filters import ItemFilter
     from index.gallery import IndexMismatchError
 
     if not image.is_file():
         raise fail(f"query image {image} does not exist")
     try:
+        where = ItemFilter(tuple(label or ()), path_prefix, added_from, added_to)
         service = SearchService.open(model, index)
-        response = service.search(image.read_bytes(), k=k, min_score=min_score)
+        response = service.search(image.read_bytes(), k=k, min_score=min_score, where=where)
     except ImageDecodeError as err:
         raise fail(f"{image}: {err.message}") from None
     except (IndexMismatchError, *EXPECTED_ERRORS) as err:

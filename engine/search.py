@@ -34,6 +34,7 @@ from engine.reranker import PDDMReranker
 from engine.voting import Prediction, knn_vote
 from index.atomic import atomic_write_bytes
 from index.duplicates import DuplicateGroup, find_duplicates
+from index.filters import ItemFilter
 from index.gallery import GalleryIndex, Hit
 from index.items import ItemStore
 from index.manifest import MANIFEST_NAME
@@ -80,6 +81,7 @@ class SearchOptions:
     offset: int = 0  # skip this many of the best results (paging); ranks stay global
     predict: bool = False
     rerank: str | None = None
+    where: ItemFilter | None = None  # only items it lets through (label, path prefix, time added)
 
 
 @dataclass(frozen=True)
@@ -244,9 +246,11 @@ class SearchService:
         offset: int = 0,
         predict: bool = False,
         rerank: str | None = None,
+        where: ItemFilter | None = None,
     ) -> SearchResponse:
         """Decode, embed and search one image; raises ``ImageDecodeError`` for a bad upload."""
-        batch = self.search_batch([image_bytes], SearchOptions(k, min_score, offset, predict, rerank))
+        options = SearchOptions(k, min_score, offset, predict, rerank, where)
+        batch = self.search_batch([image_bytes], options)
         (hits,) = batch.queries
         return SearchResponse(
             hits.results, batch.took_ms, batch.model_fingerprint, batch.timings_ms, hits.prediction
@@ -329,7 +333,7 @@ class SearchService:
             with timer.stage("search"):
                 hit_lists = [
                     [hit for hit in hits if hit.item.id != exclude and hit.score >= options.min_score]
-                    for hits in self.index.search(vectors, depth)
+                    for hits in self.index.search(vectors, depth, options.where)
                 ]
             pddm_lists: list[np.ndarray | None] = [None] * len(hit_lists)
             if options.rerank:

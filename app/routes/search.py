@@ -47,6 +47,7 @@ async def search(
         offset=options.offset,
         predict=options.predict,
         rerank=options.rerank,
+        where=options.where,
     )
     return _answer(SearchOut.of(response, {"upload": uploads.elapsed_ms, "queue": queued_ms}), metrics)
 

@@ -109,6 +109,22 @@ def test_duplicates_page_shows_groups_with_thumbnails_and_scores(page) -> None:
     assert "No near-duplicates on this page." in texts(page.info)
 
 
+def test_sidebar_filters_restrict_the_results(page, demo_gallery: Path) -> None:
+    page.sidebar.multiselect(key="filter_labels").select("coffee")
+    page.file_uploader[0].set_value(
+        ("cat.jpg", (demo_gallery / "cat/00_crop.jpg").read_bytes(), "image/jpeg")
+    )
+    page.run()
+    assert not page.exception
+    paths = [caption for caption in texts(page.caption) if " · " in caption and "/" in caption]
+    assert paths and all(caption.startswith("coffee · coffee/") for caption in paths)
+    page.sidebar.multiselect(key="filter_labels").unselect("coffee")
+    page.sidebar.text_input(key="filter_prefix").input("rocket/")
+    page.run()
+    paths = [caption for caption in texts(page.caption) if " · " in caption and "/" in caption]
+    assert paths and all(" · rocket/" in caption for caption in paths)
+
+
 @pytest.fixture
 def streamlit_url(api_url: str) -> Iterator[str]:
     """``streamlit run app/ui.py`` on a free port, talking to the live API."""
