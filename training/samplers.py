@@ -37,6 +37,11 @@ class ClassBalancedSampler:
         self.samples_per_class = samples_per_class
         self.rng = np.random.default_rng(seed)
 
+    @property
+    def batch_size(self) -> int:
+        """The number of examples :meth:`next_indices` draws per batch."""
+        return self.classes * self.samples_per_class
+
     def next_indices(self) -> np.ndarray:
         chosen = self.rng.choice(len(self.members), size=self.classes, replace=False)
         return np.concatenate([self._draw(self.members[c], self.samples_per_class) for c in chosen])
@@ -104,6 +109,11 @@ class NeighbourhoodSampler(ClassBalancedSampler):
         self.centres = np.zeros((0, 0), dtype=np.float32)
         self.cluster_labels = np.zeros(0, dtype=self.labels.dtype)
         self.refreshes = 0
+
+    @property
+    def batch_size(self) -> int:
+        """``clusters`` x D examples (fewer only while the index has fewer than ``clusters`` clusters)."""
+        return self.clusters * self.samples_per_class
 
     def refresh(self, embeddings: np.ndarray) -> None:
         """Re-cluster each class of the training set from its current ``embeddings`` (n, d)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +30,9 @@ from training.distributed import Distributed, distributed_from_env
 from training.features import FeatureExtractor
 from training.losses import LOSSES, LossSpec
 from training.metrics import evaluate
-from training.model import TrainingObjective, build_objective
+from training.model import build_objective
 from training.run_dir import RunDirectory, RunDirError
-from training.samplers import ClassBalancedSampler, sampler_for
+from training.samplers import sampler_for
 from training.workloads import CachedWorkload, FinetuneWorkload
 
 SELECTION_METRIC = "recall@1"
@@ -115,27 +115,36 @@ def prepare_data(
     )
 
 
+@dataclass
+class TrainState:
+    """A run's progress: what ``checkpoints/last.pt`` holds besides the components' own states."""
+
+    step: int = 0
+    best_step: int = 0
+    best_score: float = -math.inf  # validation SELECTION_METRIC of the best step
+    since_best: int = 0  # validations since the best one (early stopping's patience)
+    stopped: bool = False  # early stopping ended the run
+    elapsed: float = 0.0  # seconds in training steps, validation excluded
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: dict[str, Any]) -> TrainState:
+        return cls(**{field.name: checkpoint[field.name] for field in fields(cls)})
+
+
+def mixed_precision(amp: bool, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of a run, None for full precision: mixed precision is for GPUs (``amp``), in
+    bfloat16 where the GPU has it, else in float16, whose small range needs a gradient scaler."""
+    if not amp or device.type != "cuda":
+        return None
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
 def train(config: TrainConfig, out: Path, *, progress: bool = True) -> dict[str, Any]:
     """Train (or continue training) the run in ``out``; returns its summary (also in summary.json)."""
     spec = LOSSES[config.loss]  # an unknown loss fails here, before the run directory is touched
+    run = RunDirectory(out)
     with distributed_from_env(config.device) as dist:
-        return _Training(config, spec, RunDirectory(out), dist, progress).run()
-
-
-class _Training:
-    def __init__(
-        self, config: TrainConfig, spec: LossSpec, run: RunDirectory, dist: Distributed, progress: bool
-    ) -> None:
-        self.config = config
-        self.spec = spec
-        self.run_dir = run
-        self.dist = dist
-        self.progress = progress and dist.is_main
-        self.device = dist.device(config.device)
-        self.best: dict[str, Any] | None = None
-
-    def run(self) -> dict[str, Any]:
-        config, run = self.config, self.run_dir
+        device = dist.device(config.device)  # a missing GPU fails before any work
         last = run.load_checkpoint("last")
         if last is not None and (conflicts := config.resume_conflicts(run.require_config())):
             raise RunDirError(
@@ -144,67 +153,101 @@ class _Training:
         summary = run.read_summary()
         if last is not None and summary is not None and (last["stopped"] or last["step"] >= config.max_steps):
             return summary
-        if self.dist.is_main:
+        if dist.is_main:
             run.write_config(config)
+        progress = progress and dist.is_main
+        data = prepare_data(config, cache_directory(config, run.path), dist, progress=progress)
+        return _Training(config, spec, run, dist, device, data, progress=progress).run(last)
 
-        data = prepare_data(config, cache_directory(config, run.path), self.dist, progress=self.progress)
+
+class _Training:
+    """One run's components, built from its prepared data; :meth:`run` restores them from ``last.pt`` or
+    initialises them, wraps the objective for DDP, trains and writes the summary."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        spec: LossSpec,
+        run: RunDirectory,
+        dist: Distributed,
+        device: torch.device,
+        data: PreparedData,
+        *,
+        progress: bool,
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self.run_dir = run
+        self.dist = dist
+        self.device = device
         self.data = data
-        objective = build_objective(config, data.features["train"].shape[1])
-        objective.head.init_from_pca(data.features["train"], seed=config.seed)
-        objective.to(self.device)
-        self.objective = objective
-        self.workload = self._workload(objective, data)
-        sampler = sampler_for(
-            self.spec.layout,
+        self.progress = progress
+        self.objective = build_objective(config, data.features["train"].shape[1])
+        self.objective.head.init_from_pca(data.features["train"], seed=config.seed)
+        self.objective.to(device)
+        self.workload = self._workload()
+        self.sampler = sampler_for(
+            spec.layout,
             data.labels("train"),
             classes=config.classes_per_batch,
             samples_per_class=config.samples_per_class,
             clusters_per_class=config.clusters_per_class,
             refresh_interval=config.cluster_refresh,
-            seed=config.seed * 1000 + self.dist.rank,  # each rank draws its own batches
+            seed=config.seed * 1000 + dist.rank,  # each rank draws its own batches
         )
-        view_rng = np.random.default_rng([config.seed, self.dist.rank])
-        optimizer = torch.optim.Adam(self._param_groups(objective), weight_decay=config.weight_decay)
-        use_fp16 = config.amp and self.device.type == "cuda" and not torch.cuda.is_bf16_supported()
-        scaler = torch.amp.GradScaler("cuda", enabled=use_fp16)
+        self.view_rng = np.random.default_rng([config.seed, dist.rank])
+        self.optimizer = torch.optim.Adam(self._param_groups(), weight_decay=config.weight_decay)
+        self.amp_dtype = mixed_precision(config.amp, device)
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
+        self.state = TrainState()
+        self.records: list[dict[str, Any]] = []  # one per validation, as in metrics.jsonl
+        self.best: dict[str, Any] | None = None  # best.pt: weights, step and validation metrics
 
-        state: dict[str, Any] = {"step": 0, "best_step": 0, "best_score": -math.inf, "since_best": 0}
-        state.update(stopped=False, elapsed=0.0)
-        records: list[dict[str, Any]] = []
+    def run(self, last: dict[str, Any] | None) -> dict[str, Any]:
         if last is not None:
-            objective.load_state_dict(last["objective"])
-            optimizer.load_state_dict(last["optimizer"])
-            sampler.load_state_dict(last["sampler"])
-            view_rng.bit_generator.state = last["view_rng"]
-            scaler.load_state_dict(last["scaler"])
-            state = {key: last[key] for key in state}
-            records = [record for record in run.read_metrics() if record["step"] <= state["step"]]
-            self.best = run.load_checkpoint("best")
-            if self.best is None:
-                raise RunDirError(f"{run.path} has checkpoints/last.pt but no best.pt: start a new run")
+            self._restore(last)
         else:
-            records.append(self._validate(step=0, train_loss=None, state=state))
-            records[-1]["val_backbone"] = evaluate(data.features["val"], data.labels("val"), seed=config.seed)
-            self._save(state, objective, optimizer, sampler, view_rng, scaler, records)
+            self._initialise()
+        self._loop(self._wrap_for_ddp())
+        return self._finish()
 
-        model: nn.Module = objective
-        if self.dist.enabled:
-            # Buffers stay per rank: ALMN's centre table grows with the labels each rank sees.
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            model = DistributedDataParallel(objective, device_ids=device_ids, broadcast_buffers=False)
-        self._loop(model, sampler, view_rng, optimizer, scaler, state, records)
-        return self._finish(state)
+    def _restore(self, last: dict[str, Any]) -> None:
+        """Continue from ``last.pt``: every component's state, the progress, the metrics and best.pt."""
+        self.objective.load_state_dict(last["objective"])
+        self.optimizer.load_state_dict(last["optimizer"])
+        self.sampler.load_state_dict(last["sampler"])
+        self.view_rng.bit_generator.state = last["view_rng"]
+        self.scaler.load_state_dict(last["scaler"])
+        self.state = TrainState.from_checkpoint(last)
+        self.records = [record for record in self.run_dir.read_metrics() if record["step"] <= self.state.step]
+        self.best = self.run_dir.load_checkpoint("best")
+        if self.best is None:
+            raise RunDirError(f"{self.run_dir.path} has checkpoints/last.pt but no best.pt: start a new run")
 
-    def _workload(
-        self, objective: TrainingObjective, data: PreparedData
-    ) -> CachedWorkload | FinetuneWorkload:
+    def _initialise(self) -> None:
+        """Start a run: validate the untrained model (step 0, the first best) and save it."""
+        data, seed = self.data, self.config.seed
+        self.records.append(self._validate(step=0, train_loss=None))
+        self.records[-1]["val_backbone"] = evaluate(data.features["val"], data.labels("val"), seed=seed)
+        self._save()
+
+    def _wrap_for_ddp(self) -> nn.Module:
+        """The module the loop calls: the objective, or under torchrun its DistributedDataParallel."""
+        if not self.dist.enabled:
+            return self.objective
+        # Buffers stay per rank: ALMN's centre table grows with the labels each rank sees.
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(self.objective, device_ids=device_ids, broadcast_buffers=False)
+
+    def _workload(self) -> CachedWorkload | FinetuneWorkload:
+        data = self.data
         if self.config.mode != "finetune":
             eval_inputs = {name: data.inputs[name] for name in ("val", "test")}
-            return CachedWorkload(objective, data.train_views, eval_inputs, self.device)
+            return CachedWorkload(self.objective, data.train_views, eval_inputs, self.device)
         files = {name: data.files(name) for name in ("train", "val", "test")}
         preprocessing = BACKBONES[self.config.backbone].preprocessing
         return FinetuneWorkload(
-            objective,
+            self.objective,
             files,
             preprocessing,
             self.device,
@@ -212,8 +255,9 @@ class _Training:
             batch_size=self.config.eval_batch_size,
         )
 
-    def _param_groups(self, objective: TrainingObjective) -> list[dict[str, Any]]:
+    def _param_groups(self) -> list[dict[str, Any]]:
         """The new layers at ``lr``; a fine-tuned backbone at ``lr x backbone_lr_factor`` (papers: 1/10)."""
+        objective = self.objective
         groups = [
             {"params": [*objective.head.parameters(), *objective.loss.parameters()], "lr": self.config.lr}
         ]
@@ -222,76 +266,60 @@ class _Training:
             groups.append({"params": backbone, "lr": self.config.lr * self.config.backbone_lr_factor})
         return groups
 
-    def _loop(
-        self,
-        model: nn.Module,
-        sampler: ClassBalancedSampler,
-        view_rng: np.random.Generator,
-        optimizer: torch.optim.Optimizer,
-        scaler: torch.amp.GradScaler,
-        state: dict[str, Any],
-        records: list[dict[str, Any]],
-    ) -> None:
-        config, objective = self.config, self.objective
+    def _loop(self, model: nn.Module) -> None:
+        config, state, sampler = self.config, self.state, self.sampler
         labels = torch.as_tensor(self.data.labels("train"))
-        batch_size = (config.classes_per_batch or self.spec.layout.classes) * (
-            config.samples_per_class or self.spec.layout.samples_per_class
-        )
-        eval_every = config.eval_every or max(1, math.ceil(len(labels) / batch_size))
-        amp_dtype = torch.bfloat16 if self.device.type == "cuda" and torch.cuda.is_bf16_supported() else None
-        autocast = torch.autocast(
-            self.device.type,
-            dtype=amp_dtype or torch.float16,
-            enabled=config.amp and self.device.type == "cuda",
-        )
-        batches = self.workload.batches(sampler, view_rng)
+        eval_every = config.eval_every or max(1, math.ceil(len(labels) / sampler.batch_size))
+        autocast = torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+        batches = self.workload.batches(sampler, self.view_rng)
         bar = tqdm(
-            initial=state["step"],
+            initial=state.step,
             total=config.max_steps,
             desc=f"training {config.loss}",
             disable=not self.progress,
         )
-        objective.train()
+        self.objective.train()
         losses: list[float] = []
         nonfinite = 0
         started = time.perf_counter()
-        while state["step"] < config.max_steps and not state["stopped"]:
-            if sampler.refresh_due(state["step"]):
+        while state.step < config.max_steps and not state.stopped:
+            if sampler.refresh_due(state.step):
                 sampler.refresh(self.workload.embed("train"))
             indices, inputs = next(batches)
             batch_info = {key: value.to(self.device) for key, value in sampler.batch_info(indices).items()}
             with autocast:
                 value = model(inputs, labels[indices].to(self.device), **batch_info)
-            optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=True)
             if self.dist.all_true(bool(torch.isfinite(value))):  # ranks skip a step together or not at all
-                scaler.scale(value).backward()
-                scaler.step(optimizer)
-                scaler.update()
+                self.scaler.scale(value).backward()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
                 losses.append(float(value.detach()))
                 nonfinite = 0
             else:
                 nonfinite += 1
                 if nonfinite >= MAX_NONFINITE_STEPS:
                     raise FloatingPointError(f"{config.loss}: {nonfinite} consecutive non-finite losses")
-            sampler.after_step(indices, objective.loss)
-            state["step"] += 1
+            sampler.after_step(indices, self.objective.loss)
+            state.step += 1
             bar.update()
-            if state["step"] % eval_every == 0 or state["step"] == config.max_steps:
-                state["elapsed"] += time.perf_counter() - started
+            if state.step % eval_every == 0 or state.step == config.max_steps:
+                state.elapsed += time.perf_counter() - started
                 started = time.perf_counter()
                 train_loss = float(np.mean(losses)) if losses else None
-                records.append(self._validate(state["step"], train_loss, state))
+                self.records.append(self._validate(state.step, train_loss))
                 losses = []
-                bar.set_postfix(loss=train_loss, val_r1=records[-1]["val"][SELECTION_METRIC])
-                self._save(state, objective, optimizer, sampler, view_rng, scaler, records)
+                bar.set_postfix(loss=train_loss, val_r1=self.records[-1]["val"][SELECTION_METRIC])
+                self._save()
         bar.close()
 
-    def _validate(self, step: int, train_loss: float | None, state: dict[str, Any]) -> dict[str, Any]:
+    def _validate(self, step: int, train_loss: float | None) -> dict[str, Any]:
         """Evaluate on the validation classes; keep the weights in best.pt when they are the best so far."""
+        state = self.state
         metrics = evaluate(self.workload.embed("val"), self.data.labels("val"), seed=self.config.seed)
         score = metrics[SELECTION_METRIC]
-        if score > state["best_score"]:
-            state.update(best_step=step, best_score=score, since_best=0)
+        if score > state.best_score:
+            state.best_step, state.best_score, state.since_best = step, score, 0
             # Every rank keeps its own copy: ranks take the same decisions and need not share a disk.
             weights = {
                 key: value.detach().cpu().clone() for key, value in self.objective.state_dict().items()
@@ -300,46 +328,38 @@ class _Training:
             if self.dist.is_main:
                 self.run_dir.save_checkpoint("best", self.best)
         elif step > 0:
-            state["since_best"] += 1
-            out_of_patience = state["since_best"] >= self.config.patience
-            state["stopped"] = out_of_patience and step >= self.config.min_steps
-        return {"step": step, "train_loss": train_loss, "val": metrics, "best_step": state["best_step"]}
+            state.since_best += 1
+            out_of_patience = state.since_best >= self.config.patience
+            state.stopped = out_of_patience and step >= self.config.min_steps
+        return {"step": step, "train_loss": train_loss, "val": metrics, "best_step": state.best_step}
 
-    def _save(
-        self,
-        state: dict[str, Any],
-        objective: TrainingObjective,
-        optimizer: torch.optim.Optimizer,
-        sampler: ClassBalancedSampler,
-        view_rng: np.random.Generator,
-        scaler: torch.amp.GradScaler,
-        records: list[dict[str, Any]],
-    ) -> None:
+    def _save(self) -> None:
+        """``last.pt`` (progress and every component's state) and ``metrics.jsonl``, from the main rank."""
         if not self.dist.is_main:
             return
         checkpoint = {
-            **state,
-            "objective": objective.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "sampler": sampler.state_dict(),
-            "view_rng": view_rng.bit_generator.state,
-            "scaler": scaler.state_dict(),
+            **asdict(self.state),
+            "objective": self.objective.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "view_rng": self.view_rng.bit_generator.state,
+            "scaler": self.scaler.state_dict(),
         }
         self.run_dir.save_checkpoint("last", checkpoint)
-        self.run_dir.write_metrics(records)
+        self.run_dir.write_metrics(self.records)
 
-    def _finish(self, state: dict[str, Any]) -> dict[str, Any]:
+    def _finish(self) -> dict[str, Any]:
         """Evaluate the best weights on the unseen test classes and write summary.json."""
-        best = self.best
+        best, state = self.best, self.state
         self.objective.load_state_dict(best["objective"])
         seed = self.config.seed
         summary = {
             "loss": self.config.loss,
             "mode": self.config.mode,
-            "steps": state["step"],
-            "stopped_early": state["stopped"],
+            "steps": state.step,
+            "stopped_early": state.stopped,
             "best_step": best["step"],
-            "train_seconds": round(state["elapsed"], 1),
+            "train_seconds": round(state.elapsed, 1),
             "val": best["val"],
             "test": evaluate(self.workload.embed("test"), self.data.labels("test"), seed=seed),
             "test_backbone": evaluate(self.data.features["test"], self.data.labels("test"), seed=seed),

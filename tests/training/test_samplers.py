@@ -123,6 +123,16 @@ def test_sampler_for_follows_the_registry_layout() -> None:
     assert len(balanced.next_indices()) == 5 * LOSSES["angular"].layout.samples_per_class
 
 
+def test_batch_size_is_what_a_batch_draws() -> None:
+    for sampler in (
+        ClassBalancedSampler(_labels(), classes=4, samples_per_class=3),
+        ClassBalancedSampler(_labels(3), classes=8, samples_per_class=2),  # fewer classes than asked for
+        _magnet()[0],
+    ):
+        assert all(len(sampler.next_indices()) == sampler.batch_size for _ in range(5))
+    assert ClassBalancedSampler(_labels(3), classes=8, samples_per_class=2).batch_size == 6
+
+
 def test_refresh_is_due_at_step_zero_and_every_interval_once() -> None:
     sampler = NeighbourhoodSampler(_labels(), clusters=3, samples_per_class=2, refresh_interval=5)
     embeddings = np.random.default_rng(0).normal(size=(len(_labels()), 4))
