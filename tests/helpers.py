@@ -15,12 +15,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
 from PIL import Image, ImageOps
 
 from index.manifest import Manifest
+
+if TYPE_CHECKING:
+    from training.config import TrainConfig
 
 API_KEY = "test-key-0123456789"
 INDEX_FILES = ("manifest.json", "vectors.faiss", "items.sqlite")
@@ -181,3 +185,12 @@ def uvicorn_process(
     finally:
         process.terminate()
         process.wait(timeout=20)
+
+
+def tiny_train_config(data: Path, cache: Path, **overrides: object) -> TrainConfig:
+    """A training config small enough for a test: contrastive loss, a 16-d embedding and a 32-wide head on
+    the cached features in ``cache``; ``overrides`` set any other field."""
+    from training.config import TrainConfig  # here: the app and index tests need not load torch
+
+    settings: dict[str, object] = {"loss": "contrastive", "embedding_dim": 16, "head_hidden": 32, **overrides}
+    return TrainConfig(data=str(data), cache_dir=str(cache), **settings)

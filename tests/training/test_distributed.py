@@ -9,8 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers import free_port
-from training.config import TrainConfig
+from tests.helpers import free_port, tiny_train_config
 from training.run_dir import RunDirectory
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,14 +18,12 @@ REPO = Path(__file__).resolve().parents[2]
 def test_two_cpu_processes_end_with_identical_weights(
     labelled_folder: Path, feature_cache: Path, tmp_path: Path
 ) -> None:
-    config = TrainConfig(
+    config = tiny_train_config(
+        labelled_folder,
+        feature_cache,
         loss="pddm",  # a loss with its own parameters (the PDDM unit): they must stay in sync too
-        data=str(labelled_folder),
-        cache_dir=str(feature_cache),
         max_steps=6,
         eval_every=3,
-        embedding_dim=16,
-        head_hidden=32,
         lr=1e-2,
         classes_per_batch=3,
     )

@@ -16,8 +16,8 @@ from engine.embedder import Embedder
 from engine.images import load_image_file
 from engine.indexing import build_index
 from engine.model_card import ModelCard
+from tests.helpers import tiny_train_config
 from training.backbone import create_backbone
-from training.config import TrainConfig
 from training.data import load_labelled_images
 from training.evaluation import evaluate_onnx, evaluate_run
 from training.export import export_run
@@ -33,15 +33,7 @@ runner = CliRunner()
 def trained_run(labelled_folder: Path, feature_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A short frozen run whose best checkpoint then gets a non-zero residual MLP (so export covers it)."""
     out = tmp_path_factory.mktemp("trained") / "run"
-    config = TrainConfig(
-        loss="contrastive",
-        data=str(labelled_folder),
-        cache_dir=str(feature_cache),
-        max_steps=4,
-        eval_every=2,
-        embedding_dim=16,
-        head_hidden=32,
-    )
+    config = tiny_train_config(labelled_folder, feature_cache, max_steps=4, eval_every=2)
     train(config, out, progress=False)
     run = RunDirectory(out)
     best = run.load_checkpoint("best")
@@ -106,15 +98,7 @@ def test_truncated_jpeg_is_skipped_with_a_warning(
     broken = data / "class_01" / "broken.jpg"
     load_image_file(data / "class_01" / "img_0.png").save(broken, quality=90)
     broken.write_bytes(broken.read_bytes()[:-400])  # cut off the end, like Cars196's train_08144.jpg
-    config = TrainConfig(
-        loss="contrastive",
-        data=str(data),
-        cache_dir=str(feature_cache),
-        max_steps=2,
-        eval_every=2,
-        embedding_dim=16,
-        head_hidden=32,
-    )
+    config = tiny_train_config(data, feature_cache, max_steps=2, eval_every=2)
     with pytest.warns(UserWarning, match="skipped unreadable image .*broken.jpg"):
         summary = train(config, tmp_path / "run", progress=False)
     assert summary["skipped_images"] == 1

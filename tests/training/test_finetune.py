@@ -9,9 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import write_labelled_folder
+from tests.helpers import tiny_train_config, write_labelled_folder
 from training.backbone import create_backbone
-from training.config import TrainConfig
 from training.heads import ResidualHead
 from training.losses import build_loss
 from training.model import TrainingObjective
@@ -23,11 +22,10 @@ def test_finetune_trains_the_backbone_slowly_and_keeps_batch_norm_statistics(
     feature_cache: Path, tmp_path: Path
 ) -> None:
     data = write_labelled_folder(tmp_path / "images", classes=8, per_class=3, size=48)
-    config = TrainConfig(
-        loss="contrastive",
-        data=str(data),
+    config = tiny_train_config(
+        data,
+        feature_cache,
         mode="finetune",
-        cache_dir=str(feature_cache),
         max_steps=2,
         eval_every=2,
         embedding_dim=8,

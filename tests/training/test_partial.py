@@ -9,8 +9,8 @@ import torch
 
 from engine.embedder import Embedder
 from engine.images import load_image_file
+from tests.helpers import tiny_train_config
 from training.backbone import create_backbone, split_backbone
-from training.config import TrainConfig
 from training.data import load_labelled_images
 from training.export import export_run
 from training.features import FeatureExtractor
@@ -31,17 +31,8 @@ def test_trunk_then_last_stage_is_the_backbone() -> None:
 def test_partial_run_trains_the_last_stage_only_and_exports_it(
     labelled_folder: Path, feature_cache: Path, tmp_path: Path
 ) -> None:
-    config = TrainConfig(
-        loss="contrastive",
-        data=str(labelled_folder),
-        mode="partial",
-        cache_dir=str(feature_cache),
-        views=1,
-        max_steps=3,
-        eval_every=3,
-        embedding_dim=16,
-        head_hidden=32,
-        lr=1e-2,
+    config = tiny_train_config(
+        labelled_folder, feature_cache, mode="partial", views=1, max_steps=3, eval_every=3, lr=1e-2
     )
     data = prepare_data(config, feature_cache, progress=False)
     assert data.train_views.shape == (2, len(data.indices["train"]), 192, 7, 7)

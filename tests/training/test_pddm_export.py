@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from engine.model_card import ModelCard
 from engine.reranker import PDDMReranker
-from training.config import TrainConfig
+from tests.helpers import tiny_train_config
 from training.export import export_pddm_unit, pddm_path_for
 from training.losses.pddm import PDDMUnit
 from training.model import build_objective
@@ -35,15 +35,13 @@ def pddm_run(labelled_folder: Path, feature_cache: Path, tmp_path_factory: pytes
     is then given other weights, so that exporting a fresh unit instead of the checkpoint's would show.
     """
     out = tmp_path_factory.mktemp("pddm") / "run"
-    config = TrainConfig(
+    config = tiny_train_config(
+        labelled_folder,
+        feature_cache,
         loss="pddm",
-        data=str(labelled_folder),
-        cache_dir=str(feature_cache),
         loss_hparams={"hidden": 8},
         max_steps=2,
         eval_every=2,
-        embedding_dim=16,
-        head_hidden=32,
         classes_per_batch=4,
         samples_per_class=4,
     )

@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import tiny_train_config
 from training.config import TrainConfig
 from training.run_dir import RunDirectory, RunDirError
 from training.trainer import train
 
 
 def _config(data: Path, cache: Path, **overrides: Any) -> TrainConfig:
-    settings = {"loss": "contrastive", "max_steps": 12, "eval_every": 4, "patience": 100}
-    settings.update(embedding_dim=16, head_hidden=32, **overrides)
-    return TrainConfig(data=str(data), cache_dir=str(cache), **settings)
+    return tiny_train_config(data, cache, **{"max_steps": 12, "eval_every": 4, "patience": 100, **overrides})
 
 
 def test_frozen_run_writes_a_complete_run_directory(
