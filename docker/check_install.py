@@ -117,7 +117,13 @@ class Build:
             subprocess.run([shims / "python", "-m", "pip", "install", "-q", "--upgrade", "pip"], check=True)
         else:
             shims.mkdir(parents=True)
-            (shims / "python3").symlink_to(shutil.which(python) or python)
+            # The interpreter's real path: a version manager's shim would pick its version by the link's name.
+            probe = subprocess.run(
+                [python, "-c", "import sys; print(sys.executable)"], capture_output=True, text=True
+            )
+            if probe.returncode:
+                raise SystemExit(f"{python} does not run here ({probe.stderr.strip()}): pass --python PATH")
+            (shims / "python3").symlink_to(probe.stdout.strip())
 
     def expand(self, text: str) -> str:
         """Docker's substitution of ARG and ENV values (ENV, WORKDIR, COPY; RUN leaves it to the shell)."""
