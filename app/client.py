@@ -41,6 +41,13 @@ class SearchClient:
         params = {"threshold": threshold, "offset": offset, "limit": limit}
         return self._call("GET", "/v1/duplicates", params=params).json()
 
+    def model(self) -> dict:
+        return self._call("GET", "/v1/model").json()
+
+    def plot(self, url: str) -> bytes:
+        """A plot of the model's report, by the ``url`` that :meth:`model` lists."""
+        return self._call("GET", url).content
+
     def thumbnail(self, item_id: int, size: int = 256) -> bytes:
         return self._call("GET", f"/v1/items/{item_id}/thumbnail", params={"size": size}).content
 

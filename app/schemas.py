@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, Field
 
 from engine.search import BatchResponse, QueryHits, SearchResponse
@@ -207,3 +209,31 @@ class ReloadOut(BaseModel):
     previous_model_fingerprint: str | None
     count: int
     took_ms: float
+
+
+class PlotOut(BaseModel):
+    name: str
+    caption: str
+    url: str = Field(description="GET it for the PNG.")
+
+
+class ModelCardOut(BaseModel):
+    """The served model's card; with its training run's proof when that run's files are on this server."""
+
+    fingerprint: str
+    backbone: str
+    head: str
+    loss: str | None
+    recipe: str | None = Field(description="The training recipe (training/recipes.py), when recorded.")
+    mode: str | None = Field(description="frozen, partial or finetune; none for the pretrained backbone.")
+    embedding_dim: int
+    exported: str = Field(description="When model.onnx was written (ISO 8601).")
+    trained: str | None = Field(description="When the selected checkpoint was saved (ISO 8601).")
+    run: str | None = Field(description="The training run's directory name.")
+    best_step: int | None
+    validation: dict[str, float] = Field(description="The selected checkpoint's validation metrics.")
+    evaluation: dict[str, Any] | None = Field(
+        description="The run's `dmlsearch eval` result (eval.json): trained vs untrained, CI, verdict."
+    )
+    report_available: bool
+    plots: list[PlotOut] = Field(description="The plots of the run's `dmlsearch report`.")

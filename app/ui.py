@@ -12,6 +12,7 @@ import streamlit as st
 
 from app.client import ApiCallError, SearchClient
 from app.ui_duplicates import render_duplicates
+from app.ui_model import render_model
 from engine import defaults
 from engine.images import IMAGE_SUFFIXES  # importing it also lets st.image show HEIC queries (pillow-heif)
 
@@ -19,7 +20,7 @@ API_URL = os.environ.get("DMLSEARCH_API_URL", defaults.API_URL).rstrip("/")
 COLUMNS = 4
 THUMBNAIL_SIZE = 256
 UPLOAD, GALLERY = "Upload an image", "Pick a gallery item"
-SEARCH_PAGE, DUPLICATES_PAGE = "Search", "Duplicates"
+SEARCH_PAGE, DUPLICATES_PAGE, MODEL_PAGE = "Search", "Duplicates", "Model"
 
 
 @st.cache_resource
@@ -165,9 +166,12 @@ def main() -> None:
     st.set_page_config(page_title="dmlsearch", layout="wide")
     st.title("dmlsearch: image search")
     stats = fetch_stats(API_URL)
-    view = st.sidebar.radio("Page", [SEARCH_PAGE, DUPLICATES_PAGE], key="page")
+    view = st.sidebar.radio("Page", [SEARCH_PAGE, DUPLICATES_PAGE, MODEL_PAGE], key="page")
     params = render_sidebar(stats)
     if isinstance(stats, str):
+        return
+    if view == MODEL_PAGE:
+        render_model(api_client(API_URL))
         return
     if view == DUPLICATES_PAGE:
         render_duplicates(api_client(API_URL), lambda item_id, path: fetch_thumbnail(API_URL, item_id, path))

@@ -22,11 +22,10 @@ from training.bootstrap import DEFAULT_RESAMPLES, Interval, paired_bootstrap
 from training.evaluation import EvalSplit, RunEmbeddings, embed_run
 from training.losses.magnet import KNCClassifier
 from training.metrics import answerable, evaluate, nearest_neighbours
+from training.report_files import EVAL_FILE
 from training.run_dir import RunDirectory, RunDirError
 from training.samplers import NeighbourhoodSampler
 from training.trainer import SELECTION_METRIC
-
-EVAL_FILE = "eval.json"
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,16 @@ def export_run(run_path: Path, model_path: Path) -> ModelCard:
         head=f"residual-mlp({head.in_dim}->{head.hidden}->{head.out_dim})+pca-linear",
         loss=config.loss,
         run=str(run_path.resolve()),
-        extra={"mode": config.mode, "best_step": best["step"], "val": best["val"]},
+        extra={
+            "mode": config.mode,
+            "recipe": (config.recipe or {}).get("name"),
+            # When the selected checkpoint was written: the model's training date (the card's
+            # `created` is the export's).
+            "trained": dt.datetime.fromtimestamp(
+                run.checkpoint_path("best").stat().st_mtime, dt.UTC
+            ).isoformat(timespec="seconds"),
+            "best_step": best["step"],
+            "val": best["val"],
+        },
         reranker=reranker,
     )

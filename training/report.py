@@ -32,20 +32,10 @@ from index.atomic import atomic_path, atomic_write_text
 from training.comparison import Comparison, TopHits, top_hits
 from training.evaluation import RunEmbeddings
 from training.metrics import retrieval_metrics
+from training.report_files import PLOTS, REPORT_FILE, plot_path
 from training.run_dir import RunDirectory
 from training.trainer import SELECTION_METRIC
 
-REPORT_FILE = "report.html"
-PLOTS_DIR = "report"
-# The plots, in page order: file stem -> caption.
-PLOTS = {
-    "training": "Training loss and validation Recall@1 against step; the star marks the selected checkpoint.",
-    "recall_at_k": "Recall@K on the test images, trained vs the untrained backbone.",
-    "per_class": "Per-class change of Recall@1 on the test classes (trained minus untrained).",
-    "embedding_map": "t-SNE map of the test embeddings, coloured by class: untrained (left), trained "
-    "(right).",
-    "examples": "Queries whose nearest neighbour the training fixed (top) and broke (bottom).",
-}
 CURVE_KS = (1, 2, 4, 8, 16, 32)
 TABLE_METRICS = ("recall@1", "recall@2", "recall@4", "recall@8", "map@r", "nmi", "f1")
 MAP_POINTS = 2000  # t-SNE cost grows with the points: a seeded sample of the test images beyond this
@@ -299,7 +289,7 @@ def write_report(run_path: Path, comparison: Comparison, embedded: RunEmbeddings
     plots, sections = {}, []
     for name, caption in PLOTS.items():
         data = _png(figures[name])
-        path = run_path / PLOTS_DIR / f"{name}.png"
+        path = plot_path(run_path, name)
         with atomic_path(path) as temporary:
             temporary.write_bytes(data)
         plots[name] = path

@@ -7,16 +7,23 @@ import io
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from fastapi.testclient import TestClient
 from PIL import Image
 from typer.testing import CliRunner
 
+from app.api import create_app
+from app.settings import Settings
 from cli.main import app
+from engine.embedder import Embedder
+from engine.indexing import build_index
 from training.bootstrap import paired_bootstrap
-from training.comparison import EVAL_FILE, compare_embeddings, knc_accuracy, validation_gain
+from training.comparison import compare_embeddings, knc_accuracy, validation_gain
 from training.config import TrainConfig
+from training.report_files import EVAL_FILE, PLOTS, REPORT_FILE, plot_path
 from training.run_dir import RunDirectory
 from training.trainer import train
 
@@ -151,11 +158,15 @@ def test_export_accepts_a_run_that_beat_the_untrained_model(magnet_run: Path, tm
     assert result.exit_code == 0, result.output
 
 
-def test_report_is_one_self_contained_page_of_plots(magnet_run: Path) -> None:
-    from training.report import PLOTS, PLOTS_DIR, REPORT_FILE
-
+@pytest.fixture(scope="module")
+def report_output(magnet_run: Path) -> str:
     result = runner.invoke(app, ["report", str(magnet_run), "--resamples", "200"])
     assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_report_is_one_self_contained_page_of_plots(magnet_run: Path, report_output: str) -> None:
+    result = SimpleNamespace(output=report_output)
     page = (magnet_run / REPORT_FILE).read_text()
     assert f"wrote {magnet_run / REPORT_FILE}" in result.output
     # Every plot is embedded as a PNG and also written beside the page for the API.
@@ -163,7 +174,7 @@ def test_report_is_one_self_contained_page_of_plots(magnet_run: Path) -> None:
     assert [name for name, _ in images] == list(PLOTS)
     for name, encoded in images:
         data = base64.b64decode(encoded)
-        assert data == (magnet_run / PLOTS_DIR / f"{name}.png").read_bytes()
+        assert data == plot_path(magnet_run, name).read_bytes()
         with Image.open(io.BytesIO(data)) as image:
             assert image.format == "PNG" and image.width > 300 and image.height > 150
     # Self-contained: nothing is fetched from elsewhere.
@@ -178,3 +189,31 @@ def test_report_is_one_self_contained_page_of_plots(magnet_run: Path) -> None:
 def test_report_of_a_missing_run_exits_2(tmp_path: Path) -> None:
     result = runner.invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 2 and "not a training run" in result.output
+
+
+def test_served_model_shows_its_runs_card_and_report(
+    magnet_run: Path, report_output: str, labelled_folder: Path, tmp_path: Path
+) -> None:
+    """train -> report -> export -> build-index -> serve: GET /v1/model carries the run's proof."""
+    model = tmp_path / "model" / "model.onnx"
+    result = runner.invoke(app, ["export", str(magnet_run), "--out", str(model), "--force"])
+    assert result.exit_code == 0, result.output
+    build_index(labelled_folder, Embedder(model), tmp_path / "index", progress=False)
+    settings = Settings(index_path=tmp_path / "index", model_path=model, threads=1, rate_limit_per_second=0)
+    with TestClient(create_app(settings)) as client:
+        card = client.get("/v1/model").json()
+        assert card["loss"] == "magnet" and card["mode"] == "frozen" and card["run"] == magnet_run.name
+        assert card["fingerprint"] == Embedder(model).fingerprint and card["embedding_dim"] == 16
+        assert card["trained"] and card["exported"] and card["best_step"] is not None
+        assert (
+            card["validation"]["recall@1"]
+            == RunDirectory(magnet_run).load_checkpoint("best")["val"]["recall@1"]
+        )
+        assert card["evaluation"] == json.loads((magnet_run / EVAL_FILE).read_text())
+        assert card["report_available"] and [plot["name"] for plot in card["plots"]] == list(PLOTS)
+        for plot in card["plots"]:
+            response = client.get(plot["url"])
+            assert response.status_code == 200 and response.headers["content-type"] == "image/png"
+            assert response.content == plot_path(magnet_run, plot["name"]).read_bytes()
+        response = client.get("/v1/model/plots/secrets")
+        assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"

@@ -1,0 +1,76 @@
+"""The Streamlit "Model" page: the served model's card and, when its training run's report is on the
+server, the proof that training helped (eval verdict and the report's plots)."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from app.client import ApiCallError, SearchClient
+
+VERDICT_BOX = {"better": st.success, "not distinguishable": st.info, "worse": st.error}
+
+
+def _card_rows(card: dict) -> dict[str, str]:
+    dash = "-"
+    return {
+        "Backbone": card["backbone"],
+        "Head": card["head"],
+        "Loss": card["loss"] or "none (pretrained backbone)",
+        "Recipe": card["recipe"] or dash,
+        "Mode": card["mode"] or dash,
+        "Embedding": f"{card['embedding_dim']}-d",
+        "Fingerprint": card["fingerprint"][:16],
+        "Trained": card["trained"] or dash,
+        "Exported": card["exported"],
+        "Run": card["run"] or dash,
+        "Selected step": dash if card["best_step"] is None else str(card["best_step"]),
+    }
+
+
+def _show_evaluation(evaluation: dict) -> None:
+    difference = evaluation["recall@1_difference"]
+    trained, untrained = evaluation["trained"], evaluation["untrained"]
+    text = (
+        f"Trained vs the untrained backbone on {evaluation['images']} {evaluation['split']} images: "
+        f"**{evaluation['verdict']}**. Recall@1 {100 * trained['recall@1']:.2f} vs "
+        f"{100 * untrained['recall@1']:.2f} ({100 * difference['difference']:+.2f} points, "
+        f"{100 * difference['level']:.0f}% CI "
+        f"[{100 * difference['low']:+.2f}, {100 * difference['high']:+.2f}])"
+    )
+    VERDICT_BOX.get(evaluation["verdict"], st.info)(text)
+    names = [name for name in trained if name in untrained]
+    st.table(
+        {
+            "metric": names,
+            "untrained": [f"{100 * untrained[name]:.2f}" for name in names],
+            "trained": [f"{100 * trained[name]:.2f}" for name in names],
+        }
+    )
+
+
+def render_model(client: SearchClient) -> None:
+    st.subheader("Served model")
+    try:
+        card = client.model()
+    except ApiCallError as err:
+        st.error(f"The model card is unavailable: {err}")
+        return
+    rows = _card_rows(card)
+    st.table({"field": list(rows), "value": list(rows.values())})
+    if card["validation"]:
+        line = " · ".join(f"{name} {100 * value:.2f}" for name, value in card["validation"].items())
+        st.caption(f"validation: {line}")
+    if card["evaluation"] is not None:
+        _show_evaluation(card["evaluation"])
+    if not card["plots"]:
+        st.info(
+            "No training report for this model on the server. Run `dmlsearch report RUN` on the run it "
+            "was exported from to see its plots here."
+        )
+        return
+    st.subheader("Training report")
+    for plot in card["plots"]:
+        try:
+            st.image(client.plot(plot["url"]), caption=plot["caption"], width="content")  # natural size
+        except ApiCallError as err:
+            st.warning(f"Plot {plot['name']} is unavailable: {err}")
