@@ -20,9 +20,9 @@ from app.settings import Settings
 from cli.main import app
 from engine.embedder import Embedder
 from engine.indexing import build_index
+from tests.helpers import tiny_train_config
 from training.bootstrap import paired_bootstrap
 from training.comparison import compare_embeddings, knc_accuracy, validation_gain
-from training.config import TrainConfig
 from training.report_files import EVAL_FILE, PLOTS, REPORT_FILE, plot_path
 from training.run_dir import RunDirectory
 from training.trainer import train
@@ -88,16 +88,7 @@ def test_knc_accuracy_separates_clustered_from_mixed_embeddings() -> None:
 
 
 def _run(folder: Path, cache: Path, out: Path, loss: str, max_steps: int) -> Path:
-    config = TrainConfig(
-        loss=loss,
-        data=str(folder),
-        cache_dir=str(cache),
-        max_steps=max_steps,
-        eval_every=2,
-        embedding_dim=16,
-        head_hidden=32,
-    )
-    train(config, out, progress=False)
+    train(tiny_train_config(folder, cache, loss=loss, max_steps=max_steps, eval_every=2), out, progress=False)
     return out
 
 
