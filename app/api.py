@@ -11,8 +11,10 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.concurrency import run_in_threadpool
 
+from app.access_log import redact_access_log
 from app.compute import ComputeSlots, default_slots
 from app.errors import install_error_handlers
+from app.memory import return_freed_blocks
 from app.metrics import Metrics
 from app.middleware import BodySizeLimitMiddleware, RateLimitMiddleware, RequestMetricsMiddleware
 from app.ratelimit import TokenBucketLimiter
@@ -45,6 +47,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        return_freed_blocks()
+        redact_access_log()
         app.state.compute = ComputeSlots(settings.compute_slots or default_slots())
         app.state.engine = await run_in_threadpool(EngineState.load, settings)
         poller = asyncio.create_task(_poll_index(app, settings.index_poll_seconds))

@@ -3,20 +3,30 @@
 from __future__ import annotations
 
 import logging
+import traceback
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.memory import release_memory
 from engine.images import ImageDecodeError
-from engine.search import DuplicateItemError, InvalidItemError, ItemNotFoundError, RerankUnavailableError
+from engine.search import (
+    DuplicateItemError,
+    InvalidItemError,
+    ItemNotFoundError,
+    RerankUnavailableError,
+    StorageError,
+)
 from index.duplicates import DuplicatesUnavailableError
 
 log = logging.getLogger("dmlsearch.app")
 
 # Image problems the client can fix: a format we do not take is 415, an oversized image 413, the rest 400.
-_IMAGE_ERROR_STATUS = {"unsupported_format": 415, "image_too_large": 413}
+_IMAGE_ERROR_STATUS = {"unsupported_format": 415, "image_too_large": 413, "batch_too_large": 413}
+# Seconds a client is told to wait after the server ran out of memory on its request.
+OUT_OF_MEMORY_RETRY_AFTER = 5
 # Codes for errors Starlette raises itself (unknown route, wrong method, unreadable multipart body).
 _HTTP_ERROR_CODES = {
     400: "bad_request",
@@ -71,6 +81,27 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(DuplicateItemError)
     async def duplicate_item(_: Request, err: DuplicateItemError) -> JSONResponse:
         return error_response(409, "duplicate_item", str(err))
+
+    @app.exception_handler(MemoryError)
+    async def out_of_memory(request: Request, err: MemoryError) -> JSONResponse:
+        # The server's limit, not the client's fault (never 400/500): free what the request held
+        # (the failed frames' locals keep its arrays alive) and let the client come back.
+        log.error(
+            "out of memory on %s %s: %s", request.method, request.url.path, str(err) or type(err).__name__
+        )
+        traceback.clear_frames(err.__traceback__)
+        release_memory()
+        return error_response(
+            503,
+            "out_of_memory",
+            "the server does not have the memory for this request now: retry later, or send smaller images",
+            headers={"Retry-After": str(OUT_OF_MEMORY_RETRY_AFTER)},
+        )
+
+    @app.exception_handler(StorageError)
+    async def storage_unavailable(request: Request, err: StorageError) -> JSONResponse:
+        log.error("write refused on %s %s: %s", request.method, request.url.path, err)
+        return error_response(503, "storage_unavailable", str(err))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, err: RequestValidationError) -> JSONResponse:

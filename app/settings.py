@@ -39,6 +39,12 @@ class Settings(BaseSettings):
     max_image_pixels: int = Field(
         defaults.MAX_IMAGE_PIXELS, gt=0, description="refuse images with more pixels"
     )
+    max_batch_pixels: int = Field(
+        defaults.MAX_BATCH_PIXELS,
+        gt=0,
+        description="refuse requests whose images decode to more pixels in all (413, read from the headers "
+        "before any image is decoded; JPEGs count at the reduced size they are decoded at)",
+    )
     max_k: int = Field(defaults.MAX_K, ge=1, le=defaults.MAX_K, description="largest k a client may ask for")
     max_offset: int = Field(10_000, ge=0, description="largest offset (paging) a client may ask for")
     max_batch: int = Field(64, ge=1, description="most images in one batch search or add")
@@ -69,8 +75,14 @@ class Settings(BaseSettings):
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="origins allowed by CORS, comma-separated in the environment"
     )
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="addresses or networks of reverse proxies whose X-Forwarded-For/-Proto headers are "
+        "believed (the client address rate limits use), comma-separated in the environment; none by "
+        "default: then those headers are ignored, since any client can send them",
+    )
 
-    @field_validator("cors_origins", mode="before")
+    @field_validator("cors_origins", "trusted_proxies", mode="before")
     @classmethod
     def _split_origins(cls, value: object) -> object:
         if isinstance(value, str):

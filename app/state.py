@@ -8,6 +8,7 @@ from pathlib import Path
 
 from app.settings import Settings
 from engine.search import SearchService
+from index.atomic import remove_abandoned
 
 log = logging.getLogger("dmlsearch.app")
 
@@ -38,6 +39,7 @@ class EngineState:
             backend=settings.backend,
             milvus_uri=settings.milvus_uri,
             max_pixels=settings.max_image_pixels,
+            max_batch_pixels=settings.max_batch_pixels,
             jpeg_draft=settings.jpeg_draft,
             vote_sigma2=settings.vote_sigma2,
             rerank_pool=settings.rerank_pool,
@@ -48,10 +50,25 @@ class EngineState:
     def load(cls, settings: Settings) -> EngineState:
         """The configured engine, or a not-ready state with the reason (the process stays up)."""
         try:
-            return cls.open(settings)
+            state = cls.open(settings)
         except Exception as err:  # any load failure leaves the process up and not ready
             log.error("search engine not ready: %s", err)
             return cls(None, f"{type(err).__name__}: {err}")
+        if state.service.index.manifest.gallery_root is not None:
+            _remove_abandoned_uploads(Path(state.service.index.manifest.gallery_root))
+        return state
 
     def size(self) -> int:
         return len(self.service.index) if self.service is not None else -1
+
+
+def _remove_abandoned_uploads(gallery: Path) -> None:
+    """Temporary files of added images whose write was interrupted: the API writes them into the gallery
+    folder and its label folders (the index folder cleans itself when opened)."""
+    remove_abandoned(gallery)
+    try:
+        folders = [path for path in gallery.iterdir() if path.is_dir() and not path.is_symlink()]
+    except OSError:
+        return
+    for folder in folders:
+        remove_abandoned(folder)

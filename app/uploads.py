@@ -60,7 +60,7 @@ async def read_uploads(
     if media_type == "multipart/form-data":
         images, labels = await _read_multipart(request, field, max_count, max_bytes)
     elif media_type == "application/json":
-        images, labels = _read_json(await request.body(), json_model, max_bytes)
+        images, labels = _read_json(await request.body(), json_model, max_count, max_bytes)
     else:
         raise ApiError(
             415,
@@ -69,8 +69,7 @@ async def read_uploads(
         )
     if not images:
         raise ApiError(422, "invalid_request", f"no image in the request (expected the field {field!r})")
-    if len(images) > max_count:
-        raise ApiError(422, "too_many_images", f"at most {max_count} image(s) per request, got {len(images)}")
+    _check_count(len(images), max_count)
     if labels and len(labels) not in (1, len(images)):
         raise ApiError(
             422,
@@ -78,6 +77,11 @@ async def read_uploads(
             f"{len(labels)} labels for {len(images)} images: give none, one, or one each",
         )
     return Uploads(images, labels, (time.perf_counter() - started) * 1000.0)
+
+
+def _check_count(count: int, max_count: int) -> None:
+    if count > max_count:
+        raise ApiError(422, "too_many_images", f"at most {max_count} image(s) per request, got {count}")
 
 
 async def _read_multipart(
@@ -97,8 +101,7 @@ async def _read_multipart(
         parts = form.getlist(field)
         if any(not isinstance(part, UploadFile) for part in parts):
             raise ApiError(422, "invalid_request", f"the field {field!r} must be a file upload")
-        if len(parts) > max_count:
-            raise ApiError(422, "too_many_images", f"at most {max_count} image(s) per request")
+        _check_count(len(parts), max_count)  # before reading any of them
         images = []
         for part in parts:
             data = await part.read(max_bytes + 1)
@@ -112,7 +115,7 @@ async def _read_multipart(
 
 
 def _read_json(
-    body: bytes, json_model: type[BaseModel], max_bytes: int
+    body: bytes, json_model: type[BaseModel], max_count: int, max_bytes: int
 ) -> tuple[list[bytes], list[str | None]]:
     try:
         payload = json_model.model_validate_json(body)
@@ -127,6 +130,7 @@ def _read_json(
         encoded, labels = payload.images, []
     else:
         raise TypeError(f"no JSON image reader for {json_model.__name__}")
+    _check_count(len(encoded), max_count)  # before decoding any of them
     return [_decode_base64(text, position, max_bytes) for position, text in enumerate(encoded)], labels
 
 

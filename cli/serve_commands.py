@@ -28,6 +28,7 @@ SERVE_FLAG_ALIASES = {
     "rate_limit_per_second": ("--rate-limit",),
     "rate_limit_burst": ("--rate-burst",),
     "cors_origins": ("--cors-origin",),
+    "trusted_proxies": ("--trusted-proxy",),
 }
 
 
@@ -37,9 +38,6 @@ def serve(
     settings: Settings,
     host: str = defaults.API_HOST,
     port: int = defaults.API_PORT,
-    forwarded_allow_ips: Annotated[
-        str, typer.Option(help="Proxies trusted for X-Forwarded-For (the client address rate limits use).")
-    ] = "127.0.0.1",
 ) -> None:
     """Serve the HTTP API (FastAPI under uvicorn). Flags override DMLSEARCH_* environment variables.
 
@@ -53,7 +51,15 @@ def serve(
     # busy CPU, OpenMP's per-call thread start-up made a 78-item flat search take ~30 ms instead of
     # ~0.1 ms. Must be set before FAISS loads; an explicit OMP_NUM_THREADS in the environment wins.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    uvicorn.run(create_app(settings), host=host, port=port, forwarded_allow_ips=forwarded_allow_ips)
+    uvicorn.run(
+        create_app(settings),
+        host=host,
+        port=port,
+        # uvicorn's own default believes X-Forwarded-For from 127.0.0.1: any local process could then
+        # claim a fresh address per request and slip past the rate limit.
+        proxy_headers=bool(settings.trusted_proxies),
+        forwarded_allow_ips=settings.trusted_proxies or None,
+    )
 
 
 @commands.command()

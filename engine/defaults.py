@@ -16,6 +16,10 @@ INDEX_PATH = Path("artifacts/index")
 
 # Refuse images with more pixels (about 7,000 x 7,000) before decoding them.
 MAX_IMAGE_PIXELS = 50_000_000
+# Refuse requests whose images decode to more pixels in all: two images at the limit. A batch of 64 phone
+# JPEGs (12 MP, decoded at 1/4 scale by the JPEG draft) takes ~48 MP; eight blank 49-MP PNGs (392 MP,
+# seconds of decoding from a 372 KB request) are refused before any is decoded.
+MAX_BATCH_PIXELS = 100_000_000
 # Decode large JPEGs at reduced DCT scale (see engine.images.DRAFT_MARGIN for the measured cost).
 JPEG_DRAFT = True
 

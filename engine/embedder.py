@@ -55,9 +55,16 @@ class Embedder:
         (output,) = self.session.run(None, {self.input_name: np.ascontiguousarray(batch, dtype=np.float32)})
         return output
 
-    def embed_tensor(self, batch: np.ndarray) -> np.ndarray:
-        """Run the model on a preprocessed NCHW batch; rows are L2-normalised."""
-        return l2_normalize(self.run_tensor(batch))
+    def embed_tensor(self, batch: np.ndarray, *, run_size: int | None = None) -> np.ndarray:
+        """Run the model on a preprocessed NCHW batch; rows are L2-normalised.
+
+        ``run_size``: at most this many images per model run. onnxruntime's memory arena grows to the
+        activations of the largest run and keeps them, so this bounds what a big batch request costs.
+        """
+        if run_size is None or len(batch) <= run_size:
+            return l2_normalize(self.run_tensor(batch))
+        runs = [self.run_tensor(batch[start : start + run_size]) for start in range(0, len(batch), run_size)]
+        return l2_normalize(np.concatenate(runs))
 
     def embed(self, images: Sequence[Image.Image]) -> np.ndarray:
         if not images:

@@ -52,11 +52,22 @@ class ImageDecodeError(ValueError):
         self.message = message
 
 
-def open_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+def open_image(
+    data: bytes,
+    *,
+    max_pixels: int = MAX_IMAGE_PIXELS,
+    draft_size: int | None = None,
+    draft_margin: int = DRAFT_MARGIN,
+) -> Image.Image:
     """Read only the header of ``data``: a lazily decoded image whose format and size have been checked.
 
     Raises :class:`ImageDecodeError` for empty, unrecognised, unsupported or oversized input, before
     any pixel is decoded (so a decompression bomb never allocates its pixels).
+
+    ``draft_size``: the size the image will be resized to. JPEGs are then set to decode at the smallest
+    DCT scale (1/2, 1/4, 1/8) that keeps both sides >= ``draft_margin * draft_size``, and the returned
+    image's ``size`` is the size that will be decoded: a large speed-up for phone photos, which would
+    otherwise be decoded in full only to be shrunk.
     """
     if not data:
         raise ImageDecodeError("empty_image", "the upload is empty (0 bytes)")
@@ -66,6 +77,8 @@ def open_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Imag
         raise ImageDecodeError("not_an_image", "the upload is not a recognised image format") from None
     except Image.DecompressionBombError as err:
         raise ImageDecodeError("image_too_large", str(err)) from None
+    except MemoryError:
+        raise  # the server's limit, not the client's fault: answered 503, never blamed on the image
     except Exception as err:  # Pillow's plugins raise many types on malformed headers; all mean corrupt
         raise ImageDecodeError("corrupt_image", f"the image header could not be read: {err}") from None
     if image.format not in ALLOWED_FORMATS:
@@ -75,7 +88,30 @@ def open_image(data: bytes, *, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Imag
         raise ImageDecodeError(
             "image_too_large", f"image is {width}x{height} pixels, more than the limit of {max_pixels}"
         )
+    if draft_size is not None and image.format in ("JPEG", "MPO"):
+        image.draft("RGB", (draft_margin * draft_size, draft_margin * draft_size))
     return image
+
+
+def load_rgb(image: Image.Image) -> Image.Image:
+    """Decode an image from :func:`open_image` into RGB with its EXIF orientation applied.
+
+    Raises :class:`ImageDecodeError` for corrupt or truncated pixel data; ``MemoryError`` passes through.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image.load()
+            # In place: a copy of the decoded image would double the memory a request takes.
+            ImageOps.exif_transpose(image, in_place=True)
+            # Pixel-mode conversion can fail too (an exotic mode in an otherwise readable file).
+            return to_rgb(image)
+    except Image.DecompressionBombWarning as err:
+        raise ImageDecodeError("image_too_large", str(err)) from None
+    except MemoryError:
+        raise
+    except Exception as err:  # untrusted bytes: any decoder failure (OSError, struct.error...) is corruption
+        raise ImageDecodeError("corrupt_image", f"the image could not be decoded: {err}") from None
 
 
 def decode_image(
@@ -85,44 +121,41 @@ def decode_image(
     draft_size: int | None = None,
     draft_margin: int = DRAFT_MARGIN,
 ) -> Image.Image:
-    """Decode ``data`` (its first frame, for animations) into an RGB image with its EXIF orientation applied.
+    """Decode ``data`` (its first frame, for animations) into an RGB image with its EXIF orientation applied
+    (see :func:`open_image`).
 
-    ``draft_size``: the size the image will be resized to. JPEGs are then decoded by libjpeg at the
-    smallest DCT scale (1/2, 1/4, 1/8) that keeps both sides >= ``draft_margin * draft_size``: a large
-    speed-up for phone photos, which would otherwise be decoded in full only to be shrunk.
     Raises :class:`ImageDecodeError` for empty, corrupt, truncated, unsupported or oversized input.
     """
-    image = open_image(data, max_pixels=max_pixels)
-    if draft_size is not None and image.format in ("JPEG", "MPO"):
-        image.draft("RGB", (draft_margin * draft_size, draft_margin * draft_size))
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image.load()
-            # Pixel-mode conversion can fail too (an exotic mode in an otherwise readable file).
-            return to_rgb(ImageOps.exif_transpose(image))
-    except Image.DecompressionBombWarning as err:
-        raise ImageDecodeError("image_too_large", str(err)) from None
-    except Exception as err:  # untrusted bytes: any decoder failure (OSError, struct.error...) is corruption
-        raise ImageDecodeError("corrupt_image", f"the image could not be decoded: {err}") from None
+    return load_rgb(open_image(data, max_pixels=max_pixels, draft_size=draft_size, draft_margin=draft_margin))
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
     """Convert any Pillow mode (palette, RGBA, CMYK, 16-bit, greyscale) to 8-bit RGB.
 
-    Transparent pixels are composited on white, as a viewer would show them.
+    Transparent pixels are composited on white, as a viewer would show them. Written to hold few
+    full-size copies at once (a 50-MP upload is 150 MB per RGB copy).
     """
     if image.mode == "RGB":
         return image
     if image.mode.startswith("I;16") or image.mode == "I":
         # 16-bit greyscale: scale into 8 bits instead of clipping everything above 255 to white.
-        array = np.asarray(image, dtype=np.float64)
-        scale = 255.0 / 65535.0 if image.mode.startswith("I;16") or array.max() > 255 else 1.0
-        image = Image.fromarray((array * scale).clip(0, 255).astype(np.uint8))
-    if image.mode == "P" or image.mode in ("RGBA", "LA", "PA"):
-        image = image.convert("RGBA")
-        background = Image.new("RGBA", image.size, (255, 255, 255, 255))
-        image = Image.alpha_composite(background, image)
+        array = np.asarray(image, dtype=np.float32)
+        if image.mode.startswith("I;16") or array.max() > 255:
+            array *= 255.0 / 65535.0
+        image = Image.fromarray(np.clip(array, 0, 255, out=array).astype(np.uint8))
+        del array
+    if image.mode == "P" and "transparency" not in image.info:
+        return image.convert("RGB")
+    if image.mode == "LA":  # composited as greyscale: a third of the memory of doing it in RGB
+        white = Image.new("L", image.size, 255)
+        white.paste(image, mask=image)
+        return white.convert("RGB")
+    if image.mode in ("P", "PA", "RGBA"):
+        if image.mode != "RGBA":
+            image = image.convert("RGBA")
+        white = Image.new("RGB", image.size, (255, 255, 255))
+        white.paste(image, mask=image)  # the alpha band is the mask
+        return white
     return image.convert("RGB")
 
 

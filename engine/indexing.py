@@ -60,10 +60,18 @@ class SyncPlan:
 
 
 def hash_files(root: Path, files: Sequence[Path], report: BuildReport, progress: bool) -> list[GalleryFile]:
-    """Content hashes of ``files``, sorted by relative path; unreadable files go to ``report.skipped``."""
+    """Content hashes of ``files``, sorted by relative path; unreadable files go to ``report.skipped``.
+
+    So do links to files outside the gallery folder: the server refuses to serve such files (a link
+    could expose anything on the machine), so they would show in results as images that cannot be shown.
+    """
     hashed = []
+    real_root = root.resolve()
     for path in tqdm(files, desc="hashing", unit="file", disable=not progress):
         relative = path.relative_to(root).as_posix()
+        if not path.resolve().is_relative_to(real_root):
+            report.skipped.append((relative, f"links outside the gallery folder (to {path.resolve()})"))
+            continue
         try:
             content_hash = hashlib.sha256(path.read_bytes()).hexdigest()
         except OSError as err:

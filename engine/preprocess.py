@@ -17,14 +17,26 @@ _RESAMPLING = {
 
 
 def resize_and_crop(image: Image.Image, config: Preprocessing) -> Image.Image:
-    """Resize the shorter side to ``resize_size`` then take the central ``input_size`` square."""
+    """Resize the shorter side to ``resize_size`` then take the central ``input_size`` square.
+
+    Only the region the crop keeps is resampled (Pillow's ``box``), straight to ``input_size`` pixels, so
+    the memory this takes is bounded by the model input whatever the aspect ratio: resizing a 1x100000
+    image in full would build a 224x22,400,000 one (~15 GB) only to keep its centre. The sampling grid is
+    the one of resizing in full and then cropping (pixels agree within rounding, at most 2 levels of 255).
+    """
     width, height = image.size
     scale = config.resize_size / min(width, height)
-    new_size = (max(config.input_size, round(width * scale)), max(config.input_size, round(height * scale)))
-    image = image.resize(new_size, _RESAMPLING[config.interpolation])
-    left = (new_size[0] - config.input_size) // 2
-    top = (new_size[1] - config.input_size) // 2
-    return image.crop((left, top, left + config.input_size, top + config.input_size))
+    full = (max(config.input_size, round(width * scale)), max(config.input_size, round(height * scale)))
+    left = (full[0] - config.input_size) // 2
+    top = (full[1] - config.input_size) // 2
+    step_x, step_y = width / full[0], height / full[1]  # source pixels per resized pixel
+    box = (
+        left * step_x,
+        top * step_y,
+        (left + config.input_size) * step_x,
+        (top + config.input_size) * step_y,
+    )
+    return image.resize((config.input_size, config.input_size), _RESAMPLING[config.interpolation], box=box)
 
 
 def to_array(image: Image.Image, config: Preprocessing) -> np.ndarray:

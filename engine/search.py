@@ -9,7 +9,7 @@ for them and runs alone).
 from __future__ import annotations
 
 import hashlib
-import re
+import sqlite3
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -17,18 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 from engine import defaults
 from engine.bundle import resolve_model
+from engine.decoding import RUN_IMAGES, PixelBudget, batch_tensor, open_uploads
 from engine.embedder import Embedder
-from engine.images import (
-    FORMAT_SUFFIXES,
-    ImageDecodeError,
-    decode_image,
-    open_image,
-    thumbnail_jpeg,
-)
+from engine.images import FORMAT_SUFFIXES, decode_image, thumbnail_jpeg
+from engine.labels import InvalidLabelError, check_label
 from engine.locks import ReadWriteLock
 from engine.reranker import PDDMReranker
 from engine.voting import Prediction, knn_vote
@@ -40,8 +35,6 @@ from index.items import ItemStore
 from index.manifest import MANIFEST_NAME
 from index.protocol import Item
 
-# A label becomes a folder name under the gallery root: no separators, no hidden or relative names.
-_LABEL_PATTERN = re.compile(r"^(?![.])[^/\\\x00-\x1f]{1,100}$")
 # rerank=pddm re-scores the top max(rerank_pool, RERANK_POOL_FACTOR x k) cosine neighbours: deep enough
 # that the unit can lift items the cosine ranked a few pages down, and a fixed pool for a fixed k, so that
 # paging with ``offset`` walks through one re-ranked list.
@@ -62,6 +55,24 @@ class InvalidItemError(ValueError):
 
 class DuplicateItemError(ValueError):
     """An item with the same content and label is already indexed."""
+
+
+class StorageError(RuntimeError):
+    """The gallery or index folder cannot be written (read-only, full): the server's problem, not the
+    client's. Searches go on; the message says what was and was not written."""
+
+
+@contextmanager
+def _storage(outcome: str) -> Iterator[None]:
+    """Turn a failed write of the gallery or the index into a :class:`StorageError` saying ``outcome``.
+
+    Once items.sqlite has committed a change it is durable: a FAISS file not saved after it is brought in
+    step from items.sqlite at the next save or start (see ``index.faiss_backend``).
+    """
+    try:
+        yield
+    except (OSError, sqlite3.OperationalError) as err:
+        raise StorageError(f"{outcome}: the index or gallery folder cannot be written ({err})") from err
 
 
 @dataclass(frozen=True)
@@ -141,6 +152,7 @@ class SearchService:
         index: GalleryIndex,
         *,
         max_pixels: int = defaults.MAX_IMAGE_PIXELS,
+        max_batch_pixels: int = defaults.MAX_BATCH_PIXELS,
         jpeg_draft: bool = defaults.JPEG_DRAFT,
         vote_sigma2: float = defaults.VOTE_SIGMA2,
         reranker: PDDMReranker | None = None,
@@ -158,6 +170,7 @@ class SearchService:
         # JPEG draft decoding: libjpeg scales by 1/2..1/8 while decoding, keeping the short side at least
         # the model's resize size, so a 12-MP photo is not decoded in full only to be shrunk to 224 px.
         self.draft_size = embedder.card.preprocessing.resize_size if jpeg_draft else None
+        self.budget = PixelBudget(max_pixels, max_batch_pixels, self.draft_size)
         self.vote_sigma2 = vote_sigma2
         self.lock = ReadWriteLock()
         self._index_stamp = self._read_index_stamp()
@@ -260,16 +273,15 @@ class SearchService:
         """Many query images: decoded one by one, embedded as one batch, searched as one batch.
 
         A bad image fails the whole batch with an ``ImageDecodeError`` naming its position (``image 2:``),
-        before any model work is done.
+        before any model work is done; so does a batch over the pixel budget, before any image is decoded.
         """
         self._check_options(options)
         timer = StageTimer()
         with timer.stage("decode"):
-            decoded = self._decode_all(images)
-        with timer.stage("preprocess"):
-            tensor = self.embedder.preprocess(decoded)
+            headers = open_uploads(images, self.budget)
+        tensor = batch_tensor(headers, self.embedder.card.preprocessing, stage=timer.stage)
         with timer.stage("embed"):
-            vectors = self.embedder.embed_tensor(tensor)
+            vectors = self.embedder.embed_tensor(tensor, run_size=RUN_IMAGES)
         queries = self._search_vectors(vectors, options, timer)
         return BatchResponse(queries, timer.elapsed_ms(), self.model_fingerprint, timer.ms)
 
@@ -283,7 +295,7 @@ class SearchService:
         with timer.stage("preprocess"):
             tensor = self.embedder.preprocess([image])
         with timer.stage("embed"):
-            vector = self.embedder.embed_tensor(tensor)
+            vector = self.embedder.embed_tensor(tensor, run_size=RUN_IMAGES)
         (hits,) = self._search_vectors(vector, options, timer, exclude=item_id)
         return SearchResponse(
             hits.results, timer.elapsed_ms(), self.model_fingerprint, timer.ms, hits.prediction
@@ -304,17 +316,6 @@ class SearchService:
             f"rerank=pddm needs the stored vectors of the candidates, and this {self.index.manifest.backend} "
             "index does not give them back: serve a FAISS index to re-rank"
         )
-
-    def _decode_all(self, images: Sequence[bytes]) -> list[Image.Image]:
-        decoded = []
-        for position, data in enumerate(images):
-            try:
-                decoded.append(decode_image(data, max_pixels=self.max_pixels, draft_size=self.draft_size))
-            except ImageDecodeError as err:
-                if len(images) == 1:
-                    raise
-                raise ImageDecodeError(err.code, f"image {position}: {err.message}") from None
-        return decoded
 
     def _search_vectors(
         self, vectors: np.ndarray, options: SearchOptions, timer: StageTimer, exclude: int | None = None
@@ -433,41 +434,40 @@ class SearchService:
         the index unchanged. Files are written atomically; the index is saved before returning.
         """
         root = self._gallery_root()
+        headers = open_uploads([new.data for new in new_items], self.budget)
         prepared = []
-        for position, new in enumerate(new_items):
-            if new.label is not None and not _LABEL_PATTERN.match(new.label):
-                raise InvalidItemError(
-                    f"item {position}: label {new.label!r} must be 1-100 characters, without path separators "
-                    "or control characters, and must not start with '.'"
-                )
-            fmt = open_image(new.data, max_pixels=self.max_pixels).format
+        for position, (new, header) in enumerate(zip(new_items, headers, strict=True)):
+            label = self._label_folder(root, new.label, position)
             digest = hashlib.sha256(new.data).hexdigest()
-            relative = Path(new.label or ".") / f"{digest[:20]}{FORMAT_SUFFIXES[fmt]}"
-            target = (root / relative).resolve()
-            if not target.is_relative_to(root):
-                raise InvalidItemError(f"item {position}: label {new.label!r} leaves the gallery folder")
+            relative = Path(label or ".") / f"{digest[:20]}{FORMAT_SUFFIXES[header.format]}"
+            target = root / relative
+            if target.exists() and (not target.is_file() or target.read_bytes() != new.data):
+                raise InvalidItemError(f"image {position}: {relative} already holds another file")
             if any(relative.as_posix() == earlier[0] for earlier in prepared):
-                raise DuplicateItemError(f"item {position} repeats an earlier image of this request")
-            prepared.append((relative.as_posix(), new.label, digest, target, new.data))
-        vectors = self.embedder.embed(self._decode_all([new.data for new in new_items]))
+                raise DuplicateItemError(f"image {position} repeats an earlier image of this request")
+            prepared.append((relative.as_posix(), label, digest, target, new.data))
+        preprocessing = self.embedder.card.preprocessing
+        vectors = self.embedder.embed_tensor(batch_tensor(headers, preprocessing), run_size=RUN_IMAGES)
         with self.lock.write():
             for relative, *_ in prepared:
                 if self.index.items.get_by_path(relative) is not None:
                     raise DuplicateItemError(f"{relative} is already indexed")
             written = []
             try:
-                for _, _, _, target, data in prepared:
-                    if not target.exists():
-                        atomic_write_bytes(target, data)
-                        written.append(target)
-                ids = self.index.add(
-                    vectors, [(relative, label, digest) for relative, label, digest, *_ in prepared]
-                )
+                with _storage("nothing was added"):
+                    for _, _, _, target, data in prepared:
+                        if not target.exists():
+                            atomic_write_bytes(target, data)
+                            written.append(target)
+                    ids = self.index.add(
+                        vectors, [(relative, label, digest) for relative, label, digest, *_ in prepared]
+                    )
             except BaseException:
                 for target in written:  # files of items that never made it into the index
                     target.unlink(missing_ok=True)
                 raise
-            self.index.save()
+            with _storage(f"items {ids} were stored and are searchable, but the index files were not saved"):
+                self.index.save()
             self._index_stamp = self._read_index_stamp()  # our own write: nothing to reload
         return [self.item(item_id) for item_id in ids]
 
@@ -475,10 +475,28 @@ class SearchService:
         """Remove an item from the index (its gallery file stays on disk) and save the index."""
         with self.lock.write():
             item = self._find(item_id)
-            self.index.remove([item_id])
-            self.index.save()
+            with _storage("nothing was removed"):
+                self.index.remove([item_id])
+            with _storage(f"item {item_id} was removed, but the index files were not saved"):
+                self.index.save()
             self._index_stamp = self._read_index_stamp()
         return item
+
+    def _label_folder(self, root: Path, label: str | None, position: int) -> str | None:
+        """The label (NFC) once it is a safe folder name of its own under ``root``; else InvalidItemError."""
+        if label is None:
+            return None
+        try:
+            label = check_label(label)
+        except InvalidLabelError as err:
+            raise InvalidItemError(f"image {position}: {err}") from None
+        folder = root / label
+        # A symlinked folder could lead anywhere; a file (LICENSES.md) cannot hold images.
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            raise InvalidItemError(f"image {position}: label {label!r} names a file in the gallery folder")
+        if self.index.directory.resolve().is_relative_to(folder.resolve()):
+            raise InvalidItemError(f"image {position}: label {label!r} names the index's own folder")
+        return label
 
     def _gallery_root(self) -> Path:
         root = self.index.manifest.gallery_root

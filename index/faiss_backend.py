@@ -8,6 +8,7 @@ FAISS index back in line with the store (adding or removing the difference), so 
 from __future__ import annotations
 
 import logging
+import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -47,11 +48,28 @@ class FaissBackend:
     @classmethod
     def open(cls, directory: Path, manifest: Manifest) -> FaissBackend:
         """Open memory-mapped; reconcile the FAISS index with the store if a crash left them apart."""
-        store = ItemStore(directory, manifest.dim)
+        items = directory / ItemStore.FILE_NAME
+        if manifest.count and (not items.exists() or items.stat().st_size == 0):
+            # SQLite would start an empty store, and reconciling would then empty the index too.
+            raise ValueError(
+                f"{items} is missing or empty but the manifest records {manifest.count} items: restore it "
+                "from a backup or rebuild the index with dmlsearch build-index"
+            )
+        try:
+            store = ItemStore(directory, manifest.dim)
+        except sqlite3.DatabaseError as err:
+            raise ValueError(f"{items} cannot be read (truncated or corrupt?): {err}") from err
         index = None
         if manifest.index_spec is not None and (directory / cls.FILE_NAME).exists():
             spec = IndexSpec(manifest.index_type, manifest.index_spec, manifest.dim)
-            index = FaissIndex.load(directory / cls.FILE_NAME, spec, mmap=True)
+            try:
+                index = FaissIndex.load(directory / cls.FILE_NAME, spec, mmap=True)
+            except RuntimeError as err:  # faiss reports a short or garbled file as RuntimeError
+                store.close()
+                raise ValueError(
+                    f"{directory / cls.FILE_NAME} cannot be read (truncated or corrupt?): delete it and run "
+                    f"dmlsearch build-index, which rebuilds it from items.sqlite ({err})"
+                ) from err
             if manifest.search_params:
                 index.set_search_params(manifest.search_params)
         backend = cls(directory, manifest, store, index)

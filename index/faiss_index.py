@@ -244,7 +244,10 @@ class FaissIndex:
     def save(self, path: Path) -> None:
         faiss = faiss_module()
         with atomic_path(path) as temporary:
-            faiss.write_index(self.index, str(temporary))
+            try:
+                faiss.write_index(self.index, str(temporary))
+            except RuntimeError as err:  # faiss reports a full disk or a failed write as RuntimeError
+                raise OSError(f"could not write {path.name}: {err}") from err
 
     @classmethod
     def load(cls, path: Path, spec: IndexSpec, *, mmap: bool = True) -> FaissIndex:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from index.atomic import remove_abandoned
 from index.faiss_backend import FaissBackend
 from index.filters import ItemFilter
 from index.items import now_utc
@@ -96,6 +97,7 @@ class GalleryIndex:
         ``backend``: refuse an index of another backend; ``milvus_uri``: reach its Milvus collection at
         another address than the one recorded when it was built.
         """
+        remove_abandoned(directory)  # before loading: a killed writer's half-written copies are litter
         manifest = Manifest.load(directory)
         if backend is not None and backend != manifest.backend:
             raise ValueError(f"{directory} is a {manifest.backend} index, not {backend}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -149,42 +150,105 @@ def index_digest(index: Path) -> dict[str, str]:
     return {name: hashlib.sha256((index / name).read_bytes()).hexdigest() for name in INDEX_FILES}
 
 
+# The fault suite's memory cap (``prlimit --as``): a served process's whole address space, mappings of
+# onnxruntime and FAISS included (an idle server maps ~0.9 GB of it).
+ADDRESS_SPACE_CAP = 2 * 1024**3
+
+
+@dataclass
+class ServerProcess:
+    url: str
+    process: subprocess.Popen
+    log: Path | None  # its stdout and stderr (uvicorn's access log among them), when asked for
+
+    def status(self, field: str) -> int:
+        """A ``/proc/PID/status`` figure in bytes (``VmRSS``, ``VmHWM``, ``VmSize``)."""
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+        raise KeyError(field)
+
+
+def start_server(
+    args: list[str],
+    env: dict[str, str] | None = None,
+    *,
+    address_space: int | None = None,
+    log: Path | None = None,
+    prefix: list[str] | None = None,
+) -> ServerProcess:
+    """``dmlsearch serve ARGS`` in a real uvicorn process on a free port (see :func:`uvicorn_server`).
+
+    ``address_space``: an ``RLIMIT_AS`` cap in bytes, what ``prlimit --as`` sets; ``prefix``: a command
+    the server runs under (``unshare ...``).
+    """
+    port = free_port()
+    command = [sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--threads", "1", *args]
+
+    def cap() -> None:
+        if address_space is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+    output = log.open("ab") if log is not None else None
+    process = subprocess.Popen(
+        [*(prefix or []), *command],
+        env={**os.environ, **(env or {})},
+        preexec_fn=cap,
+        stdout=output,
+        stderr=subprocess.STDOUT if output is not None else None,
+    )
+    if output is not None:
+        output.close()
+    return ServerProcess(f"http://127.0.0.1:{port}", process, log)
+
+
+def wait_for(server: ServerProcess, ready_path: str = "/readyz", timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert server.process.poll() is None, f"server exited with code {server.process.returncode}"
+        try:
+            if httpx.get(f"{server.url}{ready_path}", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{server.url}{ready_path} never answered 200"
+        time.sleep(0.2)
+
+
+@contextmanager
+def serving(
+    args: list[str], env: dict[str, str] | None = None, ready_path: str = "/readyz", **options: object
+) -> Iterator[ServerProcess]:
+    """A started server (:func:`start_server`) once ``ready_path`` answers 200; stopped afterwards."""
+    server = start_server(args, env, **options)
+    try:
+        wait_for(server, ready_path)
+        yield server
+    finally:
+        if server.process.poll() is None:
+            server.process.terminate()
+            server.process.wait(timeout=20)
+
+
 @contextmanager
 def uvicorn_server(
-    args: list[str], env: dict[str, str] | None = None, ready_path: str = "/readyz"
+    args: list[str], env: dict[str, str] | None = None, ready_path: str = "/readyz", **options: object
 ) -> Iterator[str]:
     """``dmlsearch serve ARGS`` in a real uvicorn process on a free port; yields its base URL.
 
     Waits until ``ready_path`` answers 200 (``/healthz`` for servers that are meant not to be ready).
     """
-    with uvicorn_process(args, env, ready_path) as (base, _):
-        yield base
+    with serving(args, env, ready_path, **options) as server:
+        yield server.url
 
 
 @contextmanager
 def uvicorn_process(
-    args: list[str], env: dict[str, str] | None = None, ready_path: str = "/readyz"
+    args: list[str], env: dict[str, str] | None = None, ready_path: str = "/readyz", **options: object
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """:func:`uvicorn_server` that also yields the process (to send it signals)."""
-    port = free_port()
-    command = [sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--threads", "1", *args]
-    process = subprocess.Popen(command, env={**os.environ, **(env or {})})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, f"server exited with code {process.returncode}"
-            try:
-                if httpx.get(f"{base}{ready_path}", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"{base}{ready_path} never answered 200"
-            time.sleep(0.2)
-        yield base, process
-    finally:
-        process.terminate()
-        process.wait(timeout=20)
+    with serving(args, env, ready_path, **options) as server:
+        yield server.url, server.process
 
 
 def tiny_train_config(data: Path, cache: Path, **overrides: object) -> TrainConfig:

@@ -6,8 +6,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse
+from starlette.concurrency import run_in_threadpool
 
-from app.deps import AppSettings, Compute, ItemId, Service, require_api_key
+from app.deps import INT64_MAX, AppSettings, Compute, ItemId, Service, require_api_key
 from app.schemas import AddedItemsOut, DeletedItemOut, ErrorOut, ItemOut, ItemPageOut, NewItemsJsonIn
 from app.uploads import read_uploads, request_body_spec
 from engine.search import NewItem
@@ -22,7 +23,7 @@ THUMBNAIL_CACHE = "public, max-age=86400"
 @router.get("/v1/items", response_model=ItemPageOut, responses=ERRORS)
 def list_items(
     service: Service,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=INT64_MAX, description="Skip this many items.")] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> ItemPageOut:
     """A page of indexed items in id order (to browse the gallery or pick a query item)."""
@@ -43,18 +44,22 @@ def item_image(item_id: ItemId, service: Service) -> FileResponse:
 
 
 @router.get("/v1/items/{item_id}/thumbnail", response_class=Response, responses=ERRORS)
-def item_thumbnail(
+async def item_thumbnail(
     item_id: ItemId,
     service: Service,
+    compute: Compute,
     size: Annotated[int, Query(ge=16, le=1024, description="Longest side in pixels.")] = 256,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
     """A JPEG thumbnail of the item's image (EXIF orientation applied)."""
-    etag = f'"{service.item(item_id).content_hash[:32]}-{size}"'
+    item = await run_in_threadpool(service.item, item_id)  # waits for a running write: not on the loop
+    etag = f'"{item.content_hash[:32]}-{size}"'
     headers = {"ETag": etag, "Cache-Control": THUMBNAIL_CACHE}
     if if_none_match == etag:
         return Response(status_code=304, headers=headers)
-    return Response(service.thumbnail(item_id, size), media_type="image/jpeg", headers=headers)
+    # Decoding a gallery image (up to the pixel limit) takes a compute slot like a query's does.
+    thumbnail, _ = await compute.run(service.thumbnail, item_id, size)
+    return Response(thumbnail, media_type="image/jpeg", headers=headers)
 
 
 @router.post(
