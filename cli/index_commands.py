@@ -109,7 +109,7 @@ def _print_build_summary(out: Path, report: BuildReport) -> None:
             err=True,
         )
     if report.skipped:
-        typer.secho(f"skipped {len(report.skipped)} unreadable files:", fg=typer.colors.YELLOW, err=True)
+        typer.secho(f"skipped {len(report.skipped)} files:", fg=typer.colors.YELLOW, err=True)
         for path, reason in report.skipped:
             typer.echo(f"  {path}: {reason}", err=True)
 

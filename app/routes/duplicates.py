@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from app.deps import Compute, Service
+from app.deps import INT64_MAX, Compute, Service
 from app.schemas import DuplicateGroupOut, DuplicateOut, DuplicatesOut, ErrorOut
 from index.duplicates import DEFAULT_THRESHOLD
 
@@ -21,7 +21,7 @@ async def duplicates(
     threshold: Annotated[
         float, Query(ge=-1.0, le=1.0, description="Cosine at or above which two images are duplicates.")
     ] = DEFAULT_THRESHOLD,
-    offset: Annotated[int, Query(ge=0, description="Skip this many groups.")] = 0,
+    offset: Annotated[int, Query(ge=0, le=INT64_MAX, description="Skip this many groups.")] = 0,
     limit: Annotated[int, Query(ge=1, le=100, description="Groups per page.")] = 20,
 ) -> DuplicatesOut:
     """Groups of near-duplicate images (connected by pairs with cosine >= threshold), largest first.

@@ -1,5 +1,6 @@
-"""Bad input and faults through a real uvicorn process: the right 4xx JSON error, never a 500, the server
-keeps answering and the index files stay byte-for-byte unchanged."""
+"""Bad input and faults through a real uvicorn process under the fault suite's memory cap (``prlimit --as``):
+the right 4xx JSON error, never a 500, the server keeps answering and the index files stay byte-for-byte
+unchanged."""
 
 from __future__ import annotations
 
@@ -15,7 +16,15 @@ import numpy as np
 import pytest
 from PIL import Image, features
 
-from tests.helpers import API_KEY, Served, image_bytes, index_digest, make_image, uvicorn_server
+from tests.helpers import (
+    ADDRESS_SPACE_CAP,
+    API_KEY,
+    Served,
+    image_bytes,
+    index_digest,
+    make_image,
+    uvicorn_server,
+)
 
 MAX_UPLOAD = 400_000
 MAX_REQUEST = 1_000_000
@@ -41,7 +50,7 @@ def server(served_module: Served) -> Iterator[tuple[str, Served]]:
         "DMLSEARCH_MAX_REQUEST_BYTES": str(MAX_REQUEST),
         "DMLSEARCH_MAX_BATCH": str(MAX_BATCH),
     }
-    with uvicorn_server(args, env) as url:
+    with uvicorn_server(args, env, address_space=ADDRESS_SPACE_CAP) as url:
         yield url, served
 
 
@@ -216,8 +225,13 @@ def test_batch_errors_name_the_bad_image(server: tuple[str, Served]) -> None:
     files = [("images", ("good.jpg", jpeg())), ("images", ("bad.jpg", b"garbage bytes"))]
     error = assert_error(httpx.post(f"{url}/v1/search/batch", files=files, timeout=30), 400, "not_an_image")
     assert error["message"].startswith("image 1:")
-    many = [("images", (f"{i}.jpg", jpeg())) for i in range(MAX_BATCH + 1)]
+    add = httpx.post(f"{url}/v1/items", files=files, headers={"X-API-Key": API_KEY}, timeout=30)
+    assert assert_error(add, 400, "not_an_image")["message"].startswith("image 1:")
+    # The count is checked before any image is read: garbage past the limit is "too many", not "bad".
+    many = [("images", (f"{i}.jpg", b"garbage bytes")) for i in range(MAX_BATCH + 1)]
     assert_error(httpx.post(f"{url}/v1/search/batch", files=many, timeout=30), 422, "too_many_images")
+    many_json = {"images": ["%%% not base64 %%%"] * (MAX_BATCH + 1)}
+    assert_error(httpx.post(f"{url}/v1/search/batch", json=many_json, timeout=30), 422, "too_many_images")
     assert_error(
         httpx.post(f"{url}/v1/search/batch", json={"images": []}, timeout=30), 422, "invalid_request"
     )
@@ -242,13 +256,44 @@ def test_over_size_request_body_is_refused(server: tuple[str, Served]) -> None:
 
 @pytest.mark.parametrize(
     "params",
-    [{"k": 0}, {"k": 1001}, {"k": "ten"}, {"offset": -1}, {"min_score": 1.5}, {"predict": "maybe"}],
+    [
+        {"k": 0},
+        {"k": 1001},
+        {"k": 2**63},
+        {"k": "ten"},
+        {"offset": -1},
+        {"offset": 2**64},
+        {"min_score": 1.5},
+        {"min_score": "nan"},
+        {"predict": "maybe"},
+    ],
 )
 def test_bad_query_parameters_are_422(server: tuple[str, Served], params: dict) -> None:
     url, _ = server
     search = httpx.post(f"{url}/v1/search", params=params, files={"image": ("q.jpg", jpeg())}, timeout=30)
     assert_error(search, 422, "invalid_request")
     assert_error(httpx.get(f"{url}/v1/items/3/similar", params=params, timeout=30), 422, "invalid_request")
+
+
+@pytest.mark.parametrize(
+    ("path", "params"),
+    [
+        ("/v1/items", {"offset": 2**63}),  # SQLite's integers are 64-bit: this was an OverflowError (500)
+        ("/v1/items", {"offset": 2**64}),
+        ("/v1/items", {"limit": 2**63}),
+        ("/v1/items/3/thumbnail", {"size": 2**63}),
+        ("/v1/duplicates", {"offset": 2**63}),
+    ],
+)
+def test_huge_integers_are_422(server: tuple[str, Served], path: str, params: dict) -> None:
+    url, _ = server
+    assert_error(httpx.get(f"{url}{path}", params=params, timeout=30), 422, "invalid_request")
+
+
+def test_the_last_possible_offset_is_an_empty_page(server: tuple[str, Served]) -> None:
+    url, _ = server
+    page = httpx.get(f"{url}/v1/items", params={"offset": 2**63 - 1}, timeout=30)
+    assert page.status_code == 200 and page.json()["items"] == []
 
 
 @pytest.mark.parametrize("suffix", ["", "/image", "/thumbnail", "/similar"])
@@ -284,7 +329,22 @@ def test_writes_need_the_right_key_and_a_safe_label(server: tuple[str, Served]) 
     assert_error(httpx.delete(f"{url}/v1/items/3", timeout=30), 401, "missing_api_key")
     key = {"X-API-Key": API_KEY}
     assert_error(httpx.delete(f"{url}/v1/items/999999", headers=key, timeout=30), 404, "item_not_found")
-    for label in ("../escape", "a/b", ".hidden", "..", "x" * 101):
+    bad_labels = (
+        "../escape",
+        "a/b",
+        ".hidden",
+        "..",
+        "x" * 101,
+        "\U0001d538" * 100,  # 100 characters, 400 bytes: over a file name's 255 (was a 500)
+        "LICENSES.md",  # a file in the gallery root (was a 500: FileExistsError)
+        "\u202eevil",  # right-to-left override
+        "a\u200bb",  # zero-width space
+        " ",
+        " padded",
+        "%2F",
+        "tab\there",
+    )
+    for label in bad_labels:
         response = httpx.post(f"{url}/v1/items", files=files, data={"label": label}, headers=key, timeout=30)
         assert_error(response, 422, "invalid_item")
     mismatched = {"images": ["AAAA", "AAAA"], "labels": ["a", "b", "c"]}

@@ -1,0 +1,333 @@
+"""The fault suite: a real uvicorn process under a 2 GB address-space cap (``prlimit --as``) survives
+extreme images, oversized batches, running out of memory, full and read-only storage, ``kill -9`` during
+writes, a truncated index and spoofed headers; its log holds no secrets. (Bad input of every other kind:
+test_bad_input.py, on a capped server too; concurrent writes: test_writes.py.)"""
+
+from __future__ import annotations
+
+import functools
+import os
+import resource
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+
+from index.gallery import GalleryIndex
+from tests.helpers import (
+    ADDRESS_SPACE_CAP,
+    API_KEY,
+    Served,
+    ServerProcess,
+    image_bytes,
+    make_image,
+    serving,
+    wait_until,
+    write_labelled_folder,
+)
+
+KEY = {"X-API-Key": API_KEY}
+LABEL = {"label": "kill"}
+MB = 1024**2
+# Memory a request may add to the server's peak. The largest allowed image (50 MP) peaks at ~0.25-0.6 GB
+# depending on its pixel mode (README, "Memory"); the extreme aspect ratios below took 5-20 GB before.
+BIG_IMAGE_BUDGET = 700 * MB
+SMALL_REQUEST_BUDGET = 150 * MB
+
+
+def png(width: int, height: int, mode: str = "L") -> bytes:
+    """A blank PNG: a few hundred bytes to a few hundred KB that decode to ``width x height`` pixels."""
+    return image_bytes(Image.new(mode, (width, height)), "PNG")
+
+
+@functools.cache
+def big_png(mode: str = "L") -> bytes:
+    return png(7000, 7000, mode)  # 49 MP, under the default limit of 50 MP
+
+
+def served_args(served: Served, *extra: str) -> list[str]:
+    return ["--index", str(served.index), "--model", str(served.model), *extra]
+
+
+@pytest.fixture(scope="module")
+def capped(served_module: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server with default limits, writes enabled and its output in a log file, under the 2 GB cap."""
+    log = tmp_path_factory.mktemp("capped") / "server.log"
+    env = {"DMLSEARCH_API_KEY": API_KEY}
+    args = served_args(served_module, "--rate-limit", "0")
+    with serving(args, env, address_space=ADDRESS_SPACE_CAP, log=log) as server:
+        yield server
+
+
+def search(server: ServerProcess, data: bytes, **params: object) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/search", params=params, files={"image": ("q", data)}, timeout=120)
+
+
+def reset_peak(server: ServerProcess) -> int:
+    """Reset the server's peak RSS (``VmHWM``) to its current RSS, and return that."""
+    Path(f"/proc/{server.process.pid}/clear_refs").write_text("5")
+    return server.status("VmRSS")
+
+
+def assert_alive(server: ServerProcess) -> None:
+    assert server.process.poll() is None, "the server died"
+    assert httpx.get(f"{server.url}/readyz", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("size", [(1, 100_000), (100_000, 1), (2, 20_000)])
+def test_extreme_aspect_ratios_are_searched_in_bounded_memory(
+    capped: ServerProcess, size: tuple[int, int]
+) -> None:
+    """Before: 1x100000 became a ~5-gigapixel resize (500 under a cap, the machine's memory without one);
+    2x20000 took 9.6 s and 4.3 GB. Now only the crop's region is resized, straight to the model input."""
+    assert search(capped, png(1, 1)).status_code == 200
+    before = reset_peak(capped)
+    response = search(capped, png(*size), k=3)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["results"]) == 3
+    assert capped.status("VmHWM") - before < SMALL_REQUEST_BUDGET
+    assert_alive(capped)
+
+
+def test_an_extreme_image_can_be_added(capped: ServerProcess) -> None:
+    response = httpx.post(
+        f"{capped.url}/v1/items", files={"images": ("tall.png", png(1, 100_000))}, headers=KEY, timeout=60
+    )
+    assert response.status_code == 201, response.text
+    item = response.json()["items"][0]
+    assert httpx.get(f"{capped.url}/v1/items/{item['id']}/thumbnail", timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("mode", ["L", "RGBA"])
+def test_the_largest_allowed_image_fits_the_budget(capped: ServerProcess, mode: str) -> None:
+    data = big_png(mode)
+    before = reset_peak(capped)
+    response = search(capped, data, k=1)
+    assert response.status_code == 200, response.text
+    assert capped.status("VmHWM") - before < BIG_IMAGE_BUDGET
+    # Freed blocks go back to the system (before: 192 MB -> 2.0 GB after big batches, and it stayed).
+    assert capped.status("VmRSS") - before < 50 * MB
+
+
+def test_a_batch_over_the_pixel_budget_is_refused_before_decoding(capped: ServerProcess) -> None:
+    """Before: 8 blank 49-MP PNGs took 6.3 s and 1.9 GB; 32 of them a 400 blaming the client."""
+    before = reset_peak(capped)
+    files = [("images", (f"{i}.png", big_png())) for i in range(8)]
+    response = httpx.post(f"{capped.url}/v1/search/batch", files=files, timeout=120)
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["code"] == "batch_too_large"
+    assert capped.status("VmHWM") - before < SMALL_REQUEST_BUDGET  # nothing was decoded
+    small = [("images", (f"{i}.png", image_bytes(make_image(i)))) for i in range(20)]
+    response = httpx.post(f"{capped.url}/v1/search/batch", params={"k": 2}, files=small, timeout=120)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["queries"]) == 20
+    assert_alive(capped)
+
+
+def test_running_out_of_memory_is_a_503_and_the_memory_comes_back(capped: ServerProcess) -> None:
+    """The cap is lowered to 150 MB above what the process maps, so that decoding a 49-MP RGBA image (a
+    few hundred MB) fails wherever it does: the answer is 503 with Retry-After, not a 400 blaming the image
+    or a 500, and the server goes on."""
+    pid = capped.process.pid
+    # Worker threads exist before the cap drops (starting a thread maps its stack).
+    with httpx.Client(timeout=60) as http:
+        threads = [
+            threading.Thread(target=search, args=(capped, image_bytes(make_image(i)))) for i in range(4)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        rss_before = capped.status("VmRSS")
+        soft, hard = resource.prlimit(pid, resource.RLIMIT_AS)
+        resource.prlimit(pid, resource.RLIMIT_AS, (capped.status("VmSize") + 150 * MB, hard))
+        try:
+            response = http.post(f"{capped.url}/v1/search", files={"image": ("big.png", big_png("RGBA"))})
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_AS, (soft, hard))
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "out_of_memory"
+    assert int(response.headers["Retry-After"]) >= 1
+    assert capped.status("VmRSS") - rss_before < 50 * MB
+    wait_until(lambda: "out of memory on POST /v1/search" in capped.log.read_text(), 10, "the logged reason")
+    assert search(capped, image_bytes(make_image(3))).status_code == 200
+
+
+def test_a_key_in_the_query_string_is_not_logged(capped: ServerProcess) -> None:
+    secret = "leaked-key-0123456789"
+    response = httpx.get(f"{capped.url}/v1/stats", params={"api_key": secret, "k": 5}, timeout=10)
+    assert response.status_code == 200
+    redacted = "/v1/stats?api_key=REDACTED&k=REDACTED"
+    wait_until(lambda: redacted in capped.log.read_text(), 10, "the access log")
+    assert secret not in capped.log.read_text()
+
+
+def test_a_full_disk_refuses_writes_and_searches_go_on(capped: ServerProcess, served_module: Served) -> None:
+    """``RLIMIT_FSIZE`` at items.sqlite's size stands in for a full disk (writes past it fail, EFBIG)."""
+    pid = capped.process.pid
+    count = httpx.get(f"{capped.url}/v1/stats", timeout=10).json()["count"]
+    gallery_before = sorted(served_module.gallery.rglob("*"))
+    limit = (served_module.index / "items.sqlite").stat().st_size
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        files = {"images": ("new.png", image_bytes(make_image(77, size=(300, 200))))}
+        added = httpx.post(f"{capped.url}/v1/items", files=files, headers=KEY, timeout=60)
+        found = search(capped, image_bytes(make_image(5)), k=3)
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
+    assert added.status_code == 503, added.text
+    assert added.json()["error"]["code"] == "storage_unavailable"
+    assert "nothing was added" in added.json()["error"]["message"]
+    assert found.status_code == 200
+    assert httpx.get(f"{capped.url}/v1/stats", timeout=10).json()["count"] == count
+    assert sorted(served_module.gallery.rglob("*")) == gallery_before  # the stored file was taken back
+
+
+def read_only_prefix(path: Path) -> list[str]:
+    """A command prefix that runs a process with ``path`` mounted read-only in its own mount namespace."""
+    script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" "$0" && exec "$@"'
+    prefix = ["unshare", "--mount", "sh", "-c", script, str(path)]
+    if shutil.which("unshare") is None or subprocess.run([*prefix, "true"], capture_output=True).returncode:
+        pytest.skip("needs unshare --mount (CAP_SYS_ADMIN) to mount a read-only index folder")
+    return prefix
+
+
+def test_a_read_only_index_refuses_writes_and_searches_go_on(served: Served) -> None:
+    prefix = read_only_prefix(served.index)
+    gallery_before = sorted(served.gallery.rglob("*"))
+    with serving(served_args(served), {"DMLSEARCH_API_KEY": API_KEY}, prefix=prefix) as server:
+        files = {"images": ("new.png", image_bytes(make_image(78)))}
+        added = httpx.post(f"{server.url}/v1/items", files=files, headers=KEY, timeout=60)
+        deleted = httpx.delete(f"{server.url}/v1/items/3", headers=KEY, timeout=60)
+        found = search(server, image_bytes(make_image(5)), k=3)
+        count = httpx.get(f"{server.url}/v1/stats", timeout=10).json()["count"]
+    for response in (added, deleted):
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "storage_unavailable"
+        assert "readonly database" in response.json()["error"]["message"]
+    assert found.status_code == 200 and len(found.json()["results"]) == 3
+    assert count == 78
+    assert sorted(served.gallery.rglob("*")) == gallery_before  # the stored file was taken back
+
+
+def test_a_truncated_index_is_not_ready_with_the_reason_and_forwarded_headers_are_not_believed(
+    served: Served,
+) -> None:
+    """The process stays up (no crash loop) and says why; and rate limiting goes by the real address even
+    when every request claims another one in X-Forwarded-For (before: 150 requests, 150 x 200)."""
+    vectors = served.index / "vectors.faiss"
+    vectors.write_bytes(vectors.read_bytes()[: vectors.stat().st_size // 2])
+    args = served_args(served, "--rate-limit", "1", "--rate-burst", "3")
+    with serving(args, ready_path="/healthz", address_space=ADDRESS_SPACE_CAP) as server:
+        ready = httpx.get(f"{server.url}/readyz", timeout=10)
+        assert ready.status_code == 503
+        assert "vectors.faiss cannot be read (truncated or corrupt?)" in ready.json()["error"]["message"]
+        spoofed = [{"X-Forwarded-For": f"10.0.0.{i}"} for i in range(8)]
+        statuses = [httpx.get(f"{server.url}/v1/stats", headers=h, timeout=10).status_code for h in spoofed]
+        assert statuses[:3] == [503] * 3 and set(statuses[3:]) == {429}
+        assert server.process.poll() is None
+
+
+def add_until_killed(server: ServerProcess, acknowledged: list[dict], stop: threading.Event) -> None:
+    seed = 1000
+    with httpx.Client(timeout=60) as http:
+        while not stop.is_set():
+            files = {"images": (f"{seed}.png", image_bytes(make_image(seed)))}
+            try:
+                response = http.post(f"{server.url}/v1/items", files=files, data=LABEL, headers=KEY)
+            except httpx.HTTPError:
+                return  # the server was killed mid-request: not acknowledged
+            if response.status_code == 201:
+                acknowledged.extend(response.json()["items"])
+            seed += 1
+
+
+def litter(served: Served) -> list[Path]:
+    folders = [served.index, served.gallery, *(p for p in served.gallery.iterdir() if p.is_dir())]
+    return [path for folder in folders for path in folder.glob(".*.tmp")]
+
+
+def test_kill_9_during_adds_loses_nothing_acknowledged_and_leaves_no_litter(
+    served: Served, tmp_path: Path
+) -> None:
+    env = {"DMLSEARCH_API_KEY": API_KEY}
+    acknowledged: list[dict] = []
+    with serving(served_args(served), env, address_space=ADDRESS_SPACE_CAP) as server:
+        stop = threading.Event()
+        writer = threading.Thread(target=add_until_killed, args=(server, acknowledged, stop))
+        writer.start()
+        wait_until(lambda: len(acknowledged) >= 4, 120, "four acknowledged adds")
+        os.kill(server.process.pid, signal.SIGKILL)
+        stop.set()
+        writer.join()
+    # What a writer killed in the middle of an atomic write leaves (unlocked temporary files).
+    planted = [served.index / ".vectors.faiss.abcd1234.tmp", served.gallery / "kill" / ".0.png.abcd1234.tmp"]
+    for path in planted:
+        path.write_bytes(b"half a file")
+    log = tmp_path / "restarted.log"
+    with serving(served_args(served), env, address_space=ADDRESS_SPACE_CAP, log=log) as server:
+        for item in acknowledged:
+            response = httpx.get(f"{server.url}/v1/items/{item['id']}", timeout=10)
+            assert response.status_code == 200 and response.json()["path"] == item["path"]
+        count = httpx.get(f"{server.url}/v1/stats", timeout=10).json()["count"]
+        # The add in flight when the server was killed may have committed too (unacknowledged).
+        assert count - 78 in (len(acknowledged), len(acknowledged) + 1)
+    assert litter(served) == []
+    assert "left by interrupted writes" in log.read_text()
+    reopened = GalleryIndex.open(served.index)
+    assert len(reopened) == len(reopened.items) == count
+    reopened.close()
+
+
+def test_kill_9_during_build_index_then_resume(tmp_path: Path, exported_model: Path) -> None:
+    gallery = write_labelled_folder(tmp_path / "gallery", classes=4, per_class=5)
+    out = tmp_path / "index"
+    command = [sys.executable, "-m", "cli.main", "build-index", str(gallery), "--model", str(exported_model)]
+    command += ["--out", str(out), "--batch-size", "4", "--no-progress"]
+
+    def committed() -> int:
+        try:
+            with sqlite3.connect(f"file:{out / 'items.sqlite'}?mode=ro", uri=True, timeout=1) as db:
+                return db.execute("SELECT COUNT(*) FROM items").fetchone()[0]
+        except sqlite3.Error:
+            return 0
+
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_until(lambda: committed() >= 8 or process.poll() is not None, 120, "two committed batches")
+    process.kill()
+    process.wait()
+    kept = committed()
+    assert kept >= 8
+    (out / ".vectors.faiss.abcd1234.tmp").write_bytes(b"half a file")
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr
+    assert f"{kept} unchanged" in finished.stdout  # the committed batches were kept, not embedded again
+    assert "left by interrupted writes" in finished.stderr
+    assert list(out.glob(".*.tmp")) == []
+    index = GalleryIndex.open(out)
+    assert len(index) == len(index.items) == 20
+    index.close()
+
+
+def test_build_index_skips_links_out_of_the_gallery(tmp_path: Path, exported_model: Path) -> None:
+    gallery = write_labelled_folder(tmp_path / "gallery", classes=2, per_class=2)
+    outside = tmp_path / "private.png"
+    outside.write_bytes(image_bytes(make_image(5)))
+    (gallery / "class_00" / "link.png").symlink_to(outside)
+    command = [sys.executable, "-m", "cli.main", "build-index", str(gallery), "--model", str(exported_model)]
+    result = subprocess.run([*command, "--out", str(tmp_path / "index")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "class_00/link.png" in result.stdout + result.stderr
+    index = GalleryIndex.open(tmp_path / "index")
+    assert len(index) == 4
+    assert all(item.path != "class_00/link.png" for item in index.items.scan())
+    index.close()
