@@ -8,8 +8,8 @@ import re
 ACCESS_LOGGER = "uvicorn.access"
 REDACTED = "REDACTED"
 # Parameter names are kept when they look like names (k, offset, api_key), so the log still says what
-# was asked; anything else in a query (a bare token) is redacted whole.
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-\[\]]{0,40}$")
+# was asked; anything else in a query (a bare token, a name that could be one) is redacted whole.
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,31}$")
 
 
 def redact_query(target: str) -> str:
@@ -19,8 +19,8 @@ def redact_query(target: str) -> str:
         return target
     parts = []
     for part in query.split("&"):
-        name = part.split("=", 1)[0]
-        parts.append(f"{name}={REDACTED}" if _NAME.match(name) else REDACTED)
+        name, has_value, _ = part.partition("=")
+        parts.append(f"{name}={REDACTED}" if has_value and _NAME.match(name) else REDACTED)
     return f"{path}?{'&'.join(parts)}"
 
 

@@ -40,6 +40,24 @@ async def _poll_index(app: FastAPI, seconds: float) -> None:
             log.warning("index not reloaded: %s", err)
 
 
+API_DESCRIPTION = """\
+**Memory budget per request**, checked before any pixel is decoded: at most `max_image_pixels` per image
+(50 MP by default) and `max_batch_pixels` per request in all (100 MP; read from the image headers, JPEGs
+at the size they are decoded at): 413 `image_too_large` / `batch_too_large`. The image count is checked
+before any image is read (422 `too_many_images`).
+
+**Extreme aspect ratios are accepted with a bounded resize**: only the region the centre crop keeps is
+resampled, straight to the model input (224x224), so no image is ever upscaled beyond it whatever its
+shape (a 1x100000 PNG costs what a small photo does).
+
+Worst case measured (`bench/request_memory.py`, a server under a 2 GB address-space cap): ~0.43 GB over the
+idle process per request (a 49-MP image with transparency), so per process the idle RSS (~0.3 GB) plus
+`compute_slots` x 0.43 GB plus the request bodies being received. Running out of memory anywhere is 503
+`out_of_memory` with `Retry-After`; a read-only or full index folder makes writes 503
+`storage_unavailable`, searches go on.
+"""
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The API over one model and one index, both loaded once at start-up and shared by all requests."""
     settings = settings or Settings()
@@ -63,6 +81,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="dmlsearch",
         version="0.1.0",
         summary="Image search with deep-metric-learning embeddings.",
+        description=API_DESCRIPTION,
         lifespan=lifespan,
     )
     app.state.settings = settings

@@ -169,10 +169,10 @@ def test_a_query_in_flight_finishes_on_the_old_engine(
     entered, release = threading.Event(), threading.Event()
     embed = old_service.embedder.embed_tensor
 
-    def slow_embed(batch: object) -> object:
+    def slow_embed(batch: object, **options: object) -> object:
         entered.set()
         assert release.wait(30)
-        return embed(batch)
+        return embed(batch, **options)
 
     old_service.embedder.embed_tensor = slow_embed
     answers: list[httpx.Response] = []

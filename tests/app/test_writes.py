@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from index.gallery import GalleryIndex
-from tests.helpers import API_KEY, Served, image_bytes, make_image, uvicorn_server
+from tests.helpers import ADDRESS_SPACE_CAP, API_KEY, Served, image_bytes, make_image, uvicorn_server
 
 KEY = {"X-API-Key": API_KEY}
 
@@ -93,7 +93,11 @@ def test_concurrent_writes_and_searches_on_a_real_server(served: Served) -> None
     """Searches keep answering while items are added and removed; the saved index ends consistent."""
     args = ["--index", str(served.index), "--model", str(served.model), "--rate-limit", "0"]
     query = (served.gallery / "coffee/01_crop.jpg").read_bytes()
-    with uvicorn_server(args, {"DMLSEARCH_API_KEY": API_KEY}) as url, httpx.Client(timeout=60) as http:
+    env = {"DMLSEARCH_API_KEY": API_KEY}
+    with (
+        uvicorn_server(args, env, address_space=ADDRESS_SPACE_CAP) as url,
+        httpx.Client(timeout=60) as http,
+    ):
 
         def search(_: int) -> int:
             return http.post(
@@ -114,7 +118,23 @@ def test_concurrent_writes_and_searches_on_a_real_server(served: Served) -> None
             statuses = (list(searches), list(adds), list(deletes))
         assert statuses == ([200] * 24, [201] * 6, [200] * 4)
         assert http.get(f"{url}/v1/stats").json()["count"] == 78 + 6 - 4
+        # No answer names a deleted item any more.
+        for item_id in range(10, 14):
+            assert http.get(f"{url}/v1/items/{item_id}").status_code == 404
+        results = http.post(f"{url}/v1/search", params={"k": 100}, files={"image": ("q.jpg", query)})
+        assert not {r["id"] for r in results.json()["results"]} & set(range(10, 14))
     reopened = GalleryIndex.open(served.index)
-    assert len(reopened) == reopened.manifest.count == 80
+    # The database, the vectors and the manifest agree.
+    assert len(reopened) == len(reopened.items) == reopened.manifest.count == 80
     assert sum(1 for i in range(1, 200) if (item := reopened.items.get(i)) and item.label == "added") == 6
     reopened.close()
+
+
+def test_labels_are_stored_in_nfc(make_client: Callable[..., TestClient], served: Served) -> None:
+    client = make_client(api_key=API_KEY)
+    files = {"images": ("a.png", image_bytes(make_image(45)))}
+    response = client.post("/v1/items", files=files, data={"label": "cafe\u0301"}, headers=KEY)
+    assert response.status_code == 201, response.text
+    (item,) = response.json()["items"]
+    assert item["label"] == "caf\u00e9" and item["path"].startswith("caf\u00e9/")
+    assert (served.gallery / item["path"]).is_file()
