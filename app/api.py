@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,10 +19,11 @@ from app.memory import return_freed_blocks
 from app.metrics import Metrics
 from app.middleware import BodySizeLimitMiddleware, RateLimitMiddleware, RequestMetricsMiddleware
 from app.ratelimit import TokenBucketLimiter
-from app.reload import Reloader, reload_on_sighup
+from app.reload import Reloader, ReloadError, reload_on_sighup
 from app.routes import router
 from app.settings import Settings
 from app.state import EngineState
+from index.gallery import IndexMismatchError
 
 log = logging.getLogger("dmlsearch.app")
 
@@ -36,6 +38,9 @@ async def _poll_index(app: FastAPI, seconds: float) -> None:
         try:
             if await run_in_threadpool(service.reload_if_changed):
                 log.info("index reloaded: %d items", len(service.index))
+        except IndexMismatchError:  # rebuilt in place with another model: load it with the model it carries
+            with contextlib.suppress(ReloadError):  # the reloader logs why
+                await run_in_threadpool(app.state.reloader.reload, service.index.directory)
         except Exception as err:  # a save in progress or a bad index: keep serving the one loaded
             log.warning("index not reloaded: %s", err)
 

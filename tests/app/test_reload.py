@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 from app.api import create_app
 from app.settings import Settings
 from engine.embedder import Embedder
+from engine.indexing import build_index
 from engine.rebuild import rebuild_index
 from index.manifest import Manifest
 from tests.helpers import API_KEY, Served, image_bytes, make_image, uvicorn_process
@@ -39,8 +40,9 @@ def new_index(served_module: Served, small_model: Path, tmp_path_factory: pytest
 def client_for(tmp_path: Path) -> Iterator[Callable[..., TestClient]]:
     clients: list[TestClient] = []
 
-    def make(**settings: object) -> TestClient:
-        app = create_app(Settings(threads=1, rate_limit_per_second=0, index_poll_seconds=0, **settings))
+    def make(**overrides: object) -> TestClient:
+        settings = {"threads": 1, "rate_limit_per_second": 0, "index_poll_seconds": 0, **overrides}
+        app = create_app(Settings(**settings))
         client = TestClient(app, raise_server_exceptions=False)
         client.__enter__()
         clients.append(client)
@@ -159,6 +161,23 @@ def test_a_failed_reload_keeps_the_served_index_and_says_why(
         assert client.get("/readyz").status_code == 200, case
         assert client.get("/v1/stats").json()["model"]["fingerprint"] == old, case
         assert _search(client) == old, case
+
+
+def test_an_index_rebuilt_in_place_with_another_model_is_reloaded_with_it(
+    served: Served, small_model: Path, client_for: Callable[..., TestClient]
+) -> None:
+    """build-index --model NEW into the served directory: the index poller switches model and index."""
+    client = client_for(index_path=served.index, index_poll_seconds=0.2)
+    old = _fingerprint(served.index)
+    assert _search(client) == old
+    build_index(served.gallery, Embedder(small_model, threads=1), served.index, progress=False)
+    new = _fingerprint(served.index)
+    assert new != old
+    deadline = time.monotonic() + 60
+    while client.get("/v1/stats").json()["model"]["fingerprint"] != new:
+        assert time.monotonic() < deadline, "the server kept the old model"
+        time.sleep(0.2)
+    assert _search(client) == new
 
 
 def test_a_query_in_flight_finishes_on_the_old_engine(
