@@ -17,7 +17,12 @@ from app.compute import ComputeSlots, default_slots
 from app.errors import install_error_handlers
 from app.memory import return_freed_blocks
 from app.metrics import Metrics
-from app.middleware import BodySizeLimitMiddleware, RateLimitMiddleware, RequestMetricsMiddleware
+from app.middleware import (
+    BodySizeLimitMiddleware,
+    RateLimitMiddleware,
+    RequestMetricsMiddleware,
+    UploadLimitMiddleware,
+)
 from app.ratelimit import TokenBucketLimiter
 from app.reload import Reloader, ReloadError, reload_on_sighup
 from app.routes import router
@@ -97,6 +102,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Starlette wraps each new middleware around the previous ones: the last added runs first. CORS is
     # outermost so that refusals (413, 429) carry CORS headers too and browsers can read them.
     app.add_middleware(BodySizeLimitMiddleware, limit=settings.max_request_bytes)
+    app.add_middleware(UploadLimitMiddleware, limit=settings.max_concurrent_uploads)
     if settings.rate_limit_per_second > 0:
         app.add_middleware(
             RateLimitMiddleware,

@@ -120,3 +120,17 @@ def install_error_handlers(app: FastAPI) -> None:
         # A bug, not bad input: log the traceback, tell the client only that it was our fault.
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=err)
         return error_response(500, "internal_error", "internal server error")
+
+
+# Seconds a client refused for load (too many connections or uploads) is told to wait before retrying.
+BUSY_RETRY_AFTER_S = 1
+
+
+def busy_response(what: str) -> JSONResponse:
+    """The 503 a client over a load cap gets: ``Retry-After`` and ``Connection: close``."""
+    return error_response(
+        503,
+        "busy",
+        f"too many {what}: retry after {BUSY_RETRY_AFTER_S} s",
+        headers={"Retry-After": str(BUSY_RETRY_AFTER_S), "Connection": "close"},
+    )

@@ -1,4 +1,4 @@
-"""ASGI middleware: request metrics, per-client rate limiting and the request-body size limit.
+"""ASGI middleware: request metrics, per-client rate limiting, the request-body size limit and the upload cap.
 
 Plain ASGI (not ``BaseHTTPMiddleware``) so that bodies stream through untouched and a refusal is sent
 before the body is read.
@@ -12,7 +12,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import ApiError, error_response
+from app.errors import ApiError, busy_response, error_response
 from app.metrics import Metrics
 from app.ratelimit import TokenBucketLimiter
 
@@ -130,3 +130,31 @@ class BodySizeLimitMiddleware:
             return message
 
         await self.app(scope, receive=limited_receive, send=send)
+
+
+class UploadLimitMiddleware:
+    """At most ``limit`` requests with a body in flight; more are answered 503 with ``Retry-After``.
+
+    Bodies are what a server buffers (up to ``max_request_bytes`` each), so this caps upload memory;
+    requests without a body are not counted.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.active = 0  # one event loop: no await between the check and the increment
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = dict(scope["headers"]) if scope["type"] == "http" else {}
+        has_body = headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
+        if not has_body:
+            await self.app(scope, receive, send)
+            return
+        if self.active >= self.limit:
+            await busy_response("uploads in progress")(scope, receive, send)
+            return
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1

@@ -72,6 +72,35 @@ class Settings(BaseSettings):
         20.0, ge=0, description="sustained requests per second per client on /v1 (0 disables limiting)"
     )
     rate_limit_burst: int = Field(100, ge=1, description="requests a client may make at once")
+    shutdown_grace_seconds: float = Field(
+        10.0,
+        ge=0,
+        description="on SIGTERM/SIGINT, requests in flight get this long to finish before their connections "
+        "are closed",
+    )
+    header_timeout_seconds: float = Field(
+        10.0, ge=0, description="close a connection whose request headers take longer (408; 0 = no limit)"
+    )
+    body_timeout_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="close an upload whose body pauses longer between chunks (408; 0 = no limit)",
+    )
+    keep_alive_seconds: int = Field(
+        15,
+        ge=1,
+        description="close idle keep-alive connections after this long (behind a proxy: longer than the "
+        "proxy's upstream idle timeout)",
+    )
+    max_connections: int = Field(
+        512, ge=0, description="open connections beyond this are answered 503 with Retry-After (0 = no cap)"
+    )
+    max_concurrent_uploads: int = Field(
+        8,
+        ge=1,
+        description="requests with a body received at once (each buffers up to max_request_bytes); more are "
+        "answered 503 with Retry-After",
+    )
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="origins allowed by CORS, comma-separated in the environment"
     )

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -43,16 +45,17 @@ def serve(
 
     Every field of app/settings.py is a flag (generated: see cli/settings_flags.py).
     """
-    import uvicorn
-
     from app.api import create_app
+    from app.server import run_server
 
     # Concurrency comes from parallel requests, so each FAISS search runs on one OpenMP thread: on a
     # busy CPU, OpenMP's per-call thread start-up made a 78-item flat search take ~30 ms instead of
     # ~0.1 ms. Must be set before FAISS loads; an explicit OMP_NUM_THREADS in the environment wins.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    uvicorn.run(
+    # SIGTERM and SIGINT alike: stop accepting, drain for shutdown_grace_seconds, exit 0 (app/server.py).
+    run_server(
         create_app(settings),
+        settings,
         host=host,
         port=port,
         # uvicorn's own default believes X-Forwarded-For from 127.0.0.1: any local process could then
@@ -88,7 +91,9 @@ def ui(
         "--client.toolbarMode",
         "minimal",  # no developer menu or "Deploy" button for people using the search page
     ]
-    raise typer.Exit(subprocess.call(command, env=env))
+    # Become Streamlit rather than wait for it: a signal for this process (demo stopping its children,
+    # a supervisor) then reaches the server itself instead of orphaning it.
+    os.execve(sys.executable, command, env)
 
 
 @commands.command("demo-gallery")
@@ -103,8 +108,6 @@ def demo_gallery(
 
 
 def _wait_until_ready(url: str, process: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    import time
-
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -141,25 +144,18 @@ def demo(
     if not serve_after:
         return
     cli = [sys.executable, "-m", "cli.main"]
-    api = subprocess.Popen(
-        [
-            *cli,
-            "serve",
-            "--index",
-            str(index_dir),  # the index carries its model
-            "--host",
-            host,
-            "--port",
-            str(api_port),
-        ]
-    )
+    serve_command = [*cli, "serve", "--index", str(index_dir), "--host", host, "--port", str(api_port)]
     api_url = f"http://{host}:{api_port}"
-    ui_process = None
+    children: list[subprocess.Popen] = []
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
+        api = subprocess.Popen(serve_command)  # the index carries its model
+        children.append(api)
         _wait_until_ready(f"{api_url}/readyz", api)
         ui_process = subprocess.Popen(
             [*cli, "ui", "--api-url", api_url, "--port", str(ui_port), "--host", host]
         )
+        children.append(ui_process)
         _wait_until_ready(f"http://{host}:{ui_port}/_stcore/health", ui_process)
         typer.secho(f"API: {api_url}  (OpenAPI docs at {api_url}/docs)", fg=typer.colors.GREEN)
         typer.secho(f"UI:  http://{host}:{ui_port}", fg=typer.colors.GREEN)
@@ -168,7 +164,25 @@ def demo(
     except KeyboardInterrupt:
         pass
     finally:
-        for process in (ui_process, api):
-            if process is not None and process.poll() is None:
-                process.terminate()
-                process.wait(timeout=10)
+        _stop_children(children[::-1])  # the UI first: it is the API's client
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM (systemd, docker stop, Kubernetes) stops the demo as Ctrl-C does
+
+
+def _stop_children(children: list[subprocess.Popen]) -> None:
+    """SIGTERM every child, give each its shutdown grace (plus start-up slack), then SIGKILL what is left."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the clean-up short
+        signal.signal(sig, signal.SIG_IGN)
+    for process in children:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + Settings().shutdown_grace_seconds + 10.0
+    for process in children:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            typer.echo(f"process {process.pid} did not stop in time: killing it", err=True)
+            process.kill()
+            process.wait()

@@ -1,0 +1,259 @@
+"""Fault suite, process half: signals, slow clients and connection caps against real uvicorn processes.
+
+Timeouts are set short through the settings, so every wait here is bounded by a few seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers import (
+    ADDRESS_SPACE_CAP,
+    Served,
+    ServerProcess,
+    free_port,
+    image_bytes,
+    make_image,
+    serving,
+    uvicorn_process,
+    wait_until,
+)
+
+MB = 1024**2
+# Short limits so that every cut happens within seconds (the defaults are 10 s, 30 s and 10 s).
+LIMITS = [
+    "--rate-limit",
+    "0",
+    "--header-timeout-seconds",
+    "2",
+    "--body-timeout-seconds",
+    "2",
+    "--max-connections",
+    "4",
+    "--max-concurrent-uploads",
+    "1",
+]
+
+
+def _serve_args(served: Served, *extra: str) -> list[str]:
+    return ["--index", str(served.index), "--model", str(served.model), *extra]
+
+
+def _search_request(base: str) -> tuple[bytes, bytes]:
+    """A real multipart search: its header block and its body, to send by hand at any pace."""
+    request = httpx.Request(
+        "POST", f"{base}/v1/search?k=3", files={"image": ("q.png", image_bytes(make_image(3)), "image/png")}
+    )
+    body = request.read()
+    port = base.rsplit(":", 1)[1]
+    head = f"POST /v1/search?k=3 HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+    head += f"Content-Type: {request.headers['content-type']}\r\nContent-Length: {len(body)}\r\n\r\n"
+    return head.encode(), body
+
+
+def _connect(base: str) -> socket.socket:
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=15)
+    return sock
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (bounded by the socket timeout)."""
+    chunks = []
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _port_closed(base: str) -> bool:
+    try:
+        _connect(base).close()
+    except OSError:
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def limited_server(served_module: Served) -> Iterator[ServerProcess]:
+    """A server with the short limits above, under the fault suite's 2 GB address-space cap."""
+    with serving(_serve_args(served_module, *LIMITS), address_space=ADDRESS_SPACE_CAP) as server:
+        yield server
+
+
+@pytest.fixture
+def limited(limited_server: ServerProcess) -> str:
+    return limited_server.url
+
+
+def test_sigterm_lets_an_in_flight_request_finish_then_exits_0(served: Served) -> None:
+    with uvicorn_process(_serve_args(served, "--shutdown-grace-seconds", "20")) as (base, process):
+        head, body = _search_request(base)
+        sock = _connect(base)
+        sock.sendall(head + body[: len(body) // 2])
+        time.sleep(0.5)  # the request is in flight: headers parsed, body half there
+        process.send_signal(signal.SIGTERM)
+        wait_until(lambda: _port_closed(base), 10, "the listening socket to close")
+        sock.sendall(body[len(body) // 2 :])
+        answer = _read_until_closed(sock)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        assert process.wait(timeout=20) == 0
+
+
+def test_sigterm_with_a_stalled_client_exits_0_after_the_grace(served: Served) -> None:
+    # No body timeout: only the shutdown grace can end the stalled upload.
+    args = _serve_args(served, "--shutdown-grace-seconds", "1", "--body-timeout-seconds", "0")
+    with uvicorn_process(args) as (base, process):
+        head, body = _search_request(base)
+        sock = _connect(base)
+        sock.sendall(head + body[:100])  # ... and never the rest
+        time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) == 0  # before: "Waiting for connections to close" for ever
+        assert _port_closed(base)
+
+
+def test_sigint_exits_0(served: Served) -> None:
+    with uvicorn_process(_serve_args(served)) as (base, process):
+        assert httpx.get(f"{base}/healthz", timeout=10).status_code == 200
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=20) == 0
+        assert _port_closed(base)
+
+
+def test_slowloris_headers_are_cut_within_the_header_timeout(limited: str) -> None:
+    sock = _connect(limited)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+    started = time.monotonic()
+    answer = b""
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        for i in range(100):  # one header line every 0.2 s: 20 s if nobody cuts it
+            sock.sendall(f"X-Drip-{i}: 1\r\n".encode())
+            time.sleep(0.2)
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                answer = sock.recv(65536)
+                break
+            sock.setblocking(True)
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert time.monotonic() - started < 10
+
+
+def test_a_stalled_upload_gets_408_and_is_closed(limited: str) -> None:
+    head, body = _search_request(limited)
+    sock = _connect(limited)
+    sock.sendall(head + body[: len(body) // 2])
+    started = time.monotonic()
+    answer = _read_until_closed(sock)  # the server closes it: nothing is held for this client
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"request_timeout" in answer
+    assert time.monotonic() - started < 10
+
+
+def test_a_stalled_large_upload_releases_its_memory(limited_server: ServerProcess) -> None:
+    # Before: 8 stalled uploads held +127 MB (multipart) and +321 MB (JSON) for over a minute.
+    port = limited_server.url.rsplit(":", 1)[1]
+    declared = 60 * MB
+    head = (
+        f"POST /v1/search HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {declared}\r\n\r\n"
+    ).encode()
+    before = limited_server.status("VmRSS")
+    sock = _connect(limited_server.url)
+    sock.sendall(head + b'{"image": "' + b"A" * (40 * MB))  # two thirds of a base64 image, then silence
+    holding = limited_server.status("VmRSS")
+    assert _read_until_closed(sock).startswith(b"HTTP/1.1 408")
+    wait_until(lambda: limited_server.status("VmRSS") < before + 20 * MB, 10, "the stalled body to be freed")
+    assert holding > before  # the body was buffered while it arrived, so the release is a real one
+
+
+def test_connections_over_the_cap_get_503_with_retry_after(limited: str) -> None:
+    idle = [_connect(limited) for _ in range(4)]
+    try:
+        time.sleep(0.2)
+        answer = httpx.get(f"{limited}/healthz", timeout=10)
+        assert answer.status_code == 503
+        assert answer.headers["retry-after"] == "1"
+        assert answer.json()["error"]["code"] == "busy"
+    finally:
+        for sock in idle:
+            sock.close()
+    wait_until(lambda: httpx.get(f"{limited}/healthz", timeout=10).status_code == 200, 10, "room again")
+
+
+def test_uploads_over_the_cap_get_503_with_retry_after(limited: str) -> None:
+    head, body = _search_request(limited)
+    stalled = _connect(limited)
+    stalled.sendall(head + body[:100])  # holds the one upload slot until the body timeout
+    try:
+        time.sleep(0.3)
+        files = {"image": ("q.png", image_bytes(make_image(4)), "image/png")}
+        answer = httpx.post(f"{limited}/v1/search", files=files, timeout=10)
+        assert answer.status_code == 503
+        assert answer.headers["retry-after"] == "1"
+        assert httpx.get(f"{limited}/v1/stats", timeout=10).status_code == 200  # no body: not an upload
+        assert _read_until_closed(stalled).startswith(b"HTTP/1.1 408")
+        answer = httpx.post(f"{limited}/v1/search", files=files, timeout=30)
+        assert answer.status_code == 200
+    finally:
+        stalled.close()
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_sigterm_of_demo_stops_the_api_and_the_ui_and_exits_0(
+    tmp_path: Path, demo_gallery: Path, exported_model: Path
+) -> None:
+    workdir = tmp_path / "artifacts"
+    (workdir / "gallery").mkdir(parents=True)
+    for path in sorted(demo_gallery.rglob("*.jpg"))[:4]:  # a few photos: the build is not what is tested
+        (workdir / "gallery" / path.name).write_bytes(path.read_bytes())
+    api_port, ui_port = free_port(), free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "cli.main",
+        "demo",
+        "--workdir",
+        str(workdir),
+        "--api-port",
+        str(api_port),
+        "--ui-port",
+        str(ui_port),
+    ]
+    demo = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in demo.stdout:  # bounded: the demo fails on its own if a child does not come up
+            if line.startswith("UI:"):
+                break
+        assert _listening(api_port) and _listening(ui_port)
+        children = subprocess.run(
+            ["pgrep", "-P", str(demo.pid)], capture_output=True, text=True, check=False
+        ).stdout.split()
+        assert len(children) == 2
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(timeout=40) == 0
+        for pid in children:  # before: both kept running with their ports answering
+            assert not Path(f"/proc/{pid}").exists() or _zombie(pid)
+        assert not _listening(api_port) and not _listening(ui_port)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+
+
+def _zombie(pid: str) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
