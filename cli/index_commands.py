@@ -144,27 +144,32 @@ def build_index(
     """Embed the images under GALLERY into an index; re-running embeds only new or changed files."""
     from engine.embedder import Embedder
     from engine.indexing import build_index as run_build
+    from engine.stopping import StopRequested, stop_on_signals
     from index.sharding import Shard
 
     if not gallery.is_dir():
         raise fail(f"gallery folder {gallery} does not exist")
     try:
         embedder = Embedder(model_for_index(out, model), threads=threads)
-        report = run_build(
-            gallery,
-            embedder,
-            out,
-            batch_size=batch_size,
-            progress=progress,
-            options=_index_changes(index_type, memory_budget, target_recall),
-            backend=backend.value if backend else None,
-            milvus_uri=milvus_uri,
-            milvus_collection=milvus_collection,
-            shard=Shard.parse(shard) if shard else None,
-            decode_workers=decode_workers,
-        )
+        with stop_on_signals():  # SIGTERM/SIGINT: stop after the batch being added, which is saved
+            report = run_build(
+                gallery,
+                embedder,
+                out,
+                batch_size=batch_size,
+                progress=progress,
+                options=_index_changes(index_type, memory_budget, target_recall),
+                backend=backend.value if backend else None,
+                milvus_uri=milvus_uri,
+                milvus_collection=milvus_collection,
+                shard=Shard.parse(shard) if shard else None,
+                decode_workers=decode_workers,
+            )
     except EXPECTED_ERRORS as err:
         raise fail(str(err)) from None
+    except StopRequested as stop:
+        typer.echo(f"{stop}: the images embedded so far are saved; run the same command again to continue")
+        raise typer.Exit(stop.exit_code) from None
     _print_build_summary(out, report)
 
 

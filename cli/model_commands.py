@@ -132,6 +132,7 @@ def train(
     import torch
     from pydantic import ValidationError
 
+    from engine.stopping import StopRequested, stop_on_signals
     from training.auto import train_auto
     from training.data import DataError
     from training.recipes import AUTO_CANDIDATES, AUTO_RACE_STEPS, DEFAULT_RECIPE, parse_assignments, resolve
@@ -147,27 +148,32 @@ def train(
         "seed": seed,
     }
     try:
-        if loss == "auto":
-            if recipe not in (None, DEFAULT_RECIPE):
-                raise fail(f"--loss auto races the {DEFAULT_RECIPE} recipes; drop --recipe")
-            race_steps = race_steps or AUTO_RACE_STEPS
-            overrides = parse_assignments(AUTO_CANDIDATES[0], hparam or [])
-            typer.echo(
-                f"racing {', '.join(AUTO_CANDIDATES)}: {race_steps} steps each, judged on validation Recall@1"
-            )
-            summary = train_auto(
-                str(data.resolve()), out, overrides=overrides, race_steps=race_steps, **fields
-            )
-            race = summary["race"]
-            scores = ", ".join(f"{name} {100 * value:.2f}" for name, value in race["val_recall@1"].items())
-            typer.echo(f"race (validation recall@1): {scores}; kept {race['winner']}")
-        else:
-            resolved = resolve(loss, recipe or DEFAULT_RECIPE, parse_assignments(loss, hparam or []))
-            summary = run_training(resolved.config(loss, str(data.resolve()), **fields), out)
+        with stop_on_signals():  # SIGTERM/SIGINT: save last.pt after the current step and stop
+            if loss == "auto":
+                if recipe not in (None, DEFAULT_RECIPE):
+                    raise fail(f"--loss auto races the {DEFAULT_RECIPE} recipes; drop --recipe")
+                race_steps = race_steps or AUTO_RACE_STEPS
+                overrides = parse_assignments(AUTO_CANDIDATES[0], hparam or [])
+                candidates = ", ".join(AUTO_CANDIDATES)
+                typer.echo(f"racing {candidates}: {race_steps} steps each, judged on validation Recall@1")
+                summary = train_auto(
+                    str(data.resolve()), out, overrides=overrides, race_steps=race_steps, **fields
+                )
+                race = summary["race"]
+                scores = ", ".join(
+                    f"{name} {100 * value:.2f}" for name, value in race["val_recall@1"].items()
+                )
+                typer.echo(f"race (validation recall@1): {scores}; kept {race['winner']}")
+            else:
+                resolved = resolve(loss, recipe or DEFAULT_RECIPE, parse_assignments(loss, hparam or []))
+                summary = run_training(resolved.config(loss, str(data.resolve()), **fields), out)
     except ValidationError as err:
         raise fail(f"invalid training setting: {err}") from None
     except (DataError, RunDirError, ValueError) as err:
         raise fail(str(err)) from None
+    except StopRequested as stop:
+        typer.echo(f"{stop}: checkpoints/last.pt is saved; run the same command again to continue")
+        raise typer.Exit(stop.exit_code) from None
     typer.echo(
         f"best step {summary['best_step']} of {summary['steps']} ({summary['train_seconds']} s training)"
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Annotated
 
@@ -41,6 +40,7 @@ def watch(
     deletion in debounced batches until interrupted. A `dmlsearch serve` on INDEX picks the changes up."""
     from engine.embedder import Embedder
     from engine.indexing import BuildReport
+    from engine.stopping import StopRequested, stop_on_signals
     from engine.watching import GalleryWatcher
     from index.gallery import IndexMismatchError
 
@@ -58,7 +58,6 @@ def watch(
         if not batch:
             typer.echo(f"watching {gallery} (Ctrl-C stops)")
 
-    stop = threading.Event()
     try:
         watcher = GalleryWatcher(
             gallery,
@@ -69,8 +68,12 @@ def watch(
             batch_size=batch_size,
             on_batch=report,
         )
-        watcher.run(stop)
-    except KeyboardInterrupt:
+        # SIGTERM/SIGINT end the wait for changes, or the batch being applied after its current embedding
+        # batch (saved; the rest is caught up at the next start). Stopping a watcher is routine: exit 0.
+        with stop_on_signals() as stop:
+            watcher.run(stop)
         typer.echo("stopped")
+    except StopRequested as stop:
+        typer.echo(f"{stop}: the batch in progress is finished at the next start")
     except (IndexMismatchError, FileNotFoundError, ValueError, RuntimeError, OSError) as err:
         raise fail(str(err)) from None

@@ -19,6 +19,7 @@ from typing import Protocol
 import numpy as np
 from tqdm import tqdm
 
+from engine import stopping
 from engine.bundle import store_model
 from engine.defaults import BATCH_SIZE, DECODE_WORKERS
 from engine.embedder import Embedder
@@ -142,7 +143,8 @@ def embed_files(
     progress: bool,
     decode_workers: int = DECODE_WORKERS,
 ) -> None:
-    """Decode, embed and add ``files`` batch by batch; each batch is durable once added.
+    """Decode, embed and add ``files`` batch by batch; each batch is durable once added, and a stop signal
+    (``engine.stopping``) ends the work there.
 
     ``decode_workers`` threads decode and preprocess the next batches while the model embeds this one.
     """
@@ -154,6 +156,7 @@ def embed_files(
         index.add(vectors, [(f.relative, f.label, f.content_hash) for f, _ in batch])
         report.indexed += len(batch)
         batch.clear()
+        stopping.checkpoint()
 
     # Two batches in flight: the next one is complete when the model finishes this one.
     loaded = prefetch(

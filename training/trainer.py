@@ -4,7 +4,8 @@ One loop for both modes (:mod:`training.workloads`), single process or ``torchru
 ``eval_every`` steps) the model is evaluated on the validation classes; the best step's weights are kept
 in ``checkpoints/best.pt``, starting with the untrained model (step 0: the PCA-initialised head), so the
 selected model is never worse on validation than no training at all. ``checkpoints/last.pt`` holds
-everything needed to continue after an interruption (weights, optimiser, sampler and generator states).
+everything needed to continue after an interruption (weights, optimiser, sampler and generator states);
+a stop signal (``engine.stopping``) saves it after the current step and ends the run there.
 At the end the best model is evaluated on the unseen test classes into ``summary.json``.
 """
 
@@ -23,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from engine import stopping
 from training.backbone import BACKBONES
 from training.config import TrainConfig
 from training.data import DataError, LabelledImages, load_labelled_images, split_classes
@@ -311,6 +313,12 @@ class _Training:
                 losses = []
                 bar.set_postfix(loss=train_loss, val_r1=self.records[-1]["val"][SELECTION_METRIC])
                 self._save()
+            # Ranks stop together (one collective per step under DDP), after saving last.pt: a rerun resumes.
+            if not self.dist.all_true(not stopping.requested().is_set()):
+                state.elapsed += time.perf_counter() - started
+                self._save()
+                bar.close()
+                stopping.stop_now()
         bar.close()
 
     def _validate(self, step: int, train_loss: float | None) -> dict[str, Any]:

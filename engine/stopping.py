@@ -1,0 +1,80 @@
+"""Stop long jobs (build-index, watch, train) at a safe point on SIGTERM or SIGINT.
+
+A command wraps its work in :func:`stop_on_signals`; the work calls :func:`checkpoint` where everything
+done so far is durable (after an embedding batch is added, after a training step is saved), which raises
+:class:`StopRequested` once a stop signal arrived. A second signal stops at once (the default action): the
+work is written so that even ``kill -9`` loses nothing acknowledged, only the batch in progress.
+Without :func:`stop_on_signals` (library use, tests in process) :func:`checkpoint` never raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+_requested = threading.Event()
+_signum: int = 0
+
+
+class StopRequested(Exception):
+    """A stop signal arrived; the work done up to the last checkpoint is saved."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal, as a shell reports a process stopped by it (130 for SIGINT, 143 for SIGTERM)."""
+        return 128 + self.signum
+
+
+def requested() -> threading.Event:
+    """Set once a stop signal arrived (under :func:`stop_on_signals`): a loop may wait on it."""
+    return _requested
+
+
+def checkpoint() -> None:
+    """Raise :class:`StopRequested` if a stop signal arrived: call it where the work so far is durable."""
+    if _requested.is_set():
+        raise StopRequested(_signum)
+
+
+def stop_now() -> None:
+    """Raise :class:`StopRequested`: this process, or another of its multi-process job, was signalled."""
+    raise StopRequested(_signum or signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[threading.Event]:
+    """SIGTERM and SIGINT request a stop at the next :func:`checkpoint` instead of killing the process.
+
+    Only the main thread can install signal handlers; elsewhere this changes nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield _requested
+        return
+
+    def request(signum: int, frame: FrameType | None) -> None:
+        global _signum
+        if _requested.is_set():  # asked twice: stop now, as without this handler
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+        _signum = signum
+        _requested.set()
+        name = signal.Signals(signum).name
+        print(f"{name}: stopping at the next safe point (send it again to stop at once)", file=sys.stderr)
+
+    previous = {sig: signal.signal(sig, request) for sig in STOP_SIGNALS}
+    try:
+        yield _requested
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _requested.clear()
