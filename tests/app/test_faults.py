@@ -226,7 +226,7 @@ def test_a_truncated_index_is_not_ready_with_the_reason_and_forwarded_headers_ar
     when every request claims another one in X-Forwarded-For (before: 150 requests, 150 x 200)."""
     vectors = served.index / "vectors.faiss"
     vectors.write_bytes(vectors.read_bytes()[: vectors.stat().st_size // 2])
-    args = served_args(served, "--rate-limit", "1", "--rate-burst", "3")
+    args = served_args(served, "--rate-limit", "0.01", "--rate-burst", "3")  # a token per 100 s
     with serving(args, ready_path="/healthz", address_space=ADDRESS_SPACE_CAP) as server:
         ready = httpx.get(f"{server.url}/readyz", timeout=10)
         assert ready.status_code == 503
