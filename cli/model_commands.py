@@ -34,6 +34,16 @@ def export(
     force: Annotated[
         bool, typer.Option(help="Export a run even if it did not beat the untrained model on validation.")
     ] = False,
+    int8: Annotated[
+        bool,
+        typer.Option("--int8", help="Quantise to int8 (static QDQ), calibrated on --calibration images."),
+    ] = False,
+    calibration: Annotated[
+        Path | None, typer.Option(help="Folder of gallery or training images to calibrate --int8 on.")
+    ] = None,
+    calibration_count: Annotated[
+        int, typer.Option(min=1, help="How many of those images (drawn at random, seeded) calibrate.")
+    ] = defaults.CALIBRATION_IMAGES,
 ) -> None:
     """Export the search model to ONNX: backbone (+ trained head) + L2 normalisation, with its model.json.
 
@@ -45,6 +55,16 @@ def export(
     from training.export import export_onnx, export_run
     from training.model import EmbeddingModel
     from training.run_dir import RunDirError
+
+    if int8:
+        from training.quantize import calibration_files, quantize_int8
+
+        if calibration is None or not calibration.is_dir():
+            raise fail("--int8 needs --calibration DIR, a folder of gallery or training images")
+        try:  # checked before the export, which takes a while
+            calibration_set = calibration_files(calibration, calibration_count)
+        except ValueError as err:
+            raise fail(str(err)) from None
 
     if run_dir is not None:
         out = out or run_dir / "model.onnx"
@@ -68,7 +88,13 @@ def export(
             raise fail(str(err)) from None
         model = EmbeddingModel(create_backbone(backbone))
         card = export_onnx(model, out, preprocessing=spec.preprocessing, backbone=backbone)
-    typer.echo(f"wrote {out} ({card.embedding_dim}-d, fingerprint {card.fingerprint[:12]})")
+    if int8:
+        try:
+            card = quantize_int8(out, calibration_set)
+        except ValueError as err:
+            raise fail(str(err)) from None
+    precision = f", int8 calibrated on {card.calibration_images} images" if card.precision == "int8" else ""
+    typer.echo(f"wrote {out} ({card.embedding_dim}-d{precision}, fingerprint {card.fingerprint[:12]})")
     if card.reranker is not None:
         reranker = card.reranker
         typer.echo(

@@ -37,6 +37,8 @@ BATCH_SIZE = 32
 # Threads decoding and preprocessing images while the model embeds (engine.prefetch); why two:
 # bench/results/build_speed.md.
 DECODE_WORKERS = 2
+# Images that calibrate an int8 export's activation ranges (training.quantize; bench/results/int8.md).
+CALIBRATION_IMAGES = 300
 
 # Where `dmlsearch serve` listens and `dmlsearch ui` (and the Streamlit page) finds it.
 API_HOST = "127.0.0.1"

@@ -54,6 +54,8 @@ class ModelCard(BaseModel):
     created: str
     extra: dict[str, Any] = Field(default_factory=dict)
     reranker: RerankerCard | None = None  # a model trained with the pddm loss carries its PDDM unit
+    precision: Literal["fp32", "int8"] = "fp32"  # int8: static QDQ quantisation (training/quantize.py)
+    calibration_images: int | None = None  # how many images calibrated the int8 activation ranges
 
     @staticmethod
     def path_for(model_path: Path) -> Path:
