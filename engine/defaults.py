@@ -37,7 +37,7 @@ BATCH_SIZE = 32
 # Threads decoding and preprocessing images while the model embeds (engine.prefetch); why two:
 # bench/results/build_speed.md.
 DECODE_WORKERS = 2
-# Images that calibrate an int8 export's activation ranges (training.quantize; bench/results/int8.md).
+# Images that calibrate an int8 export's activation ranges (training.quantize; bench/int8_variants.py).
 CALIBRATION_IMAGES = 300
 
 # Where `dmlsearch serve` listens and `dmlsearch ui` (and the Streamlit page) finds it.

@@ -120,7 +120,7 @@ register_backbone(
     split=_split_efficientnet,
     # The two 5x5 stride-2 depthwise convolutions (and the TF-"same" padding computed for them at run
     # time): quantised, they alone took the int8 embeddings' mean cosine to fp32 from 0.995 to 0.93 on
-    # Cars196 test images; no other stage mattered when left in float (bench/results/int8.md).
+    # Cars196 test images; no other stage mattered when left in float (bench/int8_variants.py).
     float_under_int8=("/blocks.2.0/conv_dw/", "/blocks.5.0/conv_dw/"),
 )
 
