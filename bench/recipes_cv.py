@@ -2,7 +2,8 @@
 
     OMP_NUM_THREADS=1 python bench/recipes_cv.py --data ../shared/data/cars196/images \\
         [--cache-dir ../cache/dmlsearch] [--runs-dir ../cache/dmlsearch/recipes-cv] [--folds 3] \\
-        [--methods almn magnet ...] [--candidates paper recommended ...] [--report-only]
+        [--methods almn magnet ...] [--candidates paper recommended ...] [--max-steps N] [--patience N] \\
+        [--set views=0 ...] [--report-only]
 
 Recipes are judged on datasets nobody here sees, so they must generalise rather than fit one split. The
 98 Cars196 training classes (the test classes 99-196 are never touched) are cut into ``--folds``
@@ -36,7 +37,7 @@ from typing import Any
 
 from index.atomic import atomic_write_text
 from training.config import TrainConfig
-from training.recipes import DEFAULT_RECIPE, RecipeName, recipe, resolve
+from training.recipes import DEFAULT_RECIPE, RecipeName, parse_assignments, recipe, resolve
 from training.run_dir import RunDirectory
 from training.trainer import SELECTION_METRIC, train
 
@@ -73,7 +74,7 @@ def run_path(runs_dir: Path, candidate: str, loss: str, fold: int) -> Path:
 
 def fold_config(args: argparse.Namespace, loss: str, candidate: str, fold: int) -> TrainConfig:
     recipe_name, changes = candidates(loss)[candidate]
-    resolved = resolve(loss, recipe_name, {**changes, **budget_overrides(args)})
+    resolved = resolve(loss, recipe_name, {**changes, **budget_overrides(args, loss)})
     return resolved.config(
         loss,
         str(args.data.resolve()),
@@ -86,8 +87,10 @@ def fold_config(args: argparse.Namespace, loss: str, candidate: str, fold: int) 
     )
 
 
-def budget_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {key: getattr(args, key) for key in ("max_steps", "patience") if getattr(args, key) is not None}
+def budget_overrides(args: argparse.Namespace, loss: str) -> dict[str, Any]:
+    """What the command line sets over every candidate: the budget flags given and ``--set`` values."""
+    given = {key: getattr(args, key) for key in ("max_steps", "patience") if getattr(args, key) is not None}
+    return {**given, **parse_assignments(loss, args.set)}
 
 
 def describe(loss: str, candidate: str) -> str:
@@ -196,7 +199,7 @@ def reproducing_command(args: argparse.Namespace) -> str:
     for flag in ("max_steps", "patience"):
         if getattr(args, flag) is not None:
             words += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    return shlex.join(words)
+    return shlex.join(words + (["--set", *args.set] if args.set else []))
 
 
 def write_report(args: argparse.Namespace) -> str:
@@ -206,8 +209,9 @@ def write_report(args: argparse.Namespace) -> str:
         f"Frozen mode, seed {args.seed}. Budget per run: the candidate recipe's (at most "
         f"{args.max_steps or defaults['max_steps'].default} Adam steps, early stopping after "
         f"{args.patience or defaults['patience'].default} validations without improvement, not before the "
-        "recipe's min_steps). Validation (checkpoint selection): the last 20% of each fold's training "
-        "classes."
+        "recipe's min_steps)"
+        f"{'; every candidate also ' + ', '.join(args.set) if args.set else ''}. Validation (checkpoint "
+        "selection): the last 20% of each fold's training classes."
     )
     command = reproducing_command(args)
     report = {
@@ -238,13 +242,16 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, help="override every recipe's step budget")
     parser.add_argument("--patience", type=int, help="override every recipe's early-stopping patience")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="override every candidate, e.g. views=0"
+    )
     parser.add_argument("--report-only", action="store_true", help="rebuild the table from finished runs")
     args = parser.parse_args()
 
     if not args.report_only:
         folds = args.only_folds if args.only_folds is not None else range(args.folds)
-        for fold in folds:
-            for loss in args.methods:
+        for loss in args.methods:  # method by method, so a partial table has whole rows
+            for fold in folds:
                 for candidate in candidates(loss):
                     if args.candidates and candidate not in args.candidates:
                         continue
