@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,6 +252,51 @@ def write_table(args: argparse.Namespace, rows: list[dict[str, Any]], baseline: 
     return table
 
 
+def seeds_table(args: argparse.Namespace) -> str:
+    """``--mean-of-seeds``: Recall@1 per method averaged over the per-seed tables (no training)."""
+    tables = {}
+    for seed in args.mean_of_seeds:
+        path = RESULTS / f"{table_stem(args.mode, args.recipe, seed)}.json"
+        if path.exists():
+            tables[seed] = json.loads(path.read_text())
+    untrained = statistics.fmean(table["pretrained"]["recall@1"] for table in tables.values())
+    lines = [
+        f"# {args.mode.capitalize()}-mode Recall@1 on Cars196 unseen classes 99-196, over seeds "
+        f"{', '.join(map(str, tables))}",
+        "",
+        f"Command: `python bench/train_all.py --mean-of-seeds {' '.join(map(str, args.mean_of_seeds))}` "
+        "(averages the per-seed tables below; no training).",
+        "",
+        *(f"- seed {seed}: `{table['command']}` ({table['budget']})" for seed, table in tables.items()),
+        "",
+        f"Untrained: {untrained:.2f}. gain: mean over the seeds run minus untrained; min: the worst seed's "
+        "gain. settings: as each seed's table lists them (flagged when seeds differ).",
+        "",
+        "| method | "
+        + " | ".join(f"seed {seed}" for seed in tables)
+        + " | seeds | mean | gain | min | settings |",
+        "|" + "---|" * (len(tables) + 6),
+    ]
+    for method in all_methods():
+        rows = {seed: row for seed, t in tables.items() for row in t["rows"] if row["method"] == method.label}
+        if not rows:
+            continue
+        scores = {seed: row["test"]["recall@1"] for seed, row in rows.items()}
+        gains = [score - tables[seed]["pretrained"]["recall@1"] for seed, score in scores.items()]
+        settings = {row["settings"] for row in rows.values()}
+        cells = [f"{scores[seed]:.2f}" if seed in scores else "" for seed in tables]
+        mean = statistics.fmean(scores.values())
+        lines.append(
+            f"| {method.label} | {' | '.join(cells)} | {len(scores)} | {mean:.2f} | "
+            f"{statistics.fmean(gains):+.2f} | {min(gains):+.2f} | "
+            f"{settings.pop() if len(settings) == 1 else 'differs: ' + ' / '.join(sorted(settings))} |"
+        )
+    table = "\n".join(lines) + "\n"
+    stem = table_stem(args.mode, args.recipe, 0) + "_seeds"
+    atomic_write_text(RESULTS / f"{stem}.md", table)
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -267,9 +313,13 @@ def main() -> None:
     parser.add_argument(
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="override every recipe, e.g. views=2"
     )
+    parser.add_argument("--mean-of-seeds", nargs="*", type=int, help="only average these seeds' tables")
     args = parser.parse_args()
 
     register_peers()
+    if args.mean_of_seeds:
+        print(seeds_table(args))
+        return
     methods = all_methods()
     if args.methods:
         unknown = set(args.methods) - {method.label for method in methods}
