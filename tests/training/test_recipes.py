@@ -186,3 +186,36 @@ def test_losses_command_lists_every_loss_with_paper_layout_and_recipe() -> None:
         for key, choice in recipe(name).items():
             assert f"{key}={choice.value}: {choice.reason}" in text
     assert "global_scaling=1.0" in blocks["magnet"] and "global_scaling=8.0: " in blocks["magnet"]
+
+
+def test_recipes_cv_prefers_the_candidate_that_helps_on_every_fold(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cv = _bench("recipes_cv", monkeypatch)
+    # "peaky" has the higher mean gain but loses on fold 2; "steady" helps on every fold.
+    gains = {"paper": [-1.0, -2.0, -0.5], "recommended": [6.0, 5.0, -0.5], "steady": [2.0, 2.0, 1.0]}
+    monkeypatch.setattr(cv, "METHODS", ("ms",))
+    monkeypatch.setitem(cv.VARIANTS, "ms", {"steady": ("recommended", {"epsilon": 0.2})})
+    args = cv.argparse.Namespace(runs_dir=tmp_path, folds=3)
+    for candidate, per_fold in gains.items():
+        for fold, gain in enumerate(per_fold):
+            run = RunDirectory(cv.run_path(tmp_path, candidate, "ms", fold))
+            run.path.mkdir(parents=True)
+            untrained = 0.5 + fold / 100
+            run.write_summary(
+                {
+                    "test": {"recall@1": untrained + gain / 100},
+                    "test_backbone": {"recall@1": untrained},
+                    "val": {"recall@1": 0.7},
+                    "best_step": 10,
+                    "steps": 20,
+                }
+            )
+    results = cv.collect(args)["methods"]["ms"]
+    assert results["steady"]["preferred"] and results["steady"]["helps_every_fold"]
+    assert not results["recommended"]["preferred"] and not results["recommended"]["helps_every_fold"]
+    assert results["recommended"]["mean_gain"] == pytest.approx(3.5)
+    assert results["recommended"]["range_gain"] == pytest.approx(6.5)  # how far it moved across folds
+    assert results["steady"]["settings"] == "views=4, epsilon=0.2"
+    table = cv.markdown(cv.collect(args), "cmd", "budget", 3)
+    assert "| ms | **steady** | 52.00 (+2.00) | 53.00 (+2.00) | 53.00 (+1.00) | +1.67 |" in table

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +138,19 @@ def test_early_stopping_waits_for_min_steps(
     config = _config(labelled_folder, feature_cache, lr=1e-12, patience=1, max_steps=40, min_steps=min_steps)
     summary = train(config, tmp_path / "run", progress=False)
     assert summary["stopped_early"] and summary["steps"] == stop_step and summary["best_step"] == 0
+
+
+def test_view_seed_shares_augmented_views_across_run_seeds(
+    labelled_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(feature_cache, cache)
+    features = cache / "features"
+    train(_config(labelled_folder, cache, views=1, max_steps=2, eval_every=2), tmp_path / "a", progress=False)
+    extracted = set(features.iterdir())
+    shared = _config(labelled_folder, cache, views=1, max_steps=2, eval_every=2, seed=1, view_seed=0)
+    train(shared, tmp_path / "b", progress=False)
+    assert set(features.iterdir()) == extracted  # seed 1 read seed 0's crops
+    own = _config(labelled_folder, cache, views=1, max_steps=2, eval_every=2, seed=1)
+    train(own, tmp_path / "c", progress=False)
+    assert len(set(features.iterdir()) - extracted) == 1  # without view_seed, seed 1 crops its own view
