@@ -93,10 +93,12 @@ def budget_overrides(args: argparse.Namespace, loss: str) -> dict[str, Any]:
     return {**given, **parse_assignments(loss, args.set)}
 
 
-def describe(loss: str, candidate: str) -> str:
+def describe(loss: str, candidate: str, given: list[str]) -> str:
+    """The values the candidate sets, with ``--set`` ones (``given``) on top: what the runs trained with."""
     recipe_name, changes = candidates(loss)[candidate]
     values = {key: choice.value for key, choice in recipe(loss, recipe_name).items()}
-    return ", ".join(f"{key}={value}" for key, value in {**values, **changes}.items()) or "-"
+    values = {**values, **changes, **parse_assignments(loss, given)}
+    return ", ".join(f"{key}={value}" for key, value in values.items()) or "-"
 
 
 def collect(args: argparse.Namespace) -> dict[str, Any]:
@@ -124,7 +126,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
                 }
             if folds:
                 methods.setdefault(loss, {})[candidate] = {
-                    "settings": describe(loss, candidate),
+                    "settings": describe(loss, candidate, args.set),
                     "folds": folds,
                     **spread(folds, args.folds),
                 }

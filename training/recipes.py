@@ -7,8 +7,8 @@ uses unless told otherwise, each with the reason and the measurement behind it. 
 Two recipes per loss:
 
 * ``recommended`` (the default): the paper's values changed only where measured on validation classes,
-  never on test classes, and kept only where class-fold cross-validation on the Cars196 training classes
-  (``bench/results/recipes_cv.md``) showed they help on every fold;
+  never on test classes; ``bench/recipes_cv.py`` checks each against the printed values over class folds of
+  the Cars196 training classes (``bench/results/recipes_cv.md``), preferring what helps on every fold;
 * ``paper``: the values as printed (the loss registry's defaults and :class:`TrainConfig`'s).
 
 ``-p key=value`` overrides either. Measurements are Recall@1 in % on frozen EfficientNet-Lite0 features

@@ -196,7 +196,7 @@ def test_recipes_cv_prefers_the_candidate_that_helps_on_every_fold(
     gains = {"paper": [-1.0, -2.0, -0.5], "recommended": [6.0, 5.0, -0.5], "steady": [2.0, 2.0, 1.0]}
     monkeypatch.setattr(cv, "METHODS", ("ms",))
     monkeypatch.setitem(cv.VARIANTS, "ms", {"steady": ("recommended", {"epsilon": 0.2})})
-    args = cv.argparse.Namespace(runs_dir=tmp_path, folds=3)
+    args = cv.argparse.Namespace(runs_dir=tmp_path, folds=3, set=["views=0"])
     for candidate, per_fold in gains.items():
         for fold, gain in enumerate(per_fold):
             run = RunDirectory(cv.run_path(tmp_path, candidate, "ms", fold))
@@ -216,6 +216,6 @@ def test_recipes_cv_prefers_the_candidate_that_helps_on_every_fold(
     assert not results["recommended"]["preferred"] and not results["recommended"]["helps_every_fold"]
     assert results["recommended"]["mean_gain"] == pytest.approx(3.5)
     assert results["recommended"]["range_gain"] == pytest.approx(6.5)  # how far it moved across folds
-    assert results["steady"]["settings"] == "views=4, epsilon=0.2"
+    assert results["steady"]["settings"] == "views=0, epsilon=0.2"  # --set wins, as in the runs
     table = cv.markdown(cv.collect(args), "cmd", "budget", 3)
     assert "| ms | **steady** | 52.00 (+2.00) | 53.00 (+2.00) | 53.00 (+1.00) | +1.67 |" in table
