@@ -12,7 +12,7 @@ from engine.model_card import Preprocessing
 from training.backbone import BACKBONES, create_backbone
 from training.losses import LOSSES, BatchLayout, MetricLoss, build_loss, register_loss
 from training.losses.registry import signature_defaults
-from training.recipes import parse_assignments
+from training.recipes import parse_assignments, resolve
 from training.registry import Registry
 
 
@@ -51,7 +51,13 @@ def test_a_loss_without_a_default_cannot_be_registered() -> None:
 
 def test_an_unknown_name_fails_in_one_place_with_the_known_names() -> None:
     expected = f"unknown loss 'nope'; choose one of {sorted(LOSSES)}"
-    for lookup in (lambda: LOSSES["nope"], lambda: build_loss("nope"), lambda: parse_assignments("nope", [])):
+    lookups = (
+        lambda: LOSSES["nope"],
+        lambda: build_loss("nope"),
+        lambda: parse_assignments("nope", []),
+        lambda: resolve("nope"),
+    )
+    for lookup in lookups:
         with pytest.raises(ValueError) as raised:
             lookup()
         assert str(raised.value) == expected
