@@ -144,7 +144,7 @@ def test_view_seed_shares_augmented_views_across_run_seeds(
     labelled_folder: Path, feature_cache: Path, tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
-    shutil.copytree(feature_cache, cache)
+    shutil.copytree(feature_cache / "backbones", cache / "backbones")  # the model, none of the features
     features = cache / "features"
     train(_config(labelled_folder, cache, views=1, max_steps=2, eval_every=2), tmp_path / "a", progress=False)
     extracted = set(features.iterdir())
