@@ -10,6 +10,7 @@ from PIL import Image
 
 from engine.model_card import ModelCard, check_fingerprint
 from engine.preprocess import to_tensor
+from index.protocol import normalize_rows
 
 
 def _onnxruntime():
@@ -20,11 +21,6 @@ def _onnxruntime():
             "onnxruntime is not installed: pip install 'dmlsearch[cpu]' (or 'dmlsearch[gpu]' for CUDA)"
         ) from err
     return onnxruntime
-
-
-def l2_normalize(vectors: np.ndarray) -> np.ndarray:
-    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    return (vectors / np.maximum(norms, 1e-12)).astype(np.float32, copy=False)
 
 
 class Embedder:
@@ -56,15 +52,16 @@ class Embedder:
         return output
 
     def embed_tensor(self, batch: np.ndarray, *, run_size: int | None = None) -> np.ndarray:
-        """Run the model on a preprocessed NCHW batch; rows are L2-normalised.
+        """Run the model on a preprocessed NCHW batch; rows are L2-normalised (by ``normalize_rows``, the
+        one place vectors are normalised: the index's own normalising then leaves them as they are).
 
         ``run_size``: at most this many images per model run. onnxruntime's memory arena grows to the
         activations of the largest run and keeps them, so this bounds what a big batch request costs.
         """
         if run_size is None or len(batch) <= run_size:
-            return l2_normalize(self.run_tensor(batch))
+            return normalize_rows(self.run_tensor(batch))
         runs = [self.run_tensor(batch[start : start + run_size]) for start in range(0, len(batch), run_size)]
-        return l2_normalize(np.concatenate(runs))
+        return normalize_rows(np.concatenate(runs))
 
     def embed(self, images: Sequence[Image.Image]) -> np.ndarray:
         if not images:
