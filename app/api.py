@@ -85,7 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         stop_sighup()
         poller.cancel()
         if app.state.engine.service is not None:
-            app.state.engine.service.index.close()
+            app.state.engine.service.close()
 
     app = FastAPI(
         title="dmlsearch",

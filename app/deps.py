@@ -18,7 +18,8 @@ from app.metrics import Metrics
 from app.settings import Settings
 from app.state import EngineState
 from engine import defaults
-from engine.search import SearchOptions, SearchService
+from engine.query import SearchOptions
+from engine.search import SearchService
 from index.filters import ItemFilter
 
 INT64_MAX = 2**63 - 1
@@ -101,8 +102,7 @@ async def search_options(
             description="pddm: re-score the top max(rerank_pool, 4k) cosine neighbours (rerank_pool is "
             f"a server setting, {defaults.RERANK_POOL} by default) with the model's learned PDDM unit and "
             "order them by that score; each result then carries pddm_score beside its cosine score. 422 "
-            "when the served model has no PDDM unit (see rerankers in /v1/stats) or the index cannot give "
-            "back stored vectors (Milvus)."
+            "when the served model has no PDDM unit (see rerankers in /v1/stats)."
         ),
     ] = None,
 ) -> SearchOptions:

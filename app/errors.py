@@ -12,13 +12,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.memory import release_memory
 from engine.images import ImageDecodeError
-from engine.search import (
-    DuplicateItemError,
-    InvalidItemError,
-    ItemNotFoundError,
-    RerankUnavailableError,
-    StorageError,
-)
+from engine.item_reader import ItemNotFoundError
+from engine.item_writer import DuplicateItemError, InvalidItemError, StorageError
+from engine.query import RerankUnavailableError
 from index.duplicates import DuplicatesUnavailableError
 
 log = logging.getLogger("dmlsearch.app")

@@ -6,7 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from engine.search import BatchResponse, QueryHits, SearchResponse
+from engine.query import BatchResponse
+from engine.ranking import QueryHits
 from engine.voting import Prediction
 from index.protocol import Item
 
@@ -42,11 +43,13 @@ class SearchOut(BaseModel):
     model_fingerprint: str
 
     @classmethod
-    def of(cls, response: SearchResponse, before_ms: dict[str, float]) -> SearchOut:
-        """``before_ms``: the stages before the engine's (receiving the upload, waiting for a slot)."""
+    def of(cls, response: BatchResponse, before_ms: dict[str, float]) -> SearchOut:
+        """The answer to a one-query search; ``before_ms``: the stages before the engine's (receiving the
+        upload, waiting for a slot)."""
+        (hits,) = response.queries
         return cls(
-            results=[ResultOut(**vars(result)) for result in response.results],
-            prediction=PredictionOut.of(response.prediction),
+            results=[ResultOut(**vars(result)) for result in hits.results],
+            prediction=PredictionOut.of(hits.prediction),
             took_ms=response.took_ms + sum(before_ms.values()),
             timings_ms={**before_ms, **response.timings_ms},
             model_fingerprint=response.model_fingerprint,

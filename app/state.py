@@ -8,6 +8,7 @@ from pathlib import Path
 
 from app.settings import Settings
 from engine.search import SearchService
+from engine.serving import ServingConfig
 from index.atomic import remove_abandoned
 
 log = logging.getLogger("dmlsearch.app")
@@ -38,11 +39,13 @@ class EngineState:
             threads=settings.threads,
             backend=settings.backend,
             milvus_uri=settings.milvus_uri,
-            max_pixels=settings.max_image_pixels,
-            max_batch_pixels=settings.max_batch_pixels,
-            jpeg_draft=settings.jpeg_draft,
-            vote_sigma2=settings.vote_sigma2,
-            rerank_pool=settings.rerank_pool,
+            config=ServingConfig(
+                max_pixels=settings.max_image_pixels,
+                max_batch_pixels=settings.max_batch_pixels,
+                jpeg_draft=settings.jpeg_draft,
+                vote_sigma2=settings.vote_sigma2,
+                rerank_pool=settings.rerank_pool,
+            ),
         )
         return cls(service, None)
 

@@ -199,6 +199,7 @@ def query(
     from dataclasses import asdict
 
     from engine.images import ImageDecodeError
+    from engine.query import SearchOptions
     from engine.search import SearchService
     from index.filters import ItemFilter
     from index.gallery import IndexMismatchError
@@ -208,21 +209,23 @@ def query(
     try:
         where = ItemFilter(tuple(label or ()), path_prefix, added_from, added_to)
         service = SearchService.open(model, index)
-        response = service.search(image.read_bytes(), k=k, min_score=min_score, where=where)
+        options = SearchOptions(k=k, min_score=min_score, where=where)
+        response = service.queries.search([image.read_bytes()], options)
     except ImageDecodeError as err:
         raise fail(f"{image}: {err.message}") from None
     except (IndexMismatchError, *EXPECTED_ERRORS) as err:
         raise fail(str(err)) from None
+    (hits,) = response.queries
     if as_json:
         payload = {
-            "results": [asdict(result) for result in response.results],
+            "results": [asdict(result) for result in hits.results],
             "took_ms": response.took_ms,
             "model_fingerprint": response.model_fingerprint,
         }
         typer.echo(json.dumps(payload, indent=2))
         return
     typer.echo(f"{'rank':>4}  {'score':>7}  {'label':<24} path")
-    for result in response.results:
+    for result in hits.results:
         typer.echo(f"{result.rank:>4}  {result.score:7.4f}  {result.label or '-':<24} {result.path}")
 
 

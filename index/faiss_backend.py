@@ -30,6 +30,7 @@ log = logging.getLogger("dmlsearch.index")
 
 class FaissBackend:
     FILE_NAME = "vectors.faiss"
+    builds_locally = True
 
     def __init__(
         self, directory: Path, manifest: Manifest, store: ItemStore, index: FaissIndex | None
@@ -112,6 +113,13 @@ class FaissBackend:
                 self.index.remove(present)
                 self._dirty = True
         return removed
+
+    def vectors(self, ids: Sequence[int]) -> np.ndarray:
+        """From the item store, which keeps every vector exactly (whatever the FAISS index compresses)."""
+        return self.store.vectors(np.asarray(ids, dtype=np.int64))
+
+    def stats(self) -> dict[str, object]:
+        return {"indexed_vectors": len(self.index) if self.index is not None else 0}
 
     def move(self, moves: Sequence[Move]) -> int:
         """Metadata only: the vectors and the FAISS index are untouched."""

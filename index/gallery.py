@@ -50,6 +50,7 @@ class GalleryIndex:
         self.directory = directory
         self.manifest = manifest
         self.backend = backend
+        self.stamp = self._disk_stamp()  # the manifest as this object last read or wrote it
 
     @classmethod
     def create(
@@ -86,6 +87,7 @@ class GalleryIndex:
         manifest.set_options(options or IndexOptions())
         index = cls(directory, manifest, _connect(directory, manifest, create=True))
         manifest.save(directory)
+        index.stamp = index._disk_stamp()
         return index
 
     @classmethod
@@ -163,6 +165,10 @@ class GalleryIndex:
             for row_ids, row_scores in zip(ids, scores, strict=True)
         ]
 
+    def vectors(self, ids: Sequence[int]) -> np.ndarray:
+        """The stored vectors of ``ids``, in that order (exact, whatever the search structure compresses)."""
+        return self.backend.vectors(ids)
+
     def __len__(self) -> int:
         return len(self.backend)
 
@@ -171,8 +177,7 @@ class GalleryIndex:
         info: dict[str, object] = self.manifest.model_dump()
         info["count"] = len(self)
         info["files"] = {p.name: p.stat().st_size for p in sorted(self.directory.iterdir()) if p.is_file()}
-        if isinstance(self.backend, FaissBackend):
-            info["indexed_vectors"] = len(self.backend.index) if self.backend.built else 0
+        info.update(self.backend.stats())
         if self.manifest.index_spec is not None:
             spec = IndexSpec(self.manifest.index_type, self.manifest.index_spec, self.manifest.dim)
             info["estimated_memory_bytes"] = spec.memory_bytes(len(self))
@@ -181,7 +186,7 @@ class GalleryIndex:
     @property
     def _builds_faiss(self) -> bool:
         """A FAISS index is built here; Milvus indexes itself and FAISS shards only store vectors."""
-        return isinstance(self.backend, FaissBackend) and self.manifest.shard is None
+        return self.backend.builds_locally and self.manifest.shard is None
 
     def save(self) -> None:
         """Make every change durable: a fresh FAISS index is built first; then files, then the manifest."""
@@ -191,6 +196,20 @@ class GalleryIndex:
         self.manifest.count = len(self)
         self.manifest.updated = now_utc()
         self.manifest.save(self.directory)
+        self.stamp = self._disk_stamp()  # our own save: nothing to reload
+
+    def _disk_stamp(self) -> tuple[int, int] | None:
+        """Identifies the manifest on disk: every save replaces it atomically (a new inode)."""
+        try:
+            stat = (self.directory / MANIFEST_NAME).stat()
+        except OSError:
+            return None
+        return stat.st_ino, stat.st_mtime_ns
+
+    def saved_elsewhere(self) -> bool:
+        """Whether another process (or another object) saved this index since this one read or saved it."""
+        stamp = self._disk_stamp()
+        return stamp is not None and stamp != self.stamp
 
     def close(self) -> None:
         self.backend.close()

@@ -61,6 +61,8 @@ def _literal(value: str) -> str:
 
 
 class MilvusBackend:
+    builds_locally = False  # the Milvus server indexes its collection itself
+
     def __init__(self, client: object, manifest: Manifest) -> None:
         self.client = client
         self.manifest = manifest
@@ -170,6 +172,20 @@ class MilvusBackend:
         if present:
             self.client.delete(self.collection, ids=present)
         return len(present)
+
+    def vectors(self, ids: Sequence[int]) -> np.ndarray:
+        """The collection's stored vector field (float32, as inserted)."""
+        if len(ids) == 0:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        rows = self.client.get(self.collection, ids=[int(i) for i in ids], output_fields=["vector"])
+        by_id = {int(row["id"]): row["vector"] for row in rows}
+        missing = [int(i) for i in ids if int(i) not in by_id]
+        if missing:
+            raise KeyError(f"no stored vector for ids {missing[:5]}")
+        return np.array([by_id[int(i)] for i in ids], dtype=np.float32)
+
+    def stats(self) -> dict[str, object]:
+        return {}
 
     def move(self, moves: Sequence[Move]) -> int:
         present = self.get_many([move.id for move in moves])

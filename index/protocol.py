@@ -62,11 +62,14 @@ class VectorIndex(Protocol):
 
     ``add`` stores vectors with their metadata and returns the ids it gave them; ``move`` changes
     items' paths and labels only; ``search`` returns
-    ``(ids, scores)``, both (n, k), with id -1 and score -inf where fewer than k items exist; ``save``
-    makes everything durable; a backend is loaded again by its ``open`` class method.
+    ``(ids, scores)``, both (n, k), with id -1 and score -inf where fewer than k items exist; ``vectors``
+    gives back stored vectors (exact, as added after normalising); ``save`` makes everything durable; a
+    backend is loaded again by its ``open`` class method. ``builds_locally``: whether this process
+    builds the search structure (``build``, ``built``) or the backend's server indexes by itself.
     """
 
     dim: int
+    builds_locally: bool
 
     @property
     def items(self) -> ItemCatalog: ...
@@ -80,6 +83,14 @@ class VectorIndex(Protocol):
         ...
 
     def remove(self, ids: Sequence[int]) -> int: ...
+
+    def vectors(self, ids: Sequence[int]) -> np.ndarray:
+        """The stored vectors of ``ids``, (len(ids), dim), in that order; KeyError for an unknown id."""
+        ...
+
+    def stats(self) -> dict[str, object]:
+        """Live facts particular to this backend, for ``index stats``."""
+        ...
 
     def move(self, moves: Sequence[Move]) -> int:
         """Give items a new path and label; returns how many existed."""

@@ -29,7 +29,7 @@ async def duplicates(
     The first request for a threshold finds every group (a k-nearest-neighbour search of every stored
     vector); later pages of the same index state come from memory. 422 for a Milvus index.
     """
-    rows, total = (await compute.run(service.duplicates, threshold, offset, limit))[0]
+    rows, total = (await compute.run(service.duplicates.page, threshold, offset, limit))[0]
     groups = [
         DuplicateGroupOut(
             size=len(row),

@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from app.deps import INT64_MAX, AppSettings, Compute, ItemId, Service, require_api_key
 from app.schemas import AddedItemsOut, DeletedItemOut, ErrorOut, ItemOut, ItemPageOut, NewItemsJsonIn
 from app.uploads import read_uploads, request_body_spec
-from engine.search import NewItem
+from engine.item_writer import NewItem
 
 router = APIRouter(tags=["items"])
 ERRORS = {code: {"model": ErrorOut} for code in (400, 404, 422, 429, 503)}
@@ -27,20 +27,20 @@ def list_items(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> ItemPageOut:
     """A page of indexed items in id order (to browse the gallery or pick a query item)."""
-    items, total = service.list_items(offset, limit)
+    items, total = service.reader.page(offset, limit)
     return ItemPageOut(items=[ItemOut.of(item) for item in items], total=total, offset=offset)
 
 
 @router.get("/v1/items/{item_id}", response_model=ItemOut, responses=ERRORS)
 def get_item(item_id: ItemId, service: Service) -> ItemOut:
     """One item's metadata."""
-    return ItemOut.of(service.item(item_id))
+    return ItemOut.of(service.reader.item(item_id))
 
 
 @router.get("/v1/items/{item_id}/image", response_class=FileResponse, responses=ERRORS)
 def item_image(item_id: ItemId, service: Service) -> FileResponse:
     """The original gallery file of an item."""
-    return FileResponse(service.image_path(item_id))
+    return FileResponse(service.reader.image_path(item_id))
 
 
 @router.get("/v1/items/{item_id}/thumbnail", response_class=Response, responses=ERRORS)
@@ -52,13 +52,13 @@ async def item_thumbnail(
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
     """A JPEG thumbnail of the item's image (EXIF orientation applied)."""
-    item = await run_in_threadpool(service.item, item_id)  # waits for a running write: not on the loop
+    item = await run_in_threadpool(service.reader.item, item_id)  # waits for a running write: not on the loop
     etag = f'"{item.content_hash[:32]}-{size}"'
     headers = {"ETag": etag, "Cache-Control": THUMBNAIL_CACHE}
     if if_none_match == etag:
         return Response(status_code=304, headers=headers)
     # Decoding a gallery image (up to the pixel limit) takes a compute slot like a query's does.
-    thumbnail, _ = await compute.run(service.thumbnail, item_id, size)
+    thumbnail, _ = await compute.run(service.reader.thumbnail, item_id, size)
     return Response(thumbnail, media_type="image/jpeg", headers=headers)
 
 
@@ -90,7 +90,7 @@ async def add_items(
     new_items = [
         NewItem(data, labels[position] if labels else None) for position, data in enumerate(uploads.images)
     ]
-    added, _ = await compute.run(service.add_items, new_items)
+    added, _ = await compute.run(service.writer.add, new_items)
     return AddedItemsOut(items=[ItemOut.of(item) for item in added], count=len(service.index))
 
 
@@ -102,5 +102,5 @@ async def add_items(
 )
 async def delete_item(item_id: ItemId, service: Service, compute: Compute) -> DeletedItemOut:
     """Remove an item from the index (``X-API-Key`` required); its gallery file is kept on disk."""
-    removed, _ = await compute.run(service.remove_item, item_id)
+    removed, _ = await compute.run(service.writer.remove, item_id)
     return DeletedItemOut(deleted=ItemOut.of(removed), count=len(service.index))

@@ -10,6 +10,7 @@ from app.deps import AppMetrics, AppSettings, Compute, ItemId, Options, Service
 from app.metrics import Metrics
 from app.schemas import BatchSearchOut, ErrorOut, ImageJsonIn, ImagesJsonIn, SearchOut
 from app.uploads import read_uploads, request_body_spec
+from engine.query import ItemQuery
 
 router = APIRouter(tags=["search"])
 AnswerT = TypeVar("AnswerT", SearchOut, BatchSearchOut)
@@ -39,16 +40,7 @@ async def search(
         request, field="image", json_model=ImageJsonIn, max_count=1, max_bytes=settings.max_upload_bytes
     )
     # Decoding and inference are CPU work: a worker thread keeps the event loop answering meanwhile.
-    response, queued_ms = await compute.run(
-        service.search,
-        uploads.images[0],
-        options.k,
-        options.min_score,
-        offset=options.offset,
-        predict=options.predict,
-        rerank=options.rerank,
-        where=options.where,
-    )
+    response, queued_ms = await compute.run(service.queries.search, uploads.images, options)
     return _answer(SearchOut.of(response, {"upload": uploads.elapsed_ms, "queue": queued_ms}), metrics)
 
 
@@ -78,7 +70,7 @@ async def search_batch(
         max_count=settings.max_batch,
         max_bytes=settings.max_upload_bytes,
     )
-    response, queued_ms = await compute.run(service.search_batch, uploads.images, options)
+    response, queued_ms = await compute.run(service.queries.search, uploads.images, options)
     return _answer(BatchSearchOut.of(response, {"upload": uploads.elapsed_ms, "queue": queued_ms}), metrics)
 
 
@@ -87,7 +79,7 @@ async def similar(
     item_id: ItemId, service: Service, options: Options, metrics: AppMetrics, compute: Compute
 ) -> SearchOut:
     """Search by an item already in the index (no upload); the item itself is left out of its results."""
-    response, queued_ms = await compute.run(service.similar, item_id, options)
+    response, queued_ms = await compute.run(service.queries.search, [ItemQuery(item_id)], options)
     return _answer(SearchOut.of(response, {"queue": queued_ms}), metrics)
 
 

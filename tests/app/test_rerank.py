@@ -15,9 +15,12 @@ from fastapi.testclient import TestClient
 from engine.embedder import Embedder
 from engine.images import decode_image
 from engine.model_card import ModelCard
+from engine.query import SearchOptions
 from engine.reranker import PDDMReranker
-from engine.search import RerankUnavailableError, SearchService
+from engine.search import SearchService
+from engine.serving import LoadedBundle
 from index.gallery import GalleryIndex
+from index.protocol import normalize_rows
 from tests.helpers import Served
 from training.export import export_pddm_unit, pddm_path_for
 from training.losses.pddm import PDDMUnit
@@ -166,7 +169,9 @@ def test_a_changed_unit_file_keeps_the_server_not_ready(
     assert "model.pddm.onnx does not match its model.json" in ready.json()["error"]["message"]
 
 
-def test_a_milvus_index_cannot_rerank(pddm_model: PDDMModel, served: Served, tmp_path: Path) -> None:
+def test_a_milvus_index_reranks_from_its_stored_vectors(
+    pddm_model: PDDMModel, served: Served, tmp_path: Path
+) -> None:
     pytest.importorskip(
         "milvus_lite", reason="Milvus Lite is not installed (pip install 'dmlsearch[milvus]')"
     )
@@ -180,13 +185,26 @@ def test_a_milvus_index_cannot_rerank(pddm_model: PDDMModel, served: Served, tmp
         milvus_uri=str(tmp_path / "milvus_index" / "milvus.db"),
     )
     try:
-        vectors = np.random.default_rng(0).normal(size=(3, card.embedding_dim)).astype(np.float32)
-        index.add(vectors, [(f"{i}.jpg", None, f"{i:064x}") for i in range(3)])
+        vectors = np.random.default_rng(0).normal(size=(6, card.embedding_dim)).astype(np.float32)
+        ids = index.add(vectors, [(f"{i}.jpg", None, f"{i:064x}") for i in range(6)])
+        stored = index.vectors(ids[::-1])  # Milvus gives back the vectors it stores, in the order asked
+        np.testing.assert_allclose(stored, normalize_rows(vectors)[::-1], rtol=0, atol=1e-6)
         reranker = PDDMReranker.for_model(pddm_model.path, card, threads=1)
-        service = SearchService(Embedder(pddm_model.path, threads=1), index, reranker=reranker)
-        assert service.rerankers == []
-        with pytest.raises(RerankUnavailableError, match="milvus index does not give them back"):
-            service.search((served.gallery / CAT).read_bytes(), k=2, rerank="pddm")
-        assert len(service.search((served.gallery / CAT).read_bytes(), k=2).results) == 2
+        service = SearchService(LoadedBundle(Embedder(pddm_model.path, threads=1), index, reranker))
+        assert service.rerankers == ["pddm"]
+        data = (served.gallery / CAT).read_bytes()
+        (hits,) = service.queries.search([data], SearchOptions(k=6, rerank="pddm")).queries
+        query = _query_vector(pddm_model.path, data)
+        with torch.inference_mode():
+            scores = pddm_model.unit.score(
+                torch.from_numpy(query[None]), torch.from_numpy(normalize_rows(vectors))
+            ).numpy()[0]
+        assert [r.id for r in hits.results] == [ids[i] for i in np.argsort(-scores, kind="stable")]
+        by_id = dict(zip(ids, scores.tolist(), strict=True))
+        assert [r.pddm_score for r in hits.results] == pytest.approx(
+            [by_id[r.id] for r in hits.results], abs=1e-5
+        )
+        (plain,) = service.queries.search([data], SearchOptions(k=2)).queries
+        assert len(plain.results) == 2 and all(r.pddm_score is None for r in plain.results)
     finally:
         index.close()

@@ -1,0 +1,137 @@
+"""Adding and removing items of the served index, with their gallery files."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.decoding import RUN_IMAGES, batch_tensor, open_uploads
+from engine.images import FORMAT_SUFFIXES
+from engine.item_reader import find_item
+from engine.labels import InvalidLabelError, check_label
+from engine.serving import CurrentBundle, LoadedBundle, ServingConfig
+from index.atomic import atomic_write_bytes
+from index.protocol import Item
+
+
+class InvalidItemError(ValueError):
+    """An item to add is unacceptable (a bad label, no gallery folder to store it in)."""
+
+
+class DuplicateItemError(ValueError):
+    """An item with the same content and label is already indexed."""
+
+
+class StorageError(RuntimeError):
+    """The gallery or index folder cannot be written (read-only, full): the server's problem, not the
+    client's. Searches go on; the message says what was and was not written."""
+
+
+@contextmanager
+def _storage(outcome: str) -> Iterator[None]:
+    """Turn a failed write of the gallery or the index into a :class:`StorageError` saying ``outcome``.
+
+    Once items.sqlite has committed a change it is durable: a FAISS file not saved after it is brought in
+    step from items.sqlite at the next save or start (see ``index.faiss_backend``).
+    """
+    try:
+        yield
+    except (OSError, sqlite3.OperationalError) as err:
+        raise StorageError(f"{outcome}: the index or gallery folder cannot be written ({err})") from err
+
+
+@dataclass(frozen=True)
+class NewItem:
+    data: bytes
+    label: str | None = None
+
+
+class ItemWriter:
+    """Writes run alone under the bundle's lock (searches wait for them) and save the index before
+    returning."""
+
+    def __init__(self, current: CurrentBundle, config: ServingConfig) -> None:
+        self.current = current
+        self.config = config
+
+    def add(self, new_items: Sequence[NewItem]) -> list[Item]:
+        """Store the images under the gallery root (``<label>/<content hash>.<ext>``) and index them.
+
+        Everything is validated, decoded and embedded before the index is touched, so a bad image leaves
+        the index unchanged. Files are written atomically; the index is saved before returning.
+        """
+        bundle = self.current.bundle
+        root = _gallery_root(bundle)
+        headers = open_uploads([new.data for new in new_items], self.config.budget(bundle.embedder))
+        prepared = []
+        for position, (new, header) in enumerate(zip(new_items, headers, strict=True)):
+            label = _label_folder(bundle, root, new.label, position)
+            digest = hashlib.sha256(new.data).hexdigest()
+            relative = Path(label or ".") / f"{digest[:20]}{FORMAT_SUFFIXES[header.format]}"
+            target = root / relative
+            if target.exists() and (not target.is_file() or target.read_bytes() != new.data):
+                raise InvalidItemError(f"image {position}: {relative} already holds another file")
+            if any(relative.as_posix() == earlier[0] for earlier in prepared):
+                raise DuplicateItemError(f"image {position} repeats an earlier image of this request")
+            prepared.append((relative.as_posix(), label, digest, target, new.data))
+        preprocessing = bundle.embedder.card.preprocessing
+        vectors = bundle.embedder.embed_tensor(batch_tensor(headers, preprocessing), run_size=RUN_IMAGES)
+        with self.current.writing() as bundle:
+            for relative, *_ in prepared:
+                if bundle.index.items.get_by_path(relative) is not None:
+                    raise DuplicateItemError(f"{relative} is already indexed")
+            written = []
+            try:
+                with _storage("nothing was added"):
+                    for _, _, _, target, data in prepared:
+                        if not target.exists():
+                            atomic_write_bytes(target, data)
+                            written.append(target)
+                    ids = bundle.index.add(
+                        vectors, [(relative, label, digest) for relative, label, digest, *_ in prepared]
+                    )
+            except BaseException:
+                for target in written:  # files of items that never made it into the index
+                    target.unlink(missing_ok=True)
+                raise
+            with _storage(f"items {ids} were stored and are searchable, but the index files were not saved"):
+                bundle.index.save()
+            return [find_item(bundle, item_id) for item_id in ids]
+
+    def remove(self, item_id: int) -> Item:
+        """Remove an item from the index (its gallery file stays on disk) and save the index."""
+        with self.current.writing() as bundle:
+            item = find_item(bundle, item_id)
+            with _storage("nothing was removed"):
+                bundle.index.remove([item_id])
+            with _storage(f"item {item_id} was removed, but the index files were not saved"):
+                bundle.index.save()
+        return item
+
+
+def _label_folder(bundle: LoadedBundle, root: Path, label: str | None, position: int) -> str | None:
+    """The label (NFC) once it is a safe folder name of its own under ``root``; else InvalidItemError."""
+    if label is None:
+        return None
+    try:
+        label = check_label(label)
+    except InvalidLabelError as err:
+        raise InvalidItemError(f"image {position}: {err}") from None
+    folder = root / label
+    # A symlinked folder could lead anywhere; a file (LICENSES.md) cannot hold images.
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        raise InvalidItemError(f"image {position}: label {label!r} names a file in the gallery folder")
+    if bundle.index.directory.resolve().is_relative_to(folder.resolve()):
+        raise InvalidItemError(f"image {position}: label {label!r} names the index's own folder")
+    return label
+
+
+def _gallery_root(bundle: LoadedBundle) -> Path:
+    root = bundle.index.manifest.gallery_root
+    if root is None:
+        raise InvalidItemError("the index records no gallery folder to store new images in")
+    return Path(root).resolve()

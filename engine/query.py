@@ -1,0 +1,171 @@
+"""The query service: one ``search(queries, options)`` for an uploaded image, a batch of them, or an item.
+
+Queries are decoded one by one, embedded as one batch and searched as one batch; then each is re-ranked
+when asked, ranked, voted on and cut to its page (``engine.ranking``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine import defaults
+from engine.decoding import RUN_IMAGES, batch_tensor, open_uploads
+from engine.item_reader import ItemReader
+from engine.ranking import QueryHits, rank_page, rerank_depth
+from engine.serving import CurrentBundle, LoadedBundle, ServingConfig
+from index.filters import ItemFilter
+from index.gallery import Hit
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What a client asks of a search, the same for every query of a request.
+
+    New ways to narrow a search (filters on the items) belong here: the service hands the options down to
+    the index search and the ranking, and routes and commands pass them along whole.
+    """
+
+    k: int = defaults.TOP_K
+    min_score: float = defaults.MIN_SCORE
+    offset: int = 0  # skip this many of the best results (paging); ranks stay global
+    predict: bool = False
+    rerank: str | None = None
+    where: ItemFilter | None = None  # only items it lets through (label, path prefix, time added)
+
+
+@dataclass(frozen=True)
+class ItemQuery:
+    """Search by an indexed item: its stored image is the query, and the item itself is left out."""
+
+    item_id: int
+
+
+Query = bytes | ItemQuery  # an uploaded image, or an item of the index
+
+
+@dataclass(frozen=True)
+class BatchResponse:
+    queries: list[QueryHits]  # one per query, in order
+    took_ms: float
+    model_fingerprint: str
+    timings_ms: dict[str, float]
+
+
+class RerankUnavailableError(ValueError):
+    """A re-ranking was asked for that the served model cannot do."""
+
+
+class StageTimer:
+    """Wall-clock milliseconds per named stage of one request."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.ms: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - start) * 1000.0
+
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.started) * 1000.0
+
+
+class QueryService:
+    def __init__(self, current: CurrentBundle, reader: ItemReader, config: ServingConfig) -> None:
+        self.current = current
+        self.reader = reader
+        self.config = config
+
+    def search(self, queries: Sequence[Query], options: SearchOptions) -> BatchResponse:
+        """Search with each query; raises ``ImageDecodeError`` for a bad image, named by its position
+        (``image 2:``) when there are several, before any model work is done (and for queries over the
+        request's pixel budget, before any image is decoded); ``ItemNotFoundError`` for an unknown item."""
+        embedder = self.current.bundle.embedder
+        self._check(options, self.current.bundle)
+        timer = StageTimer()
+        with timer.stage("decode"):
+            images = [
+                self.reader.image_path(query.item_id).read_bytes() if isinstance(query, ItemQuery) else query
+                for query in queries
+            ]
+            headers = open_uploads(images, self.config.budget(embedder))
+        tensor = batch_tensor(headers, embedder.card.preprocessing, stage=timer.stage)
+        with timer.stage("embed"):
+            vectors = embedder.embed_tensor(tensor, run_size=RUN_IMAGES)
+        excluded = [query.item_id if isinstance(query, ItemQuery) else None for query in queries]
+        hits = self._search_vectors(vectors, excluded, options, timer)
+        return BatchResponse(hits, timer.elapsed_ms(), embedder.fingerprint, timer.ms)
+
+    def _check(self, options: SearchOptions, bundle: LoadedBundle) -> None:
+        if options.k < 1 or options.offset < 0:
+            raise ValueError(f"k must be >= 1 and offset >= 0, got k={options.k}, offset={options.offset}")
+        if options.rerank is not None and options.rerank not in bundle.rerankers:
+            card = bundle.embedder.card
+            raise RerankUnavailableError(
+                f"the served model ({card.backbone}, loss {card.loss or 'none'}) cannot re-rank with "
+                f"{options.rerank!r}: rerank=pddm needs a model exported with its PDDM scoring unit "
+                "(dmlsearch export of a run trained with --loss pddm)"
+            )
+
+    def _search_vectors(
+        self,
+        vectors: np.ndarray,
+        excluded: Sequence[int | None],
+        options: SearchOptions,
+        timer: StageTimer,
+    ) -> list[QueryHits]:
+        """Search, drop each query's excluded item and the hits below ``min_score`` (a cosine cut,
+        re-ranked or not), re-rank when asked, then rank, vote and cut the page.
+
+        With rerank, the page is taken from the re-ranked pool (``engine.ranking.rerank_depth``): an
+        ``offset`` past the pool gives short or empty pages, and the vote is over the top ``offset + k``
+        of the re-ranked list, weighted by their cosine scores like any vote.
+        """
+        if options.rerank:
+            depth = rerank_depth(options.k, self.config.rerank_pool)
+        else:
+            depth = options.offset + options.k
+        # One extra neighbour for a query item, which is dropped from its own results.
+        extra = any(item_id is not None for item_id in excluded)
+        with self.current.reading() as bundle:  # the candidates' vectors are read before a write removes them
+            with timer.stage("search"):
+                hit_lists = [
+                    [hit for hit in hits if hit.item.id != exclude and hit.score >= options.min_score]
+                    if exclude is not None
+                    else [hit for hit in hits[:depth] if hit.score >= options.min_score]
+                    for hits, exclude in zip(
+                        bundle.index.search(vectors, depth + extra, options.where), excluded, strict=True
+                    )
+                ]
+            pddm_lists: list[np.ndarray | None] = [None] * len(hit_lists)
+            if options.rerank:
+                with timer.stage("rerank"):
+                    pddm_lists = [
+                        _pddm_scores(bundle, v, hits) for v, hits in zip(vectors, hit_lists, strict=True)
+                    ]
+        return [
+            rank_page(
+                hits,
+                pddm,
+                k=options.k,
+                offset=options.offset,
+                predict=options.predict,
+                vote_sigma2=self.config.vote_sigma2,
+            )
+            for hits, pddm in zip(hit_lists, pddm_lists, strict=True)
+        ]
+
+
+def _pddm_scores(bundle: LoadedBundle, query: np.ndarray, hits: Sequence[Hit]) -> np.ndarray:
+    """S(query, candidate) for each hit, from the candidates' stored (exact, not re-embedded) vectors."""
+    ids = [hit.item.id for hit in hits]
+    return bundle.reranker.score(query, bundle.index.vectors(ids))

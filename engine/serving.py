@@ -1,0 +1,112 @@
+"""What the query service and the item writer share: the served bundle (an index and its loaded model),
+swapped as one unit, the lock around it, and the serving rules both apply to images.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from engine import defaults
+from engine.bundle import resolve_model
+from engine.decoding import PixelBudget
+from engine.embedder import Embedder
+from engine.locks import ReadWriteLock
+from engine.reranker import PDDMReranker
+from index.gallery import GalleryIndex
+
+
+@dataclass(frozen=True)
+class LoadedBundle:
+    """An index with the model that embedded it (and the model's PDDM unit, if it has one), loaded.
+
+    Everything one search needs, so that a reload replaces it as one unit: a query never meets an index
+    embedded by another model than its own.
+    """
+
+    embedder: Embedder
+    index: GalleryIndex
+    reranker: PDDMReranker | None = None
+
+    def __post_init__(self) -> None:
+        self.index.check_model(self.embedder.fingerprint, self.embedder.dim)
+
+    @classmethod
+    def open(
+        cls,
+        model_path: Path | None,
+        index_dir: Path,
+        *,
+        threads: int = 0,
+        backend: str | None = None,
+        milvus_uri: str | None = None,
+    ) -> LoadedBundle:
+        """``model_path``: None serves the model the index carries; ``backend``: refuse an index of another
+        backend; ``milvus_uri``: where its Milvus collection is. The model's PDDM unit is loaded too when
+        its card names one (a model exported from a pddm run)."""
+        embedder = Embedder(resolve_model(index_dir, model_path), threads=threads)
+        index = GalleryIndex.open(index_dir, backend=backend, milvus_uri=milvus_uri)
+        reranker = PDDMReranker.for_model(embedder.model_path, embedder.card, threads=threads)
+        return cls(embedder, index, reranker)
+
+    def with_index(self, index: GalleryIndex) -> LoadedBundle:
+        """The same model over another index (checked to be embedded by it)."""
+        return replace(self, index=index)
+
+    @property
+    def rerankers(self) -> list[str]:
+        """The ``rerank`` values this bundle can answer: ``pddm`` when the model carries its PDDM unit
+        (every index backend gives the candidates' stored vectors back)."""
+        return ["pddm"] if self.reranker is not None else []
+
+
+class CurrentBundle:
+    """The bundle being served and the readers-writer lock around it: searches share it, a write (add,
+    remove) or a swap (reload) has it alone."""
+
+    def __init__(self, bundle: LoadedBundle) -> None:
+        self.bundle = bundle
+        self.lock = ReadWriteLock()
+
+    @contextmanager
+    def reading(self) -> Iterator[LoadedBundle]:
+        with self.lock.read():
+            yield self.bundle
+
+    @contextmanager
+    def writing(self) -> Iterator[LoadedBundle]:
+        with self.lock.write():
+            yield self.bundle
+
+    def swap(self, bundle: LoadedBundle) -> LoadedBundle:
+        """Serve ``bundle`` from now on, once the searches and writes under way are done; returns the old
+        one (for the caller to close what the new one does not share)."""
+        with self.lock.write():
+            old, self.bundle = self.bundle, bundle
+        return old
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """The serving rules (``app.settings`` sets them for the API)."""
+
+    max_pixels: int = defaults.MAX_IMAGE_PIXELS
+    max_batch_pixels: int = defaults.MAX_BATCH_PIXELS
+    jpeg_draft: bool = defaults.JPEG_DRAFT
+    vote_sigma2: float = defaults.VOTE_SIGMA2
+    rerank_pool: int = defaults.RERANK_POOL
+
+    def __post_init__(self) -> None:
+        if self.rerank_pool < 1:
+            raise ValueError(f"rerank_pool must be at least 1, got {self.rerank_pool}")
+
+    def budget(self, embedder: Embedder) -> PixelBudget:
+        """What one request may decode for ``embedder``.
+
+        JPEG draft decoding: libjpeg scales by 1/2..1/8 while decoding, keeping the short side at least the
+        model's resize size, so a 12-MP photo is not decoded in full only to be shrunk to 224 px.
+        """
+        draft_size = embedder.card.preprocessing.resize_size if self.jpeg_draft else None
+        return PixelBudget(self.max_pixels, self.max_batch_pixels, draft_size)
