@@ -1,6 +1,6 @@
 """build-index throughput against the model alone: is the model ever idle waiting for pixels?
 
-    python bench/build_speed.py --data ../shared/data/cars196/images --work /work/cache/ingest
+    python bench/build_speed.py --data CARS196/images [--work ~/.cache/dmlsearch/ingest]
                                 [--count 2000] [--large-count 200] [--workers 0 1 2 3] [--threads 0]
 
 In one run, on one model (the pretrained export, or ``--model``):
@@ -130,7 +130,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--data", type=Path, required=True, help="Folder of 224-px images (Cars196).")
-    parser.add_argument("--work", type=Path, required=True, help="Cache for the generated files.")
+    parser.add_argument(
+        "--work", type=Path, default=defaults.CACHE_DIR / "ingest", help="Cache for the generated files."
+    )
     parser.add_argument("--model", type=Path, help="model.onnx (default: the pretrained export).")
     parser.add_argument("--count", type=int, default=2000, help="224-px images built end to end.")
     parser.add_argument("--large-count", type=int, default=200, help="12-MP JPEGs built end to end.")

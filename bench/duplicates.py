@@ -1,6 +1,6 @@
 """Near-duplicate detection: pair precision and recall on real photos, and time to group 100k items.
 
-    python bench/duplicates.py --data ../shared/data/cars196 --model artifacts/model/model.onnx
+    python bench/duplicates.py --data CARS196 --model artifacts/model/model.onnx
 
 1. Quality. The Cars196 test images (``dml_split`` test in labels.csv) plus generated near-duplicates of
    a random sample of them: re-encoded (JPEG q=60), resized to half, centre-cropped to 90%, mirrored, and
@@ -23,6 +23,7 @@ import argparse
 import csv
 import io
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -271,8 +272,7 @@ def main() -> None:
         by_kind = recall_by_variant(data, float(chosen), Path(work) / "c")
         speed_result = speed(originals.shape[1], args.speed_items, args.seed, Path(work) / "speed")
     result = {
-        "command": "python bench/duplicates.py --data ../shared/data/cars196 --model "
-        f"{args.model} --sources {args.sources} --seed {args.seed}",
+        "command": "python bench/duplicates.py " + " ".join(sys.argv[1:]),
         "photos": len(originals),
         "sources": args.sources,
         "variants": list(VARIANTS),

@@ -1,7 +1,7 @@
 """Per-image embedding time: torch eager vs onnxruntime fp32 vs onnxruntime int8, batch 1 and 32, one run.
 
     python bench/embed_speed.py [--threads 2] [--repeats 5]
-                                [--calibration ../shared/data/cars196/images] [--calibration-count 300]
+                                [--calibration CARS196/images] [--calibration-count 300]
 
 All three run the same pretrained model with the same thread count. With ``--calibration`` the fp32
 export is also quantised to int8 (``training.quantize``, as ``dmlsearch export --int8`` does) on that

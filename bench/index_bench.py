@@ -14,8 +14,8 @@ benchmark's queries. All rows of one run share the machine, so their ratios comp
 Data (dimension 512, unit vectors):
 - ``embedding``: a mixture of many tight clusters on the sphere, ~100 vectors per cluster (cosine ~0.9
   to their centre), centres scattered (cosine ~0.8) around seed vectors. The seeds are real Cars196
-  embeddings (the pretrained EfficientNet-Lite0, randomly projected from 1280 to 512 dimensions) when
-  ../shared/data/cars196 is present, uniform random directions otherwise.
+  embeddings (the pretrained EfficientNet-Lite0, randomly projected from 1280 to 512 dimensions) with
+  ``--cars196 IMAGES_DIR``, uniform random directions otherwise.
 - ``uniform``: uniform random unit vectors, the worst case for every index (no structure to exploit).
 """
 
@@ -49,7 +49,6 @@ CENTRE_COSINE = 0.8  # a cluster centre to its seed
 K = 10
 MILVUS_TUNING_QUERIES = 500
 NUMPY_CHECK_QUERIES = 100
-SHARED_CARS = Path(__file__).resolve().parents[2] / "shared" / "data" / "cars196" / "images"
 
 
 def count_of(text: str) -> int:
@@ -414,6 +413,7 @@ def main() -> None:
     )
     parser.add_argument("--latency-budget", type=float, default=20.0, help="seconds per latency measurement")
     parser.add_argument("--seed-images", type=int, default=600, help="Cars196 images embedded as seeds")
+    parser.add_argument("--cars196", type=Path, help="Cars196 images folder for the embedding seeds")
     parser.add_argument("--out", type=Path, default=Path("bench/results/index_bench"))
     args = parser.parse_args()
     args.types = args.types.split(",")
@@ -421,12 +421,12 @@ def main() -> None:
     rng = np.random.default_rng(0)
     if "embedding" not in args.data:
         seeds, seeds_note = np.zeros((0, DIM), np.float32), "not used"
-    elif SHARED_CARS.exists():
-        seeds = cars196_seeds(args.seed_images, DIM, rng, SHARED_CARS)
+    elif args.cars196 is not None:
+        seeds = cars196_seeds(args.seed_images, DIM, rng, args.cars196)
         seeds_note = f"{len(seeds)} Cars196 images, pretrained EfficientNet-Lite0, projected to {DIM}-d"
     else:
         seeds = unit(rng.standard_normal((args.seed_images, DIM)))
-        seeds_note = f"{args.seed_images} uniform random directions (../shared/data not present)"
+        seeds_note = f"{args.seed_images} uniform random directions (no --cars196 given)"
     meta = {
         "command": "python bench/index_bench.py " + " ".join(sys.argv[1:]),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, faiss "

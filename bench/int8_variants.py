@@ -1,6 +1,6 @@
 """Which int8 quantisation keeps retrieval? Variants of onnxruntime static quantisation against fp32.
 
-    python bench/int8_variants.py --data ../shared/data/cars196/images --calibration CALIBRATION_DIR
+    python bench/int8_variants.py --data CARS196/images --calibration CALIBRATION_DIR
                                   [--queries 480] [--calibration-count 300]
 
 The pretrained model is exported once, then quantised per variant (format, activation type, per-channel,

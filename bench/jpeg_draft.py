@@ -1,6 +1,6 @@
 """Does JPEG draft decoding (libjpeg's reduced-size DCT) change retrieval? Recall@K, full vs draft decoding.
 
-    python bench/jpeg_draft.py --data ../shared/data/cars196/images [--classes 98] [--size 1600]
+    python bench/jpeg_draft.py --data CARS196/images [--classes 98] [--size 1600]
                                [--draft-margins 1,2]
 
 Real queries are phone photos, not 224-pixel crops. Each Cars196 test image (the DML protocol's unseen

@@ -1,6 +1,6 @@
 """Load test of the HTTP API: a real uvicorn server on loopback, N concurrent clients for a bounded time.
 
-    python bench/load.py [--data ../shared/data/cars196/images] [--clients 16] [--duration 60]
+    python bench/load.py [--data CARS196/images] [--clients 16] [--duration 60]
 
 The gallery is a Cars196 index (the first ``--gallery-size`` test-class images of ``--data``) when the data
 is there, the generated demo gallery otherwise. Queries mix the data set's small crops with 12-megapixel
@@ -268,7 +268,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--data", type=Path, default=Path("../shared/data/cars196/images"))
+    parser.add_argument("--data", type=Path, help="Cars196 images folder (default: the demo gallery)")
     parser.add_argument("--model", type=Path, help="model.onnx (default: export the pretrained backbone)")
     parser.add_argument("--gallery-size", type=int, default=1000)
     parser.add_argument("--clients", type=int, default=16)

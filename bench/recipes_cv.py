@@ -1,7 +1,7 @@
 """Cross-validate the training recipes over class folds of the Cars196 training classes.
 
-    OMP_NUM_THREADS=1 python bench/recipes_cv.py --data ../shared/data/cars196/images \\
-        [--cache-dir ../cache/dmlsearch] [--runs-dir ../cache/dmlsearch/recipes-cv] [--folds 3] \\
+    OMP_NUM_THREADS=1 python bench/recipes_cv.py --data CARS196/images \\
+        [--cache-dir ~/.cache/dmlsearch] [--runs-dir ~/.cache/dmlsearch/recipes-cv] [--folds 3] \\
         [--methods almn magnet ...] [--candidates paper recommended ...] [--max-steps N] [--patience N] \\
         [--set views=0 ...] [--report-only]
 
@@ -35,6 +35,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from engine.defaults import CACHE_DIR
 from index.atomic import atomic_write_text
 from training.config import TrainConfig
 from training.recipes import DEFAULT_RECIPE, RecipeName, parse_assignments, recipe, resolve
@@ -234,9 +235,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--data", type=Path, default=Path("../shared/data/cars196/images"))
-    parser.add_argument("--cache-dir", type=Path, default=Path("../cache/dmlsearch"))
-    parser.add_argument("--runs-dir", type=Path, default=Path("../cache/dmlsearch/recipes-cv"))
+    parser.add_argument("--data", type=Path, required=True, help="Cars196 images folder")
+    parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="backbone feature cache")
+    parser.add_argument("--runs-dir", type=Path, default=CACHE_DIR / "recipes-cv")
     parser.add_argument("--methods", nargs="*", choices=METHODS, default=list(METHODS))
     parser.add_argument("--candidates", nargs="*", help="candidate names to run (default: all)")
     parser.add_argument("--folds", type=int, default=TrainConfig.model_fields["folds"].default)

@@ -1,6 +1,6 @@
 """Recall@1/2/4/8 (and MAP@R) of an exported ONNX model with the deep-metric-learning protocol.
 
-    python bench/retrieval.py --data ../shared/data/cars196/images [--model model.onnx] [--split test]
+    python bench/retrieval.py --data CARS196/images [--model model.onnx] [--split test]
 
 The data is an ImageFolder-style directory or a ``path,label[,split]`` CSV. Classes are split as in the
 papers (first half train, second half test; see ``training.data.split_classes``) and every image of the

@@ -1,7 +1,7 @@
 """Train every registered loss on Cars196 with the same budget and tabulate the results.
 
-    OMP_NUM_THREADS=1 python bench/train_all.py --data ../shared/data/cars196/images \\
-        [--mode frozen|partial] [--cache-dir ../cache/dmlsearch] [--runs-dir ../cache/dmlsearch/bench-runs] \\
+    OMP_NUM_THREADS=1 python bench/train_all.py --data CARS196/images \\
+        [--mode frozen|partial] [--cache-dir ~/.cache/dmlsearch] [--runs-dir ~/.cache/dmlsearch/bench-runs] \\
         [--methods almn magnet ...] [--recipe recommended|paper] [--max-steps N] [--patience N] [--seed 0] \\
         [--set views=2 ...]
 
@@ -47,6 +47,7 @@ import torch
 from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import miners as pml_miners
 
+from engine.defaults import CACHE_DIR
 from index.atomic import atomic_write_text
 from training.config import TrainConfig
 from training.losses import LOSSES, MetricLoss, register_loss
@@ -301,9 +302,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--data", type=Path, default=Path("../shared/data/cars196/images"))
-    parser.add_argument("--cache-dir", type=Path, default=Path("../cache/dmlsearch"))
-    parser.add_argument("--runs-dir", type=Path, default=Path("../cache/dmlsearch/bench-runs"))
+    parser.add_argument("--data", type=Path, required=True, help="Cars196 images folder")
+    parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="backbone feature cache")
+    parser.add_argument("--runs-dir", type=Path, default=CACHE_DIR / "bench-runs")
     parser.add_argument("--methods", nargs="*", help="row labels to run (default: all)")
     parser.add_argument("--recipe", choices=RECIPE_NAMES, default=DEFAULT_RECIPE)
     parser.add_argument("--max-steps", type=int, help="override every recipe's step budget")

@@ -8,6 +8,7 @@ defaults in its help. Index options (type, memory budget, target recall) live on
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 # Where `dmlsearch export` writes the pretrained model and where `serve` looks for the model and index.
@@ -39,6 +40,10 @@ BATCH_SIZE = 32
 DECODE_WORKERS = 2
 # Images that calibrate an int8 export's activation ranges (training.quantize; bench/int8_variants.py).
 CALIBRATION_IMAGES = 300
+
+# Where the benchmarks keep extracted features and their training runs: $XDG_CACHE_HOME/dmlsearch, by
+# default ~/.cache/dmlsearch (outside the repository, shared by every checkout on the machine).
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dmlsearch"
 
 # Where `dmlsearch serve` listens and `dmlsearch ui` (and the Streamlit page) finds it.
 API_HOST = "127.0.0.1"
