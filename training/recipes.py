@@ -52,8 +52,8 @@ COMMON: dict[str, Choice] = {
 _DOT_SCALE = Choice(
     4.0,
     "the loss sees 4x the head output (logits within +-1 otherwise); without it N-pair and Angular "
-    "degrade (Angular test 62.53 at 1x vs 70.82 at 4x, train_all.md; Angular's class-fold CV gains "
-    "+6.23/+6.27/+1.97 vs +2.22/-0.23/-2.08 printed, recipes_cv.md)",
+    "degrade (Angular test 62.53 at 1x vs 70.82 at 4x, train_all.md; class-fold CV gains, Angular "
+    "+6.23/+6.27/+1.97 vs +2.22/-0.23/-2.08 printed, NL&AL +6.12/+6.35/+1.89 vs +1.85/-0.23/-2.67)",
 )
 
 RECIPES: dict[str, dict[str, Choice]] = {
