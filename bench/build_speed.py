@@ -58,15 +58,16 @@ def pretrained_model(work: Path) -> Path:
 
 
 def small_folder(data: Path, count: int, work: Path) -> Path:
-    """The first ``count`` images of ``data`` as symlinks under ``work`` (same labels, same bytes)."""
-    folder = work / f"small_{count}"
+    """The first ``count`` images of ``data`` copied under ``work`` (same labels, same bytes; copies, as
+    build-index skips links that lead outside the gallery)."""
+    folder = work / f"small_{count}_copies"
     if not folder.exists():
-        staging = work / f".small_{count}.tmp"
+        staging = work / f".{folder.name}.tmp"
         shutil.rmtree(staging, ignore_errors=True)
         for path in list_images(data)[:count]:
-            link = staging / path.relative_to(data)
-            link.parent.mkdir(parents=True, exist_ok=True)
-            link.symlink_to(path.resolve())
+            target = staging / path.relative_to(data)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
         staging.rename(folder)
     return folder
 
