@@ -25,7 +25,7 @@ from training.metrics import answerable, evaluate, nearest_neighbours
 from training.report_files import EVAL_FILE
 from training.run_dir import RunDirectory, RunDirError
 from training.samplers import NeighbourhoodSampler
-from training.trainer import SELECTION_METRIC
+from training.trainer import SELECTION_METRIC, ValidationGain
 
 
 @dataclass(frozen=True)
@@ -177,19 +177,6 @@ def save_comparison(run_path: Path, comparison: Comparison) -> Path:
     path = run_path / EVAL_FILE
     atomic_write_text(path, json.dumps(comparison.to_dict(), indent=2) + "\n")
     return path
-
-
-@dataclass(frozen=True)
-class ValidationGain:
-    """Validation Recall@1 of the untrained backbone (step 0) and of the selected checkpoint."""
-
-    untrained: float
-    trained: float
-    best_step: int
-
-    @property
-    def improved(self) -> bool:
-        return self.best_step > 0 and self.trained > self.untrained
 
 
 def validation_gain(run_path: Path) -> ValidationGain:

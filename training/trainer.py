@@ -117,6 +117,20 @@ def prepare_data(
     )
 
 
+@dataclass(frozen=True)
+class ValidationGain:
+    """Validation Recall@1 of the untrained backbone's raw features (recorded at step 0) and of the selected
+    checkpoint: a run improved on the backbone only if a trained step beat them."""
+
+    untrained: float
+    trained: float
+    best_step: int
+
+    @property
+    def improved(self) -> bool:
+        return self.best_step > 0 and self.trained > self.untrained
+
+
 @dataclass
 class TrainState:
     """A run's progress: what ``checkpoints/last.pt`` holds besides the components' own states."""
