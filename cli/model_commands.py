@@ -163,6 +163,7 @@ def train(
     from training.data import DataError
     from training.recipes import AUTO_CANDIDATES, AUTO_RACE_STEPS, DEFAULT_RECIPE, parse_assignments, resolve
     from training.run_dir import RunDirError
+    from training.trainer import SELECTION_METRIC
     from training.trainer import train as run_training
 
     if not data.exists():
@@ -206,7 +207,15 @@ def train(
     typer.echo(f"validation  {_metrics_line(summary['val'])}")
     typer.echo(f"test        {_metrics_line(summary['test'])}")
     typer.echo(f"untrained   {_metrics_line(summary['test_backbone'])}")
-    typer.echo(f"run in {out}; export it with: dmlsearch export {out}")
+    if summary.get("beats_backbone") is False:  # runs finished before it was recorded lack the key
+        untrained = 100 * summary["val_backbone"][SELECTION_METRIC]
+        typer.echo(
+            f"run in {out}: NOT better than the untrained backbone on validation (recall@1 {untrained:.2f}), "
+            "so `dmlsearch export` refuses it; keep serving the untrained backbone, or train with more "
+            "images or another recipe"
+        )
+    else:
+        typer.echo(f"run in {out}; export it with: dmlsearch export {out}")
 
 
 @commands.command()

@@ -3,9 +3,11 @@
 One loop for both modes (:mod:`training.workloads`), single process or ``torchrun`` DDP. Every epoch (or
 ``eval_every`` steps) the model is evaluated on the validation classes; the best step's weights are kept
 in ``checkpoints/best.pt``, starting with the untrained model (step 0: the PCA-initialised head), so the
-selected model is never worse on validation than no training at all. ``checkpoints/last.pt`` holds
-everything needed to continue after an interruption (weights, optimiser, sampler and generator states);
-a stop signal (``engine.stopping``) saves it after the current step and ends the run there.
+selected model is never worse on validation than its starting point. The honest baseline is the backbone's
+own pooled features, without any head: their validation metrics are recorded at step 0 (``val_backbone``)
+and the summary says whether the selected model beat them (``beats_backbone``). ``checkpoints/last.pt``
+holds everything needed to continue after an interruption (weights, optimiser, sampler and generator
+states); a stop signal (``engine.stopping``) saves it after the current step and ends the run there.
 At the end the best model is evaluated on the unseen test classes into ``summary.json``.
 """
 
@@ -242,10 +244,13 @@ class _Training:
 
     def _initialise(self) -> None:
         """Start a run: validate the untrained model (step 0, the first best) and save it."""
-        data, seed = self.data, self.config.seed
         self.records.append(self._validate(step=0, train_loss=None))
-        self.records[-1]["val_backbone"] = evaluate(data.features["val"], data.labels("val"), seed=seed)
+        self.records[-1]["val_backbone"] = self._backbone_metrics("val")
         self._save()
+
+    def _backbone_metrics(self, split: str) -> dict[str, float]:
+        """The untrained backbone's own pooled features on ``split``, without any head: the baseline."""
+        return evaluate(self.data.features[split], self.data.labels(split), seed=self.config.seed)
 
     def _wrap_for_ddp(self) -> nn.Module:
         """The module the loop calls: the objective, or under torchrun its DistributedDataParallel."""
@@ -375,6 +380,9 @@ class _Training:
         best, state = self.best, self.state
         self.objective.load_state_dict(best["objective"])
         seed = self.config.seed
+        # A run started before the baseline was recorded at step 0 gets it now.
+        val_backbone = self.records[0].get("val_backbone") or self._backbone_metrics("val")
+        gain = ValidationGain(val_backbone[SELECTION_METRIC], best["val"][SELECTION_METRIC], best["step"])
         summary = {
             "loss": self.config.loss,
             "mode": self.config.mode,
@@ -383,15 +391,19 @@ class _Training:
             "best_step": best["step"],
             "train_seconds": round(state.elapsed, 1),
             "val": best["val"],
+            "val_backbone": val_backbone,
+            "beats_backbone": gain.improved,
             "test": evaluate(self.workload.embed("test"), self.data.labels("test"), seed=seed),
-            "test_backbone": evaluate(self.data.features["test"], self.data.labels("test"), seed=seed),
+            "test_backbone": self._backbone_metrics("test"),
             "skipped_images": int(len(self.data.images) - sum(len(v) for v in self.data.indices.values())),
         }
         if self.dist.is_main:
             self.run_dir.write_summary(summary)
-        if best["step"] == 0:
+        if not gain.improved:
             warnings.warn(
-                f"{self.config.loss}: no step beat the untrained model on validation; kept step 0",
+                f"{self.config.loss}: the selected model (step {gain.best_step}, validation recall@1 "
+                f"{100 * gain.trained:.2f}) is not better than the untrained backbone's own features "
+                f"({100 * gain.untrained:.2f}); export refuses it, keep serving the untrained backbone",
                 stacklevel=2,
             )
         return summary

@@ -132,6 +132,8 @@ def test_cli_train_eval_export(labelled_folder: Path, feature_cache: Path, tmp_p
     )
     assert result.exit_code == 0, result.output
     assert "test        recall@1" in result.output
+    beats = RunDirectory(out).read_summary()["beats_backbone"]
+    assert ("export it with" if beats else "NOT better than the untrained backbone") in result.output
     config = RunDirectory(out).require_config()
     assert config.loss_hparams == {"margin": 0.3} and config.max_steps == 3 and config.head_hidden == 32
 

@@ -13,8 +13,9 @@ import torch
 
 from tests.helpers import tiny_train_config
 from training.config import TrainConfig
+from training.metrics import evaluate
 from training.run_dir import RunDirectory, RunDirError
-from training.trainer import train
+from training.trainer import prepare_data, train
 
 
 def _config(data: Path, cache: Path, **overrides: Any) -> TrainConfig:
@@ -36,6 +37,8 @@ def test_frozen_run_writes_a_complete_run_directory(
     best = run.load_checkpoint("best")
     assert best["step"] == records[scores.index(max(scores))]["step"] == summary["best_step"]
     assert summary["val"] == best["val"]
+    beaten = summary["best_step"] > 0 and summary["val"]["recall@1"] > summary["val_backbone"]["recall@1"]
+    assert summary["beats_backbone"] == beaten
     assert set(summary["test"]) == {"recall@1", "recall@2", "recall@4", "recall@8", "map@r", "nmi", "f1"}
     assert run.read_config() == _config(labelled_folder, feature_cache)
     assert json.loads(run.summary_path.read_text()) == summary
@@ -154,3 +157,18 @@ def test_view_seed_shares_augmented_views_across_run_seeds(
     own = _config(labelled_folder, cache, views=1, max_steps=2, eval_every=2, seed=1)
     train(own, tmp_path / "c", progress=False)
     assert len(set(features.iterdir()) - extracted) == 1  # without view_seed, seed 1 crops its own view
+
+
+def test_the_raw_backbone_validation_baseline_is_recorded(
+    labelled_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    # At lr 1e-12 no step can beat step 0; whether step 0 beats the raw features is what the record says.
+    config = _config(labelled_folder, feature_cache, lr=1e-12, max_steps=4)
+    with pytest.warns(UserWarning, match="not better than the untrained backbone's own features"):
+        summary = train(config, tmp_path / "run", progress=False)
+    data = prepare_data(config, feature_cache, progress=False)
+    raw = evaluate(data.features["val"], data.labels("val"), seed=config.seed)
+    records = RunDirectory(tmp_path / "run").read_metrics()
+    assert records[0]["val_backbone"] == summary["val_backbone"] == raw
+    assert summary["best_step"] == 0 and summary["beats_backbone"] is False
+    assert summary["test_backbone"] == evaluate(data.features["test"], data.labels("test"), seed=config.seed)
