@@ -25,15 +25,15 @@ from app.access_log import RedactQueryValues, redact_query
 def test_serve_believes_forwarded_headers_only_from_trusted_proxies(
     monkeypatch: pytest.MonkeyPatch, flags: list[str], env: dict[str, str], expected: tuple
 ) -> None:
-    import uvicorn
-
-    from cli.main import app
+    import app.server
+    from cli.main import app as cli
 
     calls: list[dict] = []
-    monkeypatch.setattr(uvicorn, "run", lambda _app, **kwargs: calls.append(kwargs))
+    # serve hands uvicorn's options to app.server.run_server (its own server class); capture them there.
+    monkeypatch.setattr(app.server, "run_server", lambda _app, _settings, **kwargs: calls.append(kwargs))
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    result = CliRunner().invoke(app, ["serve", "--index", "nowhere", *flags])
+    result = CliRunner().invoke(cli, ["serve", "--index", "nowhere", *flags])
     assert result.exit_code == 0, result.output
     (kwargs,) = calls
     assert (kwargs["proxy_headers"], kwargs["forwarded_allow_ips"]) == expected

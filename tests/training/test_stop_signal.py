@@ -41,8 +41,10 @@ def test_sigterm_of_train_saves_last_pt_and_the_rerun_resumes(
     process = subprocess.Popen(
         [*command, "-p", "max_steps=1000000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    wait_until(lambda: best.exists() or process.poll() is not None, 180, "training to start")  # step 0
-    assert not last.exists()  # the first validation that writes it is 1000 steps away
+    # The step-0 validation writes best.pt, then last.pt; the next validation is 1000 steps away.
+    wait_until(lambda: last.exists() or process.poll() is not None, 180, "training to start")
+    assert best.exists()
+    assert RunDirectory(out).load_checkpoint("last")["step"] == 0
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGTERM, output  # before: killed, nothing saved since step 0
