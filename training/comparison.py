@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
+from engine.run_proof import EVAL_FILE
 from index.atomic import atomic_write_text
 from training.bootstrap import DEFAULT_RESAMPLES, Interval, paired_bootstrap
 from training.evaluation import EvalSplit, RunEmbeddings, embed_run
 from training.losses.magnet import KNCClassifier
 from training.metrics import answerable, evaluate, nearest_neighbours
-from training.report_files import EVAL_FILE
 from training.run_dir import RunDirectory, RunDirError
 from training.samplers import NeighbourhoodSampler
 from training.trainer import SELECTION_METRIC, ValidationGain

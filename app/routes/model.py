@@ -17,7 +17,7 @@ from app.deps import Service
 from app.errors import ApiError
 from app.schemas import ErrorOut, ModelCardOut, PlotOut
 from engine.model_card import ModelCard
-from training.report_files import EVAL_FILE, PLOTS, REPORT_FILE, plot_path
+from engine.run_proof import EVAL_FILE, PLOTS, REPORT_FILE, plot_path
 
 router = APIRouter(tags=["model"])
 ERRORS = {code: {"model": ErrorOut} for code in (404, 429, 503)}

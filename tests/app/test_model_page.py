@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from engine.model_card import ModelCard
+from engine.run_proof import EVAL_FILE, PLOTS, plot_path
 from tests.helpers import Served, copy_served, uvicorn_server
 from training.comparison import compare_embeddings
-from training.report_files import EVAL_FILE, PLOTS, plot_path
 
 PAGE = Path(__file__).resolve().parents[2] / "app" / "ui.py"
 

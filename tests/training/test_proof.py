@@ -20,10 +20,10 @@ from app.settings import Settings
 from cli.main import app
 from engine.embedder import Embedder
 from engine.indexing import build_index
+from engine.run_proof import EVAL_FILE, PLOTS, REPORT_FILE, plot_path
 from tests.helpers import tiny_train_config
 from training.bootstrap import paired_bootstrap
 from training.comparison import compare_embeddings, knc_accuracy, validation_gain
-from training.report_files import EVAL_FILE, PLOTS, REPORT_FILE, plot_path
 from training.run_dir import RunDirectory
 from training.trainer import train
 

@@ -1,6 +1,6 @@
-"""Where a run keeps its proof: the files ``dmlsearch eval`` and ``dmlsearch report`` write into the run
-directory, and what each plot shows. Import-light, so the API server can find and serve them without
-loading the training stack."""
+"""Where a training run keeps its proof: the files ``dmlsearch eval`` and ``dmlsearch report`` write into
+the run directory, and what each plot shows. Part of the on-disk format (docs/architecture.md), so it lives
+in the engine: the API server reads these files beside a served model's run, and training writes them."""
 
 from __future__ import annotations
 
