@@ -258,3 +258,27 @@ def tiny_train_config(data: Path, cache: Path, **overrides: object) -> TrainConf
 
     settings: dict[str, object] = {"loss": "contrastive", "embedding_dim": 16, "head_hidden": 32, **overrides}
     return TrainConfig(data=str(data), cache_dir=str(cache), **settings)
+
+
+@contextmanager
+def app_clients(defaults: dict[str, object]) -> Iterator[Callable[..., object]]:
+    """``make(**overrides)`` builds an in-process app over ``Settings(**defaults, **overrides)``; every
+    client made is closed on exit."""
+    from fastapi.testclient import TestClient
+
+    from app.api import create_app
+    from app.settings import Settings
+
+    clients: list[TestClient] = []
+
+    def make(**overrides: object) -> TestClient:
+        client = TestClient(create_app(Settings(**{**defaults, **overrides})), raise_server_exceptions=False)
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    try:
+        yield make
+    finally:
+        for client in clients:
+            client.__exit__(None, None, None)

@@ -8,9 +8,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from app.api import create_app
-from app.settings import Settings
-from tests.helpers import Served, copy_served
+from tests.helpers import Served, app_clients, copy_served
 
 
 @pytest.fixture
@@ -28,21 +26,11 @@ def served_module(
 @pytest.fixture
 def make_client(served: Served) -> Iterator[Callable[..., TestClient]]:
     """Build an in-process app over the test's copy of the index: ``make_client(api_key=..., ...)``."""
-    clients: list[TestClient] = []
-
-    def make(**overrides: object) -> TestClient:
-        defaults = {
-            "index_path": served.index,
-            "model_path": served.model,
-            "threads": 1,
-            "rate_limit_per_second": 0,
-        }
-        settings = Settings(**{**defaults, **overrides})
-        client = TestClient(create_app(settings), raise_server_exceptions=False)
-        client.__enter__()
-        clients.append(client)
-        return client
-
-    yield make
-    for client in clients:
-        client.__exit__(None, None, None)
+    defaults = {
+        "index_path": served.index,
+        "model_path": served.model,
+        "threads": 1,
+        "rate_limit_per_second": 0,
+    }
+    with app_clients(defaults) as make:
+        yield make

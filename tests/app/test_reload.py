@@ -17,13 +17,11 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from app.api import create_app
-from app.settings import Settings
 from engine.embedder import Embedder
 from engine.indexing import build_index
 from engine.rebuild import rebuild_index
 from index.manifest import Manifest
-from tests.helpers import API_KEY, Served, image_bytes, make_image, uvicorn_process
+from tests.helpers import API_KEY, Served, app_clients, image_bytes, make_image, uvicorn_process
 
 PNG = image_bytes(make_image(3))
 
@@ -38,19 +36,8 @@ def new_index(served_module: Served, small_model: Path, tmp_path_factory: pytest
 
 @pytest.fixture
 def client_for(tmp_path: Path) -> Iterator[Callable[..., TestClient]]:
-    clients: list[TestClient] = []
-
-    def make(**overrides: object) -> TestClient:
-        settings = {"threads": 1, "rate_limit_per_second": 0, "index_poll_seconds": 0, **overrides}
-        app = create_app(Settings(**settings))
-        client = TestClient(app, raise_server_exceptions=False)
-        client.__enter__()
-        clients.append(client)
-        return client
-
-    yield make
-    for client in clients:
-        client.__exit__(None, None, None)
+    with app_clients({"threads": 1, "rate_limit_per_second": 0, "index_poll_seconds": 0}) as make:
+        yield make
 
 
 def _fingerprint(index: Path) -> str:

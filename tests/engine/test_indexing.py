@@ -17,11 +17,6 @@ from index.sharding import Shard
 from tests.helpers import make_image
 
 
-@pytest.fixture(scope="module")
-def embedder(exported_model: Path) -> Embedder:
-    return Embedder(exported_model, threads=1)
-
-
 @pytest.fixture
 def gallery(tmp_path: Path) -> Path:
     root = tmp_path / "gallery"

@@ -19,11 +19,6 @@ SETTLE = 0.3
 TIMEOUT = 60  # seconds for a batch to be embedded and saved on a busy 2-core machine
 
 
-@pytest.fixture(scope="module")
-def embedder(exported_model: Path) -> Embedder:
-    return Embedder(exported_model, threads=1)
-
-
 @pytest.fixture
 def gallery(tmp_path: Path) -> Path:
     root = tmp_path / "gallery"
