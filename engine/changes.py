@@ -64,6 +64,10 @@ class ChangeBatcher(FileSystemEventHandler):
     def on_any_event(self, event: FileSystemEvent) -> None:
         if event.event_type in _READ_EVENTS:
             return
+        if event.is_directory and event.event_type == "modified":
+            # A folder is "modified" whenever an entry in it changes, and each entry has events of its
+            # own: queueing the folder would make the watcher read every file below it again.
+            return
         paths = [event.src_path, getattr(event, "dest_path", "")]
         now = self._clock()
         with self._condition:

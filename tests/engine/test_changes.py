@@ -55,7 +55,7 @@ def test_a_burst_of_1000_copies_becomes_a_few_batches(
         shutil.copy(source, target)
 
     wait_until(lambda: copies <= {p for batch in batches for p in batch}, 60, "all 1,000 copies in batches")
-    # 1,000 paths (plus the folder, touched by each copy) at most 512 a batch: 2 or 3 batches, not 1,000.
+    # 1,000 paths, at most 512 a batch: 2 or 3 batches, not 1,000.
     assert 2 <= len(batches) <= 4, [len(batch) for batch in batches]
     assert all(len(batch) <= 512 for batch in batches)
 
