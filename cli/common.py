@@ -28,3 +28,9 @@ def fail(message: str) -> typer.Exit:
     """Print ``error: message`` in red on stderr; raise the returned exit (code 2)."""
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     return typer.Exit(code=2)
+
+
+def echo_duplicate_files(duplicates: list[tuple[str, str]]) -> None:
+    """Name each file that was not embedded because an indexed file has the same bytes."""
+    for path, original in duplicates:
+        typer.echo(f"  {path}: same content as {original} (indexed once)")

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from cli.common import fail, model_for_index
+from cli.common import echo_duplicate_files, fail, model_for_index
 from engine import defaults
 from index.manifest import MILVUS_COLLECTION
 from index.selection import KEEP, IndexChanges
@@ -91,7 +91,8 @@ def _print_build_summary(out: Path, report: BuildReport) -> None:
         f"indexed {report.indexed} images into {out} ({report.unchanged} unchanged, {report.removed} removed)"
     )
     if report.duplicates:
-        typer.echo(f"{len(report.duplicates)} duplicate files indexed once")
+        typer.echo(f"{len(report.duplicates)} files have the same content as another file:")
+        echo_duplicate_files(report.duplicates)
     params = ", ".join(f"{name}={value}" for name, value in manifest.search_params.items())
     recall = "" if manifest.achieved_recall is None else f", recall@10 {manifest.achieved_recall:.3f}"
     target = "" if manifest.achieved_recall is None else f" (target {manifest.target_recall:.2f})"

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from cli.common import fail, model_for_index
+from cli.common import echo_duplicate_files, fail, model_for_index
 from engine import defaults
 from engine.changes import DEFAULT_MAX_BATCH, DEFAULT_SETTLE_SECONDS
 
@@ -55,6 +55,7 @@ def watch(
         )
         for path, reason in result.skipped:
             typer.secho(f"  skipped {path}: {reason}", fg=typer.colors.YELLOW, err=True)
+        echo_duplicate_files(result.duplicates)
         if not batch:
             typer.echo(f"watching {gallery} (Ctrl-C stops)")
 

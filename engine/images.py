@@ -70,11 +70,11 @@ def open_image(
     otherwise be decoded in full only to be shrunk.
     """
     if not data:
-        raise ImageDecodeError("empty_image", "the upload is empty (0 bytes)")
+        raise ImageDecodeError("empty_image", "the file is empty (0 bytes)")
     try:
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
-        raise ImageDecodeError("not_an_image", "the upload is not a recognised image format") from None
+        raise ImageDecodeError("not_an_image", "the file is not a recognised image format") from None
     except Image.DecompressionBombError as err:
         raise ImageDecodeError("image_too_large", str(err)) from None
     except MemoryError:

@@ -39,6 +39,22 @@ def test_build_index_skips_corrupt_files_and_labels_by_folder(
     assert not list(tmp_path.glob(".index.*")), "staging directory left behind"
 
 
+def test_build_index_names_the_files_it_indexed_once_as_copies(exported_model: Path, tmp_path: Path) -> None:
+    gallery = tmp_path / "photos"
+    (gallery / "cars").mkdir(parents=True)
+    make_image(1).save(gallery / "cars" / "a.png")
+    make_image(2).save(gallery / "cars" / "b.png")
+    (gallery / "edited").mkdir()
+    (gallery / "edited" / "a copy.png").write_bytes((gallery / "cars" / "a.png").read_bytes())
+    out = tmp_path / "index"
+    result = runner.invoke(
+        app, ["build-index", str(gallery), "--model", str(exported_model), "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "indexed 2 images" in result.output
+    assert "edited/a copy.png: same content as cars/a.png (indexed once)" in result.output
+
+
 def test_query_finds_the_image_itself_first(
     exported_model: Path, synthetic_gallery: Path, tmp_path: Path
 ) -> None:

@@ -59,7 +59,7 @@ def test_a_bad_image_is_named_by_its_position() -> None:
     with pytest.raises(ImageDecodeError, match=r"^image 2: ") as error:
         open_uploads([good, good, b"not an image"], PixelBudget())
     assert error.value.code == "not_an_image"
-    with pytest.raises(ImageDecodeError, match=r"^the upload is not"):  # alone, it has no position
+    with pytest.raises(ImageDecodeError, match=r"^the file is not"):  # alone, it has no position
         open_uploads([b"not an image"], PixelBudget())
 
 
