@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import signal
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.config import LOGGING_CONFIG
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import HANDLED_SIGNALS
 
@@ -30,6 +32,8 @@ from app.errors import busy_response
 from app.settings import Settings
 
 log = logging.getLogger("dmlsearch.app")
+# The parent of every logger the server writes to (dmlsearch.app, dmlsearch.index).
+SERVER_LOGGER = "dmlsearch"
 
 
 def _raw_error(status_line: str, code: str, message: str) -> bytes:
@@ -138,6 +142,15 @@ class GracefulServer(uvicorn.Server):
         # uvicorn re-raises the captured signal here, so the process dies of it (code 143 for SIGTERM).
 
 
+def log_config() -> dict:
+    """uvicorn's logging setup plus the ``dmlsearch`` loggers at INFO on its stderr handler: without it,
+    what the server does on its own (a reload by API or SIGHUP, the index poller) went unlogged, as
+    Python drops INFO records of loggers nobody configured."""
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"][SERVER_LOGGER] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return config
+
+
 def run_server(app: ASGIApp, settings: Settings, **uvicorn_options: object) -> None:
     """Serve ``app`` under the connection limits and shutdown grace of ``settings``; returns after a stop."""
     protocol = type(
@@ -154,6 +167,7 @@ def run_server(app: ASGIApp, settings: Settings, **uvicorn_options: object) -> N
         http=protocol,
         timeout_keep_alive=settings.keep_alive_seconds,
         timeout_graceful_shutdown=settings.shutdown_grace_seconds,
+        log_config=log_config(),
         **uvicorn_options,
     )
     GracefulServer(config).run()

@@ -272,13 +272,15 @@ def _stats_fingerprint(http: httpx.Client, base: str) -> str:
 
 def test_hot_swap_under_load_in_a_real_server(served_module: Served, new_index: Path, tmp_path: Path) -> None:
     """Reload by API and by SIGHUP (the served path is a symlink that gets repointed) while clients query
-    without pause: every answer is a 200, /readyz never fails, and answers move to the new model."""
+    without pause: every answer is a 200, /readyz never fails, answers move to the new model, and the
+    server's log says what each reload did."""
     link = tmp_path / "served"
     link.symlink_to(served_module.index)
     old, new = _fingerprint(served_module.index), _fingerprint(new_index)
     env = {"DMLSEARCH_API_KEY": API_KEY, "DMLSEARCH_RATE_LIMIT_PER_SECOND": "0"}
+    log = tmp_path / "server.log"
     with (
-        uvicorn_process(["--index", str(link)], env) as (base, process),
+        uvicorn_process(["--index", str(link)], env, log=log) as (base, process),
         httpx.Client(timeout=60) as http,
         _Load(base) as load,
     ):
@@ -313,3 +315,8 @@ def test_hot_swap_under_load_in_a_real_server(served_module: Served, new_index: 
     assert load.errors == []
     assert set(load.statuses) == {200}, load.statuses
     assert load.answered(old) >= 20 and load.answered(new) >= 10
+    logged = log.read_text()
+    assert "SIGHUP: reloading the configured index" in logged
+    assert f"reloaded {link}: model {new[:12]}, " in logged
+    assert f"reload of {tmp_path / 'nowhere'} failed, still serving the loaded index" in logged
+    assert f"reloaded {served_module.index}: model {old[:12]}, " in logged
