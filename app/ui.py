@@ -21,6 +21,16 @@ COLUMNS = 4
 THUMBNAIL_SIZE = 256
 UPLOAD, GALLERY = "Upload an image", "Pick a gallery item"
 SEARCH_PAGE, DUPLICATES_PAGE, MODEL_PAGE = "Search", "Duplicates", "Model"
+# The Search page's controls by session-state key, with their defaults (no filter: None or empty).
+SEARCH_DEFAULTS = {
+    "k": 12,
+    "min_score": 0.0,
+    "predict": True,
+    "filter_labels": [],
+    "filter_prefix": "",
+    "filter_from": None,
+    "filter_to": None,
+}
 
 
 @st.cache_resource
@@ -60,22 +70,36 @@ def search_by_item(item_id: int) -> None:
     st.session_state.item_id = item_id
 
 
-def render_sidebar(stats: dict | str) -> dict:
+def render_index_stats(stats: dict | str) -> None:
     with st.sidebar:
         st.header("Index")
         if isinstance(stats, str):
             st.error(f"The API at {API_URL} is not ready: {stats}")
-        else:
-            st.metric("Images", stats["count"])
-            st.write(f"{stats['dim']}-d · {stats['backend']} {stats['index_type']} · {stats['metric']}")
-            if stats["achieved_recall"] is not None:
-                st.write(f"index recall {stats['achieved_recall']:.3f}")
-            st.caption(f"model {stats['model']['backbone']} · {stats['model_fingerprint'][:12]}")
+            return
+        st.metric("Images", stats["count"])
+        st.write(f"{stats['dim']}-d · {stats['backend']} {stats['index_type']} · {stats['metric']}")
+        if stats["achieved_recall"] is not None:
+            st.write(f"index recall {stats['achieved_recall']:.3f}")
+        st.caption(f"model {stats['model']['backbone']} · {stats['model_fingerprint'][:12]}")
+
+
+def keep_search_settings() -> None:
+    """The search controls are drawn on the Search page only (they do not apply to the others), and
+    Streamlit forgets the value of a widget a run does not draw: the values live in the session state
+    instead, which also gives each control its default (so no widget is given a ``value`` as well)."""
+    for key, default in SEARCH_DEFAULTS.items():
+        st.session_state[key] = st.session_state.get(key, default)
+
+
+def render_search_controls() -> dict:
+    with st.sidebar:
         st.header("Search")
         params = {
-            "k": st.slider("Results (K)", min_value=1, max_value=48, value=12),
-            "min_score": st.slider("Minimum score", min_value=-1.0, max_value=1.0, value=0.0, step=0.05),
-            "predict": st.checkbox("Predict the label", value=True),
+            "k": st.slider("Results (K)", min_value=1, max_value=48, key="k"),
+            "min_score": st.slider(
+                "Minimum score", min_value=-1.0, max_value=1.0, step=0.05, key="min_score"
+            ),
+            "predict": st.checkbox("Predict the label", key="predict"),
         }
         return params | render_filters()
 
@@ -86,8 +110,8 @@ def render_filters() -> dict:
     known = sorted({item["label"] for item in fetch_items(API_URL).values() if item["label"]})
     labels = st.multiselect("Labels", known, accept_new_options=True, key="filter_labels")
     prefix = st.text_input("Sub-folder (path prefix)", key="filter_prefix").strip()
-    added_from = st.date_input("Added from", value=None, key="filter_from")
-    added_to = st.date_input("Added before", value=None, key="filter_to")
+    added_from = st.date_input("Added from", key="filter_from")
+    added_to = st.date_input("Added before", key="filter_to")
     chosen = {
         "label": labels,
         "path_prefix": prefix,
@@ -165,9 +189,10 @@ def run_query(params: dict) -> dict | None:
 def main() -> None:
     st.set_page_config(page_title="dmlsearch", layout="wide")
     st.title("dmlsearch: image search")
+    keep_search_settings()
     stats = fetch_stats(API_URL)
     view = st.sidebar.radio("Page", [SEARCH_PAGE, DUPLICATES_PAGE, MODEL_PAGE], key="page")
-    params = render_sidebar(stats)
+    render_index_stats(stats)
     if isinstance(stats, str):
         return
     if view == MODEL_PAGE:
@@ -176,7 +201,7 @@ def main() -> None:
     if view == DUPLICATES_PAGE:
         render_duplicates(api_client(API_URL), lambda item_id, path: fetch_thumbnail(API_URL, item_id, path))
         return
-    body = run_query(params)
+    body = run_query(render_search_controls())
     if body is not None:
         render_results(body)
 

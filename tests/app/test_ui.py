@@ -126,6 +126,22 @@ def test_sidebar_filters_restrict_the_results(page, demo_gallery: Path) -> None:
     assert paths and all(" · rocket/" in caption for caption in paths)
 
 
+def test_search_controls_show_on_the_search_page_only_and_keep_their_values(page) -> None:
+    page.sidebar.slider[0].set_value(5)
+    page.sidebar.text_input(key="filter_prefix").input("rocket/")
+    page.run()
+    page.sidebar.radio(key="page").set_value("Duplicates")
+    page.run()
+    assert not page.exception
+    # The filters do not apply to duplicates: a user must not think they do.
+    assert not page.sidebar.text_input and [slider.label for slider in page.sidebar.slider] == []
+    page.sidebar.radio(key="page").set_value("Search")
+    page.run()
+    assert not page.exception and not page.warning
+    assert page.sidebar.text_input(key="filter_prefix").value == "rocket/"
+    assert page.sidebar.slider[0].value == 5
+
+
 @pytest.fixture
 def streamlit_url(api_url: str) -> Iterator[str]:
     """``streamlit run app/ui.py`` on a free port, talking to the live API."""
