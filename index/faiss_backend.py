@@ -26,6 +26,11 @@ from index.sources import StoreSource
 from index.tuning import Tuning
 
 log = logging.getLogger("dmlsearch.index")
+# Adds and removals (a watcher, `index add`) keep the tuned nprobe/efSearch; once the item count has moved
+# this fraction away from the count they were tuned at, a build re-tunes them even when not asked to: the
+# recall they give drifts as the inverted lists fill, more so with new kinds of images the coarse
+# quantizer was not trained on, and the recall the manifest reports would no longer be measured.
+RETUNE_AFTER_CHANGE = 0.25
 
 
 class FaissBackend:
@@ -156,8 +161,9 @@ class FaissBackend:
     ) -> bool:
         """(Re)build when the index that ``options`` pick for the current size differs from the built one.
 
-        Otherwise only re-tune the search parameters (when ``retune``). ``partitions``: ids per shard, built
-        as separate parts and merged. Returns whether the index was rebuilt.
+        Otherwise only re-tune the search parameters: when ``retune``, or when the item count has moved
+        ``RETUNE_AFTER_CHANGE`` from the count they were tuned at. ``partitions``: ids per shard, built as
+        separate parts and merged. Returns whether the index was rebuilt.
         """
         if len(self.store) == 0:
             raise ValueError("cannot build a search index over an empty gallery")
@@ -165,7 +171,7 @@ class FaissBackend:
         if self.index is None or self.index.spec != spec or partitions is not None:
             self._build(spec, partitions, progress=progress)
             return True
-        if not retune or spec.index_type == "flat":  # exact search has nothing to tune
+        if spec.index_type == "flat" or not (retune or self._tuning_outdated()):  # exact: nothing to tune
             return False
         if spec.index_type == "hnsw":  # tuning holds queries out of the index: a graph cannot remove them
             self._build(spec, progress=progress)
@@ -192,11 +198,16 @@ class FaissBackend:
         self._record(tuning)
         self._dirty = True
 
+    def _tuning_outdated(self) -> bool:
+        tuned = self.manifest.tuned_count
+        return tuned is None or abs(len(self.store) - tuned) >= RETUNE_AFTER_CHANGE * tuned
+
     def _record(self, tuning: Tuning) -> None:
         """Search parameters live in the manifest (applied at load): tuning alone rewrites no FAISS file."""
         self.manifest.search_params = dict(tuning.params)
         self.manifest.achieved_recall = tuning.recall
         self.manifest.recall_queries = tuning.queries
+        self.manifest.tuned_count = len(self.store)
 
     def _reconcile(self) -> None:
         stored, indexed = self.store.ids(), self.index.ids()

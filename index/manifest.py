@@ -31,6 +31,7 @@ class Manifest(BaseModel):
     search_params: dict[str, int] = Field(default_factory=dict)  # nprobe / efSearch chosen by tuning
     achieved_recall: float | None = None  # recall@10 vs exact search measured when tuning
     recall_queries: int = 0
+    tuned_count: int | None = None  # items when the search parameters were tuned (None: not recorded)
     # What was asked for: kept so a re-run of build-index without options builds the same kind of index.
     requested_index_type: str = _OPTIONS.index_type
     memory_budget: int | None = _OPTIONS.memory_budget

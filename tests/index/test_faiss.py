@@ -195,3 +195,46 @@ def test_tuning_stops_at_searches_too_slow_to_serve(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr("index.tuning.MAX_QUERY_MS", 0.0)  # every search counts as too slow
     _, tuning = build_faiss_index(spec, [ArraySource(np.arange(3000), vectors)], target_recall=0.99)
     assert tuning.params == {"nprobe": 1} and not tuning.met  # the first try on uniform data falls short
+
+
+def test_adds_that_move_the_count_a_quarter_retune_the_search_parameters(tmp_path: Path) -> None:
+    """A watcher's builds do not ask for tuning: nprobe is re-tuned once the gallery has grown by
+    RETUNE_AFTER_CHANGE since it was tuned, here with images of a new kind (no cluster structure) that
+    the old nprobe finds poorly."""
+    dim, start = 16, 20_000  # IVF512 at both 20,000 and 25,200 items: the index is not rebuilt
+    options = IndexOptions("ivf", target_recall=0.9)
+    gallery = GalleryIndex.create(
+        tmp_path / "g", dim=dim, model_fingerprint="m", gallery_root=None, options=options
+    )
+    gallery.add(clustered_vectors(start, dim), entries(start))
+    gallery.save()
+    assert gallery.manifest.tuned_count == start
+    tuned_first = dict(gallery.manifest.search_params)
+    gallery.add(clustered_vectors(200, dim, seed=1), entries(200, prefix="few"))
+    assert not gallery.build(retune=False)
+    assert gallery.manifest.tuned_count == start  # 1% more: the tuning stands
+
+    new_kind = np.random.default_rng(2).standard_normal((5_000, dim)).astype(np.float32)
+    new_kind /= np.linalg.norm(new_kind, axis=1, keepdims=True)
+    gallery.add(new_kind, entries(5_000, prefix="new"))
+    assert not gallery.build(retune=False)
+    assert gallery.manifest.index_spec == "IVF512,Flat"
+    assert gallery.manifest.tuned_count == len(gallery) == 25_200
+    assert gallery.manifest.achieved_recall >= 0.9  # measured again, over the grown gallery
+    retuned = dict(gallery.manifest.search_params)
+    assert retuned["nprobe"] > tuned_first["nprobe"]
+
+    # Queries of the new kind, against exact search over every item: the re-tuned nprobe finds more.
+    queries = new_kind[:200] + 0.05 * np.random.default_rng(3).standard_normal((200, dim)).astype(np.float32)
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    ids = gallery.items.ids()
+    truth = ids[np.argsort(-(queries @ gallery.vectors(ids).T), axis=1)[:, :10]]
+
+    def recall_with(params: dict[str, int]) -> float:
+        gallery.backend.index.set_search_params(params)
+        return recall_at_k(
+            np.array([[hit.item.id for hit in row] for row in gallery.search(queries, 10)]), truth
+        )
+
+    assert recall_with(retuned) > recall_with(tuned_first) + 0.05
+    gallery.close()
