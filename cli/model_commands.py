@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -163,7 +164,7 @@ def train(
     from training.data import DataError
     from training.recipes import AUTO_CANDIDATES, AUTO_RACE_STEPS, DEFAULT_RECIPE, parse_assignments, resolve
     from training.run_dir import RunDirError
-    from training.trainer import SELECTION_METRIC
+    from training.trainer import SELECTION_METRIC, NoGainWarning
     from training.trainer import train as run_training
 
     if not data.exists():
@@ -175,7 +176,10 @@ def train(
         "seed": seed,
     }
     try:
-        with stop_on_signals():  # SIGTERM/SIGINT: save last.pt after the current step and stop
+        # SIGTERM/SIGINT: save last.pt after the current step and stop. The trainer's NoGainWarning is
+        # said plainly below, from summary["beats_backbone"], not as a Python warning with a source line.
+        with stop_on_signals(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", NoGainWarning)
             if loss == "auto":
                 if recipe not in (None, DEFAULT_RECIPE):
                     raise fail(f"--loss auto races the {DEFAULT_RECIPE} recipes; drop --recipe")

@@ -10,13 +10,14 @@ validation Recall@1, the budget and the winner. Re-running the command resumes e
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 from training.config import TrainConfig
 from training.recipes import AUTO_CANDIDATES, AUTO_RACE_STEPS, resolve
 from training.run_dir import RunDirectory
-from training.trainer import SELECTION_METRIC, train
+from training.trainer import SELECTION_METRIC, NoGainWarning, train
 
 
 def race_configs(
@@ -26,6 +27,12 @@ def race_configs(
     only: the candidates' losses take different hyperparameters) and ``fields``, with one shared cache."""
     fields = {"cache_dir": str(out / "cache"), **{k: v for k, v in fields.items() if v is not None}}
     return {loss: resolve(loss, overrides=overrides).config(loss, data, **fields) for loss in candidates}
+
+
+def _settings(record: dict[str, Any]) -> str:
+    """``key=value, ...`` a candidate trains with: its recipe's values under the overrides."""
+    settings = {**record["values"], **record["overrides"]}
+    return ", ".join(f"{key}={value}" for key, value in settings.items()) or "-"
 
 
 def train_auto(
@@ -44,9 +51,11 @@ def train_auto(
     scores = {}
     for loss, config in configs.items():
         if progress:
-            print(f"race: {loss} for {race_steps} steps ({config.recipe})", flush=True)
+            print(f"race: {loss} for {race_steps} steps ({_settings(config.recipe)})", flush=True)
         raced = config.model_copy(update={"max_steps": min(race_steps, config.max_steps)})
-        summary = train(raced, out / "race" / loss, progress=progress)
+        with warnings.catch_warnings():  # a candidate is only raced, never exported: the scores say enough
+            warnings.simplefilter("ignore", NoGainWarning)
+            summary = train(raced, out / "race" / loss, progress=progress)
         scores[loss] = summary["val"][SELECTION_METRIC]
     winner = max(scores, key=scores.__getitem__)  # ties go to the earlier (stronger-listed) candidate
     race = {

@@ -133,6 +133,12 @@ class ValidationGain:
         return self.best_step > 0 and self.trained > self.untrained
 
 
+class NoGainWarning(UserWarning):
+    """The selected model did not beat the untrained backbone on validation (``dmlsearch export`` refuses
+    it). A category of its own, so callers that report this themselves (the CLI, the auto race) can
+    silence it."""
+
+
 @dataclass
 class TrainState:
     """A run's progress: what ``checkpoints/last.pt`` holds besides the components' own states."""
@@ -404,6 +410,7 @@ class _Training:
                 f"{self.config.loss}: the selected model (step {gain.best_step}, validation recall@1 "
                 f"{100 * gain.trained:.2f}) is not better than the untrained backbone's own features "
                 f"({100 * gain.untrained:.2f}); export refuses it, keep serving the untrained backbone",
+                NoGainWarning,
                 stacklevel=2,
             )
         return summary
