@@ -91,7 +91,8 @@ def keep_search_settings() -> None:
         st.session_state[key] = st.session_state.get(key, default)
 
 
-def render_search_controls() -> dict:
+def render_search_controls() -> tuple[dict, dict]:
+    """The search parameters, and the filters set (the API's parameter names)."""
     with st.sidebar:
         st.header("Search")
         params = {
@@ -101,7 +102,7 @@ def render_search_controls() -> dict:
             ),
             "predict": st.checkbox("Predict the label", key="predict"),
         }
-        return params | render_filters()
+        return params, render_filters()
 
 
 def render_filters() -> dict:
@@ -121,15 +122,21 @@ def render_filters() -> dict:
     return {name: value for name, value in chosen.items() if value}
 
 
-def render_results(body: dict) -> None:
+def render_results(body: dict, *, filtered: bool) -> None:
+    """``filtered``: whether a label, sub-folder or date filter restricted the search."""
     results = body["results"]
     timings = " · ".join(f"{stage} {ms:.0f}" for stage, ms in body["timings_ms"].items())
     st.caption(f"{len(results)} results in {body['took_ms']:.0f} ms ({timings} ms)")
     if body.get("prediction"):
         prediction = body["prediction"]
-        st.success(f"Predicted label: **{prediction['label']}** ({prediction['confidence']:.0%} of the vote)")
+        # Under a label filter only the allowed labels vote: say so, or a 100% vote looks like certainty.
+        among = ", among the results within the filters" if filtered else ""
+        st.success(
+            f"Predicted label: **{prediction['label']}** ({prediction['confidence']:.0%} of the vote{among})"
+        )
     if not results:
-        st.info("No gallery image scored above the minimum score.")
+        within = " within the filters" if filtered else ""
+        st.info(f"No gallery image{within} scored at least the minimum score.")
         return
     for start in range(0, len(results), COLUMNS):
         for column, result in zip(st.columns(COLUMNS), results[start : start + COLUMNS], strict=False):
@@ -201,9 +208,10 @@ def main() -> None:
     if view == DUPLICATES_PAGE:
         render_duplicates(api_client(API_URL), lambda item_id, path: fetch_thumbnail(API_URL, item_id, path))
         return
-    body = run_query(render_search_controls())
+    params, filters = render_search_controls()
+    body = run_query(params | filters)
     if body is not None:
-        render_results(body)
+        render_results(body, filtered=bool(filters))
 
 
 main()

@@ -225,6 +225,11 @@ def query(
         }
         typer.echo(json.dumps(payload, indent=2))
         return
+    if not hits.results:
+        within = "" if where.empty else " within the filters"
+        cut = f" scored at least {min_score}" if min_score > defaults.MIN_SCORE else ""
+        typer.echo(f"no results: no item{within}{cut}", err=True)
+        return
     typer.echo(f"{'rank':>4}  {'score':>7}  {'label':<24} path")
     for result in hits.results:
         typer.echo(f"{result.rank:>4}  {result.score:7.4f}  {result.label or '-':<24} {result.path}")

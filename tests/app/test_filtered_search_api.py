@@ -83,5 +83,7 @@ def test_the_query_command_filters_too(served: Served) -> None:
     assert all(r["path"].startswith("rocket/") for r in json.loads(result.output)["results"])
     result = runner.invoke(app, [*args, "--added-to", "2000-01-01"])
     assert json.loads(result.output)["results"] == []
+    result = runner.invoke(app, ["query", query, "--index", str(served.index), "--added-to", "2000-01-01"])
+    assert result.exit_code == 0 and result.output == "no results: no item within the filters\n"
     result = runner.invoke(app, [*args, "--added-from", "2030-01-01", "--added-to", "2020-01-01"])
     assert result.exit_code == 2 and "earlier" in result.output
