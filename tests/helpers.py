@@ -4,6 +4,7 @@ real uvicorn servers. Fixtures live in the conftests; everything a test imports 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import io
 import os
 import resource
@@ -16,10 +17,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
+import pytest
 from PIL import Image, ImageOps
 
 from index.manifest import Manifest
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
     from training.config import TrainConfig
 
 API_KEY = "test-key-0123456789"
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 INDEX_FILES = ("manifest.json", "vectors.faiss", "items.sqlite")
 
 
@@ -107,6 +111,15 @@ def export_small_model(path: Path, *, seed: int, dim: int = 24, reranker: object
         reranker=reranker,
     )
     return path
+
+
+def bench_module(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """A bench script as a module (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def clustered_vectors(

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
+from tests.helpers import bench_module
 from training import auto
 from training.config import TrainConfig
 from training.losses import LOSSES
@@ -21,16 +19,6 @@ from training.run_dir import RunDirectory
 
 runner = CliRunner()
 TINY = ["-p", "embedding_dim=16", "-p", "head_hidden=32", "-p", "views=0"]
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _bench(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """A bench script as a module (bench/ is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_recipe_names_real_settings_with_reasons() -> None:
@@ -80,7 +68,7 @@ def test_cli_and_benches_build_the_same_config(monkeypatch: pytest.MonkeyPatch, 
     data.mkdir()
     runner.invoke(app, ["train", "--loss", "almn", "--data", str(data), "--out", str(tmp_path / "r")])
 
-    train_all = _bench("train_all", monkeypatch)
+    train_all = bench_module("train_all", monkeypatch)
     monkeypatch.setattr(train_all, "train", fake_train)
     args = train_all.argparse.Namespace(
         data=data, cache_dir=tmp_path, runs_dir=tmp_path, mode="frozen", seed=0, recipe="recommended", set=[]
@@ -90,7 +78,7 @@ def test_cli_and_benches_build_the_same_config(monkeypatch: pytest.MonkeyPatch, 
     with pytest.raises(SystemExit):
         train_all.run_method(almn, args)
 
-    cv = _bench("recipes_cv", monkeypatch)
+    cv = bench_module("recipes_cv", monkeypatch)
     args.folds = 3
     cli, bench = seen
     fold = cv.fold_config(args, "almn", "recommended", 1)
@@ -191,7 +179,7 @@ def test_losses_command_lists_every_loss_with_paper_layout_and_recipe() -> None:
 def test_recipes_cv_prefers_the_candidate_that_helps_on_every_fold(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    cv = _bench("recipes_cv", monkeypatch)
+    cv = bench_module("recipes_cv", monkeypatch)
     # "peaky" has the higher mean gain but loses on fold 2; "steady" helps on every fold.
     gains = {"paper": [-1.0, -2.0, -0.5], "recommended": [6.0, 5.0, -0.5], "steady": [2.0, 2.0, 1.0]}
     monkeypatch.setattr(cv, "METHODS", ("ms",))
