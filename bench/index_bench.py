@@ -1,22 +1,22 @@
-"""Vector-index benchmark: every FAISS index type and Milvus Lite on embedding-like and uniform vectors.
+"""Vector-index benchmark: every FAISS index type and Milvus Lite on real, embedding-like and uniform vectors.
 
     python bench/index_bench.py --sizes 100k            # a few minutes on 2 cores
     python bench/index_bench.py --sizes 100k,1M --milvus-max 100k --skip hnsw@uniform:1M   # about an hour
+    python bench/index_bench.py --data real --cars196 DATA --cache-dir CACHE --out OUT  # about 210k vectors
 
 For each data set and size: build time (train + add + tuning), index size, query latency p50/p99 for
 single queries and for batches of 64, and recall@10 against exact search on 1,000 held-out queries
-(drawn like the data, never added to the index). Approximate FAISS indexes are tuned at build time to
-reach recall@10 >= --target-recall on their own held-out sample (index/tuning.py: it stops short at a
-quantisation ceiling or at searches slower than 20 ms a query); the table shows what they reach on the
-benchmark's queries. All rows of one run share the machine, so their ratios compare. Rows left out
-(--skip, Milvus above --milvus-max) are listed under the table with what the nearest measured row cost.
+(never added to the index). Approximate FAISS indexes are tuned at build time to reach recall@10 >=
+--target-recall on their own held-out sample (index/tuning.py: it stops short at a quantisation ceiling
+or at searches slower than 20 ms a query); the table shows what they reach on the benchmark's queries.
+All rows of one run share the machine, so their ratios compare. Rows left out (--skip, Milvus above
+--milvus-max) are listed under the table with what the nearest measured row cost.
 
-Data (dimension 512, unit vectors):
-- ``embedding``: a mixture of many tight clusters on the sphere, ~100 vectors per cluster (cosine ~0.9
-  to their centre), centres scattered (cosine ~0.8) around seed vectors. The seeds are real Cars196
-  embeddings (the pretrained EfficientNet-Lite0, randomly projected from 1280 to 512 dimensions) with
-  ``--cars196 IMAGES_DIR``, uniform random directions otherwise.
-- ``uniform``: uniform random unit vectors, the worst case for every index (no structure to exploit).
+Data (bench/vector_data.py): ``real``, pretrained embeddings of 13 views of every Cars196 image (1280-d,
+about 210k vectors; queries are held-out images), extracted once into --cache-dir; ``embedding``, a
+512-d synthetic stand-in whose cluster parameters are calibrated on ``real`` (seeds: real embeddings
+projected to 512-d with --cars196, uniform directions otherwise); ``uniform``, random unit vectors. Every
+data set's row in the statistics table gives its 10th-neighbour cosines and nearest-IVF-cell fraction.
 """
 
 from __future__ import annotations
@@ -34,6 +34,20 @@ from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
+from vector_data import (
+    CALIBRATED,
+    DIM,
+    QUANTILES,
+    SEEDS,
+    K,
+    cars196_seeds,
+    data_statistics,
+    embedding_like,
+    real_embeddings,
+    real_split,
+    uniform,
+    unit,
+)
 
 from index.atomic import atomic_write_text
 from index.faiss_build import build_faiss_index
@@ -42,11 +56,6 @@ from index.selection import IndexOptions, IndexSpec, choose_index, format_bytes,
 from index.sources import ArraySource
 from index.tuning import exact_neighbours, recall_at_k
 
-DIM = 512
-CLUSTER_SIZE = 100
-MEMBER_COSINE = 0.9  # a vector to its cluster centre
-CENTRE_COSINE = 0.8  # a cluster centre to its seed
-K = 10
 MILVUS_TUNING_QUERIES = 500
 NUMPY_CHECK_QUERIES = 100
 
@@ -63,51 +72,6 @@ def skip_entry(text: str) -> tuple[str, str, int]:
     if not (index_type and data and size):
         raise argparse.ArgumentTypeError(f"--skip takes TYPE@DATA:SIZE, e.g. hnsw@uniform:1M; got {text!r}")
     return index_type, data, count_of(size)
-
-
-def unit(vectors: np.ndarray) -> np.ndarray:
-    return (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
-
-
-def around(points: np.ndarray, cosine: float, rng: np.random.Generator) -> np.ndarray:
-    """Unit vectors at about ``cosine`` from each of ``points`` (isotropic noise of matching length)."""
-    spread = np.sqrt(1.0 / cosine**2 - 1.0)
-    noise = rng.standard_normal(points.shape).astype(np.float32) / np.sqrt(points.shape[1])
-    return unit(points + spread * noise)
-
-
-def cars196_seeds(count: int, dim: int, rng: np.random.Generator, images: Path) -> np.ndarray:
-    """Pretrained embeddings of ``count`` Cars196 images, randomly projected to ``dim`` dimensions."""
-    from engine.embedder import Embedder
-    from engine.images import ImageDecodeError, load_image_file
-    from training.features import backbone_model
-
-    files = sorted(images.rglob("*.jpg"))
-    chosen = [files[i] for i in rng.choice(len(files), size=count, replace=False)]
-    with tempfile.TemporaryDirectory() as workdir:
-        embedder = Embedder(backbone_model(Path(workdir), "efficientnet_lite0"))
-        decoded = []
-        for path in tqdm(chosen, desc="decoding Cars196 seeds", unit="img"):
-            try:
-                decoded.append(load_image_file(path, draft_size=embedder.card.preprocessing.resize_size))
-            except (ImageDecodeError, OSError):
-                continue  # the data set holds one truncated JPEG on purpose
-        vectors = np.concatenate([embedder.embed(decoded[i : i + 32]) for i in range(0, len(decoded), 32)])
-    projection, _ = np.linalg.qr(rng.standard_normal((vectors.shape[1], dim)))
-    return unit(vectors @ projection)
-
-
-def embedding_like(count: int, queries: int, seeds: np.ndarray, rng: np.random.Generator) -> tuple:
-    centres = around(seeds[rng.integers(len(seeds), size=max(1, count // CLUSTER_SIZE))], CENTRE_COSINE, rng)
-    base = around(centres[rng.integers(len(centres), size=count)], MEMBER_COSINE, rng)
-    held_out = around(centres[rng.integers(len(centres), size=queries)], MEMBER_COSINE, rng)
-    return base, held_out
-
-
-def uniform(count: int, queries: int, dim: int, rng: np.random.Generator) -> tuple:
-    return unit(rng.standard_normal((count, dim), dtype=np.float32)), unit(
-        rng.standard_normal((queries, dim), dtype=np.float32)
-    )
 
 
 def latencies(
@@ -260,11 +224,14 @@ def bench_milvus(
 
 def run_size(
     name: str, base: np.ndarray, held_out: np.ndarray, args: argparse.Namespace
-) -> tuple[list[dict], list[dict]]:
-    """The measured rows for one data set and size, and the rows left out (``--skip``, ``--milvus-max``)."""
-    count = len(base)
+) -> tuple[list[dict], list[dict], dict]:
+    """The measured rows for one data set and size, the rows left out (``--skip``, ``--milvus-max``) and
+    the data's statistics (bench/vector_data.py)."""
+    count, dim = base.shape
     tqdm.write(f"{name} x {count}: exact ground truth")
     truth = exact_neighbours(held_out, [ArraySource(np.arange(count), base)], K)
+    tqdm.write(f"{name} x {count}: 10th-neighbour cosines and nearest IVF cells")
+    statistics = {"data": name, "count": count, "dim": dim, **data_statistics(base, held_out, truth)}
     # The first queries measure every index; the rest tune Milvus (FAISS holds out its own at build time).
     queries, truth, tuning = (
         held_out[: args.queries],
@@ -274,9 +241,9 @@ def run_size(
     rows, left_out = [], []
     budget = args.memory_budget
     # ivfpq gets the largest code that fits the budget; the others are what their type builds at this size.
-    specs = [choose_index(count, DIM, IndexOptions(t, budget if t == "ivfpq" else None)) for t in args.types]
-    auto = choose_index(count, DIM, IndexOptions())
-    auto_budgeted = choose_index(count, DIM, IndexOptions(memory_budget=budget))
+    specs = [choose_index(count, dim, IndexOptions(t, budget if t == "ivfpq" else None)) for t in args.types]
+    auto = choose_index(count, dim, IndexOptions())
+    auto_budgeted = choose_index(count, dim, IndexOptions(memory_budget=budget))
     if auto_budgeted not in specs:
         specs.append(auto_budgeted)
     for spec in specs:
@@ -299,10 +266,10 @@ def run_size(
         left_out.append({"index": "milvus-lite", "data": name, "count": count, "why": "above --milvus-max"})
     exact = next((r for r in rows if r["index"].startswith("flat")), None)
     for row in rows:
-        row.update(data=name, count=count, dim=DIM)
+        row.update(data=name, count=count, dim=dim)
         if exact is not None:
             row["speedup_single_vs_exact"] = exact["single"]["p50_ms"] / row["single"]["p50_ms"]
-    return rows, left_out
+    return rows, left_out, statistics
 
 
 def _kind(row: dict) -> str:
@@ -341,7 +308,27 @@ def left_out_notes(rows: list[dict], left_out: list[dict]) -> list[str]:
     return lines
 
 
-def markdown(rows: list[dict], left_out: list[dict], meta: dict) -> str:
+def statistics_lines(statistics: list[dict]) -> list[str]:
+    quantiles = " | ".join(f"10th cos p{round(100 * q)}" for q in QUANTILES)
+    lines = [
+        "",
+        "The data, on the held-out queries (bench/vector_data.py): quantiles of each query's cosine to its "
+        "10th exact neighbour, and the fraction of its true top-10 in its nearest IVF cell (the product's "
+        "quantizer for this size trained on the gallery):",
+        "",
+        f"| data | n | dim | {quantiles} | nearest-cell fraction (lists) |",
+        "|---|---|---|" + "---|" * (len(QUANTILES) + 1),
+    ]
+    for s in statistics:
+        cosines = " | ".join(f"{value:.3f}" for value in s["tenth_cosine"].values())
+        lines.append(
+            f"| {s['data']} | {s['count']:,} | {s['dim']} | {cosines} "
+            f"| {s['nearest_cell_fraction']:.3f} ({s['nlist']}) |"
+        )
+    return lines
+
+
+def markdown(rows: list[dict], left_out: list[dict], statistics: list[dict], meta: dict) -> str:
     lines = [
         "# Vector-index benchmark",
         "",
@@ -349,10 +336,11 @@ def markdown(rows: list[dict], left_out: list[dict], meta: dict) -> str:
         f"load average {meta['load']} at the start and {meta['load_end']} at the end (shared cores).",
         f"Recall@10 against exact search on {meta['queries']} held-out queries; FAISS indexes tuned to "
         f"recall@10 >= {meta['target_recall']} at build time. Latency in ms (single query; batch of 64).",
-        f"Seeds of the embedding-like data: {meta['seeds']}. Milvus Lite's ef is tuned the same way on "
-        f"{MILVUS_TUNING_QUERIES} other held-out queries. Size: the serialised FAISS index, Milvus Lite's "
-        "files on disk. Build: train + add + tune. * after the params: tuning stopped short of the target "
-        "(a quantisation ceiling, or searches slower than 20 ms a query).",
+        f"Embedding-like data: cluster parameters {meta['cluster_params']} (calibrated on the real views: "
+        f"bench/results/synthetic_calibration.md), seeds {meta['seeds']}. Milvus Lite's ef is tuned the "
+        f"same way on {MILVUS_TUNING_QUERIES} other held-out queries. Size: the serialised FAISS index, "
+        "Milvus Lite's files on disk. Build: train + add + tune. * after the params: tuning stopped short "
+        "of the target (a quantisation ceiling, or searches slower than 20 ms a query).",
         "",
         "| data | n | index | spec | build s | size | recall@10 | single p50 | single p99 | batch64 p50 "
         "| batch64 p99 | vs exact | params |",
@@ -369,6 +357,7 @@ def markdown(rows: list[dict], left_out: list[dict], meta: dict) -> str:
             f"| {r['single']['p99_ms']:.3f} | {r['batch64']['p50_ms']:.2f} | {r['batch64']['p99_ms']:.2f} "
             f"| {speedup} | {params} |"
         )
+    lines += statistics_lines(statistics)
     checks = [r for r in rows if "numpy_check" in r]
     if checks:
         lines += ["", "Exact search (flat) against a numpy brute-force top-10:"]
@@ -412,21 +401,31 @@ def main() -> None:
         help="leave an index type out for one data set and size, e.g. hnsw@uniform:1M (repeatable)",
     )
     parser.add_argument("--latency-budget", type=float, default=20.0, help="seconds per latency measurement")
-    parser.add_argument("--seed-images", type=int, default=600, help="Cars196 images embedded as seeds")
-    parser.add_argument("--cars196", type=Path, help="Cars196 images folder for the embedding seeds")
+    parser.add_argument(
+        "--cars196",
+        type=Path,
+        help="Cars196 folder (labels.csv, images/): the real data and the embedding data's seeds",
+    )
+    parser.add_argument("--cache-dir", type=Path, help="feature cache of the real views (with --cars196)")
+    parser.add_argument("--real-chunks", type=int, help="real data: only the first chunks of 1024 images")
     parser.add_argument("--out", type=Path, default=Path("bench/results/index_bench"))
     args = parser.parse_args()
     args.types = args.types.split(",")
+    names = args.data.split(",")
+    if args.cars196 is not None and args.cache_dir is None:
+        parser.error("--cars196 needs --cache-dir")
+    if "real" in names and args.cars196 is None:
+        parser.error("--data real needs --cars196 and --cache-dir")
     sizes = [count_of(size) for size in args.sizes.split(",")]
     rng = np.random.default_rng(0)
-    if "embedding" not in args.data:
+    if "embedding" not in names:
         seeds, seeds_note = np.zeros((0, DIM), np.float32), "not used"
     elif args.cars196 is not None:
-        seeds = cars196_seeds(args.seed_images, DIM, rng, args.cars196)
+        seeds = cars196_seeds(args.cars196, args.cache_dir, rng)
         seeds_note = f"{len(seeds)} Cars196 images, pretrained EfficientNet-Lite0, projected to {DIM}-d"
     else:
-        seeds = unit(rng.standard_normal((args.seed_images, DIM)))
-        seeds_note = f"{args.seed_images} uniform random directions (no --cars196 given)"
+        seeds = unit(rng.standard_normal((SEEDS, DIM)))
+        seeds_note = f"{SEEDS} uniform random directions (no --cars196 given)"
     meta = {
         "command": "python bench/index_bench.py " + " ".join(sys.argv[1:]),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, faiss "
@@ -436,27 +435,37 @@ def main() -> None:
         "queries": args.queries,
         "target_recall": args.target_recall,
         "seeds": seeds_note,
+        "cluster_params": vars(CALIBRATED),
     }
     began = time.perf_counter()
-    rows, left_out = [], []
-    for count in sizes:
-        for name in args.data.split(","):
-            if name == "embedding":
-                base, queries = embedding_like(count, args.queries + MILVUS_TUNING_QUERIES, seeds, rng)
-            else:
-                base, queries = uniform(count, args.queries + MILVUS_TUNING_QUERIES, DIM, rng)
-            measured, missing = run_size(name, base, queries, args)
-            rows += measured
-            left_out += missing
-            del base
+    rows, left_out, statistics = [], [], []
+    held_out = args.queries + MILVUS_TUNING_QUERIES
+    # Real data comes at its own size (every extracted view); the synthetic sets at each of --sizes.
+    plan = [("real", 0)] if "real" in names else []
+    plan += [(name, count) for count in sizes for name in names if name != "real"]
+    for name, count in plan:
+        if name == "real":
+            views = real_embeddings(args.cars196, args.cache_dir, chunks=args.real_chunks)
+            base, queries = real_split(views, held_out, rng)
+            meta["real"] = {"images": views.shape[1], "views": views.shape[0]}
+            del views
+        elif name == "embedding":
+            base, queries = embedding_like(count, held_out, seeds, rng)
+        else:
+            base, queries = uniform(count, held_out, DIM, rng)
+        measured, missing, stats = run_size(name, base, queries, args)
+        rows += measured
+        left_out += missing
+        statistics.append(stats)
+        del base
     meta.update(
         wall_min=(time.perf_counter() - began) / 60, load_end=" ".join(f"{x:.1f}" for x in os.getloadavg())
     )
-    report = markdown(rows, left_out, meta)
+    report = markdown(rows, left_out, statistics, meta)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(
         args.out.with_suffix(".json"),
-        json.dumps({"meta": meta, "rows": rows, "left_out": left_out}, indent=2),
+        json.dumps({"meta": meta, "rows": rows, "left_out": left_out, "statistics": statistics}, indent=2),
     )
     atomic_write_text(args.out.with_suffix(".md"), report)
     print(report)
