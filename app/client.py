@@ -31,6 +31,9 @@ class SearchClient:
     def items(self, offset: int = 0, limit: int = 1000) -> dict:
         return self._call("GET", "/v1/items", params={"offset": offset, "limit": limit}).json()
 
+    def labels(self) -> list[str]:
+        return [entry["label"] for entry in self._call("GET", "/v1/labels").json()["labels"]]
+
     def search(self, name: str, data: bytes, **params: Any) -> dict:
         return self._call("POST", "/v1/search", params=params, files={"image": (name, data)}).json()
 

@@ -123,6 +123,15 @@ class ItemPageOut(BaseModel):
     offset: int
 
 
+class LabelCountOut(BaseModel):
+    label: str
+    count: int = Field(description="items with this label")
+
+
+class LabelsOut(BaseModel):
+    labels: list[LabelCountOut] = Field(description="every label in the index, in label order")
+
+
 class AddedItemsOut(BaseModel):
     items: list[ItemOut]
     count: int = Field(description="items in the index after the addition")

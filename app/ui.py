@@ -55,6 +55,14 @@ def fetch_items(api_url: str) -> dict[int, dict]:
         return {}
 
 
+@st.cache_data(ttl=30, show_spinner=False)
+def fetch_labels(api_url: str) -> list[str]:
+    try:
+        return api_client(api_url).labels()
+    except ApiCallError:
+        return []
+
+
 @st.cache_data(max_entries=1024, show_spinner=False)
 def fetch_thumbnail(api_url: str, item_id: int, path: str) -> bytes | None:
     """``path`` is part of the cache key: an id reused after a delete must not show the old picture."""
@@ -108,8 +116,7 @@ def render_search_controls() -> tuple[dict, dict]:
 def render_filters() -> dict:
     """Search only within labels, a sub-folder and a range of dates added (only the filters set are sent)."""
     st.header("Filter")
-    known = sorted({item["label"] for item in fetch_items(API_URL).values() if item["label"]})
-    labels = st.multiselect("Labels", known, accept_new_options=True, key="filter_labels")
+    labels = st.multiselect("Labels", fetch_labels(API_URL), accept_new_options=True, key="filter_labels")
     prefix = st.text_input("Sub-folder (path prefix)", key="filter_prefix").strip()
     added_from = st.date_input("Added from", key="filter_from")
     added_to = st.date_input("Added before", key="filter_to")

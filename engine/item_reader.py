@@ -48,6 +48,11 @@ class ItemReader:
         """A JPEG of the item's image, at most ``size`` pixels on its longer side."""
         return thumbnail_jpeg(self.image_path(item_id).read_bytes(), size, max_pixels=self.max_pixels)
 
+    def label_counts(self) -> dict[str, int]:
+        """Every label with its number of items, by label."""
+        with self.current.reading() as bundle:
+            return bundle.index.items.label_counts()
+
     def page(self, offset: int, limit: int) -> tuple[list[Item], int]:
         """A page of items in id order, and the total count."""
         with self.current.reading() as bundle:

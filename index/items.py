@@ -140,6 +140,12 @@ class ItemStore:
         for row in self.connection.execute(f"SELECT {_COLUMNS} FROM items ORDER BY id"):
             yield Item(*row)
 
+    def label_counts(self) -> dict[str, int]:
+        rows = self.connection.execute(
+            "SELECT label, COUNT(*) FROM items WHERE label IS NOT NULL GROUP BY label ORDER BY label"
+        )
+        return dict(rows.fetchall())
+
     def __len__(self) -> int:
         return int(self.connection.execute("SELECT COUNT(*) FROM items").fetchone()[0])
 

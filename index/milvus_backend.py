@@ -9,6 +9,7 @@ without coordinating. The collection records the model fingerprint, so vectors o
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -224,6 +225,11 @@ class MilvusBackend:
                 yield from (self._item(row) for row in batch)
         finally:
             iterator.close()
+
+    def label_counts(self) -> dict[str, int]:
+        # Milvus groups only search results: count over a scan (callers such as the UI cache the answer).
+        counts = Counter(item.label for item in self.scan() if item.label is not None)
+        return dict(sorted(counts.items()))
 
     def __len__(self) -> int:
         rows = self.client.query(self.collection, filter="", output_fields=["count(*)"])

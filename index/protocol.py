@@ -54,6 +54,10 @@ class ItemCatalog(Protocol):
         """Every item, in id order."""
         ...
 
+    def label_counts(self) -> dict[str, int]:
+        """How many items carry each label, by label (items without a label are not counted)."""
+        ...
+
     def __len__(self) -> int: ...
 
 

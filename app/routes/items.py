@@ -9,7 +9,16 @@ from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
 from app.deps import INT64_MAX, AppSettings, Compute, ItemId, Service, require_api_key
-from app.schemas import AddedItemsOut, DeletedItemOut, ErrorOut, ItemOut, ItemPageOut, NewItemsJsonIn
+from app.schemas import (
+    AddedItemsOut,
+    DeletedItemOut,
+    ErrorOut,
+    ItemOut,
+    ItemPageOut,
+    LabelCountOut,
+    LabelsOut,
+    NewItemsJsonIn,
+)
 from app.uploads import read_uploads, request_body_spec
 from engine.item_writer import NewItem
 
@@ -29,6 +38,14 @@ def list_items(
     """A page of indexed items in id order (to browse the gallery or pick a query item)."""
     items, total = service.reader.page(offset, limit)
     return ItemPageOut(items=[ItemOut.of(item) for item in items], total=total, offset=offset)
+
+
+@router.get("/v1/labels", response_model=LabelsOut, responses=ERRORS)
+def list_labels(service: Service) -> LabelsOut:
+    """Every label with its number of items (what a label filter can choose from, however large the
+    gallery: a page of items shows only some of its labels)."""
+    counts = service.reader.label_counts()
+    return LabelsOut(labels=[LabelCountOut(label=label, count=count) for label, count in counts.items()])
 
 
 @router.get("/v1/items/{item_id}", response_model=ItemOut, responses=ERRORS)

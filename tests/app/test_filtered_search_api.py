@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable
 
 import pytest
@@ -16,6 +17,14 @@ from tests.helpers import Served
 @pytest.fixture
 def client(make_client: Callable[..., TestClient]) -> TestClient:
     return make_client()
+
+
+def test_labels_lists_every_label_with_its_count(client: TestClient) -> None:
+    items = client.get("/v1/items", params={"limit": 1000}).json()["items"]
+    expected = Counter(item["label"] for item in items if item["label"])
+    labels = client.get("/v1/labels").json()["labels"]
+    assert [entry["label"] for entry in labels] == sorted(expected)
+    assert {entry["label"]: entry["count"] for entry in labels} == expected
 
 
 def _upload(served: Served, name: str = "cat/00_crop.jpg") -> dict:

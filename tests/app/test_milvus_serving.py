@@ -48,6 +48,8 @@ def test_api_over_a_milvus_lite_index(exported_model: Path, demo_gallery: Path, 
         )
         assert added.status_code == 201, added.text
         new_id = added.json()["items"][0]["id"]
+        labels = {entry["label"]: entry["count"] for entry in client.get("/v1/labels").json()["labels"]}
+        assert labels["new"] == 1 and sum(labels.values()) == 79
         hit = client.post("/v1/search", params={"k": 1}, files={"image": ("q.png", new)}).json()["results"][0]
         assert hit["id"] == new_id
         removed = client.delete(f"/v1/items/{new_id}", headers={"X-API-Key": API_KEY})

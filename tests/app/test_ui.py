@@ -111,6 +111,10 @@ def test_duplicates_page_shows_groups_with_thumbnails_and_scores(page) -> None:
 
 
 def test_sidebar_filters_restrict_the_results(page, demo_gallery: Path) -> None:
+    # Every label of the index is offered (from /v1/labels, not from a page of items).
+    assert page.sidebar.multiselect(key="filter_labels").options == sorted(
+        path.name for path in demo_gallery.iterdir() if path.is_dir()
+    )
     page.sidebar.multiselect(key="filter_labels").select("coffee")
     page.file_uploader[0].set_value(
         ("cat.jpg", (demo_gallery / "cat/00_crop.jpg").read_bytes(), "image/jpeg")
