@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
+from engine.model_card import ModelCard
 from index.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -140,7 +141,8 @@ def entries(count: int, prefix: str = "img") -> list[tuple[str, str | None, str]
 
 @dataclass(frozen=True)
 class Served:
-    """A writable copy of the demo gallery and its index (so tests may add, delete and tamper)."""
+    """A writable copy of the demo gallery, its index and its model (so tests may add, delete and tamper:
+    a test that rewrote the session's exported model card changed the model every later test served)."""
 
     gallery: Path
     index: Path
@@ -155,7 +157,11 @@ def copy_served(demo_gallery: Path, demo_index: Path, exported_model: Path, targ
     manifest = Manifest.load(index)
     manifest.gallery_root = str(gallery.resolve())
     manifest.save(index)
-    return Served(gallery, index, exported_model)
+    model = target / "model" / exported_model.name
+    model.parent.mkdir()
+    shutil.copy(exported_model, model)
+    shutil.copy(ModelCard.path_for(exported_model), ModelCard.path_for(model))
+    return Served(gallery, index, model)
 
 
 def index_digest(index: Path) -> dict[str, str]:
