@@ -8,10 +8,13 @@ import streamlit as st
 from app.client import ApiCallError, SearchClient
 
 VERDICT_BOX = {"better": st.success, "not distinguishable": st.info, "worse": st.error}
+# A field the model has no value for (a pretrained backbone has no run). Not "-": st.table renders cells
+# as markdown, where a lone "-" is an empty list item, drawn as a bullet.
+NOT_APPLICABLE = "—"
 
 
 def _card_rows(card: dict) -> dict[str, str]:
-    dash = "-"
+    dash = NOT_APPLICABLE
     return {
         "Backbone": card["backbone"],
         "Head": card["head"],
@@ -63,10 +66,16 @@ def render_model(client: SearchClient) -> None:
     if card["evaluation"] is not None:
         _show_evaluation(card["evaluation"])
     if not card["plots"]:
-        st.info(
-            "No training report for this model on the server. Run `dmlsearch report RUN` on the run it "
-            "was exported from to see its plots here."
-        )
+        if card["loss"] is None:
+            st.info(
+                "This is the pretrained backbone, untrained, so there is no training report. Train on your "
+                "labelled photos (`dmlsearch train`), then `dmlsearch report RUN` shows the proof here."
+            )
+        else:
+            st.info(
+                "No training report for this model on the server. Run `dmlsearch report RUN` on the run "
+                "it was exported from to see its plots here."
+            )
         return
     st.subheader("Training report")
     for plot in card["plots"]:

@@ -16,6 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from app.ui_model import NOT_APPLICABLE
 from engine.model_card import ModelCard
 from engine.run_proof import EVAL_FILE, PLOTS, plot_path
 from tests.helpers import Served, copy_served, uvicorn_server
@@ -120,3 +121,27 @@ def test_model_page_shows_the_card_verdict_and_plots(
     assert "**better**" in page.success[0].value
     assert len(page.image) == len(PLOTS)
     assert [caption for image in page.image for caption in image.captions] == list(PLOTS.values())
+
+
+@pytest.fixture(scope="module")
+def pretrained_api_url(exported_model: Path, demo_index: Path) -> Iterator[str]:
+    args = ["--index", str(demo_index), "--model", str(exported_model), "--rate-limit", "0"]
+    with uvicorn_server(args) as url:
+        yield url
+
+
+def test_model_page_of_the_pretrained_backbone(
+    pretrained_api_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No run: the fields it lacks read as not applicable (a bare "-" was drawn as a markdown bullet) and
+    the page says why there is no report instead of asking for one."""
+    page = _model_page(pretrained_api_url, monkeypatch)
+    table = page.table[0].value
+    shown = dict(zip(table.iloc[:, 0], table.iloc[:, 1], strict=True))
+    assert shown["Loss"] == "none (pretrained backbone)"
+    for field in ("Recipe", "Mode", "Trained", "Run", "Selected step"):
+        assert shown[field] == NOT_APPLICABLE, field
+    assert not [value for value in shown.values() if value.strip() in {"-", "*", "+"}]  # markdown bullets
+    assert "pretrained backbone, untrained" in page.info[0].value
+    assert "dmlsearch report RUN` on the run it was exported from" not in page.info[0].value
+    assert len(page.image) == 0
