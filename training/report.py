@@ -86,16 +86,17 @@ def recall_figure(embedded: RunEmbeddings) -> Figure:
     ks = [k for k in CURVE_KS if k < len(embedded.labels)]
     figure = Figure(figsize=(6.5, 4.2), layout="constrained")
     axes = figure.subplots()
-    for name, vectors, colour in (
-        ("untrained backbone", embedded.untrained, UNTRAINED_COLOUR),
-        ("trained", embedded.trained, TRAINED_COLOUR),
+    # Trained values above their points, untrained below: close curves would print one over the other.
+    for name, vectors, colour, offset, align in (
+        ("untrained backbone", embedded.untrained, UNTRAINED_COLOUR, -6, "top"),
+        ("trained", embedded.trained, TRAINED_COLOUR, 6, "bottom"),
     ):
         metrics = retrieval_metrics(vectors, embedded.labels, ks)
         values = [100 * metrics[f"recall@{k}"] for k in ks]
         axes.plot(ks, values, marker="o", color=colour, label=name)
         for k, value in zip(ks, values, strict=True):
-            axes.annotate(f"{value:.1f}", (k, value), textcoords="offset points", xytext=(0, 6), ha="center",
-                          fontsize=8, color=colour)  # fmt: skip
+            axes.annotate(f"{value:.1f}", (k, value), textcoords="offset points", xytext=(0, offset),
+                          ha="center", va=align, fontsize=8, color=colour)  # fmt: skip
     axes.set_xscale("log", base=2)
     axes.set_xticks(ks, [str(k) for k in ks])
     axes.set(title="Recall@K on the test images", xlabel="K", ylabel="Recall@K (%)")

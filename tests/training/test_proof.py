@@ -208,3 +208,20 @@ def test_served_model_shows_its_runs_card_and_report(
             assert response.content == plot_path(magnet_run, plot["name"]).read_bytes()
         response = client.get("/v1/model/plots/secrets")
         assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+
+
+def test_recall_curve_labels_stay_apart_when_the_curves_meet() -> None:
+    """Equal Recall@K for both models (a run that changed little): each value is still readable."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from training.report import recall_figure
+
+    rng = np.random.default_rng(0)
+    labels = np.repeat(np.arange(8), 5)
+    vectors = rng.standard_normal((8, 16))[labels] + 0.8 * rng.standard_normal((40, 16))
+    figure = recall_figure(SimpleNamespace(trained=vectors, untrained=vectors.copy(), labels=labels))
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    boxes = [text.get_window_extent(renderer) for text in figure.axes[0].texts]
+    assert len(boxes) == 2 * 6  # both curves, K = 1 ... 32
+    overlapping = [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :] if a.overlaps(b)]
+    assert overlapping == []
