@@ -18,10 +18,11 @@ selection as usual (``TrainConfig.fold``). Each method trains with each candidat
 
 The table reports each candidate's test Recall@1 per fold against the untrained model on the same fold,
 the mean and spread of the gain, and the worst fold. The preferred candidate is the one that helps on every
-fold with the highest mean gain, not the one that peaks on one fold. Run directories are resumed; the table
-is rebuilt from every finished run after each run (``--report-only`` just rebuilds it), so two processes
-working on different ``--methods`` may share one ``--runs-dir``.
-Writes ``bench/results/recipes_cv.{md,json}``.
+fold with the highest mean gain, not the one that peaks on one fold. Run directories are resumed. After each
+run the table is rebuilt (``--report-only`` just rebuilds it): the finished runs of ``--methods`` replace
+their rows in the existing table and the other methods' rows are kept, each row naming the command that
+made it; a method's rows of another budget (``--max-steps``, ``--patience``, ``--set``) are dropped, since
+they would not compare. Writes ``bench/results/recipes_cv.{md,json}``.
 """
 
 from __future__ import annotations
@@ -62,7 +63,17 @@ BASE_CANDIDATES: dict[str, tuple[RecipeName, dict[str, Any]]] = {
     "paper": ("paper", {}),
     "recommended": (DEFAULT_RECIPE, {}),
 }
-VARIANTS: dict[str, dict[str, tuple[RecipeName, dict[str, Any]]]] = {}
+VARIANTS: dict[str, dict[str, tuple[RecipeName, dict[str, Any]]]] = {
+    "pddm": {
+        "lr3e-4": ("recommended", {"lr": 3e-4}),
+        "batch32x4": ("recommended", {"classes_per_batch": 32, "samples_per_class": 4}),
+        "lr5e-5": ("recommended", {"lr": 5e-5}),
+        "lam3": ("recommended", {"lam": 3.0}),
+    },
+    "loop-hphn-triplet": {
+        "batch32x4": ("recommended", {"classes_per_batch": 32, "samples_per_class": 4}),
+    },
+}
 
 
 def candidates(loss: str) -> dict[str, tuple[RecipeName, dict[str, Any]]]:
@@ -103,18 +114,18 @@ def describe(loss: str, candidate: str, given: list[str]) -> str:
 
 
 def collect(args: argparse.Namespace) -> dict[str, Any]:
-    """Every finished run under ``--runs-dir`` as per-method, per-candidate fold results (R@1 in %)."""
+    """``args.methods``' finished runs under ``--runs-dir`` as per-candidate fold results (R@1 in %)."""
     methods: dict[str, Any] = {}
-    untrained: dict[int, float] = {}
-    for loss in METHODS:
+    untrained: dict[str, float] = {}
+    for loss in args.methods:
         for candidate in candidates(loss):
             folds = {}
             for fold in range(args.folds):
                 summary = RunDirectory(run_path(args.runs_dir, candidate, loss, fold)).read_summary()
                 if summary is None:
                     continue
-                untrained[fold] = round(100 * summary["test_backbone"][SELECTION_METRIC], 2)
-                folds[fold] = {
+                untrained[str(fold)] = round(100 * summary["test_backbone"][SELECTION_METRIC], 2)
+                folds[str(fold)] = {
                     "r1": round(100 * summary["test"][SELECTION_METRIC], 2),
                     "gain": round(
                         100
@@ -131,6 +142,12 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
                     "folds": folds,
                     **spread(folds, args.folds),
                 }
+    return {"untrained": untrained, "methods": mark_preferred(methods)}
+
+
+def mark_preferred(methods: dict[str, Any]) -> dict[str, Any]:
+    """Flag, per method, the candidate that helps on every fold with the highest mean gain (or, if none
+    does, the highest mean gain among the complete ones)."""
     for results in methods.values():
         results_done = {name: r for name, r in results.items() if r["complete"]}
         helping = {name: r for name, r in results_done.items() if r["min_gain"] > 0}
@@ -139,10 +156,29 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         for name, result in results.items():
             result["preferred"] = name == best
             result["helps_every_fold"] = result["complete"] and result["min_gain"] > 0
-    return {"untrained": untrained, "methods": methods}
+    return methods
 
 
-def spread(folds: dict[int, dict[str, Any]], count: int) -> dict[str, Any]:
+def merge(previous: dict[str, Any], current: dict[str, Any], command: str, budget: str) -> dict[str, Any]:
+    """The previous table with the rows run now (``current``, tagged with ``command`` and ``budget``)
+    replacing theirs: a method run now keeps its previous candidates of the same budget only (others would
+    not compare); the other methods' rows stay as they were, with the command that made them."""
+    methods: dict[str, Any] = {}
+    for loss, by_candidate in previous.get("methods", {}).items():
+        for name, result in by_candidate.items():
+            tagged = {"command": previous.get("command"), "budget": previous.get("budget"), **result}
+            if loss not in current["methods"] or tagged["budget"] == budget:
+                methods.setdefault(loss, {})[name] = tagged
+    for loss, by_candidate in current["methods"].items():
+        for name, result in by_candidate.items():
+            methods.setdefault(loss, {})[name] = {**result, "command": command, "budget": budget}
+    order = {loss: rank for rank, loss in enumerate(METHODS)}
+    methods = {loss: methods[loss] for loss in sorted(methods, key=order.__getitem__)}
+    untrained = {**previous.get("untrained", {}), **current["untrained"]}
+    return {"untrained": untrained, "methods": mark_preferred(methods)}
+
+
+def spread(folds: dict[str, dict[str, Any]], count: int) -> dict[str, Any]:
     gains = [fold["gain"] for fold in folds.values()]
     return {
         "complete": len(folds) == count,
@@ -153,15 +189,19 @@ def spread(folds: dict[int, dict[str, Any]], count: int) -> dict[str, Any]:
     }
 
 
-def markdown(results: dict[str, Any], command: str, budget: str, folds: int) -> str:
+def markdown(results: dict[str, Any], folds: int) -> str:
     untrained = results["untrained"]
+    rows = [result for by_candidate in results["methods"].values() for result in by_candidate.values()]
+    budgets = {result["command"]: result["budget"] for result in rows}  # in order of first use
+    commands = list(budgets)
     fold_cells = [f"fold {k}" for k in range(folds)]
     lines = [
         f"# Recipe cross-validation: {folds} class folds of the Cars196 training classes (1-98)",
         "",
-        f"Command: `{command}`",
+        "Each row comes from the command its `run` column names (runs of one method compare only under "
+        "one budget):",
         "",
-        budget,
+        *(f"{number}. `{command}`: {budgets[command]}" for number, command in enumerate(commands, 1)),
         "",
         "Each cell: test Recall@1 (%) on the fold's held-out classes, and its gain over the untrained model "
         "on the same fold. mean / std / min / range: of the gain across folds (range = how far it moved). "
@@ -170,17 +210,17 @@ def markdown(results: dict[str, Any], command: str, budget: str, folds: int) -> 
         "",
         "| method | candidate | "
         + " | ".join(fold_cells)
-        + " | mean | std | min | range | every fold | settings |",
-        "|" + "---|" * (folds + 8),
+        + " | mean | std | min | range | every fold | settings | run |",
+        "|" + "---|" * (folds + 9),
         "| untrained | - | "
-        + " | ".join(f"{untrained[k]:.2f}" if k in untrained else "" for k in range(folds))
-        + " | - | - | - | - | - | - |",
+        + " | ".join(f"{untrained[str(k)]:.2f}" if str(k) in untrained else "" for k in range(folds))
+        + " | - | - | - | - | - | - | - |",
     ]
     for loss, by_candidate in results["methods"].items():
         for name, result in by_candidate.items():
             cells = []
             for k in range(folds):
-                fold = result["folds"].get(k) or result["folds"].get(str(k))
+                fold = result["folds"].get(str(k))
                 cells.append(f"{fold['r1']:.2f} ({fold['gain']:+.2f})" if fold else "")
             label = f"**{name}**" if result["preferred"] else name
             lines.append(
@@ -188,16 +228,18 @@ def markdown(results: dict[str, Any], command: str, budget: str, folds: int) -> 
                 + " | ".join(cells)
                 + f" | {result['mean_gain']:+.2f} | {result['std_gain']:.2f} | {result['min_gain']:+.2f} | "
                 f"{result['range_gain']:.2f} | {'yes' if result['helps_every_fold'] else 'no'} | "
-                f"{result['settings']} |"
+                f"{result['settings']} | {commands.index(result['command']) + 1} |"
             )
     return "\n".join(lines) + "\n"
 
 
 def reproducing_command(args: argparse.Namespace) -> str:
-    """The command that runs every cell of the table (the parts may have run as several processes)."""
+    """The command that runs every row this process reports (the parts may have run as several processes)."""
     threads = os.environ.get("OMP_NUM_THREADS")
     words = [*([f"OMP_NUM_THREADS={threads}"] if threads else []), "python", "bench/recipes_cv.py"]
     words += ["--data", str(args.data), "--cache-dir", str(args.cache_dir), "--runs-dir", str(args.runs_dir)]
+    if list(args.methods) != list(METHODS):
+        words += ["--methods", *args.methods]
     words += ["--folds", str(args.folds), "--seed", str(args.seed)]
     for flag in ("max_steps", "patience"):
         if getattr(args, flag) is not None:
@@ -205,10 +247,9 @@ def reproducing_command(args: argparse.Namespace) -> str:
     return shlex.join(words + (["--set", *args.set] if args.set else []))
 
 
-def write_report(args: argparse.Namespace) -> str:
-    results = collect(args)
+def budget_text(args: argparse.Namespace) -> str:
     defaults = TrainConfig.model_fields
-    budget = (
+    return (
         f"Frozen mode, seed {args.seed}. Budget per run: the candidate recipe's (at most "
         f"{args.max_steps or defaults['max_steps'].default} Adam steps, early stopping after "
         f"{args.patience or defaults['patience'].default} validations without improvement, not before the "
@@ -216,17 +257,23 @@ def write_report(args: argparse.Namespace) -> str:
         f"{'; every candidate also ' + ', '.join(args.set) if args.set else ''}. Validation (checkpoint "
         "selection): the last 20% of each fold's training classes."
     )
-    command = reproducing_command(args)
+
+
+def write_report(args: argparse.Namespace) -> str:
+    """Rebuild the table: ``args.methods``' finished runs replace their rows in the committed one."""
+    path = RESULTS / "recipes_cv.json"
+    previous = json.loads(path.read_text()) if path.exists() else {}
+    if previous and previous.get("folds") != args.folds:
+        previous = {}  # another fold split: nothing compares
+    results = merge(previous, collect(args), reproducing_command(args), budget_text(args))
     report = {
-        "command": command,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "budget": budget,
         "folds": args.folds,
         **results,
     }
-    table = markdown(results, command, budget, args.folds)
+    table = markdown(results, args.folds)
     RESULTS.mkdir(exist_ok=True)
-    atomic_write_text(RESULTS / "recipes_cv.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(path, json.dumps(report, indent=2) + "\n")
     atomic_write_text(RESULTS / "recipes_cv.md", table)
     return table
 

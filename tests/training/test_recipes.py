@@ -184,7 +184,7 @@ def test_recipes_cv_prefers_the_candidate_that_helps_on_every_fold(
     gains = {"paper": [-1.0, -2.0, -0.5], "recommended": [6.0, 5.0, -0.5], "steady": [2.0, 2.0, 1.0]}
     monkeypatch.setattr(cv, "METHODS", ("ms",))
     monkeypatch.setitem(cv.VARIANTS, "ms", {"steady": ("recommended", {"epsilon": 0.2})})
-    args = cv.argparse.Namespace(runs_dir=tmp_path, folds=3, set=["views=0"])
+    args = cv.argparse.Namespace(runs_dir=tmp_path, folds=3, set=["views=0"], methods=["ms"])
     for candidate, per_fold in gains.items():
         for fold, gain in enumerate(per_fold):
             run = RunDirectory(cv.run_path(tmp_path, candidate, "ms", fold))
@@ -205,5 +205,42 @@ def test_recipes_cv_prefers_the_candidate_that_helps_on_every_fold(
     assert results["recommended"]["mean_gain"] == pytest.approx(3.5)
     assert results["recommended"]["range_gain"] == pytest.approx(6.5)  # how far it moved across folds
     assert results["steady"]["settings"] == "views=0, epsilon=0.2"  # --set wins, as in the runs
-    table = cv.markdown(cv.collect(args), "cmd", "budget", 3)
+    table = cv.markdown(cv.merge({}, cv.collect(args), "cmd", "budget"), 3)
     assert "| ms | **steady** | 52.00 (+2.00) | 53.00 (+2.00) | 53.00 (+1.00) | +1.67 |" in table
+    assert "1. `cmd`: budget" in table
+
+
+def test_recipes_cv_keeps_the_rows_it_did_not_rerun(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows run now replace the same method's rows of the same budget; other methods' rows stay, naming
+    the command that made them; a rerun method's rows of another budget go (they would not compare)."""
+    cv = bench_module("recipes_cv", monkeypatch)
+
+    def row(gains: list[float]) -> dict[str, Any]:
+        folds = {str(k): {"r1": 50 + gain, "gain": gain} for k, gain in enumerate(gains)}
+        return {"settings": "-", "folds": folds, **cv.spread(folds, 3)}
+
+    previous = {
+        "command": "old",
+        "budget": "1000 steps",
+        "untrained": {"0": 50.0, "1": 50.0, "2": 50.0},
+        "methods": {
+            "almn": {"paper": row([1.0, 1.0, 1.0])},
+            "pddm": {"paper": row([1.0, -1.0, 1.0])},
+            "loop-ms": {"paper": row([2.0, 2.0, 2.0]), "recommended": row([-1.0, 0.0, 0.0])},
+        },
+    }
+    current = {"untrained": {"2": 50.0}, "methods": {"pddm": {"recommended": row([2.0, 2.0, 2.0])}}}
+    merged = cv.merge(previous, current, "new", "3000 steps")["methods"]
+    assert set(merged["pddm"]) == {"recommended"}  # pddm's 1000-step rows went
+    assert merged["pddm"]["recommended"]["command"] == "new" and merged["pddm"]["recommended"]["preferred"]
+    assert merged["almn"]["paper"]["command"] == "old" and merged["almn"]["paper"]["budget"] == "1000 steps"
+    assert list(merged) == ["almn", "pddm", "loop-ms"]  # in the order of METHODS
+
+    current = {"untrained": {}, "methods": {"loop-ms": {"recommended": row([3.0, 3.0, 3.0])}}}
+    merged = cv.merge(previous, current, "new", "1000 steps")
+    ms = merged["methods"]["loop-ms"]
+    assert ms["paper"]["command"] == "old" and ms["recommended"]["command"] == "new"  # same budget: kept
+    assert ms["recommended"]["preferred"] and not ms["paper"]["preferred"]
+    table = cv.markdown(merged, 3)
+    assert "1. `old`: 1000 steps" in table and "2. `new`: 1000 steps" in table
+    assert "| loop-ms | **recommended** | 53.00 (+3.00) |" in table and table.count(" | 2 |\n") == 1
