@@ -64,13 +64,13 @@ BASE_CANDIDATES: dict[str, tuple[RecipeName, dict[str, Any]]] = {
     "recommended": (DEFAULT_RECIPE, {}),
 }
 VARIANTS: dict[str, dict[str, tuple[RecipeName, dict[str, Any]]]] = {
-    "pddm": {
-        "lr3e-4": ("recommended", {"lr": 3e-4}),
-        "batch32x4": ("recommended", {"classes_per_batch": 32, "samples_per_class": 4}),
-        "lr5e-5": ("recommended", {"lr": 5e-5}),
-        "lam3": ("recommended", {"lam": 3.0}),
+    "pddm": {  # tried on fold 2 (the hard one) first, with the embedding weight before it was raised to 3
+        "lam1": ("recommended", {"lam": 1.0}),
+        "lr3e-4": ("recommended", {"lam": 1.0, "lr": 3e-4}),
+        "lr5e-5": ("recommended", {"lam": 1.0, "lr": 5e-5}),
+        "batch32x4": ("recommended", {"lam": 1.0, "classes_per_batch": 32, "samples_per_class": 4}),
     },
-    "loop-hphn-triplet": {
+    "loop-hphn-triplet": {  # tried on fold 2 first
         "batch32x4": ("recommended", {"classes_per_batch": 32, "samples_per_class": 4}),
     },
 }
