@@ -86,17 +86,27 @@ def recall_figure(embedded: RunEmbeddings) -> Figure:
     ks = [k for k in CURVE_KS if k < len(embedded.labels)]
     figure = Figure(figsize=(6.5, 4.2), layout="constrained")
     axes = figure.subplots()
-    # Trained values above their points, untrained below: close curves would print one over the other.
-    for name, vectors, colour, offset, align in (
-        ("untrained backbone", embedded.untrained, UNTRAINED_COLOUR, -6, "top"),
-        ("trained", embedded.trained, TRAINED_COLOUR, 6, "bottom"),
+    curves = {}
+    for name, vectors, colour in (
+        ("untrained backbone", embedded.untrained, UNTRAINED_COLOUR),
+        ("trained", embedded.trained, TRAINED_COLOUR),
     ):
         metrics = retrieval_metrics(vectors, embedded.labels, ks)
-        values = [100 * metrics[f"recall@{k}"] for k in ks]
-        axes.plot(ks, values, marker="o", color=colour, label=name)
-        for k, value in zip(ks, values, strict=True):
-            axes.annotate(f"{value:.1f}", (k, value), textcoords="offset points", xytext=(0, offset),
-                          ha="center", va=align, fontsize=8, color=colour)  # fmt: skip
+        curves[colour] = [100 * metrics[f"recall@{k}"] for k in ks]
+        axes.plot(ks, curves[colour], marker="o", color=colour, label=name)
+    # At each K the higher value is written above its point and the lower one below (the trained one
+    # above on a tie), so close curves never print one number over the other or across a line.
+    for position, k in enumerate(ks):
+        trained, untrained = curves[TRAINED_COLOUR][position], curves[UNTRAINED_COLOUR][position]
+        for colour, value, above in (
+            (TRAINED_COLOUR, trained, trained >= untrained),
+            (UNTRAINED_COLOUR, untrained, untrained > trained),
+        ):
+            axes.annotate(
+                f"{value:.1f}", (k, value), textcoords="offset points", xytext=(0, 6 if above else -6),
+                ha="center", va="bottom" if above else "top", fontsize=8, color=colour,
+            )  # fmt: skip
+    axes.margins(y=0.12)  # room for the labels above the highest point and below the lowest
     axes.set_xscale("log", base=2)
     axes.set_xticks(ks, [str(k) for k in ks])
     axes.set(title="Recall@K on the test images", xlabel="K", ylabel="Recall@K (%)")

@@ -210,18 +210,23 @@ def test_served_model_shows_its_runs_card_and_report(
         assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
 
 
-def test_recall_curve_labels_stay_apart_when_the_curves_meet() -> None:
-    """Equal Recall@K for both models (a run that changed little): each value is still readable."""
+@pytest.mark.parametrize("trained_noise", [0.0, 0.6], ids=["equal curves", "crossing curves"])
+def test_recall_curve_labels_stay_apart_and_inside(trained_noise: float) -> None:
+    """Recall@K labels of close or crossing curves (a run that changed little) never overlap each other,
+    and stay inside the plot."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     from training.report import recall_figure
 
     rng = np.random.default_rng(0)
     labels = np.repeat(np.arange(8), 5)
-    vectors = rng.standard_normal((8, 16))[labels] + 0.8 * rng.standard_normal((40, 16))
-    figure = recall_figure(SimpleNamespace(trained=vectors, untrained=vectors.copy(), labels=labels))
+    untrained = rng.standard_normal((8, 16))[labels] + 0.8 * rng.standard_normal((40, 16))
+    trained = untrained + trained_noise * rng.standard_normal((40, 16))
+    figure = recall_figure(SimpleNamespace(trained=trained, untrained=untrained, labels=labels))
     renderer = FigureCanvasAgg(figure).get_renderer()
-    boxes = [text.get_window_extent(renderer) for text in figure.axes[0].texts]
+    axes = figure.axes[0]
+    boxes = [text.get_window_extent(renderer) for text in axes.texts]
     assert len(boxes) == 2 * 6  # both curves, K = 1 ... 32
-    overlapping = [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :] if a.overlaps(b)]
-    assert overlapping == []
+    assert [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :] if a.overlaps(b)] == []
+    frame = axes.get_window_extent(renderer)
+    assert all(frame.y0 <= box.y0 and box.y1 <= frame.y1 for box in boxes)
