@@ -91,7 +91,7 @@ def _print_build_summary(out: Path, report: BuildReport) -> None:
         f"indexed {report.indexed} images into {out} ({report.unchanged} unchanged, {report.removed} removed)"
     )
     if report.duplicates:
-        typer.echo(f"{len(report.duplicates)} files have the same content as another file:")
+        typer.echo(f"copies of indexed files ({len(report.duplicates)}):")
         echo_duplicate_files(report.duplicates)
     params = ", ".join(f"{name}={value}" for name, value in manifest.search_params.items())
     recall = "" if manifest.achieved_recall is None else f", recall@10 {manifest.achieved_recall:.3f}"
