@@ -40,8 +40,11 @@ class SearchClient:
     def similar(self, item_id: int, **params: Any) -> dict:
         return self._call("GET", f"/v1/items/{item_id}/similar", params=params).json()
 
-    def duplicates(self, threshold: float, offset: int = 0, limit: int = 20) -> dict:
-        params = {"threshold": threshold, "offset": offset, "limit": limit}
+    def duplicates(self, threshold: float | None = None, offset: int = 0, limit: int = 20) -> dict:
+        """``threshold`` None: the index's default."""
+        params = {"offset": offset, "limit": limit}
+        if threshold is not None:
+            params["threshold"] = threshold
         return self._call("GET", "/v1/duplicates", params=params).json()
 
     def model(self) -> dict:

@@ -15,7 +15,6 @@ from engine.images import ImageDecodeError
 from engine.item_reader import ItemNotFoundError
 from engine.item_writer import DuplicateItemError, InvalidItemError, StorageError
 from engine.query import RerankUnavailableError
-from index.duplicates import DuplicatesUnavailableError
 
 log = logging.getLogger("dmlsearch.app")
 
@@ -65,10 +64,6 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RerankUnavailableError)
     async def rerank_unavailable(_: Request, err: RerankUnavailableError) -> JSONResponse:
         return error_response(422, "rerank_unavailable", str(err))
-
-    @app.exception_handler(DuplicatesUnavailableError)
-    async def duplicates_unavailable(_: Request, err: DuplicatesUnavailableError) -> JSONResponse:
-        return error_response(422, "duplicates_unavailable", str(err))
 
     @app.exception_handler(InvalidItemError)
     async def invalid_item(_: Request, err: InvalidItemError) -> JSONResponse:

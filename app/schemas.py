@@ -111,7 +111,10 @@ class DuplicateGroupOut(BaseModel):
 
 
 class DuplicatesOut(BaseModel):
-    threshold: float
+    threshold: float = Field(description="the cosine cut used (the index's default when none was given)")
+    max_distance: int = Field(description="perceptual-signature bits two copies may differ by")
+    unsigned: int = Field(description="items without a perceptual signature, judged by cosine alone")
+    note: str | None = Field(None, description="why some pairs were judged by cosine alone, if any were")
     total: int = Field(description="groups at this threshold (pages walk through them, largest first)")
     offset: int
     groups: list[DuplicateGroupOut]

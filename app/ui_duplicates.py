@@ -16,21 +16,28 @@ COLUMNS = 6
 def render_duplicates(client: SearchClient, thumbnail: Callable[[int, str], bytes | None]) -> None:
     """``thumbnail(item_id, path)``: the page's cached thumbnail fetcher."""
     st.subheader("Near-duplicates")
-    threshold = st.slider(
-        "Cosine threshold",
-        min_value=0.5,
-        max_value=1.0,
-        value=DEFAULT_THRESHOLD,
-        step=0.01,
-        key="dup_threshold",
-    )
+    threshold = None  # the index's default
+    if st.checkbox("Set the cosine threshold", key="dup_custom"):
+        threshold = st.slider(
+            "Cosine threshold",
+            min_value=0.5,
+            max_value=1.0,
+            value=DEFAULT_THRESHOLD,
+            step=0.01,
+            key="dup_threshold",
+        )
     page_number = st.number_input("Page", min_value=1, value=1, step=1, key="dup_page")
     try:
         body = client.duplicates(threshold, offset=(page_number - 1) * GROUPS_PER_PAGE, limit=GROUPS_PER_PAGE)
     except ApiCallError as err:
         st.error(f"Duplicates are unavailable: {err}")
         return
-    st.caption(f"{body['total']} groups at cosine >= {threshold:.2f} (largest first)")
+    st.caption(
+        f"{body['total']} groups at cosine >= {body['threshold']:.2f} with perceptual signatures within "
+        f"{body['max_distance']} bits (largest first)"
+    )
+    if body["note"]:
+        st.warning(body["note"])
     if not body["groups"]:
         st.info("No near-duplicates on this page.")
         return

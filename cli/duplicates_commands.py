@@ -11,7 +11,13 @@ from typing import Annotated
 import typer
 
 from cli.common import fail
-from index.duplicates import DEFAULT_NEIGHBOURS, DEFAULT_THRESHOLD
+from index.duplicates import (
+    DEFAULT_MAX_DISTANCE,
+    DEFAULT_NEIGHBOURS,
+    DEFAULT_THRESHOLD,
+    EMBEDDING_ONLY_THRESHOLD,
+    MAX_DISTANCE_LIMIT,
+)
 
 commands = typer.Typer()
 
@@ -20,10 +26,24 @@ commands = typer.Typer()
 def duplicates(
     index: Annotated[Path, typer.Option(help="Index directory.")],
     threshold: Annotated[
-        float, typer.Option(min=-1.0, max=1.0, help="Cosine at or above which two images are duplicates.")
-    ] = DEFAULT_THRESHOLD,
+        float | None,
+        typer.Option(
+            min=-1.0,
+            max=1.0,
+            help=f"Cosine at or above which two images may be copies [default: {DEFAULT_THRESHOLD} when "
+            f"every image has a perceptual signature, else {EMBEDDING_ONLY_THRESHOLD}].",
+            show_default=False,
+        ),
+    ] = None,
+    max_distance: Annotated[
+        int,
+        typer.Option(
+            min=0, max=MAX_DISTANCE_LIMIT, help="Perceptual-signature bits (of 64) two copies may differ by."
+        ),
+    ] = DEFAULT_MAX_DISTANCE,
     neighbours: Annotated[
-        int, typer.Option(min=1, max=1000, help="Candidate neighbours searched per image.")
+        int,
+        typer.Option(min=1, max=1000, help="Candidate neighbours searched per image without a signature."),
     ] = DEFAULT_NEIGHBOURS,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     as_csv: Annotated[
@@ -31,8 +51,9 @@ def duplicates(
     ] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = False,
 ) -> None:
-    """Print groups of near-duplicate images: images joined by chains of pairs with cosine >= THRESHOLD,
-    each with its highest cosine to another member."""
+    """Print groups of near-duplicate images: images joined by chains of pairs whose perceptual signatures
+    are within MAX_DISTANCE bits and whose cosine is >= THRESHOLD, each with its highest cosine to another
+    member. Images indexed before signatures were stored are judged by cosine alone (a note says so)."""
     from index.duplicates import find_duplicates
     from index.gallery import GalleryIndex
 
@@ -43,19 +64,25 @@ def duplicates(
     except (FileNotFoundError, ValueError, ImportError) as err:
         raise fail(str(err)) from None
     try:
-        groups = find_duplicates(gallery, threshold, neighbours=neighbours, progress=progress)
-        items = gallery.items.get_many([int(i) for group in groups for i in group.ids])
+        found = find_duplicates(
+            gallery, threshold, max_distance=max_distance, neighbours=neighbours, progress=progress
+        )
+        items = gallery.items.get_many([int(i) for group in found.groups for i in group.ids])
     except (ValueError, RuntimeError) as err:
         raise fail(str(err)) from None
     finally:
         gallery.close()
     rows = [
         [(items[int(i)], float(score)) for i, score in zip(group.ids, group.scores, strict=True)]
-        for group in groups
+        for group in found.groups
     ]
+    if found.note:
+        typer.echo(f"note: {found.note}", err=True)
     if as_json:
         payload = {
-            "threshold": threshold,
+            "threshold": found.threshold,
+            "max_distance": found.max_distance,
+            "unsigned": found.unsigned,
             "groups": [
                 [
                     {"id": item.id, "path": item.path, "label": item.label, "score": score}
@@ -77,4 +104,7 @@ def duplicates(
             typer.echo(f"group {number}: {len(row)} images")
             for item, score in row:
                 typer.echo(f"  {score:7.4f}  {item.label or '-':<24} {item.path}")
-        typer.echo(f"{len(rows)} groups of near-duplicates at cosine >= {threshold}")
+        typer.echo(
+            f"{len(rows)} groups of near-duplicates at cosine >= {found.threshold} with perceptual "
+            f"signatures within {found.max_distance} bits"
+        )

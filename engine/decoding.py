@@ -23,6 +23,7 @@ from engine.defaults import MAX_BATCH_PIXELS, MAX_IMAGE_PIXELS
 from engine.images import ImageDecodeError, load_rgb, open_image
 from engine.model_card import Preprocessing
 from engine.preprocess import to_array
+from engine.signature import perceptual_signature
 
 # Images per model run when serving. Activations take ~16 MB per image (EfficientNet-Lite0, onnxruntime
 # CPU) and the arena keeps the largest run's: one run of 64 left the process 1 GB bigger, runs of 8 ~130
@@ -69,11 +70,16 @@ def open_uploads(images: Sequence[bytes], budget: PixelBudget) -> list[Image.Ima
 
 
 def batch_tensor(
-    headers: Sequence[Image.Image], preprocessing: Preprocessing, *, stage: Stage | None = None
+    headers: Sequence[Image.Image],
+    preprocessing: Preprocessing,
+    *,
+    stage: Stage | None = None,
+    signatures: list[bytes] | None = None,
 ) -> np.ndarray:
     """Decode the images of :func:`open_uploads` one at a time into the model's NCHW input batch.
 
     ``stage(name)``: a context manager timing the "decode" and "preprocess" work (a ``StageTimer``'s).
+    ``signatures``: when given, each image's perceptual signature is appended to it, from the same decode.
     """
     stage = stage or (lambda _: nullcontext())
     arrays = []
@@ -82,6 +88,8 @@ def batch_tensor(
             image = _named(position, len(headers), load_rgb, header)
         with stage("preprocess"):
             arrays.append(to_array(image, preprocessing))
+            if signatures is not None:
+                signatures.append(perceptual_signature(image))
         del image  # before the next image is decoded: one full-size image at a time
         header.close()
     with stage("preprocess"):

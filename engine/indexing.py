@@ -24,7 +24,7 @@ from engine.bundle import store_model
 from engine.defaults import BATCH_SIZE, DECODE_WORKERS
 from engine.embedder import Embedder
 from engine.images import list_images
-from engine.prefetch import file_array, prefetch
+from engine.prefetch import DecodedFile, decode_file, prefetch
 from index.gallery import GalleryIndex, replace_directory
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item, Move
@@ -130,7 +130,7 @@ def plan_sync(
 class ItemSink(Protocol):
     """Where embedded files go: an index, or a writer that keeps the ids of the items it re-embeds."""
 
-    def add(self, vectors: np.ndarray, entries: Sequence[Entry]) -> object: ...
+    def add(self, vectors: np.ndarray, entries: Sequence[Entry], signatures: Sequence[bytes]) -> object: ...
 
 
 def embed_files(
@@ -146,14 +146,19 @@ def embed_files(
     """Decode, embed and add ``files`` batch by batch; each batch is durable once added, and a stop signal
     (``engine.stopping``) ends the work there.
 
-    ``decode_workers`` threads decode and preprocess the next batches while the model embeds this one.
+    ``decode_workers`` threads decode and preprocess the next batches (and compute their perceptual
+    signatures) while the model embeds this one.
     """
     preprocessing = embedder.card.preprocessing
-    batch: list[tuple[GalleryFile, np.ndarray]] = []
+    batch: list[tuple[GalleryFile, DecodedFile]] = []
 
     def flush() -> None:
-        vectors = embedder.embed_tensor(np.stack([array for _, array in batch]))
-        index.add(vectors, [(f.relative, f.label, f.content_hash) for f, _ in batch])
+        vectors = embedder.embed_tensor(np.stack([decoded.array for _, decoded in batch]))
+        index.add(
+            vectors,
+            [(f.relative, f.label, f.content_hash) for f, _ in batch],
+            [decoded.signature for _, decoded in batch],
+        )
         report.indexed += len(batch)
         batch.clear()
         stopping.checkpoint()
@@ -161,7 +166,7 @@ def embed_files(
     # Two batches in flight: the next one is complete when the model finishes this one.
     loaded = prefetch(
         files,
-        lambda f: file_array(f.path, preprocessing),
+        lambda f: decode_file(f.path, preprocessing),
         workers=decode_workers,
         depth=2 * batch_size,
     )

@@ -79,7 +79,9 @@ class ItemWriter:
                 raise DuplicateItemError(f"image {position} repeats an earlier image of this request")
             prepared.append((relative.as_posix(), label, digest, target, new.data))
         preprocessing = bundle.embedder.card.preprocessing
-        vectors = bundle.embedder.embed_tensor(batch_tensor(headers, preprocessing), run_size=RUN_IMAGES)
+        signatures: list[bytes] = []
+        tensor = batch_tensor(headers, preprocessing, signatures=signatures)
+        vectors = bundle.embedder.embed_tensor(tensor, run_size=RUN_IMAGES)
         with self.current.writing() as bundle:
             for relative, *_ in prepared:
                 if bundle.index.items.get_by_path(relative) is not None:
@@ -92,7 +94,9 @@ class ItemWriter:
                             atomic_write_bytes(target, data)
                             written.append(target)
                     ids = bundle.index.add(
-                        vectors, [(relative, label, digest) for relative, label, digest, *_ in prepared]
+                        vectors,
+                        [(relative, label, digest) for relative, label, digest, *_ in prepared],
+                        signatures,
                     )
             except BaseException:
                 for target in written:  # files of items that never made it into the index

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from engine import defaults
 from engine.images import ImageDecodeError, load_image_file
 from engine.model_card import Preprocessing
 from engine.preprocess import to_array
+from engine.signature import perceptual_signature
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -28,9 +29,20 @@ R = TypeVar("R")
 FILE_ERRORS = (ImageDecodeError, OSError)
 
 
+class DecodedFile(NamedTuple):
+    array: np.ndarray  # the model's input
+    signature: bytes  # engine.signature's perceptual signature
+
+
 def file_array(path: Path, preprocessing: Preprocessing) -> np.ndarray:
     """One image file as the model's normalised CHW input (large JPEGs decoded at a reduced DCT scale)."""
     return to_array(load_image_file(path, draft_size=preprocessing.resize_size), preprocessing)
+
+
+def decode_file(path: Path, preprocessing: Preprocessing) -> DecodedFile:
+    """What indexing needs of one image file, from one decode: the model's input and the signature."""
+    image = load_image_file(path, draft_size=preprocessing.resize_size)
+    return DecodedFile(to_array(image, preprocessing), perceptual_signature(image))
 
 
 def prefetch(

@@ -34,10 +34,14 @@ class _KeepIds:
         self.store = store
         self.by_path = by_path
 
-    def add(self, vectors: np.ndarray, entries: Sequence[Entry]) -> list[int]:
+    def add(self, vectors: np.ndarray, entries: Sequence[Entry], signatures: Sequence[bytes]) -> list[int]:
         old = [self.by_path[path] for path, _, _ in entries]
         return self.store.add(
-            vectors, entries, added=[item.added for item in old], ids=[item.id for item in old]
+            vectors,
+            entries,
+            added=[item.added for item in old],
+            ids=[item.id for item in old],
+            signatures=signatures,
         )
 
 

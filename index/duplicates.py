@@ -1,10 +1,23 @@
-"""Near-duplicate groups: connected components of the graph of item pairs with cosine >= a threshold.
+"""Near-duplicate groups: connected components of the graph of pairs of items that are copies of one image.
 
-Candidate pairs come from the index's own k-nearest-neighbour search of every stored vector (IVF and HNSW
-make that far cheaper than all pairs, and nothing is compared pair by pair in Python); scores of
-quantised indexes (SQ8, PQ) are re-computed exactly from the stored vectors before the threshold cuts.
-``scipy.sparse.csgraph`` finds the components. A group larger than ``neighbours + 1`` is still found
-whole as long as its members are chained by close pairs, which near-duplicates are.
+The embedding alone cannot tell a copy of a photo from another photo of the same thing: it is trained for
+category similarity, and on Cars196 two photos of one car model embed as close as a photo and its
+half-size copy. So a pair is two items whose perceptual signatures (bit strings the engine computes from
+each image: ``engine.signature``) are within ``max_distance`` bits and whose cosine is >= a loose
+``threshold`` as well.
+
+- Every item signed (the normal case): the pairs within ``max_distance`` bits are found exactly by a
+  FAISS multi-hash range search over the signatures (``IndexBinaryMultiHash``: with more hash tables than
+  ``max_distance``, any two codes that close agree on one table's bits), and their cosines are computed
+  from the stored vectors.
+- Some items without a signature (indexed before signatures were stored; Milvus keeps none): candidate
+  pairs come from one batched k-nearest-neighbour search of every stored vector through the index itself
+  (IVF and HNSW make that far cheaper than all pairs), cut at ``threshold``, which then defaults to a
+  stricter value; pairs of two signed items must still be within ``max_distance`` bits, the others are
+  judged by cosine alone, and the result says how many items that concerns. Scores of quantised indexes
+  (SQ8, PQ) are re-computed exactly from the stored vectors before the threshold cuts.
+
+Nothing is compared pair by pair in Python. ``scipy.sparse.csgraph`` finds the components.
 """
 
 from __future__ import annotations
@@ -16,24 +29,24 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm import tqdm
 
+from index.faiss_index import faiss_module
+
 if TYPE_CHECKING:  # the CLI imports this module for its defaults: keep that import light
     from index.gallery import GalleryIndex
-    from index.items import ItemStore
 
-# Chosen by bench/duplicates.py (Cars196 test photos plus re-encoded, resized, 90%-cropped, mirrored and
-# +-15% brightness copies of 400 of them): the threshold with the best min(pair precision, pair recall) on
-# one half of the copies. With the pretrained model that is 0.91, where the other half measures precision
-# 0.88 and recall 0.80: both short of 0.95 (bench/results/duplicates.md; half-size copies are the misses).
-DEFAULT_THRESHOLD = 0.91
-DEFAULT_NEIGHBOURS = 16  # candidates per item from the kNN search
+# Chosen by bench/duplicates.py on one half of its copies (Cars196 test photos plus re-encoded, half-size,
+# 90%-cropped, mirrored and +-15% brightness copies of 400 of them) and measured on the other half:
+# bench/results/duplicates.md.
+DEFAULT_THRESHOLD = 0.75  # candidate cosine, for items with signatures: loose, the signatures decide
+DEFAULT_MAX_DISTANCE = 4  # signature bits (of 64) that two copies of one photo may differ by
+EMBEDDING_ONLY_THRESHOLD = 0.91  # default cosine when some items have no signature (best min(P, R))
+DEFAULT_NEIGHBOURS = 16  # candidates per item from the kNN search (items without signatures)
+MAX_DISTANCE_LIMIT = 16  # more bits than this would put most items in every hash bucket
 # Quantised scores are approximate: candidates this far below the threshold are re-scored exactly too.
 QUANTISED_MARGIN = 0.05
-EXACT_INDEX_TYPES = frozenset({"flat", "hnsw", "ivf"})  # their scores are exact inner products
+QUANTISED_INDEX_TYPES = frozenset({"ivfsq", "ivfpq", "IVF_SQ8", "IVF_PQ"})  # FAISS's and Milvus's names
+SIGNATURE_VIEW_BITS = 64  # one 64-bit hash per view
 _CHUNK = 4096  # query vectors per search call
-
-
-class DuplicatesUnavailableError(ValueError):
-    """The index cannot give back its stored vectors (Milvus), which finding duplicates reads."""
 
 
 @dataclass(frozen=True)
@@ -42,19 +55,52 @@ class DuplicateGroup:
     scores: np.ndarray  # each member's highest cosine to another member of the group
 
 
-def _stored_vectors(index: GalleryIndex) -> ItemStore:
+@dataclass(frozen=True)
+class Duplicates:
+    groups: list[DuplicateGroup]  # largest first
+    threshold: float  # the cosine cut used
+    max_distance: int
+    unsigned: int  # items without a perceptual signature: their pairs were judged by cosine alone
+    items: int
+
+    @property
+    def note(self) -> str | None:
+        """Why some pairs were judged by the embedding alone, and what to do about it; None if none were."""
+        if self.unsigned == 0:
+            return None
+        return (
+            f"{self.unsigned} of {self.items} items have no perceptual signature (indexed before signatures "
+            "were stored, or in a Milvus index): pairs with them are judged by cosine alone, which cannot "
+            "tell a copy from another photo of the same thing as well. To check every pair by image, "
+            "re-embed a FAISS index with its own model: dmlsearch index rebuild INDEX --model "
+            "INDEX/model.onnx --out NEW"
+        )
+
+
+def signature_distance(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """Bits between rows of two signature arrays (uint64, one column per view, the image itself first):
+    the fewest over the image's own view against any view of the other, and the reverse."""
+    own = np.bitwise_count(first[:, :1] ^ second).min(axis=1)
+    other = np.bitwise_count(first ^ second[:, :1]).min(axis=1)
+    return np.minimum(own, other).astype(np.int64)
+
+
+def _all_vectors(index: GalleryIndex) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(ids, vectors)`` chunks of every item: one cursor over a FAISS index's store, else through the
+    protocol (Milvus: item ids, then their stored vectors)."""
     from index.items import ItemStore
 
     store = index.items
-    if not isinstance(store, ItemStore):
-        raise DuplicatesUnavailableError(
-            f"finding duplicates reads every stored vector, which this {index.manifest.backend} index does "
-            "not give back: use a FAISS index"
-        )
-    return store
+    if isinstance(store, ItemStore):
+        yield from store.iter_vectors(_CHUNK)
+        return
+    ids = np.fromiter((item.id for item in store.scan()), dtype=np.int64)
+    for start in range(0, len(ids), _CHUNK):
+        chunk = ids[start : start + _CHUNK]
+        yield chunk, index.vectors(chunk.tolist())
 
 
-def duplicate_pairs(
+def candidate_pairs(
     index: GalleryIndex, threshold: float, *, neighbours: int = DEFAULT_NEIGHBOURS, progress: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(first ids, second ids, cosines)`` of the distinct pairs with cosine >= ``threshold`` among each
@@ -63,29 +109,102 @@ def duplicate_pairs(
         raise ValueError(f"threshold must be a cosine in [-1, 1], got {threshold}")
     if neighbours < 1:
         raise ValueError(f"neighbours must be at least 1, got {neighbours}")
-    store = _stored_vectors(index)
-    exact = index.manifest.index_type in EXACT_INDEX_TYPES
-    cut = threshold if exact else threshold - QUANTISED_MARGIN
-    firsts, seconds, cosines = [], [], []
     total = len(index)
-    chunks: Iterator[tuple[np.ndarray, np.ndarray]] = store.iter_vectors(_CHUNK)
+    exact = index.manifest.index_type not in QUANTISED_INDEX_TYPES
+    cut = threshold if exact else threshold - QUANTISED_MARGIN
+    firsts, seconds, cosines = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.float32)]
     with tqdm(total=total, desc="duplicates", unit="item", disable=not progress) as bar:
-        for ids, vectors in chunks:
+        for ids, vectors in _all_vectors(index):
             found, scores = index.backend.search(vectors, min(neighbours + 1, total))
             rows, columns = np.nonzero((scores >= cut) & (found > ids[:, None]))  # each pair once
             first, second, score = ids[rows], found[rows, columns], scores[rows, columns]
             if not exact and len(second):
-                score = np.einsum("ij,ij->i", vectors[rows], store.vectors(second))
+                score = np.einsum("ij,ij->i", vectors[rows], index.vectors(second.tolist()))
                 keep = score >= threshold
                 first, second, score = first[keep], second[keep], score[keep]
             firsts.append(first)
             seconds.append(second)
             cosines.append(np.clip(score, -1.0, 1.0))
             bar.update(len(ids))
-    if not firsts:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, np.zeros(0, dtype=np.float32)
     return np.concatenate(firsts), np.concatenate(seconds), np.concatenate(cosines).astype(np.float32)
+
+
+class SignatureTable:
+    """Every stored signature as a uint64 array (one row per signed item, ids ascending)."""
+
+    def __init__(self, stored: dict[int, bytes]) -> None:
+        self.ids = np.array(sorted(stored), dtype=np.int64)
+        blobs = [stored[int(i)] for i in self.ids]
+        if len({len(blob) for blob in blobs}) > 1:
+            raise ValueError("the index holds perceptual signatures of different lengths")
+        views = len(blobs[0]) * 8 // SIGNATURE_VIEW_BITS if blobs else 1
+        self.rows = np.frombuffer(b"".join(blobs), dtype=np.uint64).reshape(len(blobs), views)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(signed, rows)``: whether each id has a signature, and the row of those that have one."""
+        positions = np.minimum(np.searchsorted(self.ids, ids), max(len(self.ids) - 1, 0))
+        signed = self.ids[positions] == ids if len(self.ids) else np.zeros(len(ids), dtype=bool)
+        return signed, self.rows[positions[signed]]
+
+
+def verify_pairs(
+    firsts: np.ndarray,
+    seconds: np.ndarray,
+    cosines: np.ndarray,
+    signatures: SignatureTable,
+    *,
+    threshold: float,
+    max_distance: int,
+) -> np.ndarray:
+    """Which candidate pairs are duplicates: those with cosine >= ``threshold`` whose signatures are within
+    ``max_distance`` bits, or where either item has no signature, by the cosine alone."""
+    first_signed, first_rows = signatures.lookup(firsts)
+    second_signed, second_rows = signatures.lookup(seconds)
+    both = first_signed & second_signed
+    keep = cosines >= threshold
+    close = signature_distance(first_rows[both[first_signed]], second_rows[both[second_signed]])
+    keep[both] &= close <= max_distance
+    return keep
+
+
+def signature_pairs(signatures: SignatureTable, max_distance: int) -> tuple[np.ndarray, ...]:
+    """``(first ids, second ids, bits)`` of every pair of signed items within ``max_distance`` bits
+    (see :func:`signature_distance`; first id < second id), by a FAISS multi-hash range search: every view
+    of every item is a code, queried by every item's own view."""
+    if not 0 <= max_distance <= MAX_DISTANCE_LIMIT:
+        raise ValueError(f"max_distance must be in [0, {MAX_DISTANCE_LIMIT}] bits, got {max_distance}")
+    count, views = signatures.rows.shape
+    if count == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    faiss = faiss_module()
+    tables = max_distance + 1  # pigeonhole: max_distance differing bits leave one table's bits equal
+    codes = faiss.IndexBinaryMultiHash(SIGNATURE_VIEW_BITS, tables, SIGNATURE_VIEW_BITS // tables)
+    codes.add(np.ascontiguousarray(signatures.rows).view(np.uint8).reshape(count * views, -1))
+    own = np.ascontiguousarray(signatures.rows[:, :1]).view(np.uint8)
+    limits, bits, found = codes.range_search(own, max_distance + 1)  # radius is exclusive
+    query = np.repeat(np.arange(count), np.diff(limits.astype(np.int64)))
+    other = found // views
+    first, second = np.minimum(query, other), np.maximum(query, other)
+    distinct = first != second
+    first, second, bits = first[distinct], second[distinct], bits[distinct]
+    # A pair met more than once (both ways, several views): keep its fewest bits.
+    order = np.lexsort((bits, second, first))
+    first, second, bits = first[order], second[order], bits[order]
+    unique = np.ones(len(first), dtype=bool)
+    unique[1:] = (first[1:] != first[:-1]) | (second[1:] != second[:-1])
+    ids = signatures.ids
+    return ids[first[unique]], ids[second[unique]], bits[unique].astype(np.int64)
+
+
+def pair_cosines(index: GalleryIndex, firsts: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """The exact cosine of each pair, from the stored vectors."""
+    ids, positions = np.unique(np.concatenate([firsts, seconds]), return_inverse=True)
+    vectors = index.vectors(ids.tolist()) if len(ids) else np.zeros((0, index.manifest.dim), np.float32)
+    a, b = positions[: len(firsts)], positions[len(firsts) :]
+    return np.clip(np.einsum("ij,ij->i", vectors[a], vectors[b]), -1.0, 1.0).astype(np.float32)
 
 
 def group_pairs(firsts: np.ndarray, seconds: np.ndarray, scores: np.ndarray) -> list[DuplicateGroup]:
@@ -112,10 +231,33 @@ def group_pairs(firsts: np.ndarray, seconds: np.ndarray, scores: np.ndarray) -> 
 
 def find_duplicates(
     index: GalleryIndex,
-    threshold: float = DEFAULT_THRESHOLD,
+    threshold: float | None = None,
     *,
+    max_distance: int = DEFAULT_MAX_DISTANCE,
     neighbours: int = DEFAULT_NEIGHBOURS,
     progress: bool = False,
-) -> list[DuplicateGroup]:
-    """Groups of near-duplicate items: items joined by chains of pairs with cosine >= ``threshold``."""
-    return group_pairs(*duplicate_pairs(index, threshold, neighbours=neighbours, progress=progress))
+) -> Duplicates:
+    """Groups of near-duplicate items: items joined by chains of verified pairs (see the module's doc).
+
+    ``threshold``: the candidates' cosine cut; default :data:`DEFAULT_THRESHOLD` when every item has a
+    signature, else :data:`EMBEDDING_ONLY_THRESHOLD`.
+    """
+    if not 0 <= max_distance <= MAX_DISTANCE_LIMIT:
+        raise ValueError(f"max_distance must be in [0, {MAX_DISTANCE_LIMIT}] bits, got {max_distance}")
+    signatures = SignatureTable(index.backend.signatures())
+    unsigned = len(index) - len(signatures)
+    if threshold is None:
+        threshold = DEFAULT_THRESHOLD if unsigned == 0 else EMBEDDING_ONLY_THRESHOLD
+    if not -1.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold must be a cosine in [-1, 1], got {threshold}")
+    if unsigned == 0:
+        firsts, seconds, _ = signature_pairs(signatures, max_distance)
+        cosines = pair_cosines(index, firsts, seconds)
+        keep = cosines >= threshold
+    else:
+        firsts, seconds, cosines = candidate_pairs(index, threshold, neighbours=neighbours, progress=progress)
+        keep = verify_pairs(
+            firsts, seconds, cosines, signatures, threshold=threshold, max_distance=max_distance
+        )
+    groups = group_pairs(firsts[keep], seconds[keep], cosines[keep])
+    return Duplicates(groups, threshold, max_distance, unsigned, len(index))

@@ -95,9 +95,11 @@ class FaissBackend:
         # The FAISS count is kept in step with the store (and is free; SQLite's COUNT(*) scans the table).
         return len(self.index) if self.index is not None else len(self.store)
 
-    def add(self, vectors: np.ndarray, entries: Sequence[Entry]) -> list[int]:
+    def add(
+        self, vectors: np.ndarray, entries: Sequence[Entry], signatures: Sequence[bytes | None] | None = None
+    ) -> list[int]:
         vectors = normalize_rows(vectors)
-        ids = self.store.add(vectors, entries)
+        ids = self.store.add(vectors, entries, signatures=signatures)
         if self.index is not None:
             self.index.add(np.asarray(ids, dtype=np.int64), vectors)
             self._dirty = True
@@ -122,6 +124,9 @@ class FaissBackend:
     def vectors(self, ids: Sequence[int]) -> np.ndarray:
         """From the item store, which keeps every vector exactly (whatever the FAISS index compresses)."""
         return self.store.vectors(np.asarray(ids, dtype=np.int64))
+
+    def signatures(self) -> dict[int, bytes]:
+        return self.store.signatures()
 
     def stats(self) -> dict[str, object]:
         return {"indexed_vectors": len(self.index) if self.index is not None else 0}

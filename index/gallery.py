@@ -120,9 +120,12 @@ class GalleryIndex:
                 f"{fingerprint[:12]}: rebuild the index with this model"
             )
 
-    def add(self, vectors: np.ndarray, entries: Sequence[Entry]) -> list[int]:
-        """Add vectors with their ``(path, label, content_hash)`` metadata; returns the new ids."""
-        return self.backend.add(vectors, entries)
+    def add(
+        self, vectors: np.ndarray, entries: Sequence[Entry], signatures: Sequence[bytes | None] | None = None
+    ) -> list[int]:
+        """Add vectors with their ``(path, label, content_hash)`` metadata and perceptual signatures;
+        returns the new ids."""
+        return self.backend.add(vectors, entries, signatures)
 
     def remove(self, ids: Sequence[int]) -> int:
         """Remove items by id; returns how many existed. Ids are never reused."""

@@ -3,6 +3,10 @@
 The stored vectors are the source of truth the FAISS file is derived from: a build that is interrupted
 resumes from them, an index is re-trained or changes type without re-embedding any image, HNSW removal
 rebuilds from them, and shard directories merge from them.
+
+Items may also carry a perceptual signature (opaque bytes the engine computes from the image, see
+``index.duplicates``), in a table of its own: indexes written before it existed gain the empty table when
+next opened for writing, and their items simply have none.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ class ItemStore:
             self.connection.execute(
                 "CREATE TABLE IF NOT EXISTS vectors (id INTEGER PRIMARY KEY, vector BLOB NOT NULL)"
             )
+            self.connection.execute(
+                "CREATE TABLE IF NOT EXISTS signatures (id INTEGER PRIMARY KEY, signature BLOB NOT NULL)"
+            )
 
     # -- writing -----------------------------------------------------------------------------------
 
@@ -61,11 +68,12 @@ class ItemStore:
         *,
         added: Sequence[str] | None = None,
         ids: Sequence[int] | None = None,
+        signatures: Sequence[bytes | None] | None = None,
     ) -> list[int]:
-        """Insert items and their vectors in one transaction; return their new ids.
+        """Insert items, their vectors and signatures in one transaction; return their new ids.
 
         ``added`` and ``ids``: the items' original times and ids (when copying items between indexes);
-        default now and the next free ids.
+        default now and the next free ids. ``signatures``: each item's perceptual signature (None: none).
         """
         vectors = normalize_rows(vectors)
         check_dim(vectors, self.dim)
@@ -73,11 +81,12 @@ class ItemStore:
             raise ValueError(f"{len(vectors)} vectors but {len(entries)} metadata rows")
         times = added if added is not None else [now_utc()] * len(entries)
         given = ids if ids is not None else [None] * len(entries)  # None: SQLite picks the next id
+        marks = signatures if signatures is not None else [None] * len(entries)
         new_ids = []
         with self.connection:
             cursor = self.connection.cursor()
-            rows = zip(vectors, entries, times, given, strict=True)
-            for vector, (path, label, content_hash), time, item_id in rows:
+            rows = zip(vectors, entries, times, given, marks, strict=True)
+            for vector, (path, label, content_hash), time, item_id, signature in rows:
                 cursor.execute(
                     "INSERT INTO items (id, path, label, content_hash, added) VALUES (?, ?, ?, ?, ?)",
                     (item_id, path, label, content_hash, time),
@@ -86,6 +95,10 @@ class ItemStore:
                 cursor.execute(
                     "INSERT INTO vectors (id, vector) VALUES (?, ?)", (new_ids[-1], vector.tobytes())
                 )
+                if signature is not None:
+                    cursor.execute(
+                        "INSERT INTO signatures (id, signature) VALUES (?, ?)", (new_ids[-1], signature)
+                    )
         return new_ids
 
     def remove(self, ids: Sequence[int]) -> int:
@@ -93,6 +106,7 @@ class ItemStore:
         with self.connection:
             removed = self.connection.executemany("DELETE FROM items WHERE id = ?", rows).rowcount
             self.connection.executemany("DELETE FROM vectors WHERE id = ?", rows)
+            self.connection.executemany("DELETE FROM signatures WHERE id = ?", rows)
         return removed
 
     def move(self, moves: Sequence[Move]) -> int:
@@ -181,6 +195,29 @@ class ItemStore:
         cursor = self.connection.execute("SELECT id, vector FROM vectors ORDER BY id")
         while rows := cursor.fetchmany(chunk_size):
             yield np.array([row[0] for row in rows], dtype=np.int64), self._decode([row[1] for row in rows])
+
+    # -- perceptual signatures ---------------------------------------------------------------------
+
+    def signatures(self, ids: Sequence[int] | None = None) -> dict[int, bytes]:
+        """The stored signatures of those of ``ids`` (default: of every item) that have one."""
+        if not self._has_signatures():  # an index from before signatures, opened read-only
+            return {}
+        if ids is None:
+            return dict(self.connection.execute("SELECT id, signature FROM signatures"))
+        found: dict[int, bytes] = {}
+        for start in range(0, len(ids), _SQL_CHUNK):
+            chunk = [int(i) for i in ids[start : start + _SQL_CHUNK]]
+            placeholders = ",".join("?" * len(chunk))
+            found.update(
+                self.connection.execute(
+                    f"SELECT id, signature FROM signatures WHERE id IN ({placeholders})", chunk
+                )
+            )
+        return found
+
+    def _has_signatures(self) -> bool:
+        query = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'signatures'"
+        return self.connection.execute(query).fetchone() is not None
 
     def _decode(self, blobs: list[bytes]) -> np.ndarray:
         if not blobs:

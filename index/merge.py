@@ -91,14 +91,20 @@ def _copy_items(stores: Sequence[ItemStore], target: ItemStore, progress: bool) 
     for start in range(0, len(ordered), COPY_CHUNK):
         chunk = ordered[start : start + COPY_CHUNK]
         vectors = np.zeros((len(chunk), target.dim), dtype=np.float32)
+        signatures: list[bytes | None] = [None] * len(chunk)
         for number, store in enumerate(stores):
             positions = [i for i, (owner, _) in enumerate(chunk) if owner == number]
             if positions:
-                vectors[positions] = store.vectors(np.array([chunk[i][1].id for i in positions], np.int64))
+                shard_ids = [chunk[i][1].id for i in positions]
+                vectors[positions] = store.vectors(np.array(shard_ids, np.int64))
+                kept = store.signatures(shard_ids)
+                for position, shard_id in zip(positions, shard_ids, strict=True):
+                    signatures[position] = kept.get(shard_id)
         ids = target.add(
             vectors,
             [(item.path, item.label, item.content_hash) for _, item in chunk],
             added=[item.added for _, item in chunk],
+            signatures=signatures,
         )
         for (number, _), new_id in zip(chunk, ids, strict=True):
             new_ids[number].append(new_id)

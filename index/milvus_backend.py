@@ -123,7 +123,10 @@ class MilvusBackend:
     def items(self) -> MilvusBackend:
         return self
 
-    def add(self, vectors: np.ndarray, entries: Sequence[Entry]) -> list[int]:
+    def add(
+        self, vectors: np.ndarray, entries: Sequence[Entry], signatures: Sequence[bytes | None] | None = None
+    ) -> list[int]:
+        """``signatures`` are not kept: the collection's schema predates them (see ``signatures``)."""
         vectors = normalize_rows(vectors)
         check_dim(vectors, self.dim)
         if len(vectors) != len(entries):
@@ -184,6 +187,10 @@ class MilvusBackend:
         if missing:
             raise KeyError(f"no stored vector for ids {missing[:5]}")
         return np.array([by_id[int(i)] for i in ids], dtype=np.float32)
+
+    def signatures(self) -> dict[int, bytes]:
+        """None: a collection has no field for them, and adding one would break existing collections."""
+        return {}
 
     def stats(self) -> dict[str, object]:
         return {}

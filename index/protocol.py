@@ -64,7 +64,8 @@ class ItemCatalog(Protocol):
 class VectorIndex(Protocol):
     """A backend: top-k cosine search over stored vectors, with stable int64 ids and item metadata.
 
-    ``add`` stores vectors with their metadata and returns the ids it gave them; ``move`` changes
+    ``add`` stores vectors with their metadata (and each item's perceptual signature, where given and the
+    backend keeps them: ``signatures`` gives them back) and returns the ids it gave them; ``move`` changes
     items' paths and labels only; ``search`` returns
     ``(ids, scores)``, both (n, k), with id -1 and score -inf where fewer than k items exist; ``vectors``
     gives back stored vectors (exact, as added after normalising); ``save`` makes everything durable; a
@@ -78,7 +79,9 @@ class VectorIndex(Protocol):
     @property
     def items(self) -> ItemCatalog: ...
 
-    def add(self, vectors: np.ndarray, entries: Sequence[Entry]) -> list[int]: ...
+    def add(
+        self, vectors: np.ndarray, entries: Sequence[Entry], signatures: Sequence[bytes | None] | None = None
+    ) -> list[int]: ...
 
     def search(
         self, queries: np.ndarray, k: int, where: ItemFilter | None = None
@@ -90,6 +93,10 @@ class VectorIndex(Protocol):
 
     def vectors(self, ids: Sequence[int]) -> np.ndarray:
         """The stored vectors of ``ids``, (len(ids), dim), in that order; KeyError for an unknown id."""
+        ...
+
+    def signatures(self) -> dict[int, bytes]:
+        """Every stored perceptual signature by item id (empty where the backend keeps none)."""
         ...
 
     def stats(self) -> dict[str, object]:

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from app.deps import INT64_MAX, Compute, Service
 from app.schemas import DuplicateGroupOut, DuplicateOut, DuplicatesOut, ErrorOut
-from index.duplicates import DEFAULT_THRESHOLD
+from index.duplicates import DEFAULT_MAX_DISTANCE, MAX_DISTANCE_LIMIT
 
 router = APIRouter(tags=["duplicates"])
 ERRORS = {code: {"model": ErrorOut} for code in (422, 429, 503)}
@@ -19,22 +19,41 @@ async def duplicates(
     service: Service,
     compute: Compute,
     threshold: Annotated[
-        float, Query(ge=-1.0, le=1.0, description="Cosine at or above which two images are duplicates.")
-    ] = DEFAULT_THRESHOLD,
+        float | None,
+        Query(
+            ge=-1.0,
+            le=1.0,
+            description="Cosine at or above which two images may be copies (default: the index's, looser "
+            "when every image has a perceptual signature to confirm it).",
+        ),
+    ] = None,
+    max_distance: Annotated[
+        int,
+        Query(ge=0, le=MAX_DISTANCE_LIMIT, description="Perceptual-signature bits two copies may differ by."),
+    ] = DEFAULT_MAX_DISTANCE,
     offset: Annotated[int, Query(ge=0, le=INT64_MAX, description="Skip this many groups.")] = 0,
     limit: Annotated[int, Query(ge=1, le=100, description="Groups per page.")] = 20,
 ) -> DuplicatesOut:
-    """Groups of near-duplicate images (connected by pairs with cosine >= threshold), largest first.
+    """Groups of near-duplicate images (joined by pairs whose perceptual signatures match and whose cosine
+    is >= threshold), largest first.
 
-    The first request for a threshold finds every group (a k-nearest-neighbour search of every stored
-    vector); later pages of the same index state come from memory. 422 for a Milvus index.
+    The first request for a setting finds every group; later pages of the same index state come from
+    memory. Images indexed without a signature are judged by cosine alone (``unsigned``, ``note``).
     """
-    rows, total = (await compute.run(service.duplicates.page, threshold, offset, limit))[0]
+    found = (await compute.run(service.duplicates.page, threshold, offset, limit, max_distance))[0]
     groups = [
         DuplicateGroupOut(
             size=len(row),
             items=[DuplicateOut(id=i.id, path=i.path, label=i.label, score=score) for i, score in row],
         )
-        for row in rows
+        for row in found.rows
     ]
-    return DuplicatesOut(threshold=threshold, total=total, offset=offset, groups=groups)
+    return DuplicatesOut(
+        threshold=found.threshold,
+        max_distance=found.max_distance,
+        unsigned=found.unsigned,
+        note=found.note,
+        total=found.total,
+        offset=offset,
+        groups=groups,
+    )

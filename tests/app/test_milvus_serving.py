@@ -1,4 +1,5 @@
-"""The API over a Milvus index (Milvus Lite): search, search by item, add and remove go through Milvus."""
+"""The API over a Milvus index (Milvus Lite): search, search by item, add, remove and near-duplicates go
+through Milvus."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from app.api import create_app
 from app.settings import Settings
+from index.duplicates import EMBEDDING_ONLY_THRESHOLD
 from tests.helpers import API_KEY, image_bytes, make_image
 
 pytest.importorskip("milvus_lite", reason="Milvus Lite is not installed (pip install 'dmlsearch[milvus]')")
@@ -56,3 +58,10 @@ def test_api_over_a_milvus_lite_index(exported_model: Path, demo_gallery: Path, 
         assert removed.status_code == 200 and removed.json()["count"] == 78
         after = client.post("/v1/search", params={"k": 1}, files={"image": ("q.png", new)}).json()["results"]
         assert after[0]["id"] != new_id
+
+        # Near-duplicates through the index protocol: Milvus keeps no signatures, so by cosine alone.
+        duplicates = client.get("/v1/duplicates", params={"limit": 100}).json()
+        assert duplicates["unsigned"] == 78 and "no perceptual signature" in duplicates["note"]
+        assert duplicates["threshold"] == EMBEDDING_ONLY_THRESHOLD and duplicates["total"] >= 5
+        labels = [{item["label"] for item in group["items"]} for group in duplicates["groups"]]
+        assert all(len(group) == 1 for group in labels)  # copies of one photo, in its label's folder

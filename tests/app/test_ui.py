@@ -104,6 +104,8 @@ def test_duplicates_page_shows_groups_with_thumbnails_and_scores(page) -> None:
     scores = [caption for caption in texts(page.caption) if caption.startswith("score ")]
     assert len(page.image) == len(scores) >= 2 * len(groups)
     assert any("cat/00_original.jpg" in caption for caption in scores)
+    page.checkbox(key="dup_custom").check()
+    page.run()
     page.slider(key="dup_threshold").set_value(1.0)
     page.run()
     assert not page.exception

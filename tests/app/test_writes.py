@@ -10,6 +10,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from engine.images import decode_image
+from engine.signature import perceptual_signature
 from index.gallery import GalleryIndex
 from tests.helpers import ADDRESS_SPACE_CAP, API_KEY, Served, image_bytes, make_image, uvicorn_server
 
@@ -66,7 +68,9 @@ def test_added_items_are_stored_searchable_and_persisted(
     reopened = GalleryIndex.open(served.index)  # what a restarted server would load
     assert len(reopened) == reopened.manifest.count == 81
     assert reopened.items.get(added[0]["id"]).label == "fresh"
+    signatures = reopened.backend.signatures()  # from the upload's own decode, like a build's
     reopened.close()
+    assert signatures[added[1]["id"]] == perceptual_signature(decode_image(new[1]))
 
 
 def test_deleted_items_leave_the_results_and_the_saved_index(

@@ -37,8 +37,14 @@ def _create(directory: Path, options: IndexOptions, shard: str | None = None) ->
     )
 
 
+def _signatures(rows: list[tuple[str, str | None, str]]) -> list[bytes]:
+    """A perceptual signature per item, derived from its content (twins share it)."""
+    return [row[2].encode().ljust(32, b"-")[:32] for row in rows]
+
+
 def _snapshot(index: GalleryIndex, queries: np.ndarray) -> tuple[list, list, tuple]:
-    items = [(i.id, i.path, i.label, i.content_hash) for i in index.items.scan()]
+    signatures = index.backend.signatures()
+    items = [(i.id, i.path, i.label, i.content_hash, signatures.get(i.id)) for i in index.items.scan()]
     hits = [[(h.item.id, h.score) for h in row] for row in index.search(queries, 10)]
     m = index.manifest
     return items, hits, (m.index_type, m.index_spec, m.search_params, m.achieved_recall, m.count)
@@ -51,19 +57,20 @@ def test_two_shards_merge_into_the_single_process_index(tmp_path: Path, index_ty
     seen: set[str] = set()
     unique = [i for i, row in enumerate(rows) if not (row[2] in seen or seen.add(row[2]))]
     single = _create(tmp_path / "single", options)
-    single.add(vectors[unique], [rows[i] for i in unique])  # a build adds new files in path order
+    single_rows = [rows[i] for i in unique]
+    single.add(vectors[unique], single_rows, _signatures(single_rows))  # a build adds files in path order
     single.save()
     for number in range(2):
         shard = Shard(number, 2)
         mine = [i for i, row in enumerate(rows) if shard.owns(row[0])]
         part = _create(tmp_path / f"shard{number}", options, shard=str(shard))
-        part.add(vectors[mine], [rows[i] for i in mine])
+        part.add(vectors[mine], [rows[i] for i in mine], _signatures([rows[i] for i in mine]))
         part.save()
         part.close()
     merged = merge_shards([tmp_path / "shard1", tmp_path / "shard0"], tmp_path / "merged", progress=False)
     queries = clustered_vectors(30, DIM, seed=5)
-    assert _snapshot(merged, queries) == _snapshot(single, queries)
-    assert len(merged) == COUNT - 1
+    assert _snapshot(merged, queries) == _snapshot(single, queries)  # signatures included
+    assert len(merged) == COUNT - 1 and len(merged.backend.signatures()) == COUNT - 1
     merged.close()
     single.close()
 
