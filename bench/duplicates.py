@@ -13,7 +13,8 @@
    defaults are chosen on the first (the highest min(precision, recall)), and precision and recall at the
    library's defaults are reported on the second, by ``find_duplicates`` itself. Also reported: the same
    with the embedding alone (signatures ignored, as for an index built before them). Embeddings and
-   signatures are cached in ``--cache`` (delete it to re-embed).
+   signatures are cached in ``--cache`` (delete it to re-embed; the signatures alone are computed again
+   when engine/signature.py changed).
 2. Speed. ``index.duplicates.find_duplicates`` at its defaults over an index of 100k vectors of the
    model's dimension made from the real embeddings of part 1: each a real test photo's embedding plus
    Gaussian noise (about 0.85 cosine to it, like another photo of that car), with random signatures, plus
@@ -27,18 +28,22 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
+import inspect
 import io
 import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageEnhance, ImageOps
 from tqdm import tqdm
 
+from engine import signature as signature_module
 from engine.embedder import Embedder
 from engine.images import decode_image
 from engine.signature import perceptual_signature
@@ -78,44 +83,64 @@ def make_variant(image: Image.Image, kind: str) -> Image.Image:
     return ImageEnhance.Brightness(image).enhance(factor)
 
 
-def embed_dataset(data: Path, embedder: Embedder, sources: int, seed: int, cache: Path) -> dict:
-    """Embeddings of every test photo and of the copies of ``sources`` sampled photos (cached)."""
-    if cache.exists():
-        loaded = np.load(cache, allow_pickle=False)
-        if int(loaded["sources"]) == sources and int(loaded["seed"]) == seed and "copy_signatures" in loaded:
-            return dict(loaded)
+def test_photos(data: Path, sources: int, seed: int) -> tuple[list[str], np.ndarray]:
+    """The Cars196 test photos and the positions of the ``sources`` sampled to make copies of."""
     with (data / "labels.csv").open() as handle:
         paths = [row["path"] for row in csv.DictReader(handle) if row["dml_split"] == "test"]
-    sampled = np.sort(np.random.default_rng(seed).choice(len(paths), size=sources, replace=False))
+    return paths, np.sort(np.random.default_rng(seed).choice(len(paths), size=sources, replace=False))
+
+
+def images(data: Path, paths: list[str], sampled: np.ndarray, draft: int, what: str) -> Iterator[tuple]:
+    """``(photo, its copies)`` for every test photo, decoded as build-index decodes (with the JPEG draft);
+    the copies (of the sampled photos only, else empty) are made from the full decode."""
+    chosen = set(sampled.tolist())
+    for position, path in enumerate(tqdm(paths, desc=what, unit="img")):
+        encoded = (data / path).read_bytes()
+        photo = decode_image(encoded, draft_size=draft)
+        full = decode_image(encoded) if position in chosen else None
+        yield photo, [make_variant(full, kind) for kind in VARIANTS] if full is not None else []
+
+
+def signatures_of(data: Path, paths: list[str], sampled: np.ndarray, draft: int) -> dict[str, np.ndarray]:
+    originals, copies = [], []
+    for photo, variants in images(data, paths, sampled, draft, "signatures"):
+        originals.append(perceptual_signature(photo))
+        copies.extend(perceptual_signature(copy) for copy in variants)
+    return {"original_signatures": _signature_array(originals), "copy_signatures": _signature_array(copies)}
+
+
+def embed_dataset(data: Path, embedder: Embedder, sources: int, seed: int, cache: Path) -> dict:
+    """Embeddings and signatures of every test photo and of the copies of ``sources`` sampled photos.
+
+    Cached; the signatures are computed again when engine/signature.py changed (the embeddings are kept)."""
+    paths, sampled = test_photos(data, sources, seed)
     draft = embedder.card.preprocessing.resize_size
-    originals, copies, copy_source = [], [], []
-    original_signatures = []
-    batch: list[Image.Image] = []
-    for position, path in enumerate(tqdm(paths, desc="embedding test photos", unit="img")):
-        batch.append(decode_image((data / path).read_bytes(), draft_size=draft))
-        original_signatures.append(perceptual_signature(batch[-1]))
-        if position in set(sampled.tolist()):
-            full = decode_image((data / path).read_bytes())
-            copies.extend(make_variant(full, kind) for kind in VARIANTS)
-            copy_source.extend([position] * len(VARIANTS))
-        if len(batch) == 32:
-            originals.append(embedder.embed(batch))
-            batch = []
-    originals.append(embedder.embed(batch))
-    copy_vectors = [
-        embedder.embed(copies[start : start + 32])
-        for start in tqdm(range(0, len(copies), 32), desc="embedding copies", unit="batch")
-    ]
-    result = {
-        "originals": np.concatenate(originals),
-        "original_signatures": _signature_array(original_signatures),
-        "copies": np.concatenate(copy_vectors),
-        "copy_signatures": _signature_array([perceptual_signature(copy) for copy in copies]),
-        "copy_source": np.array(copy_source, dtype=np.int64),
-        "sampled": sampled,
-        "sources": np.array(sources),
-        "seed": np.array(seed),
-    }
+    # The signatures are as current as the module that computes them.
+    signature_code = hashlib.sha256(inspect.getsource(signature_module).encode()).hexdigest()
+    result = dict(np.load(cache, allow_pickle=False)) if cache.exists() else {}
+    if not result or int(result["sources"]) != sources or int(result["seed"]) != seed:
+        originals, copies, batch = [], [], []
+        for photo, variants in images(data, paths, sampled, draft, "embedding test photos"):
+            batch.append(photo)
+            copies.extend(variants)
+            if len(batch) == 32:
+                originals.append(embedder.embed(batch))
+                batch = []
+        originals.append(embedder.embed(batch))
+        copy_vectors = [
+            embedder.embed(copies[start : start + 32])
+            for start in tqdm(range(0, len(copies), 32), desc="embedding copies", unit="batch")
+        ]
+        result = {
+            "originals": np.concatenate(originals),
+            "copies": np.concatenate(copy_vectors),
+            "copy_source": np.repeat(sampled, len(VARIANTS)),
+            "sampled": sampled,
+            "sources": np.array(sources),
+            "seed": np.array(seed),
+        }
+    if str(result.get("signature_code")) != signature_code:
+        result |= signatures_of(data, paths, sampled, draft) | {"signature_code": np.array(signature_code)}
     cache.parent.mkdir(parents=True, exist_ok=True)
     np.savez(cache, **result)
     return result
@@ -248,13 +273,15 @@ def write_markdown(result: dict, path: Path) -> None:
         "",
         f"Cars196 test photos: {result['photos']}; {result['sources']} sampled photos with "
         f"{len(VARIANTS)} copies each ({', '.join(VARIANTS)}), split into two halves of "
-        f"{result['sources'] // 2}; neighbours per item {DEFAULT_NEIGHBOURS}.",
+        f"{result['sources'] // 2}; neighbours per item {DEFAULT_NEIGHBOURS} (the kNN search of the "
+        "embedding-alone fallback).",
         "",
         f"**At the library's defaults** (candidate cosine >= {defaults['threshold']}, signatures within "
         f"{defaults['max_distance']} bits), on the second half: pair precision "
         f"**{held_out['precision']:.4f}**, pair recall **{held_out['recall']:.4f}** "
         f"({held_out['found_pairs']} pairs found, {held_out['true_pairs']} true, "
-        f"{held_out['false_pairs']} joining different Cars196 files).",
+        f"{held_out['false_pairs']} joining different Cars196 files: Cars196 holds some photos twice, "
+        "mirrored, and those count as false pairs here).",
         "",
         f"With the embedding alone (an index built before signatures; its default cosine "
         f"{defaults['embedding_only_threshold']}), on the second half: precision {alone['precision']:.4f}, "
