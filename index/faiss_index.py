@@ -129,14 +129,20 @@ class FaissIndex:
         return int(self.index.remove_ids(np.ascontiguousarray(ids, dtype=np.int64)))
 
     def search(
-        self, queries: np.ndarray, k: int, allowed: np.ndarray | None = None
+        self,
+        queries: np.ndarray,
+        k: int,
+        allowed: np.ndarray | None = None,
+        *,
+        exhaustive_when_short: bool = True,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` ``(ids, cosine scores)``; rows are padded with id -1 and score -inf.
 
         ``allowed``: only these ids may be returned (a filter), through a FAISS ``IDSelectorBatch`` in
         the per-call search parameters, with the tuned nprobe / efSearch. Rows that come back with fewer
         than ``min(k, len(self))`` results (``len(allowed)`` with a filter: the probed IVF lists or the
-        HNSW beam did not reach that many) are searched again exhaustively.
+        HNSW beam did not reach that many) are searched again exhaustively, unless not
+        ``exhaustive_when_short`` (tuning counts what the probes reach itself).
         """
         queries = normalize_rows(queries)
         check_dim(queries, self.dim, "queries")
@@ -152,7 +158,7 @@ class FaissIndex:
             )
             reachable = min(len(self), len(allowed))
         short = (ids >= 0).sum(axis=1) < min(k, reachable)
-        if short.any():
+        if exhaustive_when_short and short.any():
             scores[short], ids[short] = self._exhaustive_search(queries[short], k, selector, allowed)
         scores[ids < 0] = -np.inf
         return ids, scores
