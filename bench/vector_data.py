@@ -38,6 +38,7 @@ VIEW_SEED = 0
 # Real images are extracted in chunks, every view of a chunk before the next chunk, so an unfinished
 # extraction already gives complete images (all their views) to measure on.
 CHUNK_IMAGES = 1024
+GENERATION_CHUNK = 65_536
 SEEDS = 1000  # seed vectors of the synthetic clusters (real images of the first chunk)
 
 
@@ -66,7 +67,7 @@ def unit(vectors: np.ndarray) -> np.ndarray:
 def around(points: np.ndarray, cosine: float, rng: np.random.Generator) -> np.ndarray:
     """Unit vectors at about ``cosine`` from each of ``points`` (isotropic noise of matching length)."""
     spread = np.sqrt(1.0 / cosine**2 - 1.0)
-    noise = rng.standard_normal(points.shape).astype(np.float32) / np.sqrt(points.shape[1])
+    noise = rng.standard_normal(points.shape, dtype=np.float32) / np.sqrt(points.shape[1])
     return unit(points + spread * noise)
 
 
@@ -80,15 +81,21 @@ def embedding_like(
     count: int, queries: int, seeds: np.ndarray, rng: np.random.Generator, params: ClusterParams = CALIBRATED
 ) -> tuple[np.ndarray, np.ndarray]:
     """``count`` gallery vectors in clusters around ``seeds``, and ``queries`` members of other clusters."""
-    gallery_clusters = max(1, count // params.cluster_size)
-    centres = around(
-        seeds[rng.integers(len(seeds), size=gallery_clusters + queries)], params.centre_cosine, rng
-    )
-    base = around(centres[rng.integers(gallery_clusters, size=count)], params.member_cosine, rng)
-    held_out = around(centres[gallery_clusters:], params.member_cosine, rng)  # one query per held-out cluster
+    clusters = max(1, count // params.cluster_size)
+    centres = around(seeds[rng.integers(len(seeds), size=clusters + queries)], params.centre_cosine, rng)
     shared = unit(seeds.mean(axis=0, keepdims=True))
     weights = np.sqrt([params.shared_weight, 1.0 - params.shared_weight]).astype(np.float32)
-    return unit(weights[0] * shared + weights[1] * base), unit(weights[0] * shared + weights[1] * held_out)
+
+    def members(of_clusters: np.ndarray) -> np.ndarray:
+        # In chunks: a million vectors' float32 temporaries at once would take several GB.
+        vectors = np.empty((len(of_clusters), seeds.shape[1]), np.float32)
+        for start in range(0, len(of_clusters), GENERATION_CHUNK):
+            part = around(centres[of_clusters[start : start + GENERATION_CHUNK]], params.member_cosine, rng)
+            vectors[start : start + GENERATION_CHUNK] = unit(weights[0] * shared + weights[1] * part)
+        return vectors
+
+    # One query per held-out cluster, the way a real query is a new image.
+    return members(rng.integers(clusters, size=count)), members(np.arange(clusters, clusters + queries))
 
 
 def uniform(count: int, queries: int, dim: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
