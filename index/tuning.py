@@ -10,11 +10,13 @@ same thing (bursts, crops, the augmented views of bench/index_bench.py's real ro
 its siblings as its top-k, all in the query's own IVF cell, and tuning on such queries settles on a
 few probes that leave a new photo's neighbours, spread over several cells, poorly found (in
 tests/index/test_faiss.py's groups of 8 copies, tuned to 0.9: nprobe 6 and recall@10 0.65 on new photos;
-with the neighbourhood set aside nprobe 53 and 0.95). So each query's ``NEIGHBOURHOOD`` nearest
-gallery vectors are set aside: recall is that of its next ``k`` neighbours, which the index must find
-among everything but that neighbourhood, as for a query with no copy in the gallery. On a gallery of
-distinct photos this asks for more probing than its own queries need, the price of a target that holds for
-new and known queries alike.
+with the neighbourhood set aside nprobe 53 and 0.95). So, for IVF indexes, each query's
+``NEIGHBOURHOOD`` nearest gallery vectors are set aside: recall is that of its next ``k`` neighbours,
+which the index must find among everything but that neighbourhood, as for a query with no copy in the
+gallery. On a gallery of distinct photos this asks for more probing than its own queries need, the price
+of a target that holds for new and known queries alike. (HNSW is tuned on the plain top-k: its beam is
+at least the k searched, so a search past the neighbourhood would tune an efSearch of at least
+k + NEIGHBOURHOOD.)
 
 The smallest parameter reaching the target wins; when none does (product quantisation
 saturates), the smallest value within ``PLATEAU`` of the best recall seen is kept and the shortfall
@@ -140,7 +142,9 @@ def tune(
     if not needs_tuning(index) or k < 1 or len(queries) == 0:
         return Tuning(target=target_recall, k=max(k, 0))
     values, to_params = _parameters(index, k)
-    aside = min(NEIGHBOURHOOD, len(index) - k)
+    # IVF only: an HNSW beam is never narrower than the k searched for, so searching k + NEIGHBOURHOOD
+    # would tune an efSearch the served searches for k never use.
+    aside = min(NEIGHBOURHOOD, len(index) - k) if index.spec.nlist is not None else 0
     ranked = exact_neighbours(queries, sources, k + aside)
     neighbourhoods, truth = ranked[:, :aside], ranked[:, aside:]
     measured: dict[int, float] = {}
