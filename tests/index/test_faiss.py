@@ -16,7 +16,7 @@ from index.items import ItemStore
 from index.protocol import IndexNotBuiltError
 from index.selection import IndexOptions, IndexSpec, choose_index
 from index.sources import ArraySource
-from index.tuning import NEIGHBOURHOOD, recall_at_k
+from index.tuning import NEIGHBOURHOOD, outside, recall_at_k
 from tests.helpers import clustered_vectors, entries
 
 DIM = 24
@@ -87,6 +87,12 @@ def test_tuning_holds_for_new_queries_when_the_gallery_holds_near_copies(
         recalls[aside] = recall_at_k(index.search(new_photos, 10)[0], truth)
     assert recalls[0] < 0.85  # the copies flattered the tuning
     assert recalls[NEIGHBOURHOOD] >= 0.88  # the target, up to sampling noise
+
+
+def test_outside_keeps_the_first_k_ids_not_in_the_row_neighbourhood() -> None:
+    found = np.array([[4, 9, 2, 7, 5], [1, -1, -1, -1, -1]])
+    neighbourhoods = np.array([[9, 7], [3, 8]])
+    np.testing.assert_array_equal(outside(found, neighbourhoods, 3), [[4, 2, 5], [1, -1, -1]])
 
 
 def test_pq_ceiling_is_reported_not_hidden() -> None:
