@@ -40,6 +40,7 @@ from vector_data import (
     QUANTILES,
     SEEDS,
     K,
+    cars196_files,
     cars196_seeds,
     data_statistics,
     embedding_like,
@@ -360,6 +361,16 @@ def markdown(rows: list[dict], left_out: list[dict], statistics: list[dict], met
             f"| {r['single']['p99_ms']:.3f} | {r['batch64']['p50_ms']:.2f} | {r['batch64']['p99_ms']:.2f} "
             f"| {speedup} | {params} |"
         )
+    if "real" in meta:
+        real = meta["real"]
+        lines += [
+            "",
+            f"Real data: {real['views']} views (view 0 the serving preprocessing, the others seeded random "
+            f"resized crops with flips) of {real['images']:,} readable Cars196 images "
+            f"({real['of_images']:,} in the data set) through the pretrained EfficientNet-Lite0 (the model "
+            "`dmlsearch export` writes without a run: pooled, L2-normalised, 1280-d); queries view 0 of "
+            "held-out images, none of whose views is in the gallery.",
+        ]
     lines += statistics_lines(statistics)
     checks = [r for r in rows if "numpy_check" in r]
     if checks:
@@ -458,7 +469,11 @@ def main() -> None:
         if name == "real":
             views = real_embeddings(args.cars196, args.cache_dir, chunks=args.real_chunks)
             base, queries = real_split(views, held_out, rng)
-            meta["real"] = {"images": views.shape[1], "views": views.shape[0]}
+            meta["real"] = {
+                "images": views.shape[1],
+                "views": views.shape[0],
+                "of_images": len(cars196_files(args.cars196)),
+            }
             del views
         elif name == "embedding":
             base, queries = embedding_like(count, held_out, seeds, rng)
