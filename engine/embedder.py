@@ -26,13 +26,15 @@ def _onnxruntime():
 class Embedder:
     """An ONNX embedding model plus its ``model.json``: images in, L2-normalised float32 vectors out."""
 
-    def __init__(self, model_path: Path | str, *, threads: int = 0, device: str = "auto") -> None:
+    def __init__(
+        self, model_path: Path | str, *, threads: int = 0, device: str = "auto", spinning: bool = False
+    ) -> None:
         self.model_path = Path(model_path)
         if not self.model_path.exists():
             raise FileNotFoundError(f"model file {self.model_path} does not exist")
         self.card = ModelCard.load(self.model_path)
         check_fingerprint(self.model_path, self.card.fingerprint, self.model_path)
-        self.session = onnx_session(self.model_path, threads=threads, device=device)
+        self.session = onnx_session(self.model_path, threads=threads, device=device, spinning=spinning)
         self.input_name = self.session.get_inputs()[0].name
 
     @property
@@ -79,11 +81,18 @@ class Embedder:
             yield self.embed(batch)
 
 
-def onnx_session(path: Path, *, threads: int = 0, device: str = "auto") -> object:
-    """An onnxruntime session with every graph optimisation; ``threads=0`` lets it use every core."""
+def onnx_session(path: Path, *, threads: int = 0, device: str = "auto", spinning: bool = False) -> object:
+    """An onnxruntime session with every graph optimisation; ``threads=0`` lets it use every core.
+
+    ``spinning``: whether idle intra-op threads busy-wait for the next operator (onnxruntime's default).
+    Off by default: the model always shares the cores with other work (build-index's decode threads, the
+    server's request threads), and spinning threads burn the CPU time that work needs. At batch 32 on 2
+    cores, spinning costs ~20 CPU-ms per image against ~17 without it (bench/results/build_speed.md).
+    """
     ort = _onnxruntime()
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     return ort.InferenceSession(str(path), sess_options=options, providers=select_providers(device))
 
