@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import shutil
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from engine.embedder import Embedder
-from engine.indexing import add_images, build_index
+from engine.indexing import BatchCommitter, BuildReport, add_images, build_index
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
 from index.selection import IndexChanges
@@ -115,6 +117,43 @@ def test_an_interrupted_build_resumes_where_it_stopped(
     fresh = tmp_path / "fresh"
     build_index(gallery, embedder, fresh, progress=False)
     assert _items(out) == _items(fresh)  # same ids as an uninterrupted build
+
+
+def test_batches_are_committed_in_order_off_the_calling_thread_and_their_errors_surface() -> None:
+    class Sink:
+        def __init__(self) -> None:
+            self.batches: list[list[str]] = []
+            self.threads: set[int] = set()
+
+        def add(
+            self,
+            vectors: np.ndarray,
+            entries: Sequence[tuple[str, str | None, str]],
+            signatures: Sequence[bytes],
+        ) -> object:
+            self.threads.add(threading.get_ident())
+            if entries[0][0] == "bad":
+                raise OSError("disk full")
+            self.batches.append([path for path, _, _ in entries])
+            return None
+
+    def batch(*paths: str) -> tuple[np.ndarray, list[tuple[str, str | None, str]], list[bytes]]:
+        vectors = np.ones((len(paths), 4), dtype=np.float32)
+        return vectors, [(path, None, "h") for path in paths], [b"s"] * len(paths)
+
+    sink, report = Sink(), BuildReport()
+    with BatchCommitter(sink, report) as committer:
+        committer.add(*batch("a", "b"))
+        committer.add(*batch("c"))
+    assert sink.batches == [["a", "b"], ["c"]] and report.indexed == 3
+    assert threading.get_ident() not in sink.threads
+
+    sink, report = Sink(), BuildReport()
+    with pytest.raises(OSError, match="disk full"), BatchCommitter(sink, report) as committer:
+        committer.add(*batch("a"))
+        committer.add(*batch("bad"))
+        committer.add(*batch("c"))  # waits for "bad": its error is raised here, "c" is never committed
+    assert sink.batches == [["a"]] and report.indexed == 1
 
 
 def test_a_different_model_rebuilds_aside_and_swaps(
