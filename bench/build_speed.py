@@ -4,7 +4,8 @@
                                 [--count 2000] [--large-count 200] [--workers 0 1 2 3] [--threads 0]
 
 In one run, on one model (the pretrained export, or ``--model``):
-- model only: onnxruntime at ``--batch-size`` on pre-decoded tensors (``--threads`` intra-op threads);
+- model only: onnxruntime at ``--batch-size`` on pre-decoded tensors (``--threads`` intra-op threads), with
+  and without spinning threads (``engine.embedder.onnx_session``); the faster of the two is the reference;
 - decode only: the decode pool alone (read, decode, resize, crop, normalise), per worker count;
 - end to end: ``engine.indexing.build_index`` into a fresh index (hashing, decoding, embedding, adding,
   building) on ``--count`` Cars196 images (224 px, the first in sorted path order) and on ``--large-count``
@@ -14,6 +15,13 @@ Each end-to-end rate is divided by the mean of the model-only rates measured rig
 it, so that load drifting on a shared machine moves both sides of a ratio alike. Files are read once before
 timing, so every run reads them from the page cache. The load average is recorded at the start and the end;
 results go to ``--out``.{md,json}.
+
+The cost split says what ratio the cores allow. Decode and model share the same cores, so build-index can
+at best turn every CPU-second into either model work, at its cheapest (one intra-op thread: no
+synchronisation), or decoding; the model alone turns its CPU time (all threads, spinning included) into
+images. Hence, per image in CPU-ms (``time.process_time``, one thread, ``--split-count`` files):
+``bound = model CPU of the reference / (model CPU at 1 thread + hash + decode + preprocess)``, the best
+ratio reachable whatever the pipeline, when the model alone keeps every core busy.
 """
 
 from __future__ import annotations
@@ -34,9 +42,10 @@ from tqdm import tqdm
 
 from engine import defaults
 from engine.embedder import Embedder
-from engine.images import list_images
-from engine.indexing import build_index
+from engine.images import list_images, load_image_file
+from engine.indexing import build_index, file_hash
 from engine.prefetch import file_array, prefetch
+from engine.preprocess import to_array
 from index.atomic import atomic_write_text
 
 LARGE_SIZE = (4000, 3000)
@@ -87,16 +96,42 @@ def large_folder(data: Path, count: int, work: Path) -> Path:
     return folder
 
 
-def model_only_rate(embedder: Embedder, batch_size: int, batches: int) -> float:
-    """Images per second of onnxruntime alone on ``batches`` pre-decoded batches (after one warm-up)."""
+def model_only(embedder: Embedder, batch_size: int, batches: int) -> tuple[float, float]:
+    """Images per second and CPU-ms per image of onnxruntime alone on ``batches`` pre-decoded batches
+    (after one warm-up)."""
     config = embedder.card.preprocessing
     batch = np.random.default_rng(0).standard_normal((batch_size, 3, config.input_size, config.input_size))
     batch = batch.astype(np.float32)
     embedder.embed_tensor(batch)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for _ in range(batches):
         embedder.embed_tensor(batch)
-    return batches * batch_size / (time.perf_counter() - started)
+    images = batches * batch_size
+    return images / (time.perf_counter() - started), 1000 * (time.process_time() - cpu_started) / images
+
+
+def cpu_ms_per_file(files: list[Path], work: Callable[[Path], object]) -> float:
+    """CPU-ms per file of ``work`` on the calling thread."""
+    started = time.process_time()
+    for path in files:
+        work(path)
+    return 1000 * (time.process_time() - started) / len(files)
+
+
+def cost_split(files: list[Path], embedder: Embedder) -> dict[str, float | str]:
+    """CPU-ms per image of each stage build-index runs on a file besides the model (one thread)."""
+    config = embedder.card.preprocessing
+    decoded = [load_image_file(path, draft_size=config.resize_size) for path in files]
+    started = time.process_time()
+    for image in decoded:
+        to_array(image, config)
+    preprocess_cpu_ms = 1000 * (time.process_time() - started) / len(files)
+    return {
+        "hash_cpu_ms": cpu_ms_per_file(files, file_hash),
+        "decode_cpu_ms": cpu_ms_per_file(files, lambda p: load_image_file(p, draft_size=config.resize_size)),
+        "preprocess_cpu_ms": preprocess_cpu_ms,
+        "decoded_size": "x".join(map(str, decoded[0].size)),
+    }
 
 
 def decode_only_rate(files: list[Path], embedder: Embedder, workers: int, batch_size: int) -> float:
@@ -107,23 +142,35 @@ def decode_only_rate(files: list[Path], embedder: Embedder, workers: int, batch_
     return len(files) / (time.perf_counter() - started)
 
 
-def build_rate(folder: Path, embedder: Embedder, out: Path, workers: int, batch_size: int) -> float:
+def build_rate(
+    folder: Path, embedder: Embedder, out: Path, workers: int, batch_size: int
+) -> tuple[float, float]:
+    """Images per second and CPU-ms per image (all threads) of build-index into a fresh index."""
     shutil.rmtree(out, ignore_errors=True)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     report = build_index(folder, embedder, out, batch_size=batch_size, progress=False, decode_workers=workers)
-    seconds = time.perf_counter() - started
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     assert not report.skipped, report.skipped
     shutil.rmtree(out)
-    return report.indexed / seconds
+    return report.indexed / seconds, 1000 * cpu_seconds / report.indexed
 
 
-def bracketed(measure: Callable[[], float], model_rate: Callable[[], float]) -> dict[str, float]:
-    """``measure()`` between two model-only measurements, and its ratio to their mean."""
-    before = model_rate()
-    rate = measure()
-    after = model_rate()
-    model = (before + after) / 2
-    return {"img_per_s": rate, "model_img_per_s": model, "ratio": rate / model}
+def bracketed(
+    measure: Callable[[], tuple[float, float]], model_rates: Callable[[], dict[str, float]]
+) -> dict[str, float]:
+    """``measure()`` between two model-only measurements, and its ratio to the mean of the faster one."""
+    before = model_rates()
+    rate, cpu_ms = measure()
+    after = model_rates()
+    means = {name: (before[name] + after[name]) / 2 for name in before}
+    model = max(means.values())
+    return {
+        "img_per_s": rate,
+        "cpu_ms_per_img": cpu_ms,
+        **means,
+        "model_img_per_s": model,
+        "ratio": rate / model,
+    }
 
 
 def main() -> None:
@@ -141,12 +188,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0 = all).")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--model-batches", type=int, default=10, help="Batches per model-only timing.")
+    parser.add_argument(
+        "--split-count", type=int, default=100, help="Files per folder timed for the cost split."
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/build_speed"))
     args = parser.parse_args()
 
     args.work.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()
-    embedder = Embedder(args.model or pretrained_model(args.work), threads=args.threads)
+    model = args.model or pretrained_model(args.work)
+    embedder = Embedder(model, threads=args.threads)  # as build-index runs it (no spinning)
+    sessions = {"no_spin": embedder, "spin": Embedder(model, threads=args.threads, spinning=True)}
     folders = {
         "224px": small_folder(args.data, args.count, args.work),
         "12MP": large_folder(args.data, args.large_count, args.work),
@@ -155,27 +207,48 @@ def main() -> None:
         for path in list_images(folder):
             path.read_bytes()
 
-    def model_rate() -> float:
-        return model_only_rate(embedder, args.batch_size, args.model_batches)
+    def model_rates() -> dict[str, float]:
+        return {
+            f"model_{name}_img_per_s": model_only(session, args.batch_size, args.model_batches)[0]
+            for name, session in sessions.items()
+        }
+
+    model_cpu = {
+        name: model_only(session, args.batch_size, args.model_batches)[1]
+        for name, session in {**sessions, "one_thread": Embedder(model, threads=1)}.items()
+    }
+    print("model CPU-ms/img: " + ", ".join(f"{name} {ms:.1f}" for name, ms in model_cpu.items()))
+    splits = {}
+    for name, folder in folders.items():
+        split = cost_split(list_images(folder)[: args.split_count], embedder)
+        split["bound"] = min(
+            1.0,
+            model_cpu["spin"]
+            / (
+                model_cpu["one_thread"]
+                + split["hash_cpu_ms"]
+                + split["decode_cpu_ms"]
+                + split["preprocess_cpu_ms"]
+            ),
+        )
+        splits[name] = split
+        print(f"{name} CPU-ms/img: {split}")
 
     rows = []
-    model_rates = [model_rate()]
-    print(f"model only: {model_rates[0]:.1f} img/s (batch {args.batch_size}, threads {args.threads})")
     for name, folder in folders.items():
         files = list_images(folder)
         for workers in args.workers:
             decode = decode_only_rate(files, embedder, workers, args.batch_size)
             row = bracketed(
                 lambda f=folder, w=workers: build_rate(f, embedder, args.work / "index", w, args.batch_size),
-                model_rate,
+                model_rates,
             )
             row.update(images=name, files=len(files), workers=workers, decode_only_img_per_s=decode)
-            model_rates.append(row["model_img_per_s"])
             rows.append(row)
             print(
                 f"{name:>6} workers={workers}: build-index {row['img_per_s']:.1f} img/s = "
                 f"{row['ratio']:.2f}x model ({row['model_img_per_s']:.1f} img/s); "
-                f"decode alone {decode:.1f} img/s"
+                f"{row['cpu_ms_per_img']:.1f} CPU-ms/img; decode alone {decode:.1f} img/s"
             )
     load_end = os.getloadavg()
     command = "python " + shlex.join(sys.argv)
@@ -187,27 +260,57 @@ def main() -> None:
         "load_average_start": load_start,
         "load_average_end": load_end,
         "large_images": f"{LARGE_SIZE[0]}x{LARGE_SIZE[1]} JPEG q{LARGE_QUALITY}, upscaled from --data",
+        "model_cpu_ms_per_img": model_cpu,
+        "cost_split": splits,
     }
-    atomic_write_text(args.out.with_suffix(".json"), json.dumps({"meta": meta, "rows": rows}, indent=2))
+    result = {"meta": meta, "rows": rows}
+    atomic_write_text(args.out.with_suffix(".json"), json.dumps(result, indent=2))
+    atomic_write_text(args.out.with_suffix(".md"), report_markdown(result, args.threads))
+
+
+def report_markdown(result: dict, threads: int) -> str:
+    meta, rows = result["meta"], result["rows"]
+    model_cpu = meta["model_cpu_ms_per_img"]
+    loads = {when: ", ".join(f"{v:.2f}" for v in meta[f"load_average_{when}"]) for when in ("start", "end")}
     lines = [
         "# build-index throughput vs the model alone",
         "",
-        f"`{command}`",
+        f"`{meta['command']}`",
         "",
-        f"onnxruntime batch {args.batch_size}, {args.threads or 'all'} intra-op threads, "
-        f"{os.cpu_count()} cores; load average (1, 5, 15 min) at start "
-        f"{', '.join(f'{v:.2f}' for v in load_start)}, at end {', '.join(f'{v:.2f}' for v in load_end)}.",
-        "Ratio = build-index img/s over the mean of the model-only img/s measured just before and after it.",
+        f"onnxruntime batch {meta['batch_size']}, {threads or 'all'} intra-op threads, "
+        f"{meta['cpu_count']} cores; load average (1, 5, 15 min) at start {loads['start']}, "
+        f"at end {loads['end']}.",
+        "Ratio = build-index img/s over the mean of the model-only img/s measured just before and after it "
+        "(the faster of onnxruntime with spinning threads and without; build-index runs without).",
         "",
-        "| images | files | workers | build-index img/s | model-only img/s | ratio | decode only img/s |",
-        "|---|---|---|---|---|---|---|",
+        "| images | files | workers | build-index img/s | build-index CPU-ms/img | model-only img/s "
+        "(spin / no spin) | ratio | decode only img/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['images']} | {r['files']} | {r['workers']} | {r['img_per_s']:.1f} | "
-        f"{r['model_img_per_s']:.1f} | {r['ratio']:.2f}x | {r['decode_only_img_per_s']:.1f} |"
+        f"{r['cpu_ms_per_img']:.1f} | "
+        f"{r['model_spin_img_per_s']:.1f} / {r['model_no_spin_img_per_s']:.1f} | {r['ratio']:.2f}x | "
+        f"{r['decode_only_img_per_s']:.1f} |"
         for r in rows
     ]
-    atomic_write_text(args.out.with_suffix(".md"), "\n".join(lines) + "\n")
+    lines += [
+        "",
+        "## Cost split (CPU-ms per image, one thread)",
+        "",
+        f"Model at batch {meta['batch_size']}: {model_cpu['spin']:.1f} with spinning threads, "
+        f"{model_cpu['no_spin']:.1f} without, {model_cpu['one_thread']:.1f} on one thread. "
+        "Bound: the best ratio the cores allow (see the module docstring).",
+        "",
+        "| images | decoded at | hash | decode | preprocess | model (1 thread) | bound |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {name} | {split['decoded_size']} | {split['hash_cpu_ms']:.2f} | {split['decode_cpu_ms']:.2f} | "
+        f"{split['preprocess_cpu_ms']:.2f} | {model_cpu['one_thread']:.1f} | {split['bound']:.2f}x |"
+        for name, split in meta["cost_split"].items()
+    ]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -86,8 +86,9 @@ def onnx_session(path: Path, *, threads: int = 0, device: str = "auto", spinning
 
     ``spinning``: whether idle intra-op threads busy-wait for the next operator (onnxruntime's default).
     Off by default: the model always shares the cores with other work (build-index's decode threads, the
-    server's request threads), and spinning threads burn the CPU time that work needs. At batch 32 on 2
-    cores, spinning costs ~20 CPU-ms per image against ~17 without it (bench/results/build_speed.md).
+    server's request threads), and spinning threads burn the CPU time that work needs: at batch 32 on 2
+    cores the model took 19.0 CPU-ms per image with spinning, 14.6 without, 13.5 on one thread
+    (bench/results/build_speed.md).
     """
     ort = _onnxruntime()
     options = ort.SessionOptions()
