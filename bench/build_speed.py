@@ -6,7 +6,8 @@
 In one run, on one model (the pretrained export, or ``--model``):
 - model only: onnxruntime at ``--batch-size`` on pre-decoded tensors (``--threads`` intra-op threads), with
   and without spinning threads (``engine.embedder.onnx_session``); the faster of the two is the reference;
-- decode only: the decode pool alone (read, decode, resize, crop, normalise), per worker count;
+- decode only: the decode pool alone (read, decode, resize, crop, normalise, perceptual signature), per
+  worker count;
 - end to end: ``engine.indexing.build_index`` into a fresh index (hashing, decoding, embedding, adding,
   building) on ``--count`` Cars196 images (224 px, the first in sorted path order) and on ``--large-count``
   12-MP JPEGs generated from them (upscaled to 4000x3000, quality 92, cached under ``--work``), per
@@ -20,8 +21,8 @@ The cost split says what ratio the cores allow. Decode and model share the same 
 at best turn every CPU-second into either model work, at its cheapest (one intra-op thread: no
 synchronisation), or decoding; the model alone turns its CPU time (all threads, spinning included) into
 images. Hence, per image in CPU-ms (``time.process_time``, one thread, ``--split-count`` files):
-``bound = model CPU of the reference / (model CPU at 1 thread + hash + decode + preprocess)``, the best
-ratio reachable whatever the pipeline, when the model alone keeps every core busy.
+``bound = model CPU of the reference / (model CPU at 1 thread + hash + decode + preprocess + signature)``,
+the best ratio reachable whatever the pipeline, when the model alone keeps every core busy.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ from engine import defaults
 from engine.embedder import Embedder
 from engine.images import list_images, load_image_file
 from engine.indexing import build_index, file_hash
-from engine.prefetch import file_array, prefetch
+from engine.prefetch import decode_file, prefetch
 from engine.preprocess import to_array
+from engine.signature import perceptual_signature
 from index.atomic import atomic_write_text
 
 LARGE_SIZE = (4000, 3000)
@@ -126,10 +128,15 @@ def cost_split(files: list[Path], embedder: Embedder) -> dict[str, float | str]:
     for image in decoded:
         to_array(image, config)
     preprocess_cpu_ms = 1000 * (time.process_time() - started) / len(files)
+    started = time.process_time()
+    for image in decoded:
+        perceptual_signature(image)
+    signature_cpu_ms = 1000 * (time.process_time() - started) / len(files)
     return {
         "hash_cpu_ms": cpu_ms_per_file(files, file_hash),
         "decode_cpu_ms": cpu_ms_per_file(files, lambda p: load_image_file(p, draft_size=config.resize_size)),
         "preprocess_cpu_ms": preprocess_cpu_ms,
+        "signature_cpu_ms": signature_cpu_ms,
         "decoded_size": "x".join(map(str, decoded[0].size)),
     }
 
@@ -137,7 +144,7 @@ def cost_split(files: list[Path], embedder: Embedder) -> dict[str, float | str]:
 def decode_only_rate(files: list[Path], embedder: Embedder, workers: int, batch_size: int) -> float:
     config = embedder.card.preprocessing
     started = time.perf_counter()
-    for _, result in prefetch(files, lambda p: file_array(p, config), workers=workers, depth=2 * batch_size):
+    for _, result in prefetch(files, lambda p: decode_file(p, config), workers=workers, depth=2 * batch_size):
         assert not isinstance(result, Exception), result
     return len(files) / (time.perf_counter() - started)
 
@@ -229,6 +236,7 @@ def main() -> None:
                 + split["hash_cpu_ms"]
                 + split["decode_cpu_ms"]
                 + split["preprocess_cpu_ms"]
+                + split["signature_cpu_ms"]
             ),
         )
         splits[name] = split
@@ -302,12 +310,13 @@ def report_markdown(result: dict, threads: int) -> str:
         f"{model_cpu['no_spin']:.1f} without, {model_cpu['one_thread']:.1f} on one thread. "
         "Bound: the best ratio the cores allow (see the module docstring).",
         "",
-        "| images | decoded at | hash | decode | preprocess | model (1 thread) | bound |",
-        "|---|---|---|---|---|---|---|",
+        "| images | decoded at | hash | decode | preprocess | signature | model (1 thread) | bound |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {name} | {split['decoded_size']} | {split['hash_cpu_ms']:.2f} | {split['decode_cpu_ms']:.2f} | "
-        f"{split['preprocess_cpu_ms']:.2f} | {model_cpu['one_thread']:.1f} | {split['bound']:.2f}x |"
+        f"{split['preprocess_cpu_ms']:.2f} | {split['signature_cpu_ms']:.2f} | "
+        f"{model_cpu['one_thread']:.1f} | {split['bound']:.2f}x |"
         for name, split in meta["cost_split"].items()
     ]
     return "\n".join(lines) + "\n"
