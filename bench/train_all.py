@@ -302,7 +302,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--data", type=Path, required=True, help="Cars196 images folder")
+    parser.add_argument("--data", type=Path, help="Cars196 images folder (not needed for --mean-of-seeds)")
     parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="backbone feature cache")
     parser.add_argument("--runs-dir", type=Path, default=CACHE_DIR / "bench-runs")
     parser.add_argument("--methods", nargs="*", help="row labels to run (default: all)")
@@ -321,6 +321,8 @@ def main() -> None:
     if args.mean_of_seeds:
         print(seeds_table(args))
         return
+    if args.data is None:
+        parser.error("--data is required to train")
     methods = all_methods()
     if args.methods:
         unknown = set(args.methods) - {method.label for method in methods}
