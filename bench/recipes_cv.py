@@ -70,8 +70,8 @@ VARIANTS: dict[str, dict[str, tuple[RecipeName, dict[str, Any]]]] = {
         "lr5e-5": ("recommended", {"lam": 1.0, "lr": 5e-5}),
         "batch32x4": ("recommended", {"lam": 1.0, "classes_per_batch": 32, "samples_per_class": 4}),
     },
-    "loop-hphn-triplet": {  # tried on fold 2 first
-        "batch32x4": ("recommended", {"classes_per_batch": 32, "samples_per_class": 4}),
+    "loop-hphn-triplet": {
+        "batch16x4": ("recommended", {"classes_per_batch": 16, "samples_per_class": 4}),
     },
 }
 
