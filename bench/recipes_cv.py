@@ -64,11 +64,14 @@ BASE_CANDIDATES: dict[str, tuple[RecipeName, dict[str, Any]]] = {
     "recommended": (DEFAULT_RECIPE, {}),
 }
 VARIANTS: dict[str, dict[str, tuple[RecipeName, dict[str, Any]]]] = {
-    "pddm": {  # tried on fold 2 (the hard one) first, with the embedding weight before it was raised to 3
+    "pddm": {  # screened on fold 2 (the hard one); lam1..batch32x4 tried before lam went to 3
         "lam1": ("recommended", {"lam": 1.0}),
         "lr3e-4": ("recommended", {"lam": 1.0, "lr": 3e-4}),
         "lr5e-5": ("recommended", {"lam": 1.0, "lr": 5e-5}),
         "batch32x4": ("recommended", {"lam": 1.0, "classes_per_batch": 32, "samples_per_class": 4}),
+        "lam5": ("recommended", {"lam": 5.0}),
+        "beta0.4": ("recommended", {"beta": 0.4}),
+        "dropout0": ("recommended", {"dropout": 0.0}),
     },
     "loop-hphn-triplet": {
         "batch16x4": ("recommended", {"classes_per_batch": 16, "samples_per_class": 4}),
