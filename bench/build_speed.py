@@ -83,6 +83,14 @@ def small_folder(data: Path, count: int, work: Path) -> Path:
     return folder
 
 
+def positive(text: str) -> int:
+    """An argparse type: both folders are timed, so a count of 0 is an error, not an empty row."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def large_folder(data: Path, count: int, work: Path) -> Path:
     """The first ``count`` images of ``data`` upscaled to 12 MP and saved as a camera would (JPEG q92)."""
     folder = work / f"large_{count}_{LARGE_SIZE[0]}x{LARGE_SIZE[1]}_q{LARGE_QUALITY}"
@@ -189,8 +197,8 @@ def main() -> None:
         "--work", type=Path, default=defaults.CACHE_DIR / "ingest", help="Cache for the generated files."
     )
     parser.add_argument("--model", type=Path, help="model.onnx (default: the pretrained export).")
-    parser.add_argument("--count", type=int, default=2000, help="224-px images built end to end.")
-    parser.add_argument("--large-count", type=int, default=200, help="12-MP JPEGs built end to end.")
+    parser.add_argument("--count", type=positive, default=2000, help="224-px images built end to end.")
+    parser.add_argument("--large-count", type=positive, default=200, help="12-MP JPEGs built end to end.")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, defaults.DECODE_WORKERS])
     parser.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0 = all).")
     parser.add_argument("--batch-size", type=int, default=32)
