@@ -72,6 +72,8 @@ VARIANTS: dict[str, dict[str, tuple[RecipeName, dict[str, Any]]]] = {
         "lam5": ("recommended", {"lam": 5.0}),
         "beta0.4": ("recommended", {"beta": 0.4}),
         "dropout0": ("recommended", {"dropout": 0.0}),
+        "per_class": ("recommended", {"quadruplets": "per_class"}),
+        "alpha0.3": ("recommended", {"alpha": 0.3}),
     },
     "loop-hphn-triplet": {
         "batch16x4": ("recommended", {"classes_per_batch": 16, "samples_per_class": 4}),
