@@ -77,6 +77,16 @@ class Duplicates:
         )
 
 
+def check_threshold(threshold: float) -> None:
+    if not -1.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold must be a cosine in [-1, 1], got {threshold}")
+
+
+def check_max_distance(max_distance: int) -> None:
+    if not 0 <= max_distance <= MAX_DISTANCE_LIMIT:
+        raise ValueError(f"max_distance must be in [0, {MAX_DISTANCE_LIMIT}] bits, got {max_distance}")
+
+
 def signature_distance(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     """Bits between rows of two signature arrays (uint64, one column per view, the image itself first):
     the fewest over the image's own view against any view of the other, and the reverse."""
@@ -105,8 +115,7 @@ def candidate_pairs(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(first ids, second ids, cosines)`` of the distinct pairs with cosine >= ``threshold`` among each
     item's ``neighbours`` nearest neighbours (first id < second id)."""
-    if not -1.0 <= threshold <= 1.0:
-        raise ValueError(f"threshold must be a cosine in [-1, 1], got {threshold}")
+    check_threshold(threshold)
     if neighbours < 1:
         raise ValueError(f"neighbours must be at least 1, got {neighbours}")
     total = len(index)
@@ -174,8 +183,7 @@ def signature_pairs(signatures: SignatureTable, max_distance: int) -> tuple[np.n
     """``(first ids, second ids, bits)`` of every pair of signed items within ``max_distance`` bits
     (see :func:`signature_distance`; first id < second id), by a FAISS multi-hash range search: every view
     of every item is a code, queried by every item's own view."""
-    if not 0 <= max_distance <= MAX_DISTANCE_LIMIT:
-        raise ValueError(f"max_distance must be in [0, {MAX_DISTANCE_LIMIT}] bits, got {max_distance}")
+    check_max_distance(max_distance)
     count, views = signatures.rows.shape
     if count == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
@@ -242,14 +250,12 @@ def find_duplicates(
     ``threshold``: the candidates' cosine cut; default :data:`DEFAULT_THRESHOLD` when every item has a
     signature, else :data:`EMBEDDING_ONLY_THRESHOLD`.
     """
-    if not 0 <= max_distance <= MAX_DISTANCE_LIMIT:
-        raise ValueError(f"max_distance must be in [0, {MAX_DISTANCE_LIMIT}] bits, got {max_distance}")
+    check_max_distance(max_distance)
     signatures = SignatureTable(index.backend.signatures())
     unsigned = len(index) - len(signatures)
     if threshold is None:
         threshold = DEFAULT_THRESHOLD if unsigned == 0 else EMBEDDING_ONLY_THRESHOLD
-    if not -1.0 <= threshold <= 1.0:
-        raise ValueError(f"threshold must be a cosine in [-1, 1], got {threshold}")
+    check_threshold(threshold)
     if unsigned == 0:
         firsts, seconds, _ = signature_pairs(signatures, max_distance)
         cosines = pair_cosines(index, firsts, seconds)
