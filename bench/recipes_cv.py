@@ -39,7 +39,7 @@ from typing import Any
 from engine.defaults import CACHE_DIR
 from index.atomic import atomic_write_text
 from training.config import TrainConfig
-from training.recipes import DEFAULT_RECIPE, RecipeName, parse_assignments, recipe, resolve
+from training.recipes import DEFAULT_RECIPE, RecipeName, format_values, parse_assignments, recipe, resolve
 from training.run_dir import RunDirectory
 from training.trainer import SELECTION_METRIC, train
 
@@ -115,7 +115,7 @@ def describe(loss: str, candidate: str, given: list[str]) -> str:
     recipe_name, changes = candidates(loss)[candidate]
     values = {key: choice.value for key, choice in recipe(loss, recipe_name).items()}
     values = {**values, **changes, **parse_assignments(loss, given)}
-    return ", ".join(f"{key}={value}" for key, value in values.items()) or "-"
+    return format_values(values)
 
 
 def collect(args: argparse.Namespace) -> dict[str, Any]:

@@ -56,6 +56,7 @@ from training.recipes import (
     RECIPE_NAMES,
     RecipeName,
     Resolved,
+    format_values,
     parse_assignments,
     recipe,
     resolve,
@@ -133,7 +134,7 @@ class Method:
 
     def describe(self, recipe_name: RecipeName) -> str:
         values = {key: choice.value for key, choice in recipe(self.loss, recipe_name).items()}
-        return ", ".join(f"{key}={value}" for key, value in {**values, **self.overrides}.items()) or "-"
+        return format_values({**values, **self.overrides})
 
 
 def all_methods() -> list[Method]:

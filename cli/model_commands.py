@@ -226,7 +226,7 @@ def train(
 def losses() -> None:
     """Every loss: its paper, the batch layout it trains on, and its recommended recipe (`--recipe`)."""
     from training.losses import LOSSES
-    from training.recipes import recipe
+    from training.recipes import format_values, recipe
 
     for name, spec in sorted(LOSSES.items()):
         layout = spec.layout
@@ -236,8 +236,7 @@ def losses() -> None:
         typer.echo(
             f"  batch:  {layout.classes} x {layout.samples_per_class} ({layout.kind}): {layout.description}"
         )
-        printed = ", ".join(f"{key}={value}" for key, value in spec.defaults.items()) or "-"
-        typer.echo(f"  paper values (--recipe paper): {printed}")
+        typer.echo(f"  paper values (--recipe paper): {format_values(spec.defaults)}")
         typer.echo("  recommended recipe (default):")
         for key, choice in recipe(name).items():
             typer.echo(f"    {key}={choice.value}: {choice.reason}")

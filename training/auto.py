@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from training.config import TrainConfig
-from training.recipes import AUTO_CANDIDATES, AUTO_RACE_STEPS, resolve
+from training.recipes import AUTO_CANDIDATES, AUTO_RACE_STEPS, format_values, resolve
 from training.run_dir import RunDirectory
 from training.trainer import SELECTION_METRIC, NoGainWarning, train
 
@@ -31,8 +31,7 @@ def race_configs(
 
 def _settings(record: dict[str, Any]) -> str:
     """``key=value, ...`` a candidate trains with: its recipe's values under the overrides."""
-    settings = {**record["values"], **record["overrides"]}
-    return ", ".join(f"{key}={value}" for key, value in settings.items()) or "-"
+    return format_values({**record["values"], **record["overrides"]})
 
 
 def train_auto(

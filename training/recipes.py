@@ -191,6 +191,11 @@ def resolve(
     return Resolved(settings, hparams, record)
 
 
+def format_values(values: dict[str, Any]) -> str:
+    """``key=value, ...``, or ``-`` when there are none: how recipes and overrides are printed."""
+    return ", ".join(f"{key}={value}" for key, value in values.items()) or "-"
+
+
 def describe(loss: str, name: RecipeName = DEFAULT_RECIPE) -> str:
     """``key=value, ...`` of a recipe, or ``-`` when it changes nothing."""
-    return ", ".join(f"{key}={choice.value}" for key, choice in recipe(loss, name).items()) or "-"
+    return format_values({key: choice.value for key, choice in recipe(loss, name).items()})
