@@ -194,7 +194,7 @@ def train(
                 scores = ", ".join(
                     f"{name} {100 * value:.2f}" for name, value in race["val_recall@1"].items()
                 )
-                typer.echo(f"race (validation recall@1): {scores}; kept {race['winner']}")
+                typer.echo(f"race (validation recall@1): {scores}; kept {race['winner']}: {race['reason']}")
             else:
                 resolved = resolve(loss, recipe or DEFAULT_RECIPE, parse_assignments(loss, hparam or []))
                 summary = run_training(resolved.config(loss, str(data.resolve()), **fields), out)

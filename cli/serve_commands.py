@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import signal
 import subprocess
@@ -90,6 +91,9 @@ def ui(
         "false",
         "--client.toolbarMode",
         "minimal",  # no developer menu or "Deploy" button for people using the search page
+        # The upload box states the API's image limit (same DMLSEARCH_ environment), not Streamlit's 200 MB.
+        "--server.maxUploadSize",
+        str(math.ceil(Settings().max_upload_bytes / 2**20)),
     ]
     # Become Streamlit rather than wait for it: a signal for this process (demo stopping its children,
     # a supervisor) then reaches the server itself instead of orphaning it.

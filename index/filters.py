@@ -21,8 +21,15 @@ class ItemFilter:
     added_to: dt.datetime | None = None
 
     def __post_init__(self) -> None:
-        if self.path_prefix is not None and (not self.path_prefix or self.path_prefix.startswith("/")):
-            raise ValueError(f"path_prefix must be a non-empty relative path, got {self.path_prefix!r}")
+        if self.path_prefix is not None:
+            # Stored paths are relative with no "./" (as build-index writes them): "./camera/" is "camera/".
+            prefix = self.path_prefix
+            while prefix.startswith("./"):
+                prefix = prefix[2:]
+            if not prefix or prefix.startswith("/") or ".." in prefix.split("/"):
+                given = self.path_prefix
+                raise ValueError(f"path_prefix must be a non-empty path in the gallery folder, got {given!r}")
+            object.__setattr__(self, "path_prefix", prefix)
         if self.added_from and self.added_to and _utc(self.added_from) >= _utc(self.added_to):
             raise ValueError("added_from must be earlier than added_to")
 

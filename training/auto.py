@@ -34,6 +34,18 @@ def _settings(record: dict[str, Any]) -> str:
     return format_values({**record["values"], **record["overrides"]})
 
 
+def race_reason(scores: dict[str, float], untrained: float, race_steps: int) -> str:
+    """Why the winner won, saying so when it only won a tie or did not beat the untrained model."""
+    winner = max(scores, key=scores.__getitem__)  # ties go to the earlier (stronger-listed) candidate
+    reason = f"highest validation {SELECTION_METRIC} after at most {race_steps} steps each"
+    tied = [loss for loss, score in scores.items() if score == scores[winner] and loss != winner]
+    if tied:
+        reason += f"; tied with {', '.join(tied)}, kept as the earlier listed (candidates go strongest first)"
+    if scores[winner] <= untrained:
+        reason += f"; no candidate beat the untrained model ({100 * untrained:.2f}) in the race"
+    return reason
+
+
 def train_auto(
     data: str,
     out: Path,
@@ -47,7 +59,7 @@ def train_auto(
     """Race ``candidates`` for ``race_steps`` steps each, then train the winner to its full budget in
     ``out``; returns the winner's summary with the race added under ``"race"``."""
     configs = race_configs(data, out, dict(overrides or {}), fields, candidates)
-    scores = {}
+    scores, untrained = {}, 0.0
     for loss, config in configs.items():
         if progress:
             print(f"race: {loss} for {race_steps} steps ({_settings(config.recipe)})", flush=True)
@@ -56,12 +68,13 @@ def train_auto(
             warnings.simplefilter("ignore", NoGainWarning)
             summary = train(raced, out / "race" / loss, progress=progress)
         scores[loss] = summary["val"][SELECTION_METRIC]
-    winner = max(scores, key=scores.__getitem__)  # ties go to the earlier (stronger-listed) candidate
+        untrained = summary["val_backbone"][SELECTION_METRIC]  # the same classes for every candidate
+    winner = max(scores, key=scores.__getitem__)
     race = {
         "budget_steps": race_steps,
         "val_" + SELECTION_METRIC: scores,
         "winner": winner,
-        "reason": f"highest validation {SELECTION_METRIC} after at most {race_steps} steps each",
+        "reason": race_reason(scores, untrained, race_steps),
     }
     final = configs[winner]
     final = final.model_copy(update={"recipe": {**final.recipe, "name": "auto", "race": race}})

@@ -155,18 +155,10 @@ def test_search_controls_show_on_the_search_page_only_and_keep_their_values(page
 
 @pytest.fixture
 def streamlit_url(api_url: str) -> Iterator[str]:
-    """``streamlit run app/ui.py`` on a free port, talking to the live API."""
+    """``dmlsearch ui`` (it becomes ``streamlit run app/ui.py``) on a free port, talking to the live API."""
     port = free_port()
-    command = [sys.executable, "-m", "streamlit", "run", str(PAGE), "--server.port", str(port)]
-    command += [
-        "--server.headless",
-        "true",
-        "--browser.gatherUsageStats",
-        "false",
-        "--client.toolbarMode",
-        "minimal",
-    ]
-    process = subprocess.Popen(command, env={**os.environ, "DMLSEARCH_API_URL": api_url})
+    command = [sys.executable, "-m", "cli.main", "ui", "--api-url", api_url, "--port", str(port)]
+    process = subprocess.Popen(command, env={**os.environ, "DMLSEARCH_MAX_UPLOAD_BYTES": str(5 * 2**20)})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -207,6 +199,10 @@ def test_real_browser_upload_shows_the_result_grid(
         try:
             view = browser.new_page(viewport={"width": 1400, "height": 1900})
             view.goto(streamlit_url)
+            # The box states the API's limit (DMLSEARCH_MAX_UPLOAD_BYTES above), not Streamlit's own 200MB.
+            instructions = view.get_by_test_id("stFileUploaderDropzoneInstructions")
+            instructions.wait_for(timeout=60_000)
+            assert "5MB per file" in instructions.inner_text()
             view.locator('input[type="file"]').set_input_files(str(query))
             view.get_by_text("#1 · score 1.000").wait_for(timeout=90_000)
             scores = view.get_by_text(re.compile(r"^#\d+ · score \d\.\d{3}$"))

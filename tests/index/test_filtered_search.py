@@ -115,8 +115,10 @@ def test_filtered_results_equal_brute_force_over_the_subset(filled, name: str) -
 
 
 def test_filters_are_validated() -> None:
-    with pytest.raises(ValueError, match="relative"):
-        ItemFilter(path_prefix="/etc")
+    for outside in ("/etc", "../photos", "./", "a/../../b"):
+        with pytest.raises(ValueError, match="in the gallery folder"):
+            ItemFilter(path_prefix=outside)
+    assert ItemFilter(path_prefix="././camera/").path_prefix == "camera/"
     with pytest.raises(ValueError, match="earlier"):
         ItemFilter(added_from=DAY0, added_to=DAY0)
     assert ItemFilter().empty and not ItemFilter(labels=("a",)).empty

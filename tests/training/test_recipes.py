@@ -142,6 +142,15 @@ def test_auto_races_candidates_and_records_the_winner(
     assert [record["step"] for record in RunDirectory(out).read_metrics()] == [0, 2, 4, 6]
 
 
+def test_auto_reason_says_when_the_winner_only_won_a_tie_or_gained_nothing() -> None:
+    assert auto.race_reason({"ms": 0.8, "angular": 0.7}, 0.6, 5) == (
+        "highest validation recall@1 after at most 5 steps each"
+    )
+    tied = auto.race_reason({"ms": 0.6, "angular": 0.6, "magnet": 0.5}, 0.6, 5)
+    assert "tied with angular, kept as the earlier listed" in tied
+    assert "no candidate beat the untrained model (60.00)" in tied
+
+
 def test_cli_auto_states_its_budget_and_winner(
     labelled_folder: Path, feature_cache: Path, tmp_path: Path
 ) -> None:
