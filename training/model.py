@@ -74,7 +74,7 @@ def loss_hparams(config: TrainConfig) -> dict[str, Any]:
     """The loss's hyperparameters; a loss with an ``embedding_dim`` (PDDM's unit) gets the head's."""
     hparams = dict(config.loss_hparams)
     if "embedding_dim" in LOSSES[config.loss].defaults:
-        hparams.setdefault("embedding_dim", config.embedding_dim)
+        hparams["embedding_dim"] = config.embedding_dim
     return hparams
 
 

@@ -126,7 +126,9 @@ def recipe(loss: str, name: RecipeName = DEFAULT_RECIPE) -> dict[str, Choice]:
 
 def split_values(loss: str, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split ``{key: value}`` into (trainer settings, loss hyperparameters); an unknown key is an error."""
-    loss_keys = set(LOSSES[loss].defaults)
+    # A loss's embedding_dim (PDDM's unit width) is always the head's (training.model.loss_hparams): the key
+    # sets the head, or the two would disagree and the first batch would fail.
+    loss_keys = set(LOSSES[loss].defaults) - {"embedding_dim"}
     settings: dict[str, Any] = {}
     hparams: dict[str, Any] = {}
     for key, value in values.items():

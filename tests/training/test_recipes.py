@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -14,6 +15,7 @@ from tests.helpers import bench_module
 from training import auto
 from training.config import TrainConfig
 from training.losses import LOSSES
+from training.model import build_objective
 from training.recipes import COMMON, RECIPES, parse_assignments, recipe, resolve
 from training.run_dir import RunDirectory
 
@@ -46,6 +48,11 @@ def test_recommended_paper_and_overrides() -> None:
     assert config.recipe["overrides"] == {"global_scaling": 2, "max_steps": 7}
     assert resolve("pddm", "paper", {"lam": 3.0}).loss_hparams == {"lam": 3.0}
     assert resolve("pddm").settings["min_steps"] == RECIPES["pddm"]["min_steps"].value
+    # PDDM's unit takes the head's width: embedding_dim sets the head, never the unit alone.
+    narrow = resolve("pddm", overrides={"embedding_dim": 16, "head_hidden": 32}).config("pddm", "data")
+    assert narrow.embedding_dim == 16 and "embedding_dim" not in narrow.loss_hparams
+    objective = build_objective(narrow, feature_dim=24)
+    assert objective(torch.randn(8, 24), torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])).isfinite()
 
     with pytest.raises(ValueError, match="unknown hyperparameter 'nope'"):
         resolve("ms", overrides={"nope": 1})
