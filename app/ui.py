@@ -23,7 +23,9 @@ UPLOAD, GALLERY = "Upload an image", "Pick a gallery item"
 SEARCH_PAGE, DUPLICATES_PAGE, MODEL_PAGE = "Search", "Duplicates", "Model"
 # The Search page's controls by session-state key, with their defaults (no filter: None or empty).
 SEARCH_DEFAULTS = {
-    "k": 12,
+    # Not the API's defaults (engine.defaults TOP_K, MIN_SCORE) on purpose: 12 fills three rows of the
+    # grid, and a person looking at photos has no use for results pointing away from the query (cosine < 0).
+    "k": 3 * COLUMNS,
     "min_score": 0.0,
     "predict": True,
     "filter_labels": [],
