@@ -74,6 +74,12 @@ VARIANTS: dict[str, dict[str, tuple[RecipeName, dict[str, Any]]]] = {
         "dropout0": ("recommended", {"dropout": 0.0}),
         "per_class": ("recommended", {"quadruplets": "per_class"}),
         "alpha0.3": ("recommended", {"alpha": 0.3}),
+        "lam2": ("recommended", {"lam": 2.0}),
+        "lam4": ("recommended", {"lam": 4.0}),
+        "wd5e-4": ("recommended", {"weight_decay": 5e-4}),  # the paper's gamma (Eq. 4)
+        "hidden512": ("recommended", {"hidden": 512}),  # Eq. 2's literal d x d layers at d = 512
+        "dim128": ("recommended", {"embedding_dim": 128}),  # the paper's embedding (and unit) width
+        "seed1": ("recommended", {"seed": 1}),  # the recipe again with another seed: how much folds move
     },
     "loop-hphn-triplet": {
         "batch16x4": ("recommended", {"classes_per_batch": 16, "samples_per_class": 4}),
@@ -246,6 +252,8 @@ def reproducing_command(args: argparse.Namespace) -> str:
     if list(args.methods) != list(METHODS):
         words += ["--methods", *args.methods]
     words += ["--folds", str(args.folds), "--seed", str(args.seed)]
+    if args.out != RESULTS / "recipes_cv":
+        words += ["--out", str(args.out)]
     for flag in ("max_steps", "patience"):
         if getattr(args, flag) is not None:
             words += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -266,7 +274,7 @@ def budget_text(args: argparse.Namespace) -> str:
 
 def write_report(args: argparse.Namespace) -> str:
     """Rebuild the table: ``args.methods``' finished runs replace their rows in the committed one."""
-    path = RESULTS / "recipes_cv.json"
+    path = args.out.with_suffix(".json")
     previous = json.loads(path.read_text()) if path.exists() else {}
     if previous and previous.get("folds") != args.folds:
         previous = {}  # another fold split: nothing compares
@@ -277,9 +285,9 @@ def write_report(args: argparse.Namespace) -> str:
         **results,
     }
     table = markdown(results, args.folds)
-    RESULTS.mkdir(exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(report, indent=2) + "\n")
-    atomic_write_text(RESULTS / "recipes_cv.md", table)
+    atomic_write_text(args.out.with_suffix(".md"), table)
     return table
 
 
@@ -301,6 +309,12 @@ def main() -> None:
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="override every candidate, e.g. views=0"
     )
     parser.add_argument("--report-only", action="store_true", help="rebuild the table from finished runs")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS / "recipes_cv",
+        help="table stem (.md, .json): another one keeps runs of another budget out of the main table",
+    )
     args = parser.parse_args()
 
     if not args.report_only:
