@@ -44,10 +44,12 @@ def test_recommended_paper_and_overrides() -> None:
 
     overridden = resolve("magnet", overrides=parse_assignments("magnet", ["global_scaling=2", "max-steps=7"]))
     config = overridden.config("magnet", "data")
-    assert config.loss_hparams == {"global_scaling": 2} and config.max_steps == 7 and config.views == 4
+    assert config.loss_hparams == {"global_scaling": 2} and config.max_steps == 7
+    assert config.views == COMMON["views"].value  # what the overrides do not name stays the recipe's
     assert config.recipe["overrides"] == {"global_scaling": 2, "max_steps": 7}
     assert resolve("pddm", "paper", {"lam": 3.0}).loss_hparams == {"lam": 3.0}
     assert resolve("pddm").settings["min_steps"] == RECIPES["pddm"]["min_steps"].value
+    assert resolve("pddm", overrides={"min_steps": 7}).settings["min_steps"] == 7  # -p wins over the recipe
     # PDDM's unit takes the head's width: embedding_dim sets the head, never the unit alone.
     narrow = resolve("pddm", overrides={"embedding_dim": 16, "head_hidden": 32}).config("pddm", "data")
     assert narrow.embedding_dim == 16 and "embedding_dim" not in narrow.loss_hparams
@@ -105,7 +107,7 @@ def test_cli_train_records_the_recipe(labelled_folder: Path, feature_cache: Path
     saved = json.loads((out / "config.json").read_text())
     assert saved["recipe"]["name"] == "recommended"
     assert saved["embedding_scale"] == RECIPES["angular"]["embedding_scale"].value
-    assert saved["views"] == 0 and saved["recipe"]["overrides"]["views"] == 0  # -p wins over the recipe
+    assert saved["views"] == 0 and saved["recipe"]["overrides"]["views"] == 0  # -p is recorded as such
 
     out = tmp_path / "paper"
     result = runner.invoke(
