@@ -56,7 +56,9 @@ class ClusterParams:
 
 # The generator before calibration: tighter and larger clusters than real embeddings form.
 OLD = ClusterParams(cluster_size=100, member_cosine=0.9, centre_cosine=0.8)
-# Fitted on the real Cars196 views: bench/results/synthetic_calibration.md.
+# Fitted on 10.7k real Cars196 views (bench/results/synthetic_calibration.md). It does not hold at 204k
+# (synthetic_calibration_full.md: nearest-cell fraction 0.79 vs 0.36): the SEEDS stay fixed as n grows,
+# so clusters pile up around them and IVF finds their neighbours in one cell. Large rows are optimistic.
 CALIBRATED = ClusterParams(cluster_size=50, member_cosine=0.94, centre_cosine=0.9, shared_weight=0.3)
 
 
