@@ -89,6 +89,8 @@ class GalleryWatcher:
                 files.update(list_images(path))
             elif is_image_file(path):
                 files.add(path)
+        if any(not path.exists() for path in paths):
+            files.update(self._unindexed(index))
         report = BuildReport()
         sync_files(
             index,
@@ -104,6 +106,17 @@ class GalleryWatcher:
             report.rebuilt = index.build(retune=False)
         index.save()
         return report
+
+    def _unindexed(self, index: GalleryIndex) -> list[Path]:
+        """The gallery's images that are no item: copies of indexed files (identical content is indexed
+        once) and unreadable files. When a file is deleted, a copy of it must take over its item instead of
+        its content leaving the index; only these few files are read, not the whole folder."""
+        indexed = {item.path for item in index.items.scan()}
+        return [
+            path
+            for path in list_images(self.gallery)
+            if path.relative_to(self.gallery).as_posix() not in indexed
+        ]
 
     def _record(self, batch: list[Path], report: BuildReport) -> None:
         self.stats.batches += bool(batch)

@@ -124,3 +124,18 @@ def test_a_half_written_file_is_indexed_only_once_complete(running: GalleryWatch
     index = GalleryIndex.open(index_dir)
     assert index.items.get_by_path("alpha/big.png").content_hash == hashlib.sha256(data).hexdigest()
     index.close()
+
+
+def test_deleting_a_file_hands_its_item_to_a_copy(running: GalleryWatcher, gallery: Path) -> None:
+    """Identical files are indexed once; deleting the indexed one must not take the content out of the
+    index while a copy is still in the gallery: the copy takes over the item (same id)."""
+    shutil.copyfile(gallery / "alpha" / "alpha_0.png", gallery / "beta" / "copy.png")
+    wait_until(lambda: running.stats.batches >= 1, TIMEOUT, "the copy's batch")
+    before = _items(running.index_dir)
+    assert "beta/copy.png" not in before  # a copy is not a second item
+    (gallery / "alpha" / "alpha_0.png").unlink()
+    wait_until(lambda: running.stats.moved == 1, TIMEOUT, "the item moving to the copy")
+    after = _items(running.index_dir)
+    assert "alpha/alpha_0.png" not in after
+    assert after["beta/copy.png"] == (before["alpha/alpha_0.png"][0], "beta")
+    assert running.stats.removed == 0
