@@ -82,9 +82,9 @@ RECIPES: dict[str, dict[str, Choice]] = {
         "beta": Choice(0.2, "embedding margin 0.2 with per-sample quadruplets (val 75.6)"),
         "lam": Choice(
             3.0,
-            "embedding term weight: class-fold CV gains +2.78/+4.02/+0.67 at 3 vs -0.19 on fold 2 at 1 "
-            "(the only weight tried that helps on every fold; recipes_cv.md); test over seeds 0/1/2 "
-            "63.28/63.89/63.15 vs 63.68/63.08/63.41 at 1 (train_all_seeds.md); val 75.6 at 1 vs 74.0 at 10",
+            "embedding term weight: class-fold CV gains +2.78/+4.02/+0.67 at 3 (fold 2 -0.97 with seed 1) vs "
+            "fold 2 -0.19 at 1, -0.74 at 2, -1.56 at 4, -0.89 at 5 (recipes_cv.md); with 4 views, test over "
+            "seeds 0/1/2 63.28/63.89/63.15 vs 63.68/63.08/63.41 at 1; val 75.6 at 1 vs 74.0 at 10",
         ),
         "min_steps": Choice(
             1500,
