@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import export_small_model, make_image
+
+# Set before pymilvus loads gRPC: its fork handlers restart pollers in a forked child, which can then abort
+# before exec (grpc/grpc#43055); the tests fork server processes after Milvus Lite tests ran.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 
 @pytest.fixture(scope="session")

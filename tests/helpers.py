@@ -205,14 +205,15 @@ def start_server(
     command = [sys.executable, "-m", "cli.main", "serve", "--port", str(port), "--threads", "1", *args]
 
     def cap() -> None:
-        if address_space is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
 
     output = log.open("ab") if log is not None else None
     process = subprocess.Popen(
         [*(prefix or []), *command],
         env={**os.environ, **(env or {})},
-        preexec_fn=cap,
+        # Only when needed: a preexec_fn makes Python fork() instead of vfork(), and a fork while Milvus
+        # Lite's gRPC threads run can abort the child (grpc/grpc#43055, seen here as exit code -6).
+        preexec_fn=cap if address_space is not None else None,
         stdout=output,
         stderr=subprocess.STDOUT if output is not None else None,
     )
