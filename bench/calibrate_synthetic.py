@@ -90,11 +90,8 @@ def main() -> None:
     base, queries = real_split(views, args.queries, rng)
     target = statistics_of(base, queries)
     seeds = cars196_seeds(args.cars196, args.cache_dir, rng)
-    grid = [
-        ClusterParams(*point)
-        for point in itertools.product(CLUSTER_SIZES, MEMBER_COSINES, CENTRE_COSINES, SHARED_WEIGHTS)
-        if not args.check_only
-    ]
+    points = itertools.product(CLUSTER_SIZES, MEMBER_COSINES, CENTRE_COSINES, SHARED_WEIGHTS)
+    grid = [] if args.check_only else [ClusterParams(*point) for point in points]
     fits = []
     for params in tqdm(grid, desc="synthetic grid", unit="point"):
         stats = synthetic_statistics(params, len(base), len(queries), seeds)

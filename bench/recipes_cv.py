@@ -44,6 +44,7 @@ from training.run_dir import RunDirectory
 from training.trainer import SELECTION_METRIC, train
 
 RESULTS = Path(__file__).parent / "results"
+DEFAULT_OUT = RESULTS / "recipes_cv"  # the main table; other budgets go beside it (--out)
 # The paper methods (ALMN, Magnet, PDDM, Angular, NL&AL, the four LoOp losses) and MS as a baseline.
 METHODS = (
     "almn",
@@ -252,7 +253,7 @@ def reproducing_command(args: argparse.Namespace) -> str:
     if list(args.methods) != list(METHODS):
         words += ["--methods", *args.methods]
     words += ["--folds", str(args.folds), "--seed", str(args.seed)]
-    if args.out != RESULTS / "recipes_cv":
+    if args.out != DEFAULT_OUT:
         words += ["--out", str(args.out)]
     for flag in ("max_steps", "patience"):
         if getattr(args, flag) is not None:
@@ -312,7 +313,7 @@ def main() -> None:
     parser.add_argument(
         "--out",
         type=Path,
-        default=RESULTS / "recipes_cv",
+        default=DEFAULT_OUT,
         help="table stem (.md, .json): another one keeps runs of another budget out of the main table",
     )
     args = parser.parse_args()

@@ -34,9 +34,8 @@ def _settings(record: dict[str, Any]) -> str:
     return format_values({**record["values"], **record["overrides"]})
 
 
-def race_reason(scores: dict[str, float], untrained: float, race_steps: int) -> str:
-    """Why the winner won, saying so when it only won a tie or did not beat the untrained model."""
-    winner = max(scores, key=scores.__getitem__)  # ties go to the earlier (stronger-listed) candidate
+def race_reason(scores: dict[str, float], winner: str, untrained: float, race_steps: int) -> str:
+    """Why ``winner`` won, saying so when it only won a tie or did not beat the untrained model."""
     reason = f"highest validation {SELECTION_METRIC} after at most {race_steps} steps each"
     tied = [loss for loss, score in scores.items() if score == scores[winner] and loss != winner]
     if tied:
@@ -69,12 +68,12 @@ def train_auto(
             summary = train(raced, out / "race" / loss, progress=progress)
         scores[loss] = summary["val"][SELECTION_METRIC]
         untrained = summary["val_backbone"][SELECTION_METRIC]  # the same classes for every candidate
-    winner = max(scores, key=scores.__getitem__)
+    winner = max(scores, key=scores.__getitem__)  # ties go to the earlier (stronger-listed) candidate
     race = {
         "budget_steps": race_steps,
         "val_" + SELECTION_METRIC: scores,
         "winner": winner,
-        "reason": race_reason(scores, untrained, race_steps),
+        "reason": race_reason(scores, winner, untrained, race_steps),
     }
     final = configs[winner]
     final = final.model_copy(update={"recipe": {**final.recipe, "name": "auto", "race": race}})

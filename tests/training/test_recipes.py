@@ -152,10 +152,10 @@ def test_auto_races_candidates_and_records_the_winner(
 
 
 def test_auto_reason_says_when_the_winner_only_won_a_tie_or_gained_nothing() -> None:
-    assert auto.race_reason({"ms": 0.8, "angular": 0.7}, 0.6, 5) == (
+    assert auto.race_reason({"ms": 0.8, "angular": 0.7}, "ms", 0.6, 5) == (
         "highest validation recall@1 after at most 5 steps each"
     )
-    tied = auto.race_reason({"ms": 0.6, "angular": 0.6, "magnet": 0.5}, 0.6, 5)
+    tied = auto.race_reason({"ms": 0.6, "angular": 0.6, "magnet": 0.5}, "ms", 0.6, 5)
     assert "tied with angular, kept as the earlier listed" in tied
     assert "no candidate beat the untrained model (60.00)" in tied
 
