@@ -22,26 +22,10 @@ from index.atomic import atomic_write_text
 from training.bootstrap import DEFAULT_RESAMPLES, Interval, paired_bootstrap
 from training.evaluation import EvalSplit, RunEmbeddings, embed_run
 from training.losses.magnet import KNCClassifier
-from training.metrics import answerable, evaluate, nearest_neighbours
+from training.metrics import answerable, evaluate, top_hits
 from training.run_dir import RunDirectory, RunDirError
 from training.samplers import NeighbourhoodSampler
 from training.trainer import SELECTION_METRIC, ValidationGain
-
-
-@dataclass(frozen=True)
-class TopHits:
-    """Per answerable query (``queries`` index the embedded rows): its nearest other item and whether
-    that item shares its class (the query's Recall@1)."""
-
-    queries: np.ndarray
-    top1: np.ndarray
-    hit: np.ndarray
-
-
-def top_hits(embeddings: np.ndarray, labels: np.ndarray) -> TopHits:
-    queries = np.flatnonzero(answerable(labels))
-    top1 = nearest_neighbours(embeddings, 1)[queries, 0]
-    return TopHits(queries, top1, labels[top1] == labels[queries])
 
 
 def knc_accuracy(

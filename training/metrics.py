@@ -14,6 +14,7 @@ Queries whose class has no other item cannot be answered and are left out of Rec
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import faiss
 import numpy as np
@@ -45,6 +46,22 @@ def answerable(labels: np.ndarray) -> np.ndarray:
     """Which items can be queries: their class has at least one other item."""
     _, inverse, counts = np.unique(np.asarray(labels), return_inverse=True, return_counts=True)
     return counts[inverse] > 1
+
+
+@dataclass(frozen=True)
+class TopHits:
+    """Per answerable query (``queries`` index the embedded rows): its nearest other item and whether
+    that item shares its class (the query's Recall@1)."""
+
+    queries: np.ndarray
+    top1: np.ndarray
+    hit: np.ndarray
+
+
+def top_hits(embeddings: np.ndarray, labels: np.ndarray) -> TopHits:
+    queries = np.flatnonzero(answerable(labels))
+    top1 = nearest_neighbours(embeddings, 1)[queries, 0]
+    return TopHits(queries, top1, labels[top1] == labels[queries])
 
 
 def retrieval_metrics(

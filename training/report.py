@@ -30,9 +30,9 @@ from sklearn.manifold import TSNE
 from engine.images import load_image_file
 from engine.run_proof import PLOTS, REPORT_FILE, plot_path
 from index.atomic import atomic_path, atomic_write_text
-from training.comparison import Comparison, TopHits, top_hits
+from training.comparison import Comparison
 from training.evaluation import RunEmbeddings
-from training.metrics import retrieval_metrics
+from training.metrics import TopHits, retrieval_metrics, top_hits
 from training.run_dir import RunDirectory
 from training.trainer import SELECTION_METRIC
 
