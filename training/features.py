@@ -9,10 +9,11 @@ onnxruntime, which is several times faster on CPU than eager torch. Two stages c
 
 View 0 is the serving preprocessing; views 1.. are seeded random resized crops with horizontal flips.
 
-The cache is keyed by the backbone's ONNX fingerprint, the view and seed, and every file's path, size and
-modification time, so a changed image or model never reuses stale features. It is written in shards, each
-atomically, so an interrupted extraction resumes where it stopped. Unreadable images (for example a
-truncated JPEG) are skipped with a warning and flagged in ``ok``; their rows are zero.
+The cache is keyed by the backbone's ONNX fingerprint, the view and seed, and every file's content (a
+SHA-256 of its bytes, in list order), so a changed image or model never reuses stale features, while the
+same images copied or moved elsewhere (new paths, new modification times) reuse them. It is written in
+shards, each atomically, so an interrupted extraction resumes where it stopped. Unreadable images (for
+example a truncated JPEG) are skipped with a warning and flagged in ``ok``; their rows are zero.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tqdm import tqdm
 
 from engine.embedder import Embedder
 from engine.images import ImageDecodeError, load_image_file
+from engine.indexing import file_hash
 from engine.model_card import Preprocessing
 from engine.preprocess import to_tensor
 from index.atomic import atomic_path
@@ -150,8 +152,11 @@ class FeatureExtractor:
             self._extract_shard(shards[i], i * SHARD_SIZE, view, seed, _shard_path(directory, i), bar)
         bar.close()
         parts = [np.load(_shard_path(directory, i)) for i in range(len(shards))]
+        # Rows, not paths, are cached: the same images elsewhere reuse the cache and are named where they are.
         skipped = tuple(
-            (str(path), str(reason)) for part in parts for path, reason in part["skipped"].reshape(-1, 2)
+            (str(files[i * SHARD_SIZE + int(row)]), str(reason))
+            for i, part in enumerate(parts)
+            for row, reason in zip(part["skipped_rows"], part["skipped_reasons"], strict=True)
         )
         for path, reason in skipped:
             warnings.warn(f"skipped unreadable image {path}: {reason}", stacklevel=2)
@@ -168,7 +173,8 @@ class FeatureExtractor:
     ) -> None:
         features = self._empty(len(files))
         ok = np.zeros(len(files), bool)
-        skipped: list[tuple[str, str]] = []
+        skipped_rows: list[int] = []
+        reasons: list[str] = []
         preprocessing = self.embedder.card.preprocessing
         for start in range(0, len(files), self.batch_size):
             images, rows = [], []
@@ -177,22 +183,29 @@ class FeatureExtractor:
                     images.append(load_image_file(files[row], draft_size=preprocessing.resize_size))
                     rows.append(row)
                 except (ImageDecodeError, OSError) as err:
-                    skipped.append((str(files[row]), str(err)))
+                    skipped_rows.append(row)
+                    reasons.append(str(err))
             if images:
                 batch = view_images(images, [offset + row for row in rows], view, seed, preprocessing)
                 features[rows] = self._run(batch)
                 ok[rows] = True
             bar.update(min(self.batch_size, len(files) - start))
         with atomic_path(target) as temporary, temporary.open("wb") as handle:
-            np.savez(handle, features=features, ok=ok, skipped=np.array(skipped, dtype=str).reshape(-1, 2))
+            np.savez(
+                handle,
+                features=features,
+                ok=ok,
+                skipped_rows=np.array(skipped_rows, np.int64),
+                skipped_reasons=np.array(reasons, dtype=str),
+            )
 
     def _key(self, files: Sequence[Path], view: int, seed: int) -> str:
         digest = hashlib.sha256()
         header = {"model": self.embedder.fingerprint, "view": view, "seed": seed if view else None}
         digest.update(json.dumps(header, sort_keys=True).encode())
         for path in files:
-            stat = path.stat()
-            digest.update(f"\n{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+            # Hashing costs far less than decoding and embedding (Cars196: 0.6 s, 3.4 s from a cold disk).
+            digest.update(f"\n{file_hash(path)}".encode())
         return digest.hexdigest()[:32]
 
 

@@ -1,0 +1,58 @@
+"""The feature cache is keyed by content: the same images elsewhere reuse it, a changed image does not."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.images import load_image_file
+from training.data import load_labelled_images
+from training.features import FeatureExtractor
+
+
+@pytest.fixture
+def private_cache(feature_cache: Path, tmp_path: Path) -> Path:
+    """A cache of its own (so its cached entries can be counted), with the session's exported backbone."""
+    cache = tmp_path / "cache"
+    shutil.copytree(feature_cache / "backbones", cache / "backbones")
+    return cache
+
+
+def _entries(cache: Path) -> set[str]:
+    return {path.name for path in (cache / "features").iterdir()}
+
+
+def test_copied_images_reuse_the_cache_and_a_changed_image_does_not(
+    labelled_folder: Path, private_cache: Path, tmp_path: Path
+) -> None:
+    first = tmp_path / "first"
+    shutil.copytree(labelled_folder, first)
+    broken = first / "class_01" / "broken.jpg"
+    load_image_file(first / "class_01" / "img_0.png").save(broken, quality=90)
+    broken.write_bytes(broken.read_bytes()[:-400])
+    extractor = FeatureExtractor(private_cache, progress=False)
+    with pytest.warns(UserWarning, match="skipped unreadable image"):
+        original = extractor.extract(load_labelled_images(first).files(), view=1, seed=3)
+    cached = _entries(private_cache)
+
+    # A copy elsewhere: new paths and new modification times (shutil.copy does not keep them), same bytes.
+    second = tmp_path / "second"
+    shutil.copytree(first, second, copy_function=shutil.copy)
+    files = load_labelled_images(second).files()
+    with pytest.warns(UserWarning, match=f"skipped unreadable image {second}/class_01/broken.jpg"):
+        copied = extractor.extract(files, view=1, seed=3)
+    assert _entries(private_cache) == cached  # nothing extracted again
+    np.testing.assert_array_equal(copied.features, original.features)
+    assert [path for path, _ in copied.skipped] == [str(second / "class_01" / "broken.jpg")]
+
+    changed = files.index(second / "class_02" / "img_1.png")
+    load_image_file(files[changed]).rotate(90).save(files[changed])
+    with pytest.warns(UserWarning, match="skipped unreadable image"):
+        after = extractor.extract(files, view=1, seed=3)
+    assert len(_entries(private_cache) - cached) == 1  # re-extracted under a new key
+    assert not np.allclose(after.features[changed], original.features[changed], atol=1e-3)
+    unchanged = np.arange(len(files)) != changed
+    np.testing.assert_allclose(after.features[unchanged], original.features[unchanged], atol=1e-6)
