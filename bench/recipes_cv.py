@@ -17,7 +17,10 @@ selection as usual (``TrainConfig.fold``). Each method trains with each candidat
   candidate failed or was marginal.
 
 The table reports each candidate's test Recall@1 per fold against the untrained model on the same fold,
-the mean and spread of the gain, and the worst fold. The preferred candidate is the one that helps on every
+the mean and spread of the gain, and the worst fold. It also reports what a user would serve: the trained
+model where validation shows it *better* than the untrained one (the trainer's ``beats_backbone``, the
+95% interval of the validation Recall@1 difference above zero), else the untrained model (gain 0), which
+``dmlsearch export`` keeps serving. The preferred candidate is the one that helps on every
 fold with the highest mean gain, not the one that peaks on one fold. Run directories are resumed. After each
 run the table is rebuilt (``--report-only`` just rebuilds it): the finished runs of ``--methods`` replace
 their rows in the existing table and the other methods' rows are kept, each row naming the command that
@@ -38,6 +41,7 @@ from typing import Any
 
 from engine.defaults import CACHE_DIR
 from index.atomic import atomic_write_text
+from training.comparison import validation_gain
 from training.config import TrainConfig
 from training.recipes import DEFAULT_RECIPE, RecipeName, format_values, parse_assignments, recipe, resolve
 from training.run_dir import RunDirectory
@@ -133,18 +137,21 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         for candidate in candidates(loss):
             folds = {}
             for fold in range(args.folds):
-                summary = RunDirectory(run_path(args.runs_dir, candidate, loss, fold)).read_summary()
+                path = run_path(args.runs_dir, candidate, loss, fold)
+                summary = RunDirectory(path).read_summary()
                 if summary is None:
                     continue
                 untrained[str(fold)] = round(100 * summary["test_backbone"][SELECTION_METRIC], 2)
+                gain = round(
+                    100 * (summary["test"][SELECTION_METRIC] - summary["test_backbone"][SELECTION_METRIC]), 2
+                )
+                validation = validation_gain(path)  # recorded by the trainer, or computed for older runs
                 folds[str(fold)] = {
                     "r1": round(100 * summary["test"][SELECTION_METRIC], 2),
-                    "gain": round(
-                        100
-                        * (summary["test"][SELECTION_METRIC] - summary["test_backbone"][SELECTION_METRIC]),
-                        2,
-                    ),
+                    "gain": gain,
                     "val_r1": round(100 * summary["val"][SELECTION_METRIC], 2),
+                    "validation": validation.interval.verdict,
+                    "served_gain": gain if validation.improved else 0.0,
                     "best_step": summary["best_step"],
                     "steps": summary["steps"],
                 }
@@ -192,12 +199,19 @@ def merge(previous: dict[str, Any], current: dict[str, Any], command: str, budge
 
 def spread(folds: dict[str, dict[str, Any]], count: int) -> dict[str, Any]:
     gains = [fold["gain"] for fold in folds.values()]
+    served = [fold["served_gain"] for fold in folds.values() if "served_gain" in fold]
     return {
         "complete": len(folds) == count,
         "mean_gain": round(statistics.fmean(gains), 2),
         "std_gain": round(statistics.stdev(gains), 2) if len(gains) > 1 else 0.0,
         "min_gain": min(gains),
         "range_gain": round(max(gains) - min(gains), 2),
+        # What users end up serving, for runs that recorded their validation verdict.
+        **(
+            {"served_mean_gain": round(statistics.fmean(served), 2), "served_min_gain": min(served)}
+            if len(served) == len(gains)
+            else {}
+        ),
     }
 
 
@@ -218,29 +232,42 @@ def markdown(results: dict[str, Any], folds: int) -> str:
         "Each cell: test Recall@1 (%) on the fold's held-out classes, and its gain over the untrained model "
         "on the same fold. mean / std / min / range: of the gain across folds (range = how far it moved). "
         "every fold: the gain is positive on every fold. **preferred**: the candidate that helps on every "
-        "fold with the highest mean gain (or, if none does, the highest mean gain).",
+        "fold with the highest mean gain (or, if none does, the highest mean gain). ‡: validation did not "
+        "show the trained model better than the untrained one (the 95% interval of the Recall@1 difference "
+        "not above zero), so `dmlsearch export` refuses it and the untrained model stays served: a served "
+        "gain of 0 on that fold. served mean / min: of the served gain across folds (- for rows run before "
+        "it was recorded).",
         "",
         "| method | candidate | "
         + " | ".join(fold_cells)
-        + " | mean | std | min | range | every fold | settings | run |",
-        "|" + "---|" * (folds + 9),
+        + " | mean | std | min | range | every fold | served mean | served min | settings | run |",
+        "|" + "---|" * (folds + 11),
         "| untrained | - | "
         + " | ".join(f"{untrained[str(k)]:.2f}" if str(k) in untrained else "" for k in range(folds))
-        + " | - | - | - | - | - | - | - |",
+        + " | - | - | - | - | - | - | - | - | - |",
     ]
     for loss, by_candidate in results["methods"].items():
         for name, result in by_candidate.items():
             cells = []
             for k in range(folds):
                 fold = result["folds"].get(str(k))
-                cells.append(f"{fold['r1']:.2f} ({fold['gain']:+.2f})" if fold else "")
+                untrained_served = fold and fold.get("validation", "better") != "better"
+                cells.append(
+                    f"{fold['r1']:.2f} ({fold['gain']:+.2f}){' ‡' if untrained_served else ''}"
+                    if fold
+                    else ""
+                )
             label = f"**{name}**" if result["preferred"] else name
+            served = [
+                f"{result[key]:+.2f}" if key in result else "-"
+                for key in ("served_mean_gain", "served_min_gain")
+            ]
             lines.append(
                 f"| {loss} | {label} | "
                 + " | ".join(cells)
                 + f" | {result['mean_gain']:+.2f} | {result['std_gain']:.2f} | {result['min_gain']:+.2f} | "
                 f"{result['range_gain']:.2f} | {'yes' if result['helps_every_fold'] else 'no'} | "
-                f"{result['settings']} | {commands.index(result['command']) + 1} |"
+                f"{' | '.join(served)} | {result['settings']} | {commands.index(result['command']) + 1} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -49,6 +49,7 @@ from pytorch_metric_learning import miners as pml_miners
 
 from engine.defaults import CACHE_DIR
 from index.atomic import atomic_write_text
+from training.comparison import validation_gain
 from training.config import TrainConfig
 from training.losses import LOSSES, MetricLoss, register_loss
 from training.recipes import (
@@ -158,8 +159,17 @@ def run_method(method: Method, args: argparse.Namespace) -> dict[str, Any]:
         device="cpu",
         seed=args.seed,
     )
-    summary = train(config, args.runs_dir / args.mode / args.recipe / method.run_name, progress=True)
-    return {"method": method.label, "loss": method.loss, "settings": method.describe(args.recipe), **summary}
+    path = args.runs_dir / args.mode / args.recipe / method.run_name
+    summary = train(config, path, progress=True)
+    gain = validation_gain(path)  # as the trainer recorded it, or computed for a run finished before that
+    return {
+        "method": method.label,
+        "loss": method.loss,
+        "settings": method.describe(args.recipe),
+        **summary,
+        "beats_backbone": gain.improved,
+        "validation_gain": gain.interval.to_dict(),
+    }
 
 
 def budget_overrides(args: argparse.Namespace, loss: str) -> dict[str, Any]:
@@ -175,10 +185,12 @@ def percent(metrics: dict[str, float]) -> dict[str, float]:
 def markdown(
     rows: list[dict[str, Any]], baseline: dict[str, float], command: str, budget: str, mode: str
 ) -> str:
-    header = "| method | " + " | ".join(METRICS) + " | best step | train s | settings |"
+    header = "| method | " + " | ".join(METRICS) + " | best step | validation | train s | settings |"
     note = (
-        "best step: the step selected on validation (0 = the untrained PCA head kept); train s: seconds in "
-        "training steps, validation excluded."
+        "best step: the step selected on validation (0 = the untrained PCA head kept); validation: the "
+        "selected model against the untrained backbone on the validation classes, the paired bootstrap "
+        "verdict on the Recall@1 difference (only `better` is exported without --force; - for rows run "
+        "before it was recorded); train s: seconds in training steps, validation excluded."
     )
     lines = [
         f"# {mode.capitalize()}-mode training on Cars196 (unseen classes 99-196)",
@@ -190,12 +202,15 @@ def markdown(
         note,
         "",
         header,
-        "|" + "---|" * (len(METRICS) + 4),
-        "| pretrained, no training | " + " | ".join(f"{v:.2f}" for v in baseline.values()) + " | - | - | - |",
+        "|" + "---|" * (len(METRICS) + 5),
+        "| pretrained, no training | "
+        + " | ".join(f"{v:.2f}" for v in baseline.values())
+        + " | - | - | - | - |",
     ]
     for row in rows:
         cells = [row["method"], *(f"{v:.2f}" for v in row["test"].values())]
-        cells += [str(row["best_step"]), f"{row['train_seconds']:.0f}", row["settings"]]
+        verdict = row.get("validation_gain", {}).get("verdict", "-")
+        cells += [str(row["best_step"]), verdict, f"{row['train_seconds']:.0f}", row["settings"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -272,12 +287,15 @@ def seeds_table(args: argparse.Namespace) -> str:
         *(f"- seed {seed}: `{table['command']}` ({table['budget']})" for seed, table in tables.items()),
         "",
         f"Untrained: {untrained:.2f}. gain: mean over the seeds run minus untrained; min: the worst seed's "
-        "gain. settings: as each seed's table lists them (flagged when seeds differ).",
+        "gain. served min: the worst seed's gain of the model a user ends up serving: the trained one where "
+        "validation showed it better than the untrained backbone, else the untrained one (gain 0; - where a "
+        "seed's table predates the record). settings: as each seed's table lists them (flagged when seeds "
+        "differ).",
         "",
         "| method | "
         + " | ".join(f"seed {seed}" for seed in tables)
-        + " | seeds | mean | gain | min | settings |",
-        "|" + "---|" * (len(tables) + 6),
+        + " | seeds | mean | gain | min | served min | settings |",
+        "|" + "---|" * (len(tables) + 7),
     ]
     for method in all_methods():
         rows = {seed: row for seed, t in tables.items() for row in t["rows"] if row["method"] == method.label}
@@ -285,12 +303,15 @@ def seeds_table(args: argparse.Namespace) -> str:
             continue
         scores = {seed: row["test"]["recall@1"] for seed, row in rows.items()}
         gains = [score - tables[seed]["pretrained"]["recall@1"] for seed, score in scores.items()]
+        verdicts = [row.get("validation_gain", {}).get("verdict") for row in rows.values()]
+        served = [gain if verdict == "better" else 0.0 for gain, verdict in zip(gains, verdicts, strict=True)]
         settings = {row["settings"] for row in rows.values()}
         cells = [f"{scores[seed]:.2f}" if seed in scores else "" for seed in tables]
         mean = statistics.fmean(scores.values())
         lines.append(
             f"| {method.label} | {' | '.join(cells)} | {len(scores)} | {mean:.2f} | "
             f"{statistics.fmean(gains):+.2f} | {min(gains):+.2f} | "
+            f"{f'{min(served):+.2f}' if None not in verdicts else '-'} | "
             f"{settings.pop() if len(settings) == 1 else 'differs: ' + ' / '.join(sorted(settings))} |"
         )
     table = "\n".join(lines) + "\n"

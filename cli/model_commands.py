@@ -48,8 +48,9 @@ def export(
 ) -> None:
     """Export the search model to ONNX: backbone (+ trained head) + L2 normalisation, with its model.json.
 
-    A run is refused (exit 2) unless its selected checkpoint beat the untrained backbone on the validation
-    classes; ``--force`` exports it anyway.
+    A run is refused (exit 2) unless its selected checkpoint is better than the untrained backbone on the
+    validation classes (the 95% interval of the Recall@1 difference above zero); ``--force`` exports it
+    anyway.
     """
     from training.backbone import BACKBONES, create_backbone
     from training.comparison import validation_gain
@@ -73,10 +74,9 @@ def export(
             gain = validation_gain(run_dir)
             if not gain.improved and not force:
                 raise fail(
-                    f"{run_dir} is not better than the untrained model on validation (recall@1 "
-                    f"{100 * gain.trained:.2f} at step {gain.best_step} vs {100 * gain.untrained:.2f} "
-                    "untrained): serving it would not improve search. Train longer or with another recipe, "
-                    "or export anyway with --force"
+                    f"{run_dir} is not better than the untrained model on validation ({gain.describe()}): "
+                    "serving it is not shown to improve search. Train with more labelled images or another "
+                    "recipe, or export anyway with --force"
                 )
             card = export_run(run_dir, out)
         except RunDirError as err:
@@ -161,10 +161,11 @@ def train(
 
     from engine.stopping import StopRequested, stop_on_signals
     from training.auto import train_auto
+    from training.comparison import validation_gain
     from training.data import DataError
     from training.recipes import AUTO_CANDIDATES, AUTO_RACE_STEPS, DEFAULT_RECIPE, parse_assignments, resolve
     from training.run_dir import RunDirError
-    from training.trainer import SELECTION_METRIC, NoGainWarning
+    from training.trainer import NoGainWarning
     from training.trainer import train as run_training
 
     if not data.exists():
@@ -211,12 +212,12 @@ def train(
     typer.echo(f"validation  {_metrics_line(summary['val'])}")
     typer.echo(f"test        {_metrics_line(summary['test'])}")
     typer.echo(f"untrained   {_metrics_line(summary['test_backbone'])}")
-    if summary.get("beats_backbone") is False:  # runs finished before it was recorded lack the key
-        untrained = 100 * summary["val_backbone"][SELECTION_METRIC]
+    gain = validation_gain(out)
+    if not gain.improved:
         typer.echo(
-            f"run in {out}: NOT better than the untrained backbone on validation (recall@1 {untrained:.2f}), "
-            "so `dmlsearch export` refuses it; keep serving the untrained backbone, or train with more "
-            "images or another recipe"
+            f"run in {out}: NOT better than the untrained backbone on validation ({gain.describe()}), so "
+            "`dmlsearch export` refuses it; keep serving the untrained backbone, or train with more images "
+            "or another recipe"
         )
     else:
         typer.echo(f"run in {out}; export it with: dmlsearch export {out}")

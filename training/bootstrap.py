@@ -8,8 +8,8 @@ one side of zero.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
 
 import numpy as np
 
@@ -40,6 +40,11 @@ class Interval:
 
     def to_dict(self) -> dict[str, float | int | str]:
         return {**asdict(self), "verdict": self.verdict}
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> Interval:
+        """The interval ``to_dict`` wrote (its verdict is derived, not read back)."""
+        return cls(**{field.name: record[field.name] for field in fields(cls)})
 
 
 def paired_bootstrap(

@@ -3,9 +3,8 @@
 * :func:`compare_run` embeds a split (default: the unseen test classes) with both models and computes the
   papers' metrics for each, the paired bootstrap interval on the Recall@1 difference (queries resampled)
   and its verdict; for a Magnet run also the kNC accuracy of Eq. 6.
-* :func:`validation_gain` reads what the trainer recorded on the validation classes (the untrained
-  backbone at step 0, the selected checkpoint at its best step): ``dmlsearch export`` refuses a run that
-  did not beat the untrained model there.
+* :func:`validation_gain`: the same comparison on the validation classes, as the trainer recorded it:
+  ``dmlsearch export`` refuses a run that is not *better* than the untrained model there.
 """
 
 from __future__ import annotations
@@ -164,16 +163,26 @@ def save_comparison(run_path: Path, comparison: Comparison) -> Path:
 
 
 def validation_gain(run_path: Path) -> ValidationGain:
-    """What the trainer recorded on the validation classes; a run without that record is an error."""
+    """The selected checkpoint against the untrained backbone on the validation classes: what the trainer
+    recorded in summary.json, or, for a run without that record (unfinished, or finished before it was
+    kept), the same comparison computed now (the trainer's bootstrap seed, so the two agree)."""
     run = RunDirectory(run_path)
-    run.require_config()
-    records = run.read_metrics()
-    start = next((record for record in records if record["step"] == 0), None)
+    config = run.require_config()
+    summary = run.read_summary()
+    if summary is not None and "validation_gain" in summary:
+        return ValidationGain(
+            untrained=summary["val_backbone"][SELECTION_METRIC],
+            trained=summary["val"][SELECTION_METRIC],
+            best_step=int(summary["best_step"]),
+            interval=Interval.from_dict(summary["validation_gain"]),
+        )
     best = run.load_checkpoint("best")
-    if start is None or "val_backbone" not in start or best is None:
-        raise RunDirError(f"{run_path} has no validation record of the untrained model and a best checkpoint")
+    if best is None:
+        raise RunDirError(f"{run_path} has no checkpoints/best.pt yet")
+    comparison, _ = compare_run(run_path, split="val", seed=config.seed, progress=False)
     return ValidationGain(
-        untrained=start["val_backbone"][SELECTION_METRIC],
-        trained=best["val"][SELECTION_METRIC],
+        untrained=comparison.untrained[SELECTION_METRIC],
+        trained=comparison.trained[SELECTION_METRIC],
         best_step=int(best["step"]),
+        interval=comparison.recall_at_1,
     )

@@ -94,7 +94,9 @@ def embed_run(
         raise RunDirError(f"{run_path} has no checkpoints/best.pt yet")
     if data is not None:
         config = config.model_copy(update={"data": str(data)})
-    prepared = prepare_data(config, cache_directory(config, run_path), progress=progress)
+    # Embedding needs only the serving view: a run's augmented training views are not extracted again.
+    serving_only = config.model_copy(update={"views": 0})
+    prepared = prepare_data(serving_only, cache_directory(config, run_path), progress=progress)
     objective = build_objective(config, prepared.features["train"].shape[1])
     objective.load_state_dict(best["objective"])
     names = ("train", "val", "test") if split == "all" else (split,)

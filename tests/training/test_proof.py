@@ -6,6 +6,7 @@ import base64
 import io
 import json
 import re
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +23,7 @@ from engine.embedder import Embedder
 from engine.indexing import build_index
 from engine.run_proof import EVAL_FILE, PLOTS, REPORT_FILE, plot_path
 from tests.helpers import tiny_train_config
-from training.bootstrap import paired_bootstrap
+from training.bootstrap import Interval, paired_bootstrap
 from training.comparison import compare_embeddings, knc_accuracy, validation_gain
 from training.run_dir import RunDirectory
 from training.trainer import train
@@ -130,23 +131,46 @@ def test_export_refuses_a_run_no_better_than_untrained_unless_forced(
     assert (run / "model.onnx").exists()
 
 
-def test_export_accepts_a_run_that_beat_the_untrained_model(magnet_run: Path, tmp_path: Path) -> None:
-    run = RunDirectory(magnet_run)
-    records = run.read_metrics()
-    gain = validation_gain(magnet_run)
-    assert gain.untrained == records[0]["val_backbone"]["recall@1"]
-    assert gain.trained == run.load_checkpoint("best")["val"]["recall@1"]
-    # Make the recorded untrained score beatable, so the answer is known whatever the tiny run learned.
-    best = run.load_checkpoint("best")
-    best.update(step=2, val={**best["val"], "recall@1": 1.0})
-    records[0]["val_backbone"]["recall@1"] = 0.5
-    copy = RunDirectory(tmp_path / "run")
-    copy.write_config(run.require_config())
-    copy.write_metrics(records)
-    copy.save_checkpoint("best", best)
-    assert validation_gain(copy.path).improved
-    result = runner.invoke(app, ["export", str(copy.path), "--out", str(tmp_path / "model.onnx")])
-    assert result.exit_code == 0, result.output
+def _with_recorded_gain(run_path: Path, copy: Path, interval: Interval) -> Path:
+    """A copy of the run whose summary records ``interval`` for a trained step (known whatever the tiny run
+    learned)."""
+    shutil.copytree(run_path, copy)
+    run = RunDirectory(copy)
+    summary = run.read_summary()
+    run.write_summary({**summary, "best_step": 2, "validation_gain": interval.to_dict()})
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("interval", "exit_code"),
+    [
+        (Interval(0.30, 0.10, 0.50, 0.95, 2000), 0),  # better: the whole interval above zero
+        (Interval(0.04, -0.02, 0.10, 0.95, 2000), 2),  # higher, but validation cannot tell it from noise
+    ],
+)
+def test_export_accepts_only_a_run_better_than_untrained_on_validation(
+    magnet_run: Path, tmp_path: Path, interval: Interval, exit_code: int
+) -> None:
+    run = _with_recorded_gain(magnet_run, tmp_path / "run", interval)
+    assert validation_gain(run).improved == (exit_code == 0)
+    result = runner.invoke(app, ["export", str(run), "--out", str(tmp_path / "model.onnx")])
+    assert result.exit_code == exit_code, result.output
+    if exit_code:
+        assert "not distinguishable" in result.output and "95% CI [-2.00, +10.00]" in result.output
+
+
+def test_validation_gain_of_a_run_without_the_record_is_computed_as_the_trainer_did(
+    magnet_run: Path, tmp_path: Path
+) -> None:
+    recorded = validation_gain(magnet_run)
+    summary = RunDirectory(magnet_run).read_summary()
+    assert recorded.interval.to_dict() == summary["validation_gain"]
+    assert recorded.improved == summary["beats_backbone"]
+    copy = tmp_path / "run"
+    shutil.copytree(magnet_run, copy)
+    del summary["validation_gain"]  # as a run finished before the trainer recorded it
+    RunDirectory(copy).write_summary(summary)
+    assert validation_gain(copy) == recorded
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from tests.helpers import bench_module
 from training import auto
+from training.bootstrap import Interval
 from training.config import TrainConfig
 from training.losses import LOSSES
 from training.model import build_objective
@@ -207,12 +208,17 @@ def test_recipes_cv_prefers_the_candidate_that_helps_on_every_fold(
         for fold, gain in enumerate(per_fold):
             run = RunDirectory(cv.run_path(tmp_path, candidate, "ms", fold))
             run.path.mkdir(parents=True)
+            run.write_config(TrainConfig(loss="ms", data=str(tmp_path)))
             untrained = 0.5 + fold / 100
+            # Validation tells the trained model from the untrained one only where it gained on test.
+            low = 0.01 if gain > 0 else -0.01
             run.write_summary(
                 {
                     "test": {"recall@1": untrained + gain / 100},
                     "test_backbone": {"recall@1": untrained},
                     "val": {"recall@1": 0.7},
+                    "val_backbone": {"recall@1": 0.68},
+                    "validation_gain": Interval(0.02, low, 0.03, 0.95, 2000).to_dict(),
                     "best_step": 10,
                     "steps": 20,
                 }
@@ -223,8 +229,13 @@ def test_recipes_cv_prefers_the_candidate_that_helps_on_every_fold(
     assert results["recommended"]["mean_gain"] == pytest.approx(3.5)
     assert results["recommended"]["range_gain"] == pytest.approx(6.5)  # how far it moved across folds
     assert results["steady"]["settings"] == "views=0, epsilon=0.2"  # --set wins, as in the runs
+    # Served: the untrained model wherever validation did not show the trained one better (gain 0 there).
+    assert results["recommended"]["served_min_gain"] == 0.0
+    assert results["recommended"]["served_mean_gain"] == 3.67  # (6 + 5 + 0) / 3, rounded as the table
+    assert results["paper"]["served_mean_gain"] == results["paper"]["served_min_gain"] == 0.0
     table = cv.markdown(cv.merge({}, cv.collect(args), "cmd", "budget"), 3)
     assert "| ms | **steady** | 52.00 (+2.00) | 53.00 (+2.00) | 53.00 (+1.00) | +1.67 |" in table
+    assert "| 51.50 (-0.50) ‡ | +3.50 | 3.50 | -0.50 | 6.50 | no | +3.67 | +0.00 |" in table
     assert "1. `cmd`: budget" in table
 
 
