@@ -14,8 +14,9 @@ All rows of one run share the machine, so their ratios compare. Rows left out (-
 
 Data (bench/vector_data.py): ``real``, pretrained embeddings of 13 views of every Cars196 image (1280-d,
 about 210k vectors; queries are held-out images), extracted once into --cache-dir; ``embedding``, a
-512-d synthetic stand-in whose cluster parameters are calibrated on ``real`` (seeds: real embeddings
-projected to 512-d with --cars196, uniform directions otherwise); ``uniform``, random unit vectors. Every
+512-d synthetic stand-in at any size, new images grown from seed images with a growth calibrated on
+``real`` (seeds: the real images projected to 512-d with --cars196, random classes otherwise);
+``uniform``, random unit vectors. Every
 data set's row in the statistics table gives its 10th-neighbour cosines and nearest-IVF-cell fraction.
 """
 
@@ -38,16 +39,17 @@ from vector_data import (
     CALIBRATED,
     DIM,
     QUANTILES,
-    SEEDS,
+    RANDOM_SEED_CLASSES,
+    RANDOM_SEED_IMAGES,
     K,
     cars196_files,
     cars196_seeds,
     data_statistics,
     embedding_like,
+    random_seed_images,
     real_embeddings,
     real_split,
     uniform,
-    unit,
 )
 
 from index import tuning as tuning_module
@@ -340,11 +342,11 @@ def markdown(rows: list[dict], left_out: list[dict], statistics: list[dict], met
         f"recall@10 >= {meta['target_recall']} at build time (IVF: each tuning query's "
         f"{meta['tuning_neighbourhood']} nearest gallery vectors set aside). Latency in ms (single query; "
         "batch of 64).",
-        f"Embedding-like data: cluster parameters {meta['cluster_params']} (calibrated on the real views: "
-        f"bench/results/synthetic_calibration.md), seeds {meta['seeds']}. Milvus Lite's ef is tuned the "
-        f"same way on {MILVUS_TUNING_QUERIES} other held-out queries. Size: the serialised FAISS index, "
-        "Milvus Lite's files on disk. Build: train + add + tune. * after the params: tuning stopped short "
-        "of the target (a quantisation ceiling, or searches slower than 20 ms a query).",
+        f"Embedding-like data: new images grown from seed images {meta['growth_params']} (calibrated on the "
+        f"real views' growth: bench/results/synthetic_calibration.md), seeds {meta['seeds']}. Milvus Lite's "
+        f"ef is tuned the same way on {MILVUS_TUNING_QUERIES} other held-out queries. Size: the serialised "
+        "FAISS index, Milvus Lite's files on disk. Build: train + add + tune. * after the params: tuning "
+        "stopped short of the target (a quantisation ceiling, or searches slower than 20 ms a query).",
         "",
         "| data | n | index | spec | build s | size | recall@10 | single p50 | single p99 | batch64 p50 "
         "| batch64 p99 | vs exact | params |",
@@ -440,13 +442,19 @@ def main() -> None:
     sizes = [count_of(size) for size in args.sizes.split(",")]
     rng = np.random.default_rng(0)
     if "embedding" not in names:
-        seeds, seeds_note = np.zeros((0, DIM), np.float32), "not used"
+        seeds, seeds_note = None, "not used"
     elif args.cars196 is not None:
         seeds = cars196_seeds(args.cars196, args.cache_dir, rng)
-        seeds_note = f"{len(seeds)} Cars196 images, pretrained EfficientNet-Lite0, projected to {DIM}-d"
+        seeds_note = (
+            f"{len(seeds):,} Cars196 images (all their views), pretrained EfficientNet-Lite0, "
+            f"projected to {DIM}-d"
+        )
     else:
-        seeds = unit(rng.standard_normal((SEEDS, DIM)))
-        seeds_note = f"{SEEDS} uniform random directions (no --cars196 given)"
+        seeds = random_seed_images(RANDOM_SEED_IMAGES, RANDOM_SEED_CLASSES, DIM, rng)
+        seeds_note = (
+            f"{RANDOM_SEED_IMAGES:,} random images in {RANDOM_SEED_CLASSES} classes around random directions "
+            "(no --cars196 given)"
+        )
     meta = {
         "command": "python bench/index_bench.py " + " ".join(sys.argv[1:]),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, faiss "
@@ -456,7 +464,7 @@ def main() -> None:
         "queries": args.queries,
         "target_recall": args.target_recall,
         "seeds": seeds_note,
-        "cluster_params": vars(CALIBRATED),
+        "growth_params": vars(CALIBRATED),
         "tuning_neighbourhood": tuning_module.NEIGHBOURHOOD,
     }
     began = time.perf_counter()
@@ -467,7 +475,7 @@ def main() -> None:
     plan += [(name, count) for count in sizes for name in names if name != "real"]
     for name, count in plan:
         if name == "real":
-            views = real_embeddings(args.cars196, args.cache_dir, chunks=args.real_chunks)
+            views, _ = real_embeddings(args.cars196, args.cache_dir, chunks=args.real_chunks)
             base, queries = real_split(views, held_out, rng)
             meta["real"] = {
                 "images": views.shape[1],

@@ -5,10 +5,12 @@ Data sets (unit vectors):
 - ``real``: pretrained embeddings of views of every Cars196 image (see ``real_embeddings``). Queries are
   whole held-out images (view 0, the serving preprocessing); none of their views is in the gallery, as a
   new photo is not in the gallery it is searched against.
-- ``embedding``: a synthetic stand-in for ``real`` at any size (dimension ``DIM``): clusters of
-  ``cluster_size`` vectors at ``member_cosine`` from their centre, centres at ``centre_cosine`` from seed
-  vectors (real embeddings, randomly projected). Queries are members of held-out clusters, the way real
-  queries are views of held-out images. ``CALIBRATED`` is fitted on ``real`` by bench/calibrate_synthetic.py.
+- ``embedding``: a synthetic stand-in for ``real`` at any size (dimension ``DIM``): new images grown from
+  seed images (the real ones, every view through one random projection), each seed used in turn, so at
+  1M each real image seeds about five. A new image is a smoothed bootstrap of its seed's class (``h``,
+  ``class_spread``: how far it departs from its seed, keeping the class's spread) and its views its
+  seed's real view offsets. Queries are view 0 of held-out new images, the way real
+  queries are new photos. ``CALIBRATED`` is fitted on ``real``'s growth by bench/calibrate_synthetic.py.
 - ``uniform``: uniform random unit vectors, the worst case for every index (no structure to exploit).
 
 The statistics, measured on held-out queries against the gallery:
@@ -38,28 +40,38 @@ VIEW_SEED = 0
 # Real images are extracted in chunks, every view of a chunk before the next chunk, so an unfinished
 # extraction already gives complete images (all their views) to measure on.
 CHUNK_IMAGES = 1024
-GENERATION_CHUNK = 65_536
-SEEDS = 1000  # seed vectors of the synthetic clusters (real images of the first chunk)
+GENERATION_CHUNK = 4096  # synthetic images a step: their views' float32 temporaries stay near 100 MB
+# Stand-in seed images when no real ones are given (random_seed_images): as many as Cars196 has.
+RANDOM_SEED_IMAGES, RANDOM_SEED_CLASSES = 16_384, 196
 
 
 @dataclass(frozen=True)
-class ClusterParams:
-    """The synthetic generator's cluster structure."""
+class SeedImages:
+    """The images synthetic ones are drawn from (real Cars196 images projected to DIM, or random ones)."""
 
-    cluster_size: int  # vectors a cluster
-    member_cosine: float  # a vector to its cluster centre
-    centre_cosine: float  # a cluster centre to its seed
-    # Weight of one direction all vectors share (the seeds' mean): pooled ReLU features all point into one
-    # cone, so real embeddings are close to each other (high cosines) without being clustered any tighter.
-    shared_weight: float = 0.0
+    centres: np.ndarray  # (images, dim) unit: each image's view 0
+    labels: np.ndarray  # (images,) its class
+    view_offsets: np.ndarray  # (views - 1, images, dim): each other view minus view 0
+
+    def __len__(self) -> int:
+        return len(self.centres)
 
 
-# The generator before calibration: tighter and larger clusters than real embeddings form.
-OLD = ClusterParams(cluster_size=100, member_cosine=0.9, centre_cosine=0.8)
-# Fitted on 10.7k real Cars196 views (bench/results/synthetic_calibration.md). It does not hold at 204k
-# (synthetic_calibration_full.md: nearest-cell fraction 0.79 vs 0.36): the SEEDS stay fixed as n grows,
-# so clusters pile up around them and IVF finds their neighbours in one cell. Large rows are optimistic.
-CALIBRATED = ClusterParams(cluster_size=50, member_cosine=0.94, centre_cosine=0.9, shared_weight=0.3)
+@dataclass(frozen=True)
+class GrowthParams:
+    """How a synthetic image departs from its seed image (a smoothed bootstrap of the seeds' classes)."""
+
+    # The bootstrap's bandwidth h: 0 copies the seed image, large draws a fresh sample of its class.
+    class_spread: float
+    view_scale: float = 1.0  # a synthetic image's views: its seed's real view offsets scaled by this
+
+
+# Fitted by bench/calibrate_synthetic.py (bench/results/synthetic_calibration.md): grown 3.8x from the
+# first 4 of Cars196's 16 chunks to the whole real gallery's size, it matches the real statistics (distance
+# 0.004; every class_spread 1-5 within 0.015); the 1M rows grow 4.8x from all 16. Grown 1x it is harder than
+# the real views (nearest-cell fraction 0.23 vs 0.36): each real image's one new image is a fresh draw of
+# its class.
+CALIBRATED = GrowthParams(class_spread=3.0, view_scale=1.0)
 
 
 def unit(vectors: np.ndarray) -> np.ndarray:
@@ -76,28 +88,65 @@ def around(points: np.ndarray, cosine: float, rng: np.random.Generator) -> np.nd
 def project(vectors: np.ndarray, dim: int, rng: np.random.Generator) -> np.ndarray:
     """``vectors`` through a random orthonormal projection to ``dim`` dimensions, renormalised."""
     projection, _ = np.linalg.qr(rng.standard_normal((vectors.shape[1], dim)))
-    return unit(vectors @ projection)
+    return unit(vectors @ projection.astype(np.float32))
+
+
+def seed_images(views: np.ndarray, labels: np.ndarray, rng: np.random.Generator) -> SeedImages:
+    """Real images' (views, images, d) embeddings as seeds: every view through one projection to DIM."""
+    projected = project(views.reshape(-1, views.shape[2]), DIM, rng).reshape(len(views), -1, DIM)
+    return SeedImages(projected[0], labels, projected[1:] - projected[0])
+
+
+def random_seed_images(
+    images: int, classes: int, dim: int, rng: np.random.Generator, views: int = VIEWS
+) -> SeedImages:
+    """Stand-in seeds without real data: classes of images around random directions, views around those."""
+    labels = rng.integers(classes, size=images)
+    centres = around(unit(rng.standard_normal((classes, dim), dtype=np.float32))[labels], 0.8, rng)
+    offsets = np.stack([around(centres, 0.9, rng) - centres for _ in range(views - 1)])
+    return SeedImages(centres, labels, offsets)
+
+
+def spawn_images(
+    seeds: SeedImages, chosen: np.ndarray, class_spread: float, rng: np.random.Generator
+) -> np.ndarray:
+    """A new image (its view 0) for each seed image ``chosen``: the variance-preserving smoothed bootstrap,
+    ``mean + (seed - mean + h * noise) / sqrt(1 + h^2)`` with noise drawn from the class's spread (a random
+    combination of its seed images' residuals). Growing the collection adds images as far from their seed as
+    the class's real images are from each other, not near-copies of it, whatever ``h``'s fit."""
+    spawned = np.empty((len(chosen), seeds.centres.shape[1]), np.float32)
+    chosen_labels = seeds.labels[chosen]
+    for label in np.unique(chosen_labels):
+        members = seeds.centres[seeds.labels == label]
+        mean = members.mean(axis=0)
+        residuals = members - mean
+        rows = np.flatnonzero(chosen_labels == label)
+        # sum_i z_i r_i / sqrt(n): the class's covariance (of its seed images), in their span
+        noise = rng.standard_normal((len(rows), len(members)), dtype=np.float32) @ residuals
+        noise /= np.sqrt(len(members))
+        departure = seeds.centres[chosen[rows]] - mean + class_spread * noise
+        spawned[rows] = mean + departure / np.sqrt(1.0 + class_spread**2)
+    return unit(spawned)
 
 
 def embedding_like(
-    count: int, queries: int, seeds: np.ndarray, rng: np.random.Generator, params: ClusterParams = CALIBRATED
+    count: int, queries: int, seeds: SeedImages, rng: np.random.Generator, params: GrowthParams = CALIBRATED
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``count`` gallery vectors in clusters around ``seeds``, and ``queries`` members of other clusters."""
-    clusters = max(1, count // params.cluster_size)
-    centres = around(seeds[rng.integers(len(seeds), size=clusters + queries)], params.centre_cosine, rng)
-    shared = unit(seeds.mean(axis=0, keepdims=True))
-    weights = np.sqrt([params.shared_weight, 1.0 - params.shared_weight]).astype(np.float32)
-
-    def members(of_clusters: np.ndarray) -> np.ndarray:
-        # In chunks: a million vectors' float32 temporaries at once would take several GB.
-        vectors = np.empty((len(of_clusters), seeds.shape[1]), np.float32)
-        for start in range(0, len(of_clusters), GENERATION_CHUNK):
-            part = around(centres[of_clusters[start : start + GENERATION_CHUNK]], params.member_cosine, rng)
-            vectors[start : start + GENERATION_CHUNK] = unit(weights[0] * shared + weights[1] * part)
-        return vectors
-
-    # One query per held-out cluster, the way a real query is a new image.
-    return members(rng.integers(clusters, size=count)), members(np.arange(clusters, clusters + queries))
+    """``count`` gallery vectors, the views of new images grown from ``seeds``, and ``queries`` more new
+    images' view 0 (held out, as real queries are new photos). A new image's views are its seed's real
+    view offsets (scaled by ``view_scale``)."""
+    views = len(seeds.view_offsets) + 1
+    images = -(-count // views)
+    # Seeds dealt out in turn (in random order): every seed grows an image before any grows a second one.
+    chosen = rng.permutation(images + queries) % len(seeds)
+    centres = spawn_images(seeds, chosen, params.class_spread, rng)
+    gallery = np.empty((images, views, centres.shape[1]), np.float32)
+    for start in range(0, images, GENERATION_CHUNK):
+        step = slice(start, min(start + GENERATION_CHUNK, images))
+        gallery[step, 0] = centres[step]
+        for view, offsets in enumerate(seeds.view_offsets[:, chosen[step]], start=1):
+            gallery[step, view] = unit(centres[step] + params.view_scale * offsets)
+    return gallery.reshape(-1, centres.shape[1])[:count], centres[images:]
 
 
 def uniform(count: int, queries: int, dim: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -112,10 +161,16 @@ def cars196_files(data_dir: Path) -> list[Path]:
         return [data_dir / row["path"] for row in csv.DictReader(handle)]
 
 
+def cars196_labels(data_dir: Path) -> np.ndarray:
+    """Every Cars196 image's class id, in labels.csv order."""
+    with (data_dir / "labels.csv").open(newline="") as handle:
+        return np.array([int(row["class_id"]) for row in csv.DictReader(handle)])
+
+
 def real_embeddings(
     data_dir: Path, cache_dir: Path, views: int = VIEWS, *, chunks: int | None = None, progress: bool = True
-) -> np.ndarray:
-    """(views, images, 1280) float32 pretrained embeddings of the readable Cars196 images.
+) -> tuple[np.ndarray, np.ndarray]:
+    """(views, images, 1280) float32 pretrained embeddings of the readable Cars196 images, and their classes.
 
     They are what a user's index holds before any training: ``dmlsearch export`` without a run writes the
     pretrained EfficientNet-Lite0 with no head (pooled, L2-normalised), which is exactly the ``pooled``
@@ -133,13 +188,15 @@ def real_embeddings(
         sets = [extractor.extract(chunk, view=view, seed=VIEW_SEED + number) for view in range(views)]
         vectors.append(np.stack([feature_set.features for feature_set in sets]))
         ok.append(np.logical_and.reduce([feature_set.ok for feature_set in sets]))
-    return np.concatenate(vectors, axis=1)[:, np.concatenate(ok)]
+    readable = np.concatenate(ok)
+    return np.concatenate(vectors, axis=1)[:, readable], cars196_labels(data_dir)[: len(readable)][readable]
 
 
-def cars196_seeds(data_dir: Path, cache_dir: Path, rng: np.random.Generator) -> np.ndarray:
-    """``SEEDS`` synthetic cluster seeds: view-0 embeddings of the first chunk's images, projected to DIM."""
-    first = real_embeddings(data_dir, cache_dir, views=1, chunks=1, progress=False)[0]
-    return project(first[rng.choice(len(first), size=SEEDS, replace=False)], DIM, rng)
+def cars196_seeds(
+    data_dir: Path, cache_dir: Path, rng: np.random.Generator, chunks: int | None = None
+) -> SeedImages:
+    """The readable images of the first ``chunks`` (all by default) as synthetic seeds."""
+    return seed_images(*real_embeddings(data_dir, cache_dir, chunks=chunks, progress=False), rng)
 
 
 def real_split(views: np.ndarray, queries: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
