@@ -86,6 +86,16 @@ def write_labelled_folder(root: Path, classes: int = 12, per_class: int = 5, siz
     return root
 
 
+def copy_with_truncated_jpeg(folder: Path, target: Path) -> Path:
+    """A copy of the labelled ``folder`` at ``target`` plus ``class_01/broken.jpg``, a JPEG cut short like
+    Cars196's train_08144.jpg; returns the broken file."""
+    shutil.copytree(folder, target)
+    broken = target / "class_01" / "broken.jpg"
+    Image.open(target / "class_01" / "img_0.png").convert("RGB").save(broken, quality=90)
+    broken.write_bytes(broken.read_bytes()[:-400])
+    return broken
+
+
 def export_small_model(path: Path, *, seed: int, dim: int = 24, reranker: object = None) -> Path:
     """A small seeded CNN embedder exported like any model (model.onnx + model.json): a "new model" for
     rebuild and reload tests that embeds fast and differs from the pretrained one (fingerprint, dimension)."""

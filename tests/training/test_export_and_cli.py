@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ from engine.embedder import Embedder
 from engine.images import load_image_file
 from engine.indexing import build_index
 from engine.model_card import ModelCard
-from tests.helpers import tiny_train_config
+from tests.helpers import copy_with_truncated_jpeg, tiny_train_config
 from training.backbone import create_backbone
 from training.data import load_labelled_images
 from training.evaluation import evaluate_onnx, evaluate_run
@@ -94,10 +93,7 @@ def test_truncated_jpeg_is_skipped_with_a_warning(
     labelled_folder: Path, feature_cache: Path, tmp_path: Path
 ) -> None:
     data = tmp_path / "images"
-    shutil.copytree(labelled_folder, data)
-    broken = data / "class_01" / "broken.jpg"
-    load_image_file(data / "class_01" / "img_0.png").save(broken, quality=90)
-    broken.write_bytes(broken.read_bytes()[:-400])  # cut off the end, like Cars196's train_08144.jpg
+    copy_with_truncated_jpeg(labelled_folder, data)
     config = tiny_train_config(data, feature_cache, max_steps=2, eval_every=2)
     with pytest.warns(UserWarning, match="skipped unreadable image .*broken.jpg"):
         summary = train(config, tmp_path / "run", progress=False)

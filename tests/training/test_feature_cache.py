@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from engine.images import load_image_file
+from tests.helpers import copy_with_truncated_jpeg
 from training.data import load_labelled_images
 from training.features import FeatureExtractor
 
@@ -29,10 +30,7 @@ def test_copied_images_reuse_the_cache_and_a_changed_image_does_not(
     labelled_folder: Path, private_cache: Path, tmp_path: Path
 ) -> None:
     first = tmp_path / "first"
-    shutil.copytree(labelled_folder, first)
-    broken = first / "class_01" / "broken.jpg"
-    load_image_file(first / "class_01" / "img_0.png").save(broken, quality=90)
-    broken.write_bytes(broken.read_bytes()[:-400])
+    copy_with_truncated_jpeg(labelled_folder, first)
     extractor = FeatureExtractor(private_cache, progress=False)
     with pytest.warns(UserWarning, match="skipped unreadable image"):
         original = extractor.extract(load_labelled_images(first).files(), view=1, seed=3)
