@@ -154,13 +154,14 @@ def main() -> None:
         f"({target['nlist']} lists) trained on the gallery. Distance: mean absolute difference of the "
         "quantiles + that of the nearest-cell fraction, to the real row.",
         "",
-        f"Fitted (best of the grid below; with --check-only, CALIBRATED): {meta['fitted']}",
+        f"{'Checked (CALIBRATED, no grid)' if args.check_only else 'Fitted (best of the grid below)'}: "
+        f"{meta['fitted']}",
         "",
         *header,
         row_text("real", target, target),
         row_text(
             f"synthetic, grown {growth:.1f}x from the first {args.fit_chunks} chunks' "
-            f"{meta['fit_images']:,} images (fitted)",
+            f"{meta['fit_images']:,} images ({'checked' if args.check_only else 'fitted'})",
             grown,
             target,
         ),
