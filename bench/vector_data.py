@@ -155,16 +155,19 @@ def uniform(count: int, queries: int, dim: int, rng: np.random.Generator) -> tup
     )
 
 
+def _cars196_rows(data_dir: Path) -> list[dict[str, str]]:
+    with (data_dir / "labels.csv").open(newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
 def cars196_files(data_dir: Path) -> list[Path]:
     """Every Cars196 image, in labels.csv order (the feature cache's key depends on the order)."""
-    with (data_dir / "labels.csv").open(newline="") as handle:
-        return [data_dir / row["path"] for row in csv.DictReader(handle)]
+    return [data_dir / row["path"] for row in _cars196_rows(data_dir)]
 
 
 def cars196_labels(data_dir: Path) -> np.ndarray:
     """Every Cars196 image's class id, in labels.csv order."""
-    with (data_dir / "labels.csv").open(newline="") as handle:
-        return np.array([int(row["class_id"]) for row in csv.DictReader(handle)])
+    return np.array([int(row["class_id"]) for row in _cars196_rows(data_dir)])
 
 
 def real_embeddings(
