@@ -151,6 +151,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
                     "gain": gain,
                     "val_r1": round(100 * summary["val"][SELECTION_METRIC], 2),
                     "validation": validation.interval.verdict,
+                    "served_trained": validation.improved,  # export's decision: else the untrained is served
                     "served_gain": gain if validation.improved else 0.0,
                     "best_step": summary["best_step"],
                     "steps": summary["steps"],
@@ -251,7 +252,7 @@ def markdown(results: dict[str, Any], folds: int) -> str:
             cells = []
             for k in range(folds):
                 fold = result["folds"].get(str(k))
-                untrained_served = fold and fold.get("validation", "better") != "better"
+                untrained_served = fold and not fold.get("served_trained", True)
                 cells.append(
                     f"{fold['r1']:.2f} ({fold['gain']:+.2f}){' ‡' if untrained_served else ''}"
                     if fold

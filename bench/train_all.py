@@ -303,15 +303,18 @@ def seeds_table(args: argparse.Namespace) -> str:
             continue
         scores = {seed: row["test"]["recall@1"] for seed, row in rows.items()}
         gains = [score - tables[seed]["pretrained"]["recall@1"] for seed, score in scores.items()]
-        verdicts = [row.get("validation_gain", {}).get("verdict") for row in rows.values()]
-        served = [gain if verdict == "better" else 0.0 for gain, verdict in zip(gains, verdicts, strict=True)]
+        recorded = all("validation_gain" in row for row in rows.values())
+        # run_method's beats_backbone is export's decision: the trained model is served only where it holds.
+        served = [
+            gain if row["beats_backbone"] else 0.0 for gain, row in zip(gains, rows.values(), strict=True)
+        ]
         settings = {row["settings"] for row in rows.values()}
         cells = [f"{scores[seed]:.2f}" if seed in scores else "" for seed in tables]
         mean = statistics.fmean(scores.values())
         lines.append(
             f"| {method.label} | {' | '.join(cells)} | {len(scores)} | {mean:.2f} | "
             f"{statistics.fmean(gains):+.2f} | {min(gains):+.2f} | "
-            f"{f'{min(served):+.2f}' if None not in verdicts else '-'} | "
+            f"{f'{min(served):+.2f}' if recorded else '-'} | "
             f"{settings.pop() if len(settings) == 1 else 'differs: ' + ' / '.join(sorted(settings))} |"
         )
     table = "\n".join(lines) + "\n"
