@@ -204,7 +204,11 @@ def train(
     except (DataError, RunDirError, ValueError) as err:
         raise fail(str(err)) from None
     except StopRequested as stop:
-        typer.echo(f"{stop}: checkpoints/last.pt is saved; run the same command again to continue")
+        # A stop during feature extraction comes before any checkpoint: the finished shards are what is kept.
+        saved = "checkpoints/last.pt is saved"
+        if not (out / "checkpoints" / "last.pt").exists():
+            saved = "the backbone features extracted so far are cached"
+        typer.echo(f"{stop}: {saved}; run the same command again to continue")
         raise typer.Exit(stop.exit_code) from None
     typer.echo(
         f"best step {summary['best_step']} of {summary['steps']} ({summary['train_seconds']} s training)"

@@ -32,6 +32,7 @@ from PIL import Image
 from torchvision.transforms import v2
 from tqdm import tqdm
 
+from engine import stopping
 from engine.embedder import Embedder
 from engine.images import ImageDecodeError, load_image_file
 from engine.indexing import file_hash
@@ -150,6 +151,7 @@ class FeatureExtractor:
         )
         for i in missing:
             self._extract_shard(shards[i], i * SHARD_SIZE, view, seed, _shard_path(directory, i), bar)
+            stopping.checkpoint()  # SIGTERM stops after the shard just written: a rerun resumes from the next
         bar.close()
         parts = [np.load(_shard_path(directory, i)) for i in range(len(shards))]
         # Rows, not paths, are cached: the same images elsewhere reuse the cache and are named where they are.

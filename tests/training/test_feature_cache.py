@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from engine import stopping
 from engine.images import load_image_file
 from tests.helpers import copy_with_truncated_jpeg
+from training import features
 from training.data import load_labelled_images
 from training.features import FeatureExtractor
 
@@ -54,3 +57,21 @@ def test_copied_images_reuse_the_cache_and_a_changed_image_does_not(
     assert not np.allclose(after.features[changed], original.features[changed], atol=1e-3)
     unchanged = np.arange(len(files)) != changed
     np.testing.assert_allclose(after.features[unchanged], original.features[unchanged], atol=1e-6)
+
+
+def test_a_stop_signal_ends_extraction_after_a_shard_and_a_rerun_resumes(
+    labelled_folder: Path, private_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(features, "SHARD_SIZE", 8)  # 60 images: 8 shards
+    files = load_labelled_images(labelled_folder).files()
+    extractor = FeatureExtractor(private_cache, progress=False)
+    with stopping.stop_on_signals(), pytest.raises(stopping.StopRequested):
+        signal.raise_signal(signal.SIGTERM)  # as `kill -TERM` during a long extraction
+        extractor.extract(files)
+    (entry,) = (private_cache / "features").iterdir()
+    assert [shard.name for shard in entry.iterdir()] == ["shard-00000.npz"]  # the shard in progress, no more
+    resumed = extractor.extract(files)
+    assert len(list(entry.iterdir())) == 8
+    shutil.copytree(private_cache / "backbones", private_cache.parent / "other" / "backbones")
+    whole = FeatureExtractor(private_cache.parent / "other", progress=False)  # in one go, elsewhere
+    np.testing.assert_allclose(resumed.features, whole.extract(files).features, atol=1e-6)
