@@ -270,7 +270,8 @@ def remove(
     ] = None,
     ids: Annotated[list[int] | None, typer.Option("--id", help="Item id to remove (repeatable).")] = None,
 ) -> None:
-    """Remove items by path or id (gallery files stay on disk). HNSW indexes are rebuilt to remove."""
+    """Remove items by path or id (gallery files stay on disk). An HNSW graph is rebuilt once a tenth of it is
+    removed items."""
     from index.gallery import GalleryIndex
 
     if not paths and not ids:

@@ -3,6 +3,8 @@
 SQLite is the source of truth and commits every ``add`` at once; the FAISS file is written atomically by
 ``save``. If a process dies in between, the next ``open`` finds the two out of step and brings the
 FAISS index back in line with the store (adding or removing the difference), so nothing stored is lost.
+An HNSW graph keeps removed items as tombstones, which are not written to its file: ``open`` marks the
+graph's ids that the store no longer holds again, the same step.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ log = logging.getLogger("dmlsearch.index")
 # recall they give drifts as the inverted lists fill, more so with new kinds of images the coarse
 # quantizer was not trained on, and the recall the manifest reports would no longer be measured.
 RETUNE_AFTER_CHANGE = 0.25
+# Removing from an HNSW graph leaves tombstones (index/faiss_index.py). They still take part in every
+# search's beam without being returned, so the recall tuned for the graph slowly drifts down as they pile
+# up; past this share of the graph it is rebuilt from the stored vectors without them.
+HNSW_MAX_REMOVED = 0.1
 
 
 class FaissBackend:
@@ -106,19 +112,14 @@ class FaissBackend:
         return ids
 
     def remove(self, ids: Sequence[int]) -> int:
-        """Delete items; an HNSW index is rebuilt from the stored vectors (it cannot delete in place)."""
+        """Delete items (tombstones in an HNSW graph, rebuilt once they pass ``HNSW_MAX_REMOVED``)."""
         present = np.array(sorted(self.store.get_many(list(ids))), dtype=np.int64)
         removed = self.store.remove(present.tolist())
         if self.index is not None and len(present):
-            if self.index.spec.index_type == "hnsw":
-                log.warning(
-                    "HNSW cannot remove in place: rebuilding the graph from %d stored vectors",
-                    len(self.store),
-                )
-                self._build(self.index.spec)
-            else:
-                self.index.remove(present)
-                self._dirty = True
+            self.index.remove(present)
+            # Tombstones are not saved (open marks them again from the store): only other indexes change.
+            self._dirty = self._dirty or self.index.spec.index_type != "hnsw"
+            self._compact_graph()
         return removed
 
     def vectors(self, ids: Sequence[int]) -> np.ndarray:
@@ -178,7 +179,7 @@ class FaissBackend:
             return True
         if spec.index_type == "flat" or not (retune or self._tuning_outdated()):  # exact: nothing to tune
             return False
-        if spec.index_type == "hnsw":  # tuning holds queries out of the index: a graph cannot remove them
+        if spec.index_type == "hnsw":  # a graph is tuned while it is built (without the tuning queries)
             self._build(spec, progress=progress)
             return True
         target = self.manifest.target_recall
@@ -214,24 +215,34 @@ class FaissBackend:
         self.manifest.recall_queries = tuning.queries
         self.manifest.tuned_count = len(self.store)
 
+    def _compact_graph(self) -> None:
+        if self.index.spec.index_type == "hnsw" and self.index.removed_fraction > HNSW_MAX_REMOVED:
+            log.info(
+                "%.0f%% of the HNSW graph are removed items: rebuilding it from %d stored vectors",
+                100 * self.index.removed_fraction,
+                len(self.store),
+            )
+            self._build(self.index.spec)
+
     def _reconcile(self) -> None:
         stored, indexed = self.store.ids(), self.index.ids()
         missing = np.setdiff1d(stored, indexed)
         extra = np.setdiff1d(indexed, stored)
-        log.warning(
-            "%s: FAISS index out of step with items.sqlite (an interrupted update): adding %d, removing %d",
-            self.directory,
-            len(missing),
-            len(extra),
-        )
-        if len(extra) and self.index.spec.index_type == "hnsw":
-            self._build(self.index.spec)
-            return
+        graph = self.index.spec.index_type == "hnsw"
+        if len(missing) or not graph:  # an HNSW graph's removed items are expected: its tombstones
+            log.warning(
+                "%s: FAISS index out of step with items.sqlite (an interrupted update): adding %d, "
+                "removing %d",
+                self.directory,
+                len(missing),
+                len(extra),
+            )
         if len(extra):
             self.index.remove(extra)
         for ids, vectors in self.store.iter_vectors(65_536, missing):
             self.index.add(ids, vectors)
-        self._dirty = True
+        self._dirty = bool(len(missing)) or (bool(len(extra)) and not graph)
+        self._compact_graph()
 
     def save(self) -> None:
         if self.index is not None and self._dirty:

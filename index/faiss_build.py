@@ -16,7 +16,7 @@ from tqdm import tqdm
 from index.faiss_index import PQ_POINTS_PER_CENTROID, FaissIndex
 from index.selection import PQ_BITS, IndexSpec
 from index.sources import ExcludingSource, VectorSource, all_ids, fetch_vectors
-from index.tuning import Tuning, held_out_ids, needs_tuning, sample_ids, tune
+from index.tuning import Tuning, graph_set_aside, held_out_ids, needs_tuning, sample_ids, tune
 
 TRAIN_POINTS_PER_LIST = 50  # faiss warns below 39; autofaiss uses 30-256
 ADD_CHUNK = 65_536
@@ -43,7 +43,8 @@ def build_faiss_index(
 ) -> tuple[FaissIndex, Tuning]:
     """Train ``spec`` on a sample of all sources, add every vector, and tune its search parameters.
 
-    The tuning queries are held out of the index until tuning is done, then added like the rest.
+    The tuning queries (and, in an HNSW graph, their neighbourhoods) are held out of the index until
+    tuning is done, then added like the rest.
     """
     ids = all_ids(sources)
     index = FaissIndex.create(spec)
@@ -52,10 +53,16 @@ def build_faiss_index(
         if progress:
             tqdm.write(f"training {spec.factory} on {len(train_ids)} vectors")
         index.train(fetch_vectors(sources, train_ids, spec.dim))
-    held_out = held_out_ids(ids) if needs_tuning(index) else np.zeros(0, dtype=np.int64)
-    rest = [ExcludingSource(source, held_out) for source in sources]
+    graph = spec.index_type == "hnsw"
+    held_out = held_out_ids(ids, graph=graph) if needs_tuning(index) else np.zeros(0, dtype=np.int64)
+    queries = fetch_vectors(sources, held_out, spec.dim)
+    aside = held_out
+    if graph and len(held_out):  # the queries' neighbourhoods too (index/tuning.py)
+        others = [ExcludingSource(source, held_out) for source in sources]
+        aside = np.union1d(held_out, graph_set_aside(queries, others, len(ids)))
+    rest = [ExcludingSource(source, aside) for source in sources]
     with tqdm(total=len(ids), desc=f"adding to {spec.index_type}", unit="vec", disable=not progress) as bar:
-        if len(rest) == 1 or spec.index_type == "hnsw":  # faiss cannot merge HNSW graphs
+        if len(rest) == 1 or graph:  # faiss cannot merge HNSW graphs
             for source in rest:
                 _fill(index, source, bar)
         else:
@@ -63,10 +70,9 @@ def build_faiss_index(
                 part = index.empty_copy()
                 _fill(part, source, bar)
                 index.merge_from(part)
-        queries = fetch_vectors(sources, held_out, spec.dim)
         tuning = tune(index, queries, rest, target_recall, progress=progress)
-        index.add(held_out, queries)
-        bar.update(len(held_out))
+        index.add(aside, fetch_vectors(sources, aside, spec.dim))
+        bar.update(len(aside))
     return index, tuning
 
 

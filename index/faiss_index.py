@@ -4,6 +4,12 @@ Loaded memory-mapped and read-only by default (IVF inverted lists through faiss.
 through faiss.IO_FLAG_MMAP_IFC), so a large index opens without reading it into RAM; the first change
 re-reads it into memory, because faiss cannot modify a mapped index. Searches run on a GPU when
 faiss-gpu and a GPU are present (not HNSW, which faiss cannot move to a GPU), on the CPU otherwise.
+
+FAISS's HNSW graph cannot delete a node, so removing from one leaves a tombstone, as hnswlib's
+``mark_deleted`` does: the node stays in the graph, where searches still walk through it, and a selector
+keeps it out of every result. The tombstones live in memory only; the owner of the index knows which ids
+it removed (the gallery's item store) and marks them again after loading, and rebuilds the graph once they
+are a sizeable part of it.
 """
 
 from __future__ import annotations
@@ -34,10 +40,6 @@ PQ_POINTS_PER_CENTROID = 64
 # codebooks the pairwise loop is ~50x slower: k-means of 60,000 points to 1,024 centroids took 0.43 s an
 # iteration against 0.005 s here, so training switches to the fast path at any size.
 TRAIN_BLAS_THRESHOLD = 20
-
-
-class RemovalNotSupportedError(RuntimeError):
-    """FAISS's HNSW graph cannot delete vectors in place; the graph must be rebuilt without them."""
 
 
 def faiss_module():
@@ -72,6 +74,9 @@ class FaissIndex:
         self.search_params: dict[str, int] = {}
         self._source = source  # the file a memory-mapped (read-only) index was mapped from
         self._gpu_index: object | bool | None = None  # the GPU copy; False once the GPU refused it
+        self._removed = np.zeros(0, dtype=np.int64)  # HNSW tombstones, sorted
+        self._live: object | None = None  # HNSW: the selector that skips the tombstones, built once
+        self._id_order: tuple[np.ndarray, np.ndarray] | None = None  # HNSW: sorted ids, their positions
 
     @classmethod
     def create(cls, spec: IndexSpec) -> FaissIndex:
@@ -99,7 +104,13 @@ class FaissIndex:
         return self._source is not None
 
     def __len__(self) -> int:
-        return int(self.index.ntotal)
+        """The vectors searches can return (an HNSW graph's tombstones do not count)."""
+        return int(self.index.ntotal) - len(self._removed)
+
+    @property
+    def removed_fraction(self) -> float:
+        """The share of an HNSW graph's nodes that are tombstones (0 for every other index)."""
+        return len(self._removed) / max(int(self.index.ntotal), 1)
 
     def train(self, vectors: np.ndarray) -> None:
         vectors = normalize_rows(vectors)
@@ -119,12 +130,15 @@ class FaissIndex:
         check_dim(vectors, self.dim)
         self._make_writable()
         self.index.add_with_ids(vectors, np.ascontiguousarray(ids, dtype=np.int64))
+        self._id_order = None
 
     def remove(self, ids: np.ndarray) -> int:
+        """Remove ``ids``; returns how many were in the index. An HNSW graph marks them as tombstones."""
         if self.spec.index_type == "hnsw":
-            raise RemovalNotSupportedError(
-                "an HNSW index cannot remove vectors in place; it has to be rebuilt without them"
-            )
+            present = np.intersect1d(ids, self.ids())
+            self._removed = np.union1d(self._removed, present)
+            self._live = None
+            return len(present)
         self._make_writable()
         return int(self.index.remove_ids(np.ascontiguousarray(ids, dtype=np.int64)))
 
@@ -146,22 +160,68 @@ class FaissIndex:
         """
         queries = normalize_rows(queries)
         check_dim(queries, self.dim, "queries")
-        selector = None
-        if allowed is None:
-            scores, ids = self._searcher().search(queries, k)
-            reachable = len(self)
-        else:
+        if allowed is not None and self._scan_beats_graph(len(allowed), k):
+            return self._subset_search(queries, k, np.asarray(allowed, dtype=np.int64))
+        selector, widen, reachable = None, 1.0, len(self)
+        if allowed is not None:
             selector = faiss_module().IDSelectorBatch(np.ascontiguousarray(allowed, dtype=np.int64))
             widen = len(self) / max(len(allowed), 1)
-            scores, ids = self._search_numpy(
-                queries, k, self._params(selector, exhaustive=False, widen=widen)
-            )
             reachable = min(len(self), len(allowed))
+        elif len(self._removed):
+            selector = self._not_removed()
+        if selector is None:
+            scores, ids = self._searcher().search(queries, k)
+        else:
+            params = self._params(selector, exhaustive=False, widen=widen)
+            scores, ids = self._search_numpy(queries, k, params)
         short = (ids >= 0).sum(axis=1) < min(k, reachable)
         if exhaustive_when_short and short.any():
             scores[short], ids[short] = self._exhaustive_search(queries[short], k, selector, allowed)
         scores[ids < 0] = -np.inf
         return ids, scores
+
+    def _scan_beats_graph(self, allowed: int, k: int) -> bool:
+        """Whether a filter keeps so few items of an HNSW graph that scanning them beats walking the graph.
+
+        A walk that may only return a share ``allowed / len`` of the nodes meets about ``len / allowed``
+        nodes per result, each costing M distances; the scan costs ``allowed`` distances. (IVF widens its
+        probes instead: see ``_params``.)
+        """
+        m = self.spec.hnsw_m
+        return m is not None and allowed * allowed <= m * k * len(self)
+
+    def _subset_search(
+        self, queries: np.ndarray, k: int, allowed: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Exact top-``k`` over ``allowed`` alone, its vectors gathered from the graph's flat storage."""
+        faiss = faiss_module()
+        positions, present = self._positions(allowed)
+        storage = faiss.downcast_index(faiss.downcast_index(self.index.index).storage)
+        stored = faiss.rev_swig_ptr(storage.get_xb(), storage.ntotal * self.dim).reshape(-1, self.dim)
+        ids = np.full((len(queries), k), -1, dtype=np.int64)
+        scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
+        if len(present):
+            found_scores, found = faiss.knn(
+                queries, stored[positions], min(k, len(present)), metric=faiss.METRIC_INNER_PRODUCT
+            )
+            width = found.shape[1]
+            ids[:, :width] = np.where(found >= 0, present[found], -1)
+            scores[:, :width] = np.where(found >= 0, found_scores, -np.inf)
+        return ids, scores
+
+    def _positions(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Positions in an HNSW graph's storage of those of ``ids`` it holds (tombstones excluded), and
+        those ids; through a sorted copy of the id map, made once per change."""
+        if self._id_order is None:
+            id_map = faiss_module().vector_to_array(self.index.id_map).astype(np.int64)
+            order = np.argsort(id_map, kind="stable")
+            self._id_order = (id_map[order], order)
+        sorted_ids, order = self._id_order
+        where = np.minimum(np.searchsorted(sorted_ids, ids), max(len(sorted_ids) - 1, 0))
+        held = (sorted_ids[where] == ids) if len(sorted_ids) else np.zeros(len(ids), dtype=bool)
+        if len(self._removed):
+            held &= ~np.isin(ids, self._removed)
+        return order[where[held]], ids[held]
 
     def _search_numpy(self, queries: np.ndarray, k: int, params: object) -> tuple[np.ndarray, np.ndarray]:
         # faiss.contrib.torch_utils (imported by pytorch-metric-learning, for one) replaces ``search`` with a
@@ -177,9 +237,11 @@ class FaissIndex:
             storage = faiss.downcast_index(faiss.downcast_index(self.index.index).storage)
             id_map = faiss.vector_to_array(self.index.id_map)
             params = None
-            if allowed is not None:  # the storage knows positions, not ids
+            if allowed is not None or len(self._removed):  # the storage knows positions, not ids
                 params = faiss.SearchParameters()
-                params.sel = faiss.IDSelectorBatch(np.flatnonzero(np.isin(id_map, allowed)).astype(np.int64))
+                params.sel = faiss.IDSelectorBatch(
+                    self._positions(self.ids() if allowed is None else allowed)[0]
+                )
             scores, positions = storage.search(queries, k, params=params)
             return scores, np.where(positions >= 0, id_map[positions], -1)
         return self._search_numpy(queries, k, self._params(selector, exhaustive=True))
@@ -219,6 +281,17 @@ class FaissIndex:
         wrapped.index_params = params
         return wrapped
 
+    def _not_removed(self) -> object:
+        """A selector of every id but the tombstones: a bitmap up to the largest one (one bit an id, a
+        lookup per candidate, cheaper than hashing when a search meets thousands of nodes)."""
+        if self._live is None:
+            faiss = faiss_module()
+            bits = np.zeros(int(self._removed[-1]) + 1, dtype=bool)
+            bits[self._removed] = True
+            # faiss's Python wrappers keep the bitmap and the inner selector alive with the outer one.
+            self._live = faiss.IDSelectorNot(faiss.IDSelectorBitmap(np.packbits(bits, bitorder="little")))
+        return self._live
+
     def set_search_params(self, params: dict[str, int]) -> None:
         """Apply ``nprobe`` / ``efSearch`` / ``quantizer_efSearch`` through faiss's ParameterSpace."""
         space = faiss_module().ParameterSpace()
@@ -228,11 +301,12 @@ class FaissIndex:
         self._gpu_index = None
 
     def ids(self) -> np.ndarray:
-        """Every id in the index, sorted."""
+        """Every id in the index (not an HNSW graph's tombstones), sorted."""
         faiss = faiss_module()
         ivf = faiss.try_extract_index_ivf(self.index)
         if ivf is None:
-            return np.sort(faiss.vector_to_array(self.index.id_map).astype(np.int64))
+            stored = np.sort(faiss.vector_to_array(self.index.id_map).astype(np.int64))
+            return np.setdiff1d(stored, self._removed, assume_unique=True) if len(self._removed) else stored
         lists = ivf.invlists
         chunks = []
         for list_no in range(lists.nlist):

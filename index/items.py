@@ -1,8 +1,8 @@
 """``items.sqlite``: per-item metadata and the raw vector of every item, beside a FAISS index.
 
 The stored vectors are the source of truth the FAISS file is derived from: a build that is interrupted
-resumes from them, an index is re-trained or changes type without re-embedding any image, HNSW removal
-rebuilds from them, and shard directories merge from them.
+resumes from them, an index is re-trained or changes type without re-embedding any image, an HNSW graph
+is rebuilt from them once removed items pile up in it, and shard directories merge from them.
 
 Items may also carry a perceptual signature (opaque bytes the engine computes from the image, see
 ``index.duplicates``), in a table of its own: indexes written before it existed gain the empty table when

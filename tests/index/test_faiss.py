@@ -9,14 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from index.faiss_backend import HNSW_MAX_REMOVED
 from index.faiss_build import build_faiss_index
-from index.faiss_index import FaissIndex, RemovalNotSupportedError
+from index.faiss_index import FaissIndex
 from index.gallery import GalleryIndex
 from index.items import ItemStore
 from index.protocol import IndexNotBuiltError
 from index.selection import IndexOptions, IndexSpec, choose_index
 from index.sources import ArraySource
-from index.tuning import NEIGHBOURHOOD, outside, recall_at_k
+from index.tuning import NEIGHBOURHOOD, graph_set_aside, held_out_ids, outside, recall_at_k
 from tests.helpers import clustered_vectors, entries
 
 DIM = 24
@@ -52,7 +53,9 @@ def test_tuning_reaches_the_target_recall_on_unseen_queries(index_type: str) -> 
     recalls, params = {}, {}
     for target in (0.8, 0.98):
         index, tuning = build_faiss_index(spec, [ArraySource(ids, vectors)], target_recall=target)
-        assert tuning.met and tuning.recall >= target and tuning.queries == 600  # a tenth, held out
+        # IVF holds out a tenth; HNSW fewer, each with its whole neighbourhood set aside.
+        expected = {"ivf": 600, "hnsw": 6000 // (4 * (NEIGHBOURHOOD + 1))}[index_type]
+        assert tuning.met and tuning.recall >= target and tuning.queries == expected
         assert index.search_params == tuning.params
         queries = rng.standard_normal((300, DIM)).astype(np.float32)  # not in the index
         found, _ = index.search(queries, 10)
@@ -64,12 +67,14 @@ def test_tuning_reaches_the_target_recall_on_unseen_queries(index_type: str) -> 
     assert params[0.8] < params[0.98]  # a lower target buys a cheaper search
 
 
+@pytest.mark.parametrize("index_type", ["ivf", "hnsw"])
 def test_tuning_holds_for_new_queries_when_the_gallery_holds_near_copies(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, index_type: str
 ) -> None:
     """Groups of 8 near copies (a burst, augmented views): a held-out copy finds its 7 siblings in its own
-    cell, a new photo's neighbours are spread over several groups. Tuned with its copies beside it, the
-    index falls short on new photos; tuned with each query's neighbourhood set aside, it does not."""
+    IVF cell or graph neighbourhood, a new photo's neighbours are spread over several groups. Tuned with
+    its copies beside it, the index falls short on new photos; tuned with each query's neighbourhood set
+    aside (IVF: searched past; HNSW: left out of the graph), it does not."""
     rng = np.random.default_rng(7)
     centres = rng.standard_normal((1600, DIM)).astype(np.float32)
     copies = np.repeat(centres[:1500], 8, axis=0) + 0.05 * rng.standard_normal((12000, DIM)).astype(
@@ -78,7 +83,7 @@ def test_tuning_holds_for_new_queries_when_the_gallery_holds_near_copies(
     new_photos = centres[1500:]  # groups with no copy in the gallery
     ids = np.arange(12000, dtype=np.int64)
     truth = ids[_numpy_top_k(copies, new_photos, 10)[0]]
-    spec = choose_index(12000, DIM, IndexOptions("ivf"))
+    spec = choose_index(12000, DIM, IndexOptions(index_type))
     recalls = {}
     for aside in (0, NEIGHBOURHOOD):
         monkeypatch.setattr("index.tuning.NEIGHBOURHOOD", aside)
@@ -87,6 +92,18 @@ def test_tuning_holds_for_new_queries_when_the_gallery_holds_near_copies(
         recalls[aside] = recall_at_k(index.search(new_photos, 10)[0], truth)
     assert recalls[0] < 0.85  # the copies flattered the tuning
     assert recalls[NEIGHBOURHOOD] >= 0.88  # the target, up to sampling noise
+
+
+def test_an_hnsw_graph_tunes_on_fewer_queries_each_with_its_whole_neighbourhood_set_aside() -> None:
+    assert len(held_out_ids(np.arange(100_000), graph=True)) == 1000  # as IVF: 1000 neighbourhoods fit
+    assert len(held_out_ids(np.arange(30_000), graph=True)) == 30_000 // (4 * (NEIGHBOURHOOD + 1))
+    assert len(held_out_ids(np.arange(1000), graph=True)) == 20  # never fewer than MIN_GRAPH_QUERIES
+    vectors = clustered_vectors(1000, DIM)
+    source = ArraySource(np.arange(1000), vectors)
+    queries = vectors[:20]
+    aside = graph_set_aside(queries, [source], 1000)
+    assert len(aside) <= 250  # a quarter of the gallery: 12 neighbours a query here
+    np.testing.assert_array_equal(aside, np.unique(_numpy_top_k(vectors, queries, 12)[0]))
 
 
 def test_outside_keeps_the_first_k_ids_not_in_the_row_neighbourhood() -> None:
@@ -124,22 +141,51 @@ def test_index_loads_memory_mapped_and_becomes_writable_on_change(tmp_path: Path
         assert path.read_bytes() == before, "the file on disk changes only on save"
 
 
-def test_hnsw_cannot_remove_in_place_so_the_gallery_rebuilds_it(tmp_path: Path) -> None:
-    vectors = clustered_vectors(500, DIM)
+def test_hnsw_removal_leaves_tombstones_that_no_search_returns() -> None:
+    vectors = clustered_vectors(800, DIM)
+    ids = np.arange(800, dtype=np.int64) * 5 + 2
     index, _ = build_faiss_index(
-        IndexSpec("hnsw", "IDMap2,HNSW16", DIM), [ArraySource(np.arange(500), vectors)], target_recall=0.9
+        IndexSpec("hnsw", "IDMap2,HNSW16", DIM), [ArraySource(ids, vectors)], target_recall=0.9
     )
-    with pytest.raises(RemovalNotSupportedError):
-        index.remove(np.array([3]))
+    gone = ids[::4]
+    assert index.remove(np.concatenate([gone, [10**9]])) == len(gone)  # an unknown id is not counted
+    assert index.remove(gone[:3]) == 0  # nor one removed already
+    assert len(index) == 600 and index.removed_fraction == 0.25
+    np.testing.assert_array_equal(index.ids(), np.setdiff1d(ids, gone))
+    found, scores = index.search(vectors, 10)
+    assert not np.isin(found, gone).any() and (found >= 0).all() and np.isfinite(scores).all()
+    kept = np.setdiff1d(np.arange(800), np.arange(0, 800, 4))
+    assert (found[kept, 0] == ids[kept]).mean() > 0.95  # the graph still leads to the live items
+    # The exhaustive repeat for short rows (here: every row asks for more than the live items) skips them too.
+    found, _ = index.search(vectors[:3], 700)
+    assert (found[:, :600] >= 0).all() and not np.isin(found, gone).any()
+
+
+def test_a_gallery_keeps_hnsw_tombstones_across_reopening_and_rebuilds_past_the_limit(tmp_path: Path) -> None:
+    vectors = clustered_vectors(500, DIM)
     gallery = GalleryIndex.create(
         tmp_path / "g", dim=DIM, model_fingerprint="m", gallery_root=None, options=IndexOptions("hnsw")
     )
     ids = gallery.add(vectors, entries(500))
     gallery.save()
-    assert gallery.remove(ids[:3]) == 3
-    assert len(gallery.backend.index) == 497
-    assert not {h.item.id for row in gallery.search(vectors[:3], 5) for h in row} & set(ids[:3])
+    saved = (tmp_path / "g" / "vectors.faiss").read_bytes()
+    few = int(HNSW_MAX_REMOVED * 500) // 2
+    assert gallery.remove(ids[:few]) == few
+    gallery.save()
+    assert (tmp_path / "g" / "vectors.faiss").read_bytes() == saved, "tombstones alone rewrite nothing"
     gallery.close()
+    reopened = GalleryIndex.open(tmp_path / "g")
+    index = reopened.backend.index
+    assert len(index) == len(reopened) == 500 - few and index.removed_fraction > 0  # marked again
+    assert not {h.item.id for row in reopened.search(vectors[:few], 5) for h in row} & set(ids[:few])
+    # Past HNSW_MAX_REMOVED of the graph, it is rebuilt without them.
+    assert reopened.remove(ids[few : 2 * few + 1]) == few + 1
+    index = reopened.backend.index
+    assert index.removed_fraction == 0 and len(index) == len(reopened) == 500 - 2 * few - 1
+    assert not {h.item.id for row in reopened.search(vectors[: 2 * few + 1], 5) for h in row} & set(
+        ids[: 2 * few + 1]
+    )
+    reopened.close()
 
 
 def test_a_crash_between_store_and_index_is_repaired_on_open(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from index.selection import IndexChanges, IndexOptions, choose_index, ivf_lists,
 from index.sharding import Shard
 
 MB = 1024**2
+GB = 1024**3
 
 
 @pytest.mark.parametrize(
@@ -15,8 +16,11 @@ MB = 1024**2
     [
         (500, 512, None, "IDMap2,Flat"),  # small: exact search
         (9_999, 512, None, "IDMap2,Flat"),
-        (100_000, 512, None, "IVF1024,Flat"),  # 4*sqrt(n) = 1265 -> 1024
-        (1_000_000, 512, None, "IVF4096,Flat"),
+        (99_999, 512, None, "IVF1024,Flat"),  # 4*sqrt(n) = 1265 -> 1024
+        (100_000, 512, None, "IDMap2,HNSW32"),  # from HNSW_FROM: a graph when it fits
+        (1_000_000, 512, None, "IDMap2,HNSW32"),
+        (1_000_000, 512, 2.1 * GB, "IDMap2,HNSW19"),  # autofaiss's smaller M: (2.1 GiB / 1M - 2048 - 48) / 8
+        (1_000_000, 512, 2 * GB, "IVF4096,Flat"),  # no graph of M >= 8 fits beside the vectors; IVF does
         (1_000_000, 512, 512 * MB, "IVF4096,SQ8"),  # raw vectors (2 GB) do not fit, one byte a dimension does
         (1_000_000, 512, 400 * MB, "IVF4096,PQ256x10np"),  # 2-d sub-vectors, 10 bits each: 320 bytes
         (1_000_000, 512, 300 * MB, "IVF4096,PQ256x8np"),  # 2-d sub-vectors, 8 bits each: 256 bytes
@@ -24,10 +28,11 @@ MB = 1024**2
         (1_000_000, 512, 100 * MB, "OPQ64,IVF4096,PQ64x8np"),
         (1_000_000, 100, 64 * MB, "IVF4096,PQ50x8np"),
         (1_000_000, 100, 40 * MB, "OPQ24_120,IVF4096,PQ24x8np"),  # rotated to a multiple of the code size
-        (100_000_000, 512, None, "IVF32768_HNSW32,Flat"),  # a graph over the many coarse centroids
+        (100_000_000, 512, 200 * GB, "IVF32768_HNSW32,Flat"),  # a graph over the many coarse centroids
     ],
 )
-def test_automatic_choice(count: int, dim: int, budget: int | None, expected: str) -> None:
+def test_automatic_choice(count: int, dim: int, budget: float | None, expected: str) -> None:
+    budget = None if budget is None else int(budget)
     spec = choose_index(count, dim, IndexOptions(memory_budget=budget))
     assert spec.factory == expected
     if budget is not None:
