@@ -179,7 +179,16 @@ class FaissBackend:
             return True
         if spec.index_type == "flat" or not (retune or self._tuning_outdated()):  # exact: nothing to tune
             return False
-        if spec.index_type == "hnsw":  # a graph is tuned while it is built (without the tuning queries)
+        if spec.index_type == "hnsw":
+            # A graph is tuned while it is built (minutes at a million items): built again only once its
+            # size has moved RETUNE_AFTER_CHANGE, or when its recall is below a target raised since.
+            achieved = self.manifest.achieved_recall
+            if (
+                not self._tuning_outdated()
+                and achieved is not None
+                and achieved >= self.manifest.target_recall
+            ):
+                return False
             self._build(spec, progress=progress)
             return True
         target = self.manifest.target_recall
