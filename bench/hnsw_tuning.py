@@ -37,7 +37,7 @@ from vector_data import cars196_seeds, embedding_like
 
 from index.atomic import atomic_write_text
 from index.faiss_index import FaissIndex, faiss_module
-from index.selection import IndexOptions, choose_index
+from index.selection import IndexOptions, IndexSpec, choose_index
 from index.sources import ArraySource
 from index.tuning import (
     NEIGHBOURHOOD,
@@ -51,14 +51,23 @@ from index.tuning import (
 K = 10
 EF_VALUES = (16, 24, 32, 48, 64, 96, 128, 192, 256)
 LATENCY_QUERIES = 300
+TRAIN_SAMPLE = 65_536
 
 
-def graph_without(base: np.ndarray, ids: np.ndarray, left_out: np.ndarray) -> tuple[FaissIndex, ArraySource]:
-    """The automatic choice's HNSW graph over every vector but ``left_out``, and those vectors."""
+def graph_without(
+    base: np.ndarray, ids: np.ndarray, left_out: np.ndarray, factory: str | None
+) -> tuple[FaissIndex, ArraySource]:
+    """The automatic choice's HNSW graph (or ``factory``'s) over every vector but ``left_out``, and those
+    vectors."""
     kept = ~np.isin(ids, left_out)
     source = ArraySource(ids[kept], base[kept])
-    index = FaissIndex.create(choose_index(len(base), base.shape[1], IndexOptions("hnsw")))
+    spec = choose_index(len(base), base.shape[1], IndexOptions("hnsw"))
+    index = FaissIndex.create(IndexSpec("hnsw", factory, spec.dim) if factory else spec)
     began = time.perf_counter()
+    if not index.is_trained:  # quantised storage (e.g. HNSW32_SQ8): trained on a sample
+        index.train(
+            base[np.random.default_rng(0).choice(len(base), min(TRAIN_SAMPLE, len(base)), replace=False)]
+        )
     for chunk_ids, vectors in source.iter_vectors(65_536):
         index.add(chunk_ids, vectors)
     print(f"  built {index.spec.factory} over {len(index):,} vectors in {time.perf_counter() - began:.0f} s")
@@ -90,6 +99,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, required=True, help="feature cache of the real views")
     parser.add_argument("--size", type=int, default=1_000_000)
     parser.add_argument("--queries", type=int, default=1000)
+    parser.add_argument("--factory", help="another faiss factory string than the automatic HNSW32's")
     parser.add_argument("--out", type=Path, default=Path("bench/results/hnsw_tuning"))
     args = parser.parse_args()
     faiss_module().omp_set_num_threads(os.cpu_count() or 1)
@@ -102,7 +112,7 @@ def main() -> None:
     curves: dict[str, list[float]] = {}
 
     held = held_out_ids(ids)
-    graph, rest = graph_without(base, ids, held)
+    graph, rest = graph_without(base, ids, held, args.factory)
     truth = exact_neighbours(queries, [rest], K)  # of what the graph holds
     ranked = exact_neighbours(base[held], [rest], K + NEIGHBOURHOOD)
     curves["new images"] = [recall_at_k(search(graph, queries, K, ef), truth) for ef in EF_VALUES]
@@ -122,7 +132,7 @@ def main() -> None:
     held = held_out_ids(ids, graph=True)
     others = ArraySource(np.setdiff1d(ids, held), base[np.setdiff1d(ids, held)])
     aside = np.union1d(held, graph_set_aside(base[held], [others], len(ids)))
-    graph, rest = graph_without(base, ids, aside)
+    graph, rest = graph_without(base, ids, aside, args.factory)
     truth_aside = exact_neighbours(base[held], [rest], K)
     curves[f"held out, {NEIGHBOURHOOD} left out (tuning)"] = [
         recall_at_k(search(graph, base[held], K, ef), truth_aside) for ef in EF_VALUES
@@ -135,6 +145,7 @@ def main() -> None:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "wall_min": round((time.perf_counter() - began) / 60, 1),
         "size": args.size,
+        "factory": graph.spec.factory,
         "queries": args.queries,
         "neighbourhood": NEIGHBOURHOOD,
     }
@@ -148,7 +159,7 @@ def main() -> None:
     axis.set_xscale("log", base=2)
     axis.set_xlabel("efSearch")
     axis.set_ylabel("recall@10")
-    axis.set_title(f"HNSW32 over {args.size:,} calibrated vectors")
+    axis.set_title(f"{graph.spec.factory} over {args.size:,} calibrated vectors")
     axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(args.out.with_suffix(".png"), dpi=120)
@@ -158,9 +169,9 @@ def main() -> None:
         "",
         f"`{meta['command']}` on {meta['machine']}, {meta['date']}, {meta['wall_min']} min.",
         "",
-        f"Recall@10 at each efSearch on {args.size:,} calibrated vectors ({args.queries} new images; "
-        "held-out gallery vectors as index/tuning.py picks them). Single-query p50 on the graph without "
-        "the held-out vectors, new images.",
+        f"`{meta['factory']}`: recall@10 at each efSearch on {args.size:,} calibrated vectors "
+        f"({args.queries} new images; held-out gallery vectors as index/tuning.py picks them). "
+        "Single-query p50 on the graph without the held-out vectors, new images.",
         "",
         header,
         "|" + "---|" * (len(curves) + 2),
