@@ -36,13 +36,13 @@ import numpy as np
 from vector_data import cars196_seeds, embedding_like
 
 from index.atomic import atomic_write_text
+from index.faiss_build import tuning_set_aside
 from index.faiss_index import FaissIndex, faiss_module
 from index.selection import IndexOptions, IndexSpec, choose_index
 from index.sources import ArraySource
 from index.tuning import (
     NEIGHBOURHOOD,
     exact_neighbours,
-    graph_set_aside,
     held_out_ids,
     outside,
     recall_at_k,
@@ -55,14 +55,12 @@ TRAIN_SAMPLE = 65_536
 
 
 def graph_without(
-    base: np.ndarray, ids: np.ndarray, left_out: np.ndarray, factory: str | None
+    spec: IndexSpec, base: np.ndarray, ids: np.ndarray, left_out: np.ndarray
 ) -> tuple[FaissIndex, ArraySource]:
-    """The automatic choice's HNSW graph (or ``factory``'s) over every vector but ``left_out``, and those
-    vectors."""
+    """A ``spec`` graph over every vector but ``left_out``, and those vectors."""
     kept = ~np.isin(ids, left_out)
     source = ArraySource(ids[kept], base[kept])
-    spec = choose_index(len(base), base.shape[1], IndexOptions("hnsw"))
-    index = FaissIndex.create(IndexSpec("hnsw", factory, spec.dim) if factory else spec)
+    index = FaissIndex.create(spec)
     began = time.perf_counter()
     if not index.is_trained:  # quantised storage (e.g. HNSW32_SQ8): trained on a sample
         index.train(
@@ -109,10 +107,13 @@ def main() -> None:
         args.size, args.queries, cars196_seeds(args.cars196, args.cache_dir, rng), rng
     )
     ids = np.arange(len(base), dtype=np.int64)
+    spec = choose_index(len(base), base.shape[1], IndexOptions("hnsw"))
+    if args.factory:
+        spec = IndexSpec("hnsw", args.factory, spec.dim)
     curves: dict[str, list[float]] = {}
 
     held = held_out_ids(ids)
-    graph, rest = graph_without(base, ids, held, args.factory)
+    graph, rest = graph_without(spec, base, ids, held)
     truth = exact_neighbours(queries, [rest], K)  # of what the graph holds
     ranked = exact_neighbours(base[held], [rest], K + NEIGHBOURHOOD)
     curves["new images"] = [recall_at_k(search(graph, queries, K, ef), truth) for ef in EF_VALUES]
@@ -129,13 +130,11 @@ def main() -> None:
     ]
     del graph
 
-    held = held_out_ids(ids, graph=True)
-    others = ArraySource(np.setdiff1d(ids, held), base[np.setdiff1d(ids, held)])
-    aside = np.union1d(held, graph_set_aside(base[held], [others], len(ids)))
-    graph, rest = graph_without(base, ids, aside, args.factory)
-    truth_aside = exact_neighbours(base[held], [rest], K)
+    tuning_queries, aside = tuning_set_aside(spec, [ArraySource(ids, base)], ids)  # as the builder does
+    graph, rest = graph_without(spec, base, ids, aside)
+    truth_aside = exact_neighbours(tuning_queries, [rest], K)
     curves[f"held out, {NEIGHBOURHOOD} left out (tuning)"] = [
-        recall_at_k(search(graph, base[held], K, ef), truth_aside) for ef in EF_VALUES
+        recall_at_k(search(graph, tuning_queries, K, ef), truth_aside) for ef in EF_VALUES
     ]
 
     meta = {

@@ -38,6 +38,20 @@ def _fill(index: FaissIndex, source: VectorSource, bar: tqdm) -> None:
         bar.update(len(ids))
 
 
+def tuning_set_aside(
+    spec: IndexSpec, sources: Sequence[VectorSource], ids: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The tuning queries' vectors, and the ids kept out of the index until it is tuned: the queries, and
+    for an HNSW graph their neighbourhoods too (index/tuning.py)."""
+    graph = spec.index_type == "hnsw"
+    held_out = held_out_ids(ids, graph=graph)
+    queries = fetch_vectors(sources, held_out, spec.dim)
+    if not graph or not len(held_out):
+        return queries, held_out
+    others = [ExcludingSource(source, held_out) for source in sources]
+    return queries, np.union1d(held_out, graph_set_aside(queries, others, len(ids)))
+
+
 def build_faiss_index(
     spec: IndexSpec, sources: Sequence[VectorSource], *, target_recall: float, progress: bool = False
 ) -> tuple[FaissIndex, Tuning]:
@@ -53,16 +67,13 @@ def build_faiss_index(
         if progress:
             tqdm.write(f"training {spec.factory} on {len(train_ids)} vectors")
         index.train(fetch_vectors(sources, train_ids, spec.dim))
-    graph = spec.index_type == "hnsw"
-    held_out = held_out_ids(ids, graph=graph) if needs_tuning(index) else np.zeros(0, dtype=np.int64)
-    queries = fetch_vectors(sources, held_out, spec.dim)
-    aside = held_out
-    if graph and len(held_out):  # the queries' neighbourhoods too (index/tuning.py)
-        others = [ExcludingSource(source, held_out) for source in sources]
-        aside = np.union1d(held_out, graph_set_aside(queries, others, len(ids)))
+    if needs_tuning(index):
+        queries, aside = tuning_set_aside(spec, sources, ids)
+    else:
+        queries, aside = np.zeros((0, spec.dim), dtype=np.float32), np.zeros(0, dtype=np.int64)
     rest = [ExcludingSource(source, aside) for source in sources]
     with tqdm(total=len(ids), desc=f"adding to {spec.index_type}", unit="vec", disable=not progress) as bar:
-        if len(rest) == 1 or graph:  # faiss cannot merge HNSW graphs
+        if len(rest) == 1 or spec.index_type == "hnsw":  # faiss cannot merge HNSW graphs
             for source in rest:
                 _fill(index, source, bar)
         else:

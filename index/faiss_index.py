@@ -176,7 +176,7 @@ class FaissIndex:
             scores, ids = self._search_numpy(queries, k, params)
         short = (ids >= 0).sum(axis=1) < min(k, reachable)
         if exhaustive_when_short and short.any():
-            scores[short], ids[short] = self._exhaustive_search(queries[short], k, selector, allowed)
+            scores[short], ids[short] = self._exhaustive_search(queries[short], k, selector)
         scores[ids < 0] = -np.inf
         return ids, scores
 
@@ -230,18 +230,17 @@ class FaissIndex:
         return search(queries, k, params=params)
 
     def _exhaustive_search(
-        self, queries: np.ndarray, k: int, selector: object | None = None, allowed: np.ndarray | None = None
+        self, queries: np.ndarray, k: int, selector: object | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         faiss = faiss_module()
         if self.spec.index_type == "hnsw":  # brute force over the graph's flat storage
             storage = faiss.downcast_index(faiss.downcast_index(self.index.index).storage)
             id_map = faiss.vector_to_array(self.index.id_map)
             params = None
-            if allowed is not None or len(self._removed):  # the storage knows positions, not ids
+            if selector is not None:  # the storage knows positions: the id map translates them for it
+                translated = faiss.IDSelectorTranslated(self.index.id_map, selector)
                 params = faiss.SearchParameters()
-                params.sel = faiss.IDSelectorBatch(
-                    self._positions(self.ids() if allowed is None else allowed)[0]
-                )
+                params.sel = translated  # the local name keeps it alive through the search
             scores, positions = storage.search(queries, k, params=params)
             return scores, np.where(positions >= 0, id_map[positions], -1)
         return self._search_numpy(queries, k, self._params(selector, exhaustive=True))
