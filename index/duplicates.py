@@ -14,8 +14,9 @@ each image: ``engine.signature``) are within ``max_distance`` bits and whose cos
   pairs come from one batched k-nearest-neighbour search of every stored vector through the index itself
   (IVF and HNSW make that far cheaper than all pairs), cut at ``threshold``, which then defaults to a
   stricter value; pairs of two signed items must still be within ``max_distance`` bits, the others are
-  judged by cosine alone, and the result says how many items that concerns. Scores of quantised indexes
-  (SQ8, PQ) are re-computed exactly from the stored vectors before the threshold cuts.
+  judged by cosine alone, and the result says how many items that concerns. Scores of indexes that
+  search through codes (SQ8, PQ, a graph's fp16 vectors) are re-computed exactly from the stored vectors
+  before the threshold cuts.
 
 Nothing is compared pair by pair in Python. ``scipy.sparse.csgraph`` finds the components.
 """
@@ -30,9 +31,11 @@ import numpy as np
 from tqdm import tqdm
 
 from index.faiss_index import faiss_module
+from index.selection import IndexSpec
 
 if TYPE_CHECKING:  # the CLI imports this module for its defaults: keep that import light
     from index.gallery import GalleryIndex
+    from index.manifest import Manifest
 
 # Chosen by bench/duplicates.py on one half of its copies (Cars196 test photos plus re-encoded, half-size,
 # 90%-cropped, mirrored and +-15% brightness copies of 400 of them) and measured on the other half:
@@ -44,7 +47,7 @@ DEFAULT_NEIGHBOURS = 16  # candidates per item from the kNN search (items withou
 MAX_DISTANCE_LIMIT = 16  # more bits than this would put most items in every hash bucket
 # Quantised scores are approximate: candidates this far below the threshold are re-scored exactly too.
 QUANTISED_MARGIN = 0.05
-QUANTISED_INDEX_TYPES = frozenset({"ivfsq", "ivfpq", "IVF_SQ8", "IVF_PQ"})  # FAISS's and Milvus's names
+MILVUS_QUANTISED = frozenset({"IVF_SQ8", "IVF_PQ"})  # Milvus's index types that score through codes
 SIGNATURE_VIEW_BITS = 64  # one 64-bit hash per view
 _CHUNK = 4096  # query vectors per search call
 
@@ -110,6 +113,13 @@ def _all_vectors(index: GalleryIndex) -> Iterator[tuple[np.ndarray, np.ndarray]]
         yield chunk, index.vectors(chunk.tolist())
 
 
+def _exact_scores(manifest: Manifest) -> bool:
+    """Whether the gallery's index scores with the stored vectors themselves (not through codes)."""
+    if manifest.index_spec is not None:  # FAISS: its index_factory string says
+        return IndexSpec(manifest.index_type, manifest.index_spec, manifest.dim).exact_scores
+    return manifest.index_type not in MILVUS_QUANTISED
+
+
 def candidate_pairs(
     index: GalleryIndex, threshold: float, *, neighbours: int = DEFAULT_NEIGHBOURS, progress: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -119,7 +129,7 @@ def candidate_pairs(
     if neighbours < 1:
         raise ValueError(f"neighbours must be at least 1, got {neighbours}")
     total = len(index)
-    exact = index.manifest.index_type not in QUANTISED_INDEX_TYPES
+    exact = _exact_scores(index.manifest)
     cut = threshold if exact else threshold - QUANTISED_MARGIN
     firsts, seconds, cosines = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.float32)]
     with tqdm(total=total, desc="duplicates", unit="item", disable=not progress) as bar:

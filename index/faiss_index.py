@@ -193,16 +193,15 @@ class FaissIndex:
     def _subset_search(
         self, queries: np.ndarray, k: int, allowed: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Exact top-``k`` over ``allowed`` alone, its vectors gathered from the graph's flat storage."""
+        """Top-``k`` over ``allowed`` alone, scanning their vectors as the graph stores them."""
         faiss = faiss_module()
         positions, present = self._positions(allowed)
-        storage = faiss.downcast_index(faiss.downcast_index(self.index.index).storage)
-        stored = faiss.rev_swig_ptr(storage.get_xb(), storage.ntotal * self.dim).reshape(-1, self.dim)
         ids = np.full((len(queries), k), -1, dtype=np.int64)
         scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
         if len(present):
+            stored = self._graph_storage().reconstruct_batch(positions)
             found_scores, found = faiss.knn(
-                queries, stored[positions], min(k, len(present)), metric=faiss.METRIC_INNER_PRODUCT
+                queries, stored, min(k, len(present)), metric=faiss.METRIC_INNER_PRODUCT
             )
             width = found.shape[1]
             ids[:, :width] = np.where(found >= 0, present[found], -1)
@@ -223,6 +222,11 @@ class FaissIndex:
             held &= ~np.isin(ids, self._removed)
         return order[where[held]], ids[held]
 
+    def _graph_storage(self) -> object:
+        """An HNSW graph's vectors, by position: a flat index (float32 or, by default, fp16 codes)."""
+        faiss = faiss_module()
+        return faiss.downcast_index(faiss.downcast_index(self.index.index).storage)
+
     def _search_numpy(self, queries: np.ndarray, k: int, params: object) -> tuple[np.ndarray, np.ndarray]:
         # faiss.contrib.torch_utils (imported by pytorch-metric-learning, for one) replaces ``search`` with a
         # version that takes no ``params`` and keeps faiss's own as ``search_numpy``.
@@ -233,8 +237,8 @@ class FaissIndex:
         self, queries: np.ndarray, k: int, selector: object | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         faiss = faiss_module()
-        if self.spec.index_type == "hnsw":  # brute force over the graph's flat storage
-            storage = faiss.downcast_index(faiss.downcast_index(self.index.index).storage)
+        if self.spec.index_type == "hnsw":  # brute force over the graph's storage
+            storage = self._graph_storage()
             id_map = faiss.vector_to_array(self.index.id_map)
             params = None
             if selector is not None:  # the storage knows positions: the id map translates them for it
@@ -344,7 +348,7 @@ class FaissIndex:
     @classmethod
     def load(cls, path: Path, spec: IndexSpec, *, mmap: bool = True) -> FaissIndex:
         faiss = faiss_module()
-        # IVF lists map as read-only OnDiskInvertedLists; flat codes (flat, HNSW storage) as views.
+        # IVF lists map as read-only OnDiskInvertedLists; flat codes (flat, an HNSW graph's vectors) as views.
         flag = faiss.IO_FLAG_MMAP if spec.nlist is not None else faiss.IO_FLAG_MMAP_IFC
         try:
             index = faiss.read_index(str(path), flag) if mmap else faiss.read_index(str(path))

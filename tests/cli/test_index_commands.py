@@ -50,7 +50,7 @@ def test_build_index_options_and_stats(exported_model: Path, synthetic_gallery: 
         "64MB",
         "--no-progress",
     )
-    assert "indexed 9 images" in output and "faiss index hnsw [IDMap2,HNSW32]" in output
+    assert "indexed 9 images" in output and "faiss index hnsw [IDMap2,HNSW32_SQfp16]" in output
     stats = json.loads(_run("index", "stats", out, "--json"))
     assert (stats["index_type"], stats["count"], stats["indexed_vectors"]) == ("hnsw", 9, 9)
     assert stats["memory_budget"] == 64 * 1024**2 and stats["target_recall"] == 0.9

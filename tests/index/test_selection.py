@@ -17,10 +17,16 @@ GB = 1024**3
         (500, 512, None, "IDMap2,Flat"),  # small: exact search
         (9_999, 512, None, "IDMap2,Flat"),
         (99_999, 512, None, "IVF1024,Flat"),  # 4*sqrt(n) = 1265 -> 1024
-        (100_000, 512, None, "IDMap2,HNSW32"),  # from HNSW_FROM: a graph when it fits
-        (1_000_000, 512, None, "IDMap2,HNSW32"),
-        (1_000_000, 512, 2.1 * GB, "IDMap2,HNSW19"),  # autofaiss's smaller M: (2.1 GiB / 1M - 2048 - 48) / 8
-        (1_000_000, 512, 2 * GB, "IVF4096,Flat"),  # no graph of M >= 8 fits beside the vectors; IVF does
+        (100_000, 512, None, "IDMap2,HNSW32_SQfp16"),  # from HNSW_FROM: a graph when it fits
+        (1_000_000, 512, None, "IDMap2,HNSW32_SQfp16"),
+        (1_000_000, 512, 2 * GB, "IDMap2,HNSW32_SQfp16"),  # 1.3 GB: fits where IVF's raw floats (2 GB) do not
+        (
+            1_000_000,
+            512,
+            1.2 * GB,
+            "IDMap2,HNSW27_SQfp16",
+        ),  # autofaiss's smaller M: (1.2 GiB / 1M - 1024 - 48) / 8
+        (1_000_000, 512, 1.05 * GB, "IVF4096,SQ8"),  # no graph of M >= 8 fits beside the fp16 vectors
         (1_000_000, 512, 512 * MB, "IVF4096,SQ8"),  # raw vectors (2 GB) do not fit, one byte a dimension does
         (1_000_000, 512, 400 * MB, "IVF4096,PQ256x10np"),  # 2-d sub-vectors, 10 bits each: 320 bytes
         (1_000_000, 512, 300 * MB, "IVF4096,PQ256x8np"),  # 2-d sub-vectors, 8 bits each: 256 bytes
@@ -28,7 +34,7 @@ GB = 1024**3
         (1_000_000, 512, 100 * MB, "OPQ64,IVF4096,PQ64x8np"),
         (1_000_000, 100, 64 * MB, "IVF4096,PQ50x8np"),
         (1_000_000, 100, 40 * MB, "OPQ24_120,IVF4096,PQ24x8np"),  # rotated to a multiple of the code size
-        (100_000_000, 512, 200 * GB, "IVF32768_HNSW32,Flat"),  # a graph over the many coarse centroids
+        (100_000_000, 512, 100 * GB, "IVF32768_HNSW32,SQ8"),  # a graph over the many coarse centroids
     ],
 )
 def test_automatic_choice(count: int, dim: int, budget: float | None, expected: str) -> None:
@@ -41,10 +47,11 @@ def test_automatic_choice(count: int, dim: int, budget: float | None, expected: 
 
 def test_forced_types_and_budget_errors() -> None:
     assert choose_index(50_000, 64, IndexOptions("flat")).factory == "IDMap2,Flat"
-    assert choose_index(50_000, 64, IndexOptions("hnsw")).factory == "IDMap2,HNSW32"
-    # autofaiss's rule: the largest M whose graph fits beside the vectors: (400 MiB / 1M - 4*64 - 48) / 8.
+    assert choose_index(50_000, 64, IndexOptions("hnsw")).factory == "IDMap2,HNSW32_SQfp16"
+    # autofaiss's rule: the largest M whose graph fits beside fp16 vectors: (300 MiB / 1M - 2*64 - 48) / 8
     assert (
-        choose_index(1_000_000, 64, IndexOptions("hnsw", memory_budget=400 * MB)).factory == "IDMap2,HNSW14"
+        choose_index(1_000_000, 64, IndexOptions("hnsw", memory_budget=300 * MB)).factory
+        == "IDMap2,HNSW17_SQfp16"
     )
     assert choose_index(50_000, 64, IndexOptions("ivf")).factory == "IVF1024,Flat"
     assert choose_index(50_000, 64, IndexOptions("ivfsq")).factory == "IVF1024,SQ8"
