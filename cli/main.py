@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import typer
 
 from cli import (
@@ -24,6 +26,18 @@ for module in (
 ):
     app.registered_commands.extend(module.commands.registered_commands)
     app.registered_groups.extend(module.commands.registered_groups)
+
+
+def _plain_warning(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+) -> str:
+    return f"warning: {message}\n"
+
+
+@app.callback()
+def _command_line() -> None:
+    # The engine warns about what it skipped (an unreadable image): say what, not where in our code.
+    warnings.formatwarning = _plain_warning
 
 
 if __name__ == "__main__":

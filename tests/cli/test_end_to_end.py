@@ -177,3 +177,13 @@ def test_streamlit_page_shows_results_grid(live_api: str, monkeypatch: pytest.Mo
     page.run()
     assert not page.exception
     assert page.sidebar.metric[0].value == "78"
+
+
+def test_a_warning_on_the_command_line_says_what_not_where() -> None:
+    """What the engine skipped reaches the user as one line, without Python's file, line and source."""
+    script = (
+        "import warnings; from cli.main import _command_line; _command_line(); "
+        "warnings.warn('skipped unreadable image a/bad.jpg: truncated', stacklevel=1)"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stderr == "warning: skipped unreadable image a/bad.jpg: truncated\n"
