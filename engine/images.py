@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import warnings
 from pathlib import Path
 
@@ -194,5 +195,20 @@ def is_image_file(path: Path) -> bool:
 
 
 def list_images(root: Path) -> list[Path]:
-    """All image files below ``root`` (see :func:`is_image_file`), sorted for a deterministic order."""
-    return sorted(p for p in root.rglob("*") if is_image_file(p))
+    """All image files below ``root`` (see :func:`is_image_file`), sorted for a deterministic order.
+
+    Linked folders are followed (training sets are often class folders linked in from elsewhere), except
+    one that leads back to a folder above it, which would never end. Whether a file reached through a link
+    may be indexed is the caller's call: build-index skips, and lists, those outside the gallery folder.
+    """
+    found = []
+    # Each walked folder's real path and those of the folders above it: a link to one of them is a loop.
+    above: dict[str, frozenset[str]] = {}
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        real, parents = os.path.realpath(folder), above.get(os.path.dirname(folder), frozenset())
+        if real in parents:
+            subfolders.clear()
+            continue
+        above[folder] = parents | {real}
+        found.extend(path for path in (Path(folder, name) for name in names) if is_image_file(path))
+    return sorted(found)

@@ -91,6 +91,25 @@ def test_a_renamed_or_moved_file_keeps_its_item_id_and_is_not_embedded_again(
     assert hit.item.id == moved.id and hit.item.path == "delta/moved.png"
 
 
+def test_linked_folders_are_followed_and_what_they_lead_outside_the_gallery_is_listed(
+    embedder: Embedder, gallery: Path, tmp_path: Path
+) -> None:
+    elsewhere = tmp_path / "elsewhere" / "delta"
+    elsewhere.mkdir(parents=True)
+    make_image(400, size=(64, 56)).save(elsewhere / "delta_0.png")
+    (gallery / "delta").symlink_to(elsewhere, target_is_directory=True)  # leads outside
+    (gallery / "alpha_again").symlink_to(gallery / "alpha", target_is_directory=True)  # leads inside
+    (gallery / "beta" / "up").symlink_to(gallery, target_is_directory=True)  # a loop
+    report = build_index(gallery, embedder, tmp_path / "index", progress=False)
+    # The server would refuse to show a file outside the gallery: it is listed, not indexed.
+    assert report.skipped == [
+        ("delta/delta_0.png", f"links outside the gallery folder (to {elsewhere / 'delta_0.png'})")
+    ]
+    # A folder linked from inside is the same files: each content is indexed once.
+    assert report.indexed == 9 and len(report.duplicates) == 3
+    assert all(copy.startswith("alpha_again/") for copy, _ in report.duplicates)
+
+
 def test_an_interrupted_build_resumes_where_it_stopped(
     embedder: Embedder, gallery: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

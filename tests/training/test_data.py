@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,18 @@ def test_folder_labels_are_the_class_folders(labelled_folder: Path) -> None:
     assert data.class_names[3] == "class_03"
     assert all(data.paths[i].startswith(data.class_names[label] + "/") for i, label in enumerate(data.labels))
     assert data.splits is None
+
+
+def test_class_folders_may_be_links(labelled_folder: Path, tmp_path: Path) -> None:
+    """A training set assembled from folders elsewhere, each class folder a link; a link back up ends."""
+    elsewhere, linked = tmp_path / "elsewhere", tmp_path / "linked"
+    shutil.copytree(labelled_folder, elsewhere)
+    linked.mkdir()
+    for folder in sorted(elsewhere.iterdir()):
+        (linked / folder.name).symlink_to(folder, target_is_directory=True)
+    (elsewhere / "class_00" / "loop").symlink_to(linked, target_is_directory=True)
+    data = load_labelled_images(linked)
+    assert len(data) == 60 and data.class_names == load_labelled_images(labelled_folder).class_names
 
 
 def test_dml_split_trains_on_the_first_half_and_validates_on_held_out_training_classes(
