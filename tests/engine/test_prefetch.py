@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -14,7 +17,7 @@ from cli.main import app
 from engine.embedder import Embedder
 from engine.images import ImageDecodeError, load_image_file
 from engine.indexing import build_index
-from engine.prefetch import prefetch
+from engine.prefetch import MAX_NICENESS, WORKER_NICENESS, prefetch
 from index.gallery import GalleryIndex
 from tests.helpers import image_bytes, make_image
 
@@ -60,6 +63,27 @@ def test_look_ahead_is_bounded_by_depth() -> None:
             assert len(started) <= item + 6  # never more than depth items beyond the one consumed
         consumed += 1
     assert consumed == 50
+
+
+def _own_niceness(_: object = None) -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="only Linux gives each thread its own niceness")
+def test_workers_yield_the_cores_to_the_calling_thread() -> None:
+    """Decoding threads run below the model's priority, so they do not preempt its intra-op threads."""
+    caller = _own_niceness()
+    niceness = [result for _, result in prefetch(range(4), _own_niceness, workers=2, depth=4)]
+    assert niceness == [min(MAX_NICENESS, caller + WORKER_NICENESS)] * 4
+    assert _own_niceness() == caller
+    # A process the user already niced past 19 - WORKER_NICENESS: its workers stop at 19 (rising would fail).
+    script = (
+        "import os, threading; os.nice(15); from engine.prefetch import prefetch; "
+        "print([r for _, r in prefetch(range(2), lambda _: os.getpriority(os.PRIO_PROCESS, "
+        "threading.get_native_id()), workers=1, depth=2)])"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == f"[{MAX_NICENESS}, {MAX_NICENESS}]"
 
 
 def test_parallel_build_embeds_what_serial_decoding_embeds(tmp_path: Path, exported_model: Path) -> None:
