@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, required=True, help="feature cache of the real views")
     parser.add_argument("--size", type=int, default=1_000_000)
     parser.add_argument("--queries", type=int, default=1000)
-    parser.add_argument("--factory", help="another faiss factory string than the automatic HNSW32's")
+    parser.add_argument("--factory", help="another faiss factory string than the automatic graph's")
     parser.add_argument("--out", type=Path, default=Path("bench/results/hnsw_tuning"))
     args = parser.parse_args()
     faiss_module().omp_set_num_threads(os.cpu_count() or 1)

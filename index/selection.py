@@ -9,11 +9,11 @@ search engine that adds and removes items in place and builds on a few CPU cores
 - from ``HNSW_FROM`` vectors, ``hnsw`` (M=32, or autofaiss's smaller M) when it fits the budget, as
   autofaiss prefers it whenever it fits. An IVF search scans about sqrt(n) vectors at a fixed share of
   probed lists, a graph walk grows with log(n). Both tuned to recall@10 0.95 (bench/results/index_bench_*):
-  on calibrated synthetic vectors HNSW32 answered in 0.65 ms at 100k (recall 0.985; IVF-Flat 1.8 ms, 0.969)
-  and 2.4 ms at 1M (0.995; IVF-Flat 10.3 ms, 0.983); on 204k real Cars196 views in 0.93 ms (0.987;
-  IVF-Flat 2.2 ms, 0.975). Below 100k, not measured: IVF answers there in about a millisecond and builds
-  faster. Removing from a graph leaves tombstones (index/faiss_index.py), rebuilt away once they pile
-  up; shards are built as one graph, as faiss cannot merge graphs.
+  on calibrated synthetic vectors HNSW32 (fp16 vectors) answered in 0.31 ms at 100k (recall 0.984;
+  IVF-Flat 1.3 ms, 0.969) and 1.4 ms at 1M (0.995; IVF-Flat 8.5 ms, 0.983); on 204k real Cars196 views in
+  0.53 ms (0.986; IVF-Flat 1.7 ms, 0.975). Below 100k, not measured: IVF answers there in about a
+  millisecond and builds faster. Removing from a graph leaves tombstones (index/faiss_index.py), rebuilt
+  away once they pile up; shards are built as one graph, as faiss cannot merge graphs.
 - otherwise ``ivf`` (IVF-Flat) when its raw vectors fit the memory budget (or there is none): it removes
   in place, merges shard files with faiss's own tools, loads memory-mapped, and trains in less time than
   a graph takes to build on 2 cores.
@@ -36,10 +36,11 @@ search engine that adds and removes items in place and builds on a few CPU cores
   as autofaiss does for large quantizers.
 - ``hnsw`` (chosen or forced) uses M=32, or autofaiss's largest M that fits the budget (at least 8), and
   keeps its vectors as 16-bit floats (``SQfp16``): a graph walk's time goes to fetching the vectors of the
-  nodes it meets, and half the bytes walk faster at the same recall. On 200k clustered 512-d vectors at
-  efSearch 196 (bench/index_bench.py's rows give the 1M figures): recall@10 0.986 either way, 1.3-1.45x
-  faster, half the memory. Scores then carry fp16's rounding (about 1e-4), as an SQ8 index's carry
-  theirs: ``IndexSpec.exact_scores`` says which indexes do. bf16 lost recall there (0.978).
+  nodes it meets, and half the bytes walk faster at the same recall. On the 1M calibrated vectors
+  (bench/results/hnsw_tuning.md against hnsw_tuning_fp32.md, one run after the other): recall@10 the same
+  within 0.002 at every efSearch, 1.24-1.26x faster at efSearch 192-256; half the memory. Scores then carry
+  fp16's rounding (about 1e-4), as an SQ8 index's carry theirs: ``IndexSpec.exact_scores`` says which
+  indexes do. bf16 lost recall (0.978 against 0.986 on 200k clustered 512-d vectors).
 """
 
 from __future__ import annotations
