@@ -197,16 +197,20 @@ def is_image_file(path: Path) -> bool:
 def list_images(root: Path) -> list[Path]:
     """All image files below ``root`` (see :func:`is_image_file`), sorted for a deterministic order.
 
-    Linked folders are followed (training sets are often class folders linked in from elsewhere), except
-    one that leads back to a folder above it, which would never end. Whether a file reached through a link
-    may be indexed is the caller's call: build-index skips, and lists, those outside the gallery folder.
+    A linked folder is followed when it leads outside ``root`` (training sets are often class folders
+    linked in from elsewhere); one that leads to a folder inside ``root`` is not, as its files are listed
+    at their own paths already (an alias would claim them, and name their label), nor is one that leads
+    back to a folder above it, which would never end. Whether a file outside ``root`` may be indexed is
+    the caller's call: build-index skips, and lists, those.
     """
-    found = []
+    found, top = [], os.fspath(root)
+    inside = os.path.realpath(top)
     # Each walked folder's real path and those of the folders above it: a link to one of them is a loop.
     above: dict[str, frozenset[str]] = {}
-    for folder, subfolders, names in os.walk(root, followlinks=True):
+    for folder, subfolders, names in os.walk(top, followlinks=True):
         real, parents = os.path.realpath(folder), above.get(os.path.dirname(folder), frozenset())
-        if real in parents:
+        alias = folder != top and os.path.islink(folder) and Path(real).is_relative_to(inside)
+        if alias or real in parents:
             subfolders.clear()
             continue
         above[folder] = parents | {real}

@@ -33,6 +33,8 @@ def test_class_folders_may_be_links(labelled_folder: Path, tmp_path: Path) -> No
     (elsewhere / "class_00" / "loop").symlink_to(linked, target_is_directory=True)
     data = load_labelled_images(linked)
     assert len(data) == 60 and data.class_names == load_labelled_images(labelled_folder).class_names
+    (tmp_path / "via_link").symlink_to(linked, target_is_directory=True)  # the folder given is a link
+    assert len(load_labelled_images(tmp_path / "via_link")) == 60
 
 
 def test_dml_split_trains_on_the_first_half_and_validates_on_held_out_training_classes(
