@@ -2,6 +2,7 @@
 
     python bench/build_speed.py --data CARS196/images [--work ~/.cache/dmlsearch/ingest]
                                 [--count 2000] [--large-count 200] [--workers 0 1 2 3] [--threads 0]
+                                [--niceness 0 10] [--repeats 4]
 
 In one run, on one model (the pretrained export, or ``--model``):
 - model only: onnxruntime at ``--batch-size`` on pre-decoded tensors (``--threads`` intra-op threads), with
@@ -11,7 +12,8 @@ In one run, on one model (the pretrained export, or ``--model``):
 - end to end: ``engine.indexing.build_index`` into a fresh index (hashing, decoding, embedding, adding,
   building) on ``--count`` Cars196 images (224 px, the first in sorted path order) and on ``--large-count``
   12-MP JPEGs generated from them (upscaled to 4000x3000, quality 92, cached under ``--work``), per
-  decode-worker count (0 = decoding on the calling thread, as build-index did before the pool).
+  decode-worker count (0 = decoding on the calling thread, as build-index did before the pool) and
+  ``--niceness`` of the workers (``engine.prefetch.WORKER_NICENESS``), ``--repeats`` times, interleaved.
 Each end-to-end rate is divided by the mean of the model-only rates measured right before and right after
 it, so that load drifting on a shared machine moves both sides of a ratio alike. Files are read once before
 timing, so every run reads them from the page cache. The load average is recorded at the start and the end;
@@ -46,6 +48,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from engine import defaults
+from engine import prefetch as prefetch_module
 from engine.embedder import Embedder
 from engine.images import list_images, load_image_file
 from engine.indexing import build_index, file_hash
@@ -219,6 +222,14 @@ def main() -> None:
     parser.add_argument("--count", type=positive, default=2000, help="224-px images built end to end.")
     parser.add_argument("--large-count", type=positive, default=200, help="12-MP JPEGs built end to end.")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, defaults.DECODE_WORKERS])
+    parser.add_argument(
+        "--niceness",
+        type=int,
+        nargs="+",
+        default=[prefetch_module.WORKER_NICENESS],
+        help="niceness added to the decode workers (engine/prefetch.py), each measured",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="end-to-end runs of each setting, interleaved")
     parser.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0 = all).")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--model-batches", type=int, default=10, help="Batches per model-only timing.")
@@ -264,17 +275,20 @@ def main() -> None:
     rows = []
     for name, folder in folders.items():
         files = list_images(folder)
-        for workers in args.workers:
+        runs = [(n, w) for _ in range(args.repeats) for n in args.niceness for w in args.workers]
+        for niceness, workers in runs:  # repeats interleaved, so that drifting load moves every setting alike
+            prefetch_module.WORKER_NICENESS = niceness
             decode = decode_only_rate(files, embedder, workers, args.batch_size)
             row = bracketed(
                 lambda f=folder, w=workers: build_rate(f, embedder, args.work / "index", w, args.batch_size),
                 model_rates,
             )
-            row.update(images=name, files=len(files), workers=workers, decode_only_img_per_s=decode)
+            row.update(images=name, files=len(files), workers=workers, niceness=niceness)
+            row["decode_only_img_per_s"] = decode
             rows.append(row)
             print(
-                f"{name:>6} workers={workers}: build-index {row['img_per_s']:.1f} img/s = "
-                f"{row['ratio']:.2f}x model ({row['model_img_per_s']:.1f} img/s); "
+                f"{name:>6} workers={workers} niceness={niceness}: build-index {row['img_per_s']:.1f} "
+                f"img/s = {row['ratio']:.2f}x model ({row['model_img_per_s']:.1f} img/s); "
                 f"{row['cpu_ms_per_img']:.1f} CPU-ms/img; decode alone {decode:.1f} img/s"
             )
     load_end = os.getloadavg()
@@ -310,12 +324,12 @@ def report_markdown(result: dict, threads: int) -> str:
         "Ratio = build-index img/s over the mean of the model-only img/s measured just before and after it "
         "(the faster of onnxruntime with spinning threads and without; build-index runs without).",
         "",
-        "| images | files | workers | build-index img/s | build-index CPU-ms/img | model-only img/s "
-        "(spin / no spin) | ratio | decode only img/s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| images | files | workers | niceness | build-index img/s | build-index CPU-ms/img "
+        "| model-only img/s (spin / no spin) | ratio | decode only img/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['images']} | {r['files']} | {r['workers']} | {r['img_per_s']:.1f} | "
+        f"| {r['images']} | {r['files']} | {r['workers']} | {r['niceness']} | {r['img_per_s']:.1f} | "
         f"{r['cpu_ms_per_img']:.1f} | "
         f"{r['model_spin_img_per_s']:.1f} / {r['model_no_spin_img_per_s']:.1f} | {r['ratio']:.2f}x | "
         f"{r['decode_only_img_per_s']:.1f} |"
