@@ -151,7 +151,8 @@ def cost_split(files: list[Path], embedder: Embedder) -> dict[str, float | str]:
     """CPU-ms per image of each stage build-index runs on a file besides the model (one thread)."""
     config = embedder.card.preprocessing
     decoded = [load_image_file(path, draft_size=config.resize_size) for path in files]
-    to_array(decoded[0], config)  # warm-up, untimed: the first signature imports scipy's DCT (~2 ms)
+    # Warm-up, untimed: first calls set up (the first signature imports scipy's DCT, ~2 ms a 224-px image).
+    to_array(decoded[0], config)
     perceptual_signature(decoded[0])
     started = time.process_time()
     for image in decoded:

@@ -76,7 +76,9 @@ def test_tuning_holds_for_new_queries_when_the_gallery_holds_near_copies(
     its copies beside it, the index falls short on new photos; tuned with each query's neighbourhood set
     aside (IVF: searched past; HNSW: left out of the graph), it does not."""
     rng = np.random.default_rng(7)
-    centres = rng.standard_normal((1800, DIM)).astype(np.float32)  # 300 new photos: recall moves +-0.01
+    # 300 new photos: with 100, seed 7 read 0.853 for fp16 vectors against 0.880 for float32; with 300 the
+    # two agree within 0.008 on seeds 7-11 (while recall itself ranges 0.84-0.93 over those seeds).
+    centres = rng.standard_normal((1800, DIM)).astype(np.float32)
     copies = np.repeat(centres[:1500], 8, axis=0) + 0.05 * rng.standard_normal((12000, DIM)).astype(
         np.float32
     )
