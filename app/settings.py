@@ -17,7 +17,10 @@ from engine import defaults
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="DMLSEARCH_", env_file=".env", extra="ignore")
+    # An empty variable (DMLSEARCH_MODEL_PATH= in a compose file or .env) means "not set", not the path ".".
+    model_config = SettingsConfigDict(
+        env_prefix="DMLSEARCH_", env_file=".env", extra="ignore", env_ignore_empty=True
+    )
 
     index_path: Path = Field(defaults.INDEX_PATH, description="index directory to serve")
     model_path: Path | None = Field(

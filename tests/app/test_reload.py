@@ -62,6 +62,22 @@ def test_a_copied_bundle_is_served_without_a_model_path(
     assert client.get("/v1/stats").json()["model"]["fingerprint"] == _fingerprint(served_module.index)
 
 
+def test_an_empty_model_path_variable_means_the_model_the_index_carries(
+    new_index: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container restarted after a promotion: DMLSEARCH_MODEL_PATH= (set, empty) is "not set", not "."."""
+    from app.api import create_app
+    from app.settings import Settings
+
+    monkeypatch.setenv("DMLSEARCH_MODEL_PATH", "")
+    monkeypatch.setenv("DMLSEARCH_INDEX_PATH", str(new_index))
+    settings = Settings(threads=1, rate_limit_per_second=0, index_poll_seconds=0)
+    assert settings.model_path is None
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/readyz").status_code == 200
+        assert _search(client) == _fingerprint(new_index)
+
+
 def test_a_model_that_is_not_the_index_s_keeps_the_server_not_ready(
     served_module: Served, small_model: Path, client_for: Callable[..., TestClient]
 ) -> None:

@@ -37,6 +37,10 @@ def test_dry_run_lists_the_image_install_steps(dockerfile: str, extras: str, tmp
     skipped = result.stdout.splitlines()[-1]
     assert "skipped: apt-get" in skipped
     assert "useradd" in skipped and "chown" in skipped
+    # The index carries its model: a fixed model path would be refused once another model is promoted.
+    lines = (REPO / "docker" / dockerfile).read_text().splitlines()
+    instructions = [line for line in lines if not line.startswith("#")]
+    assert not any("DMLSEARCH_MODEL_PATH" in line for line in instructions)
 
 
 def test_unknown_instructions_are_refused(tmp_path: Path) -> None:
