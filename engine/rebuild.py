@@ -45,7 +45,8 @@ class _KeepIds:
         )
 
 
-def _source(index_dir: Path, gallery_root: Path | None) -> tuple[Manifest, Path, list[Item]]:
+def _source(index_dir: Path, gallery_root: Path | None) -> tuple[Manifest, Path, list[Item], int]:
+    """The old index's manifest, gallery folder, items and the highest id it ever handed out."""
     manifest = Manifest.load(index_dir)
     if manifest.backend != "faiss":
         raise ValueError(
@@ -66,12 +67,12 @@ def _source(index_dir: Path, gallery_root: Path | None) -> tuple[Manifest, Path,
         )
     store = ItemStore(index_dir, manifest.dim, read_only=True)
     try:
-        items = list(store.scan())
+        items, last_id = list(store.scan()), store.last_id()
     finally:
         store.close()
     if not items:
         raise ValueError(f"{index_dir} holds no items to re-embed")
-    return manifest, gallery_root.resolve(), items
+    return manifest, gallery_root.resolve(), items, last_id
 
 
 def _staging(out_dir: Path, embedder: Embedder, gallery_root: Path, manifest: Manifest) -> GalleryIndex:
@@ -113,12 +114,13 @@ def rebuild_index(
         raise ValueError("the new index needs its own directory (--out): the old one is never changed")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"{out_dir} already exists and is not empty: choose a new directory")
-    manifest, root, items = _source(index_dir, gallery_root)
+    manifest, root, items, last_id = _source(index_dir, gallery_root)
     by_path = {item.path: item for item in items}
     report = BuildReport()
     index = _staging(out_dir, embedder, root, manifest)
     try:
         store = index.backend.store
+        store.reserve_ids(last_id)  # items added later never take the id of one removed before
         # Items already re-embedded by an earlier run under the same id and path are kept.
         done = {
             item.id

@@ -101,6 +101,23 @@ class ItemStore:
                     )
         return new_ids
 
+    def last_id(self) -> int:
+        """The highest id ever handed out, removed items' included: new items get higher ones."""
+        row = self.connection.execute("SELECT seq FROM sqlite_sequence WHERE name = 'items'").fetchone()
+        return int(row[0]) if row else 0
+
+    def reserve_ids(self, last_id: int) -> None:
+        """Hand out new ids above ``last_id``: those of the store these items were copied from, so that an
+        id it gave a removed item never names another one."""
+        with self.connection:
+            updated = self.connection.execute(
+                "UPDATE sqlite_sequence SET seq = MAX(seq, ?) WHERE name = 'items'", (last_id,)
+            ).rowcount
+            if not updated:
+                self.connection.execute(
+                    "INSERT INTO sqlite_sequence (name, seq) VALUES ('items', ?)", (last_id,)
+                )
+
     def remove(self, ids: Sequence[int]) -> int:
         rows = [(int(i),) for i in ids]
         with self.connection:
