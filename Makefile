@@ -25,5 +25,5 @@ test: setup
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
-clean:
-	rm -rf artifacts .pytest_cache
+clean:  # the demo's files only: artifacts/model and artifacts/index are the user's
+	rm -rf artifacts/demo .pytest_cache

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from engine import defaults
+
+if TYPE_CHECKING:
+    from engine.indexing import MovedFile
 
 
 def model_for_index(index: Path, model: Path | None) -> Path:
@@ -34,3 +38,20 @@ def echo_duplicate_files(duplicates: list[tuple[str, str]]) -> None:
     """Name each file that was not embedded because an indexed file has the same bytes."""
     for path, original in duplicates:
         typer.echo(f"  {path}: same content as {original} (indexed once)")
+
+
+def echo_moves(moves: list[MovedFile]) -> None:
+    """Name each renamed or moved file (same content: same item id) and the label change a move made."""
+    for move in moves:
+        relabelled = (
+            f" (label {move.old_label or '-'} -> {move.new_label or '-'})"
+            if move.old_label != move.new_label
+            else ""
+        )
+        typer.echo(f"  {move.old_path} -> {move.new_path}{relabelled}")
+
+
+def moves_heading(moves: list[MovedFile]) -> str:
+    """``moved or renamed (3, 1 to another label):``"""
+    relabelled = sum(move.old_label != move.new_label for move in moves)
+    return f"moved or renamed ({len(moves)}{f', {relabelled} to another label' if relabelled else ''}):"

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from cli.common import echo_duplicate_files, fail, model_for_index
+from cli.common import echo_duplicate_files, echo_moves, fail, model_for_index, moves_heading
 from engine import defaults
 from index.manifest import MILVUS_COLLECTION
 from index.selection import KEEP, IndexChanges
@@ -87,9 +87,23 @@ def _print_build_summary(out: Path, report: BuildReport) -> None:
     from index.manifest import Manifest
 
     manifest = Manifest.load(out)
+    if report.previous_model is not None:
+        kept = (
+            f": its {report.reembedded} items were re-embedded under their ids (as index rebuild does)"
+            if report.reembedded
+            else ""
+        )
+        typer.echo(
+            f"{out} was built with model {report.previous_model[:12]}, now {manifest.model_fingerprint[:12]}"
+            f"{kept}"
+        )
     typer.echo(
-        f"indexed {report.indexed} images into {out} ({report.unchanged} unchanged, {report.removed} removed)"
+        f"indexed {report.indexed} images into {out} ({report.unchanged} unchanged, {report.moved} moved, "
+        f"{report.removed} removed)"
     )
+    if report.moves:
+        typer.echo(moves_heading(report.moves))
+        echo_moves(report.moves)
     if report.duplicates:
         typer.echo(f"copies of indexed files ({len(report.duplicates)}):")
         echo_duplicate_files(report.duplicates)
@@ -140,6 +154,13 @@ def build_index(
     shard: Annotated[
         str | None, typer.Option(help="I/N: embed only this deterministic share of the files (merge later).")
     ] = None,
+    replace: Annotated[
+        bool,
+        typer.Option(
+            "--replace",
+            help="Repoint an OUT built from another folder at GALLERY (items not found there are removed).",
+        ),
+    ] = False,
     progress: ProgressOption = True,
 ) -> None:
     """Embed the images under GALLERY into an index; re-running embeds only new or changed files."""
@@ -157,6 +178,7 @@ def build_index(
                 gallery,
                 embedder,
                 out,
+                replace=replace,
                 batch_size=batch_size,
                 progress=progress,
                 options=_index_changes(index_type, memory_budget, target_recall),

@@ -102,7 +102,7 @@ def ui(
 
 @commands.command("demo-gallery")
 def demo_gallery(
-    out: Annotated[Path, typer.Argument(help="Folder to create.")] = Path("artifacts/gallery"),
+    out: Annotated[Path, typer.Argument(help="Folder to create.")] = defaults.DEMO_DIR / "gallery",
 ) -> None:
     """Assemble the demo gallery from permissively licensed photos in scikit-image and scikit-learn."""
     from engine.demo_gallery import write_demo_gallery
@@ -129,7 +129,9 @@ def _wait_until_ready(url: str, process: subprocess.Popen, timeout_s: float = 12
 
 @commands.command()
 def demo(
-    workdir: Annotated[Path, typer.Option(help="Where the model, gallery and index go.")] = Path("artifacts"),
+    workdir: Annotated[
+        Path, typer.Option(help="Where the demo's own model, gallery and index go (never your index).")
+    ] = defaults.DEMO_DIR,
     api_port: int = defaults.API_PORT,
     ui_port: int = defaults.UI_PORT,
     host: str = defaults.API_HOST,

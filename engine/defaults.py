@@ -14,6 +14,9 @@ from pathlib import Path
 # Where `dmlsearch export` writes the pretrained model and where `serve` looks for the model and index.
 MODEL_PATH = Path("artifacts/model/model.onnx")
 INDEX_PATH = Path("artifacts/index")
+# `dmlsearch demo` (`make demo`) keeps its model, gallery and index here: never in the two paths above,
+# which hold the user's own model and index.
+DEMO_DIR = Path("artifacts/demo")
 
 # Refuse images with more pixels (about 7,000 x 7,000) before decoding them.
 MAX_IMAGE_PIXELS = 50_000_000

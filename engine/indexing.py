@@ -27,10 +27,21 @@ from engine.embedder import Embedder
 from engine.images import list_images
 from engine.prefetch import DecodedFile, decode_file, prefetch
 from index.gallery import GalleryIndex, replace_directory
+from index.items import ItemStore
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item, Move
 from index.selection import IndexChanges, IndexOptions
 from index.sharding import Shard
+
+
+@dataclass(frozen=True)
+class MovedFile:
+    """An item whose file was renamed or moved: it keeps its id and vector under the new path and label."""
+
+    old_path: str
+    new_path: str
+    old_label: str | None
+    new_label: str | None
 
 
 @dataclass
@@ -39,9 +50,13 @@ class BuildReport:
     unchanged: int = 0  # files already indexed with the same content
     removed: int = 0  # items whose file is gone or changed
     moved: int = 0  # items whose file was renamed or moved (same content: same id, not re-embedded)
+    moves: list[MovedFile] = field(default_factory=list)  # which, with their labels before and after
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (relative path, reason)
     duplicates: list[tuple[str, str]] = field(default_factory=list)  # (relative path, path it duplicates)
     rebuilt: bool = False  # whether the search index was (re)built rather than updated in place
+    # Items re-embedded under their ids because the index was built with another model, and that model.
+    reembedded: int = 0
+    previous_model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +72,7 @@ class SyncPlan:
     embed: list[GalleryFile] = field(default_factory=list)
     remove: list[int] = field(default_factory=list)
     moves: list[Move] = field(default_factory=list)
+    moved_files: list[MovedFile] = field(default_factory=list)  # the moves, as a report names them
     unchanged: int = 0
     duplicates: list[tuple[str, str]] = field(default_factory=list)
 
@@ -139,6 +155,9 @@ def plan_sync(
         elif moved_away.get(content_hash):
             item = moved_away[content_hash].pop(0)
             plan.moves.append(Move(item.id, gallery_file.relative, gallery_file.label))
+            plan.moved_files.append(
+                MovedFile(item.path, gallery_file.relative, item.label, gallery_file.label)
+            )
             first_path[content_hash] = gallery_file.relative
         else:
             first_path[content_hash] = gallery_file.relative
@@ -269,6 +288,7 @@ def sync_files(
         report.removed = index.remove(plan.remove)
     if plan.moves:
         report.moved = index.move(plan.moves)
+        report.moves = plan.moved_files
     embed_files(
         index,
         embedder,
@@ -308,11 +328,39 @@ def _reopen(
     return index
 
 
+class GalleryMismatchError(ValueError):
+    """The index was built from another gallery folder, and taking it over was not asked for."""
+
+
+def _check_gallery(out_dir: Path, manifest: Manifest, gallery_root: Path, files: Sequence[Path]) -> None:
+    """Refuse to repoint an index at another folder than the one it was built from: the items not found
+    at the same paths there would be removed (``make demo`` once emptied a user's index this way)."""
+    old, new = manifest.gallery_root, gallery_root.resolve()
+    if old is None or Path(old) == new:
+        return
+    if manifest.backend == "faiss":
+        listed = {path.relative_to(gallery_root).as_posix() for path in files}
+        store = ItemStore(out_dir, manifest.dim, read_only=True)
+        try:
+            paths = [item.path for item in store.scan()]
+        finally:
+            store.close()
+        lost = sum(path not in listed for path in paths)
+        what = f"{lost} of its {len(paths)} items are not at the same paths under {new} and would be removed"
+    else:
+        what = f"its {manifest.count} items would be removed unless found at the same paths under {new}"
+    raise GalleryMismatchError(
+        f"{out_dir} indexes the folder {old}, not {new}: {what}. Index {new} into another directory, or "
+        "give build-index --replace to repoint this index at it"
+    )
+
+
 def build_index(
     gallery_root: Path,
     embedder: Embedder,
     out_dir: Path,
     *,
+    replace: bool = False,
     batch_size: int = BATCH_SIZE,
     progress: bool = True,
     options: IndexChanges = IndexChanges(),
@@ -326,9 +374,11 @@ def build_index(
 
     Index options and backend not given keep what an existing index was built with (a new index starts
     from ``IndexOptions()``'s defaults and the faiss backend). The index stores the embedder's model
-    (``engine.bundle``).
-    An index built with another model is rebuilt aside and swapped in when complete. Unreadable files are
-    skipped and listed in the report.
+    (``engine.bundle``). An index built from another folder is refused (:class:`GalleryMismatchError`)
+    unless ``replace``.
+    An index built with another model is rebuilt aside and swapped in when complete: a FAISS index's items
+    are re-embedded under their ids first (``engine.rebuild``), then brought up to date with the folder.
+    Unreadable files are skipped and listed in the report.
     """
     files = list_images(gallery_root)
     if shard is not None:
@@ -339,8 +389,11 @@ def build_index(
     out_dir = out_dir.resolve()
     target = out_dir
     changes, options = options, None  # options: what to build with, None = what the index has
+    report = BuildReport()
     if (out_dir / MANIFEST_NAME).exists():
         manifest = Manifest.load(out_dir)
+        if not replace:
+            _check_gallery(out_dir, manifest, gallery_root, files)
         options = manifest.options.with_changes(changes) if changes else None
         if (manifest.model_fingerprint, manifest.dim) != (embedder.fingerprint, embedder.dim):
             if manifest.backend == "milvus":
@@ -349,16 +402,15 @@ def build_index(
                     "build into a new directory and collection"
                 )
             target = out_dir.parent / f".{out_dir.name}.rebuild"  # swapped in when complete
-            options = options or manifest.options
+            report.previous_model = manifest.model_fingerprint
+            _reembed_aside(out_dir, target, manifest, embedder, gallery_root, report, batch_size, progress)
+            if not (target / MANIFEST_NAME).exists():  # nothing to re-embed (a shard, no items)
+                options = options or manifest.options
     else:
         if out_dir.exists() and any(out_dir.iterdir()):
             raise ValueError(f"refusing to write into {out_dir}: it is not empty and not an index directory")
         options = IndexOptions().with_changes(changes)
 
-    report = BuildReport()
-    stale = target != out_dir and (target / MANIFEST_NAME).exists()
-    if stale and Manifest.load(target).model_fingerprint != embedder.fingerprint:
-        shutil.rmtree(target)  # an abandoned rebuild for yet another model
     created = not (target / MANIFEST_NAME).exists()
     if not created:
         index = _reopen(
@@ -404,6 +456,37 @@ def build_index(
     if target != out_dir:
         replace_directory(target, out_dir)
     return report
+
+
+def _reembed_aside(
+    out_dir: Path,
+    aside: Path,
+    manifest: Manifest,
+    embedder: Embedder,
+    gallery_root: Path,
+    report: BuildReport,
+    batch_size: int,
+    progress: bool,
+) -> None:
+    """Re-embed the items of ``out_dir`` (built with another model) into ``aside`` under their ids, labels
+    and times added, as ``dmlsearch index rebuild`` does, so that ids held by clients stay valid; resumes
+    an interrupted re-embedding. A shard or an empty index is built afresh instead."""
+    from engine.rebuild import rebuild_index  # engine.rebuild builds on this module's embedding
+
+    afresh = manifest.shard is not None or manifest.count == 0
+    if (aside / MANIFEST_NAME).exists():
+        done = Manifest.load(aside)
+        if done.model_fingerprint == embedder.fingerprint:  # an interrupted run's: the sync is left to do
+            report.reembedded = 0 if afresh else done.count
+            return
+        shutil.rmtree(aside)  # an abandoned rebuild for yet another model
+    if afresh:
+        return
+    # Files gone or unreadable are not re-embedded here; the sync that follows lists what it skips.
+    rebuilt = rebuild_index(
+        out_dir, embedder, aside, gallery_root=gallery_root, batch_size=batch_size, progress=progress
+    )
+    report.reembedded = rebuilt.indexed + rebuilt.unchanged
 
 
 def add_images(

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
+from engine.model_card import ModelCard
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
 from tests.helpers import make_image
@@ -163,3 +164,44 @@ def test_milvus_lite_backend_end_to_end(
     assert "is a milvus index" in _fails(
         "build-index", synthetic_gallery, "--out", out, "--model", exported_model, "--backend", "faiss"
     )
+
+
+def test_build_index_says_what_moved_what_changed_model_and_what_another_folder_would_lose(
+    exported_model: Path, small_model: Path, synthetic_gallery: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "index"
+    _run("build-index", synthetic_gallery, "--model", small_model, "--out", out, "--no-progress")
+    before = {item_id for item_id, _, _ in _ids(out)}
+    (synthetic_gallery / "alpha" / "alpha_0.png").rename(synthetic_gallery / "alpha" / "first.png")
+    (synthetic_gallery / "delta").mkdir()
+    (synthetic_gallery / "beta" / "beta_1.png").rename(synthetic_gallery / "delta" / "beta_1.png")
+
+    output = _run("build-index", synthetic_gallery, "--out", out, "--no-progress")
+    assert "indexed 0 images into" in output and "(7 unchanged, 2 moved, 0 removed)" in output
+    assert "moved or renamed (2, 1 to another label):" in output
+    assert "  alpha/alpha_0.png -> alpha/first.png\n" in output
+    assert "  beta/beta_1.png -> delta/beta_1.png (label beta -> delta)\n" in output
+
+    # Another model into the same directory: the items keep their ids, and it says so.
+    output = _run("build-index", synthetic_gallery, "--model", exported_model, "--out", out, "--no-progress")
+    assert "its 9 items were re-embedded under their ids" in output
+    assert {item_id for item_id, _, _ in _ids(out)} == before
+    assert Manifest.load(out).model_fingerprint == ModelCard.load(exported_model).fingerprint
+
+    other = tmp_path / "demo"
+    other.mkdir()
+    make_image(5).save(other / "a.png")
+    output = _fails("build-index", other, "--out", out, "--no-progress")
+    assert f"indexes the folder {synthetic_gallery.resolve()}" in output
+    assert "9 of its 9 items are not at the same paths" in output
+    assert len(_ids(out)) == 9
+    output = _run("build-index", other, "--out", out, "--replace", "--no-progress")
+    assert "(0 unchanged, 0 moved, 9 removed)" in output
+
+
+def _ids(index_dir: Path) -> list[tuple[int, str, str | None]]:
+    index = GalleryIndex.open(index_dir)
+    try:
+        return [(item.id, item.path, item.label) for item in index.items.scan()]
+    finally:
+        index.close()

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from engine.embedder import Embedder
-from engine.indexing import BatchCommitter, BuildReport, add_images, build_index
+from engine.indexing import (
+    BatchCommitter,
+    BuildReport,
+    GalleryMismatchError,
+    MovedFile,
+    add_images,
+    build_index,
+)
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
 from index.selection import IndexChanges
@@ -79,6 +86,10 @@ def test_a_renamed_or_moved_file_keeps_its_item_id_and_is_not_embedded_again(
 
     report = build_index(gallery, embedder, out, progress=False)
     assert (report.indexed, report.moved, report.removed, embedded) == (0, 2, 0, [])
+    assert report.moves == [  # what build-index prints: each move, and the label the move changed
+        MovedFile("alpha/alpha_0.png", "alpha/renamed.png", "alpha", "alpha"),
+        MovedFile("beta/beta_1.png", "delta/moved.png", "beta", "delta"),
+    ]
     after = _items(out)
     assert after["alpha/renamed.png"] == before["alpha/alpha_0.png"]
     assert after["delta/moved.png"] == before["beta/beta_1.png"]
@@ -176,18 +187,55 @@ def test_batches_are_committed_in_order_off_the_calling_thread_and_their_errors_
     assert sink.batches == [["a"]] and report.indexed == 1
 
 
-def test_a_different_model_rebuilds_aside_and_swaps(
-    embedder: Embedder, gallery: Path, tmp_path: Path
+def test_a_different_model_re_embeds_the_items_under_their_ids_aside_and_swaps(
+    embedder: Embedder, small_model: Path, gallery: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "index"
-    build_index(gallery, embedder, out, progress=False)
-    manifest = Manifest.load(out)
-    manifest.model_fingerprint = "another-model"
-    manifest.save(out)
+    old_model = Embedder(small_model, threads=1)
+    build_index(gallery, old_model, out, progress=False)
+    before = _items(out)
+    (gallery / "gamma" / "gamma_2.png").unlink()
+    make_image(900, size=(64, 56)).save(gallery / "gamma" / "new.png")
+
     report = build_index(gallery, embedder, out, progress=False)
-    assert report.indexed == 9
+    assert (report.previous_model, report.reembedded, report.indexed) == (old_model.fingerprint, 8, 1)
+    after = _items(out)
+    kept = set(before) - {"gamma/gamma_2.png"}
+    assert {path: after[path][0] for path in kept} == {path: before[path][0] for path in kept}  # same ids
+    assert after["gamma/new.png"][0] > max(item_id for item_id, _ in before.values())
+    assert set(after) == kept | {"gamma/new.png"}
     assert Manifest.load(out).model_fingerprint == embedder.fingerprint
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gallery", "index"]
+
+
+def test_an_index_of_another_folder_is_not_taken_over_unless_asked(
+    embedder: Embedder, gallery: Path, tmp_path: Path
+) -> None:
+    """The demo's build into a user's index emptied it: 'indexed 0 images (0 unchanged, 46 removed)'."""
+    out = tmp_path / "index"
+    build_index(gallery, embedder, out, progress=False)
+    before, manifest = _items(out), (out / "manifest.json").read_bytes()
+    other = tmp_path / "demo"
+    (other / "alpha").mkdir(parents=True)
+    shutil.copy(gallery / "alpha" / "alpha_0.png", other / "alpha" / "alpha_0.png")
+    make_image(700, size=(64, 56)).save(other / "x.png")
+
+    with pytest.raises(GalleryMismatchError) as refused:
+        build_index(other, embedder, out, progress=False)
+    message = str(refused.value)
+    assert f"indexes the folder {gallery.resolve()}, not {other.resolve()}" in message
+    assert "8 of its 9 items are not at the same paths" in message  # alpha/alpha_0.png is there too
+    assert "--replace" in message
+    assert (_items(out), (out / "manifest.json").read_bytes()) == (before, manifest)
+
+    # The same folder through a link is the same folder.
+    (tmp_path / "link").symlink_to(gallery, target_is_directory=True)
+    assert build_index(tmp_path / "link", embedder, out, progress=False).unchanged == 9
+
+    report = build_index(other, embedder, out, replace=True, progress=False)
+    assert (report.unchanged, report.indexed, report.removed) == (1, 1, 8)
+    assert Manifest.load(out).gallery_root == str(other.resolve())
+    assert _items(out)["alpha/alpha_0.png"] == before["alpha/alpha_0.png"]
 
 
 def test_refuses_to_overwrite_a_folder_that_is_not_an_index(
