@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from cli.common import echo_duplicate_files, fail, model_for_index
+from cli.common import echo_duplicate_files, echo_moves, fail, model_for_index
 from engine import defaults
 from engine.changes import DEFAULT_MAX_BATCH, DEFAULT_SETTLE_SECONDS
 
@@ -53,6 +53,7 @@ def watch(
             f"{what}: {result.indexed} indexed, {result.moved} moved, {result.removed} removed, "
             f"{result.unchanged} unchanged, {len(result.skipped)} skipped",
         )
+        echo_moves(result.moves)
         for path, reason in result.skipped:
             typer.secho(f"  skipped {path}: {reason}", fg=typer.colors.YELLOW, err=True)
         echo_duplicate_files(result.duplicates)

@@ -89,6 +89,7 @@ class GalleryWatcher:
                 files.update(list_images(path))
             elif is_image_file(path):
                 files.add(path)
+        touched = {path.relative_to(self.gallery).as_posix() for path in files}
         if any(not path.exists() for path in paths):
             files.update(self._unindexed(index))
         report = BuildReport()
@@ -102,6 +103,10 @@ class GalleryWatcher:
             batch_size=self.batch_size,
             progress=self.progress,
         )
+        # The unindexed files were read only so that a copy can take over a deleted item: that they are
+        # still unreadable or copies is no news of this batch (it listed every one of them again).
+        report.skipped = [(path, why) for path, why in report.skipped if path in touched]
+        report.duplicates = [(path, first) for path, first in report.duplicates if path in touched]
         if len(index) > 0:
             report.rebuilt = index.build(retune=False)
         index.save()

@@ -139,3 +139,21 @@ def test_deleting_a_file_hands_its_item_to_a_copy(running: GalleryWatcher, galle
     assert "alpha/alpha_0.png" not in after
     assert after["beta/copy.png"] == (before["alpha/alpha_0.png"][0], "beta")
     assert running.stats.removed == 0
+
+
+def test_a_deletion_lists_only_what_its_batch_touched(running: GalleryWatcher, gallery: Path) -> None:
+    """A batch with a deletion reads the gallery's unindexed files (a copy may take over the deleted item),
+    but it must not list every unreadable file and copy in the folder again."""
+    (gallery / "beta" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg")
+    shutil.copyfile(gallery / "alpha" / "alpha_1.png", gallery / "beta" / "copy.png")
+    wait_until(lambda: running.stats.skipped >= 1, TIMEOUT, "the broken file's batch")
+    reports: list[tuple[list[Path], BuildReport]] = []
+    running.on_batch = lambda batch, report: reports.append((batch, report))
+
+    (gallery / "alpha" / "alpha_0.png").unlink()
+    (gallery / "alpha" / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg either")
+    skipped = lambda: [path for _, report in reports for path, _ in report.skipped]  # noqa: E731
+    removed = lambda: sum(report.removed for _, report in reports)  # noqa: E731
+    wait_until(lambda: removed() == 1 and "alpha/bad.jpg" in skipped(), TIMEOUT, "the deletion's batch")
+    assert skipped() == ["alpha/bad.jpg"]
+    assert [report.duplicates for _, report in reports] == [[]] * len(reports)
