@@ -37,7 +37,10 @@ def watch(
     threads: Annotated[int, typer.Option(min=0, help="onnxruntime threads (0 = all cores).")] = 0,
 ) -> None:
     """Catch INDEX up with GALLERY (as build-index does), then apply every addition, change, rename, move and
-    deletion in debounced batches until interrupted. A `dmlsearch serve` on INDEX picks the changes up."""
+    deletion in debounced batches until interrupted. A `dmlsearch serve` on INDEX picks the changes up.
+
+    When another index takes the INDEX path (a link repointed to a promoted index, or build-index with a
+    new model), the watcher switches to it and to its model, and catches it up."""
     from engine.embedder import Embedder
     from engine.indexing import BuildReport
     from engine.stopping import StopRequested, stop_on_signals
@@ -60,6 +63,10 @@ def watch(
         if not batch:
             typer.echo(f"watching {gallery} (Ctrl-C stops)")
 
+    def follow(previous_model: str, model: str) -> None:
+        change = f"model {previous_model[:12]} -> {model[:12]}" if model != previous_model else "same model"
+        typer.echo(f"another index took {index} ({change}): following it, catching it up")
+
     try:
         watcher = GalleryWatcher(
             gallery,
@@ -68,7 +75,9 @@ def watch(
             settle=settle,
             max_batch=max_batch,
             batch_size=batch_size,
+            threads=threads,
             on_batch=report,
+            on_follow=follow,
         )
         # SIGTERM/SIGINT end the wait for changes, or the batch being applied after its current embedding
         # batch (saved; the rest is caught up at the next start). Stopping a watcher is routine: exit 0.

@@ -91,15 +91,17 @@ class ChangeBatcher(FileSystemEventHandler):
                 ready.append(path)
         return ready, waiting
 
-    def next_batch(self, stop: threading.Event) -> list[Path]:
-        """Block until a batch is due (or ``stop`` is set: then an empty list); the batch's paths, sorted.
+    def next_batch(self, stop: threading.Event, timeout: float | None = None) -> list[Path]:
+        """Block until a batch is due (or ``stop`` is set, or ``timeout`` seconds passed: then an empty
+        list); the batch's paths, sorted.
 
         A batch is due when its paths settled and either no other change is still settling, ``max_batch``
         paths are ready, or the oldest ready path has waited ``MAX_WAIT_SETTLES`` settle intervals.
         """
         tick = self.settle / 4
+        deadline = None if timeout is None else self._clock() + timeout
         with self._condition:
-            while not stop.is_set():
+            while not stop.is_set() and (deadline is None or self._clock() < deadline):
                 now = self._clock()
                 ready, waiting = self._ready(now)
                 if ready and self._first_ready is None:

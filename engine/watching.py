@@ -8,6 +8,11 @@ and a file that does not decode yet (half written) is skipped until its next cha
 saved after every batch, so a server on the same index reloads it
 (``SearchService.reload_if_changed``), and a killed watcher restarts by catching up with
 :func:`engine.indexing.build_index`.
+
+The watcher follows the index at the path it was given, as the server's index poller does: when another
+index takes that path (a promotion: a link repointed to a rebuilt index, or ``build-index --model NEW``
+swapping one in), it switches to it and to the model it carries, and catches it up with the folder, so
+that no photo added during or after the promotion lands in the index no longer served.
 """
 
 from __future__ import annotations
@@ -19,12 +24,21 @@ from pathlib import Path
 
 from watchdog.observers import Observer
 
+from engine.bundle import resolve_model
 from engine.changes import DEFAULT_MAX_BATCH, DEFAULT_SETTLE_SECONDS, ChangeBatcher
 from engine.defaults import BATCH_SIZE
 from engine.embedder import Embedder
 from engine.images import is_image_file, list_images
 from engine.indexing import BuildReport, build_index, sync_files
+from engine.model_card import ModelCard
 from index.gallery import GalleryIndex
+
+# How often an idle watcher looks whether another index took its path (the server polls as often).
+FOLLOW_SECONDS = 2.0
+
+
+class IndexReplaced(Exception):
+    """Another index took the watched path while a batch was applied: that batch is caught up instead."""
 
 
 @dataclass
@@ -34,6 +48,7 @@ class WatchStats:
     moved: int = 0
     removed: int = 0
     skipped: int = 0
+    followed: int = 0  # times another index took the watched path and the watcher switched to it
 
 
 class GalleryWatcher:
@@ -49,7 +64,9 @@ class GalleryWatcher:
         max_batch: int = DEFAULT_MAX_BATCH,
         batch_size: int = BATCH_SIZE,
         progress: bool = False,
+        threads: int = 0,
         on_batch: Callable[[list[Path], BuildReport], None] | None = None,
+        on_follow: Callable[[str, str], None] | None = None,
     ) -> None:
         self.gallery = gallery.resolve()
         self.index_dir = index_dir
@@ -57,7 +74,9 @@ class GalleryWatcher:
         self.batcher = ChangeBatcher(settle=settle, max_batch=max_batch)
         self.batch_size = batch_size
         self.progress = progress
+        self.threads = threads  # onnxruntime threads of the model a followed index carries
         self.on_batch = on_batch
+        self.on_follow = on_follow  # (previous model fingerprint, new one) when another index is followed
         self.stats = WatchStats()
         self.caught_up = threading.Event()
 
@@ -66,20 +85,51 @@ class GalleryWatcher:
         observer = Observer()
         observer.schedule(self.batcher, str(self.gallery), recursive=True)
         observer.start()
+        index = None
         try:
-            report = build_index(self.gallery, self.embedder, self.index_dir, progress=self.progress)
-            self._record([], report)
+            index = self._catch_up()
             self.caught_up.set()
-            index = GalleryIndex.open(self.index_dir)
-            try:
-                index.check_model(self.embedder.fingerprint, self.embedder.dim)
-                while batch := self.batcher.next_batch(stop):
-                    self._record(batch, self.apply(index, batch))
-            finally:
-                index.close()
+            while not stop.is_set():
+                batch = self.batcher.next_batch(stop, timeout=FOLLOW_SECONDS)
+                try:
+                    if index.saved_elsewhere():
+                        raise IndexReplaced
+                    if batch:
+                        self._record(batch, self.apply(index, batch))
+                except IndexReplaced:
+                    index.close()
+                    index = None
+                    index = self._follow()
         finally:
+            if index is not None:
+                index.close()
             observer.stop()
             observer.join()
+
+    def _catch_up(self) -> GalleryIndex:
+        """Bring the index at the watched path up to date with the folder (as build-index does); open it."""
+        report = build_index(self.gallery, self.embedder, self.index_dir, progress=self.progress)
+        self._record([], report)
+        index = GalleryIndex.open(self.index_dir)
+        try:
+            index.check_model(self.embedder.fingerprint, self.embedder.dim)
+        except ValueError:
+            index.close()
+            raise
+        return index
+
+    def _follow(self) -> GalleryIndex:
+        """Another index took the watched path, or another process saved it: embed with the model it
+        carries from now on, and catch it up with the folder (the changes applied to the old one
+        included)."""
+        previous = self.embedder.fingerprint
+        model = resolve_model(self.index_dir)
+        if ModelCard.load(model).fingerprint != previous:
+            self.embedder = Embedder(model, threads=self.threads)
+        self.stats.followed += 1
+        if self.on_follow is not None:
+            self.on_follow(previous, self.embedder.fingerprint)
+        return self._catch_up()
 
     def apply(self, index: GalleryIndex, paths: list[Path]) -> BuildReport:
         """Sync the files at (and below) ``paths``; stored items whose file is gone are removed or moved."""
@@ -109,6 +159,8 @@ class GalleryWatcher:
         report.duplicates = [(path, first) for path, first in report.duplicates if path in touched]
         if len(index) > 0:
             report.rebuilt = index.build(retune=False)
+        if index.saved_elsewhere():  # saving now would write over the index that took the path
+            raise IndexReplaced
         index.save()
         return report
 
