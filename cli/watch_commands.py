@@ -63,7 +63,10 @@ def watch(
         if not batch:
             typer.echo(f"watching {gallery} (Ctrl-C stops)")
 
-    def follow(previous_model: str, model: str) -> None:
+    def follow(previous_model: str, model: str, replaced: bool) -> None:
+        if not replaced:
+            typer.echo(f"{index} was saved by another process (one writer per index is safest): catching up")
+            return
         change = f"model {previous_model[:12]} -> {model[:12]}" if model != previous_model else "same model"
         typer.echo(f"another index took {index} ({change}): following it, catching it up")
 

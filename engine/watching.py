@@ -32,6 +32,7 @@ from engine.images import is_image_file, list_images
 from engine.indexing import BuildReport, build_index, sync_files
 from engine.model_card import ModelCard
 from index.gallery import GalleryIndex
+from index.manifest import Manifest
 
 # How often an idle watcher looks whether another index took its path (the server polls as often).
 FOLLOW_SECONDS = 2.0
@@ -66,7 +67,7 @@ class GalleryWatcher:
         progress: bool = False,
         threads: int = 0,
         on_batch: Callable[[list[Path], BuildReport], None] | None = None,
-        on_follow: Callable[[str, str], None] | None = None,
+        on_follow: Callable[[str, str, bool], None] | None = None,
     ) -> None:
         self.gallery = gallery.resolve()
         self.index_dir = index_dir
@@ -76,7 +77,9 @@ class GalleryWatcher:
         self.progress = progress
         self.threads = threads  # onnxruntime threads of the model a followed index carries
         self.on_batch = on_batch
-        self.on_follow = on_follow  # (previous model fingerprint, new one) when another index is followed
+        # (previous model fingerprint, new one, whether another index took the path rather than another
+        # process saving this one) when the watcher follows the index at its path.
+        self.on_follow = on_follow
         self.stats = WatchStats()
         self.caught_up = threading.Event()
 
@@ -97,9 +100,10 @@ class GalleryWatcher:
                     if batch:
                         self._record(batch, self.apply(index, batch))
                 except IndexReplaced:
+                    created = index.manifest.created
                     index.close()
                     index = None
-                    index = self._follow()
+                    index = self._follow(created)
         finally:
             if index is not None:
                 index.close()
@@ -118,17 +122,18 @@ class GalleryWatcher:
             raise
         return index
 
-    def _follow(self) -> GalleryIndex:
+    def _follow(self, created: str) -> GalleryIndex:
         """Another index took the watched path, or another process saved it: embed with the model it
         carries from now on, and catch it up with the folder (the changes applied to the old one
-        included)."""
+        included). ``created``: when the index followed so far was created (another index has its own)."""
         previous = self.embedder.fingerprint
+        replaced = Manifest.load(self.index_dir).created != created
         model = resolve_model(self.index_dir)
         if ModelCard.load(model).fingerprint != previous:
             self.embedder = Embedder(model, threads=self.threads)
         self.stats.followed += 1
         if self.on_follow is not None:
-            self.on_follow(previous, self.embedder.fingerprint)
+            self.on_follow(previous, self.embedder.fingerprint, replaced)
         return self._catch_up()
 
     def apply(self, index: GalleryIndex, paths: list[Path]) -> BuildReport:
