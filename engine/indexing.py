@@ -403,7 +403,9 @@ def build_index(
                 )
             target = out_dir.parent / f".{out_dir.name}.rebuild"  # swapped in when complete
             report.previous_model = manifest.model_fingerprint
-            _reembed_aside(out_dir, target, manifest, embedder, gallery_root, report, batch_size, progress)
+            _reembed_aside(
+                out_dir, target, manifest, embedder, gallery_root, files, report, batch_size, progress
+            )
             if not (target / MANIFEST_NAME).exists():  # nothing to re-embed (a shard, no items)
                 options = options or manifest.options
     else:
@@ -464,13 +466,15 @@ def _reembed_aside(
     manifest: Manifest,
     embedder: Embedder,
     gallery_root: Path,
+    files: Sequence[Path],
     report: BuildReport,
     batch_size: int,
     progress: bool,
 ) -> None:
     """Re-embed the items of ``out_dir`` (built with another model) into ``aside`` under their ids, labels
-    and times added, as ``dmlsearch index rebuild`` does, so that ids held by clients stay valid; resumes
-    an interrupted re-embedding. A shard or an empty index is built afresh instead."""
+    and times added, as ``dmlsearch index rebuild`` does, so that ids held by clients stay valid; files
+    renamed or moved since (among ``files``, the gallery's) keep theirs too. Resumes an interrupted
+    re-embedding. A shard or an empty index is built afresh instead."""
     from engine.rebuild import rebuild_index  # engine.rebuild builds on this module's embedding
 
     afresh = manifest.shard is not None or manifest.count == 0
@@ -482,11 +486,24 @@ def _reembed_aside(
         shutil.rmtree(aside)  # an abandoned rebuild for yet another model
     if afresh:
         return
+    store = ItemStore(out_dir, manifest.dim, read_only=True)
+    try:
+        stored = list(store.scan())
+    finally:
+        store.close()
+    plan = plan_sync(hash_files(gallery_root, files, BuildReport(), progress), stored, gone=lambda _: True)
     # Files gone or unreadable are not re-embedded here; the sync that follows lists what it skips.
     rebuilt = rebuild_index(
-        out_dir, embedder, aside, gallery_root=gallery_root, batch_size=batch_size, progress=progress
+        out_dir,
+        embedder,
+        aside,
+        gallery_root=gallery_root,
+        moves=plan.moves,
+        batch_size=batch_size,
+        progress=progress,
     )
     report.reembedded = rebuilt.indexed + rebuilt.unchanged
+    report.moved, report.moves = len(plan.moves), plan.moved_files
 
 
 def add_images(

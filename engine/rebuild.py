@@ -24,7 +24,7 @@ from engine.indexing import BuildReport, embed_files, hash_files
 from index.gallery import GalleryIndex
 from index.items import ItemStore
 from index.manifest import MANIFEST_NAME, Manifest
-from index.protocol import Entry, Item
+from index.protocol import Entry, Item, Move
 
 
 class _KeepIds:
@@ -101,13 +101,15 @@ def rebuild_index(
     out_dir: Path,
     *,
     gallery_root: Path | None = None,
+    moves: Sequence[Move] = (),
     batch_size: int = BATCH_SIZE,
     progress: bool = True,
 ) -> BuildReport:
     """Write a new index at ``out_dir`` holding the items of ``index_dir`` embedded by ``embedder``.
 
-    ``gallery_root``: where the gallery is now, if not where the old index recorded it. ``out_dir`` must be
-    new (or empty); the old index is never written to.
+    ``gallery_root``: where the gallery is now, if not where the old index recorded it. ``moves``: items
+    whose file was renamed or moved since, re-embedded from their new path (and with its label) under
+    their id. ``out_dir`` must be new (or empty); the old index is never written to.
     """
     index_dir, out_dir = index_dir.resolve(), out_dir.resolve()
     if out_dir == index_dir:
@@ -115,6 +117,11 @@ def rebuild_index(
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"{out_dir} already exists and is not empty: choose a new directory")
     manifest, root, items, last_id = _source(index_dir, gallery_root)
+    moved = {move.id: move for move in moves}
+    items = [
+        dataclasses.replace(item, path=move.path, label=move.label) if (move := moved.get(item.id)) else item
+        for item in items
+    ]
     by_path = {item.path: item for item in items}
     report = BuildReport()
     index = _staging(out_dir, embedder, root, manifest)

@@ -196,14 +196,21 @@ def test_a_different_model_re_embeds_the_items_under_their_ids_aside_and_swaps(
     before = _items(out)
     (gallery / "gamma" / "gamma_2.png").unlink()
     make_image(900, size=(64, 56)).save(gallery / "gamma" / "new.png")
+    (gallery / "delta").mkdir()
+    (gallery / "beta" / "beta_0.png").rename(gallery / "delta" / "moved.png")
 
     report = build_index(gallery, embedder, out, progress=False)
     assert (report.previous_model, report.reembedded, report.indexed) == (old_model.fingerprint, 8, 1)
+    assert report.moves == [MovedFile("beta/beta_0.png", "delta/moved.png", "beta", "delta")]
     after = _items(out)
-    kept = set(before) - {"gamma/gamma_2.png"}
+    kept = set(before) - {"gamma/gamma_2.png", "beta/beta_0.png"}
     assert {path: after[path][0] for path in kept} == {path: before[path][0] for path in kept}  # same ids
+    assert after["delta/moved.png"][0] == before["beta/beta_0.png"][0]
     assert after["gamma/new.png"][0] > max(item_id for item_id, _ in before.values())
-    assert set(after) == kept | {"gamma/new.png"}
+    assert set(after) == kept | {"gamma/new.png", "delta/moved.png"}
+    index = GalleryIndex.open(out)
+    assert index.items.get_by_path("delta/moved.png").label == "delta"
+    index.close()
     assert Manifest.load(out).model_fingerprint == embedder.fingerprint
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gallery", "index"]
 
