@@ -49,7 +49,7 @@ def export(
     """Export the search model to ONNX: backbone (+ trained head) + L2 normalisation, with its model.json.
 
     A run is refused (exit 2) unless its selected checkpoint is better than the untrained backbone on the
-    validation classes (the 95% interval of the Recall@1 difference above zero); ``--force`` exports it
+    validation classes (the 95% interval of the Recall@1 difference above zero); --force exports it
     anyway.
     """
     from training.backbone import BACKBONES, create_backbone
