@@ -89,12 +89,22 @@ class ItemOut(BaseModel):
     path: str = Field(description="relative to the gallery folder")
     label: str | None
     content_hash: str
-    added: str
+    added: str = Field(description="when it was indexed (ISO 8601, UTC)")
+    taken: str | None = Field(
+        description="when the photo was taken, on the camera's clock (EXIF capture time, else the file's "
+        "time; ISO 8601 with the UTC offset where known); null for items indexed before it was kept, until "
+        "the next build-index"
+    )
 
     @classmethod
     def of(cls, item: Item) -> ItemOut:
         return cls(
-            id=item.id, path=item.path, label=item.label, content_hash=item.content_hash, added=item.added
+            id=item.id,
+            path=item.path,
+            label=item.label,
+            content_hash=item.content_hash,
+            added=item.added,
+            taken=item.taken,
         )
 
 
