@@ -95,6 +95,12 @@ def _print_build_summary(out: Path, report: BuildReport) -> None:
     if report.duplicates:
         typer.echo(f"copies of indexed files ({len(report.duplicates)}):")
         echo_duplicate_files(report.duplicates)
+    if manifest.shard is not None:  # a shard stores vectors only: `index merge` builds the search index
+        typer.echo(
+            f"{manifest.backend} shard {manifest.shard}, {manifest.count} items (searchable once merged: "
+            "dmlsearch index merge)"
+        )
+        return
     params = ", ".join(f"{name}={value}" for name, value in manifest.search_params.items())
     recall = "" if manifest.achieved_recall is None else f", recall@10 {manifest.achieved_recall:.3f}"
     target = "" if manifest.achieved_recall is None else f" (target {manifest.target_recall:.2f})"

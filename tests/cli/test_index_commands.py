@@ -103,7 +103,7 @@ def test_two_shards_merge_into_what_one_process_builds(
     _run("build-index", synthetic_gallery, "--out", whole, "--model", exported_model, "--no-progress")
     shards = [tmp_path / f"shard{i}" for i in range(2)]
     for number, shard in enumerate(shards):
-        _run(
+        output = _run(
             "build-index",
             synthetic_gallery,
             "--out",
@@ -114,6 +114,9 @@ def test_two_shards_merge_into_what_one_process_builds(
             f"{number}/2",
             "--no-progress",
         )
+        # A shard has no search index of its own (not "faiss index none").
+        assert f"faiss shard {number}/2, " in output and "searchable once merged" in output
+        assert "index none" not in output
     assert "combine the shards" in _fails(
         "query", synthetic_gallery / "alpha" / "alpha_0.png", "--index", shards[0], "--model", exported_model
     )
