@@ -125,6 +125,9 @@ class DuplicatesOut(BaseModel):
     max_distance: int = Field(description="perceptual-signature bits two copies may differ by")
     unsigned: int = Field(description="items without a perceptual signature, judged by cosine alone")
     note: str | None = Field(None, description="why some pairs were judged by cosine alone, if any were")
+    criteria: str = Field(
+        description="how pairs were judged, in words (signatures only where items have them)"
+    )
     total: int = Field(description="groups at this threshold (pages walk through them, largest first)")
     offset: int
     groups: list[DuplicateGroupOut]

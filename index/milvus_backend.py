@@ -9,6 +9,7 @@ without coordinating. The collection records the model fingerprint, so vectors o
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -53,6 +54,22 @@ def _pymilvus():
     return pymilvus
 
 
+class _LiteIteratorTimestamp(logging.Filter):
+    """Drops pymilvus's "failed to get mvccTs from milvus server, use client-side ts instead".
+
+    Milvus Lite implements no server-side timestamps (its AllocTimestamp answers "not implemented"), so
+    every ``query_iterator`` (``scan``: each build-index and duplicates run) logged it, though the
+    client-side timestamp pymilvus then takes is the right one for a local file read in this process.
+    Installed only when a Milvus Lite file is opened: from a server the warning means something.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("failed to get mvccTs")
+
+
+_LITE_ITERATOR_FILTER = _LiteIteratorTimestamp()
+
+
 def resolve_uri(uri: str, directory: Path) -> str:
     """Remote URIs as they are; a Milvus Lite file path relative to the index directory."""
     if "://" in uri:
@@ -81,9 +98,10 @@ class MilvusBackend:
     def connect(cls, directory: Path, manifest: Manifest, *, uri: str | None = None) -> MilvusBackend:
         """Connect to the manifest's collection, creating it if it does not exist yet."""
         pymilvus = _pymilvus()
-        client = pymilvus.MilvusClient(
-            resolve_uri(uri or manifest.milvus_uri or DEFAULT_LITE_FILE, directory)
-        )
+        resolved = resolve_uri(uri or manifest.milvus_uri or DEFAULT_LITE_FILE, directory)
+        if "://" not in resolved:  # Milvus Lite (adding the same filter twice keeps one)
+            logging.getLogger("pymilvus.client.iterator.query_iterator").addFilter(_LITE_ITERATOR_FILTER)
+        client = pymilvus.MilvusClient(resolved)
         backend = cls(client, manifest)
         if client.has_collection(backend.collection):
             backend._check_collection()

@@ -137,7 +137,7 @@ def test_two_shards_merge_into_what_one_process_builds(
 
 
 def test_milvus_lite_backend_end_to_end(
-    exported_model: Path, synthetic_gallery: Path, tmp_path: Path
+    exported_model: Path, synthetic_gallery: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     pytest.importorskip("milvus_lite")
     out = tmp_path / "index"
@@ -160,6 +160,11 @@ def test_milvus_lite_backend_end_to_end(
     assert "indexed 0 images" in _run(
         "build-index", synthetic_gallery, "--out", out, "--model", exported_model, "--no-progress"
     )
+    # A Milvus collection keeps no perceptual signatures: the summary does not claim it used them.
+    summary = _run("duplicates", "--index", out).splitlines()[-1]
+    assert "by cosine alone" in summary and "within 4 bits" not in summary
+    # Milvus Lite has no server timestamps: pymilvus's warning about it on every scan is not shown.
+    assert not [record for record in caplog.records if "mvccTs" in record.getMessage()]
     assert "removed 1 items; 8 remain" in _run("index", "remove", out, "beta/beta_2.png")
     assert "beta/beta_2.png" not in {p for _, p, _ in _query(out, exported_model, query)}
     assert json.loads(_run("index", "stats", out, "--json"))["backend"] == "milvus"
