@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from engine.model_card import ValidationCheck
 from engine.query import BatchResponse
 from engine.ranking import QueryHits
 from engine.voting import Prediction
@@ -260,6 +261,10 @@ class ModelCardOut(BaseModel):
     run: str | None = Field(description="The training run's directory name.")
     best_step: int | None
     validation: dict[str, float] = Field(description="The selected checkpoint's validation metrics.")
+    validation_check: ValidationCheck | None = Field(
+        description="The export's check against the untrained model on the validation classes; passed "
+        "false: exported with --force although not shown better. Null for the pretrained model."
+    )
     evaluation: dict[str, Any] | None = Field(
         description="The run's `dmlsearch eval` result (eval.json): trained vs untrained, CI, verdict."
     )
