@@ -56,16 +56,28 @@ async def item_filter(
             description="Only items whose gallery-relative path starts with this (a sub-folder).",
         ),
     ] = None,
+    taken_from: Annotated[
+        dt.datetime | None,
+        Query(
+            description="Only photos taken at or after this time on the camera's clock (EXIF capture time, "
+            "else the file's time; ISO 8601 without a zone, e.g. 2024-06-01)."
+        ),
+    ] = None,
+    taken_to: Annotated[
+        dt.datetime | None,
+        Query(description="Only photos taken before this time on the camera's clock (ISO 8601, no zone)."),
+    ] = None,
     added_from: Annotated[
         dt.datetime | None,
-        Query(description="Only items added at or after this time (ISO 8601; UTC if no zone)."),
+        Query(description="Only items indexed at or after this time (ISO 8601; UTC if no zone)."),
     ] = None,
     added_to: Annotated[
-        dt.datetime | None, Query(description="Only items added before this time (ISO 8601; UTC if no zone).")
+        dt.datetime | None,
+        Query(description="Only items indexed before this time (ISO 8601; UTC if no zone)."),
     ] = None,
 ) -> ItemFilter | None:
     try:
-        where = ItemFilter(tuple(label or ()), path_prefix, added_from, added_to)
+        where = ItemFilter(tuple(label or ()), path_prefix, added_from, added_to, taken_from, taken_to)
     except ValueError as err:
         raise ApiError(422, "invalid_request", str(err)) from None
     return None if where.empty else where

@@ -15,6 +15,7 @@ from engine.images import ImageDecodeError
 from engine.item_reader import ItemNotFoundError
 from engine.item_writer import DuplicateItemError, InvalidItemError, StorageError
 from engine.query import RerankUnavailableError
+from index.filters import UnknownLabelError
 
 log = logging.getLogger("dmlsearch.app")
 
@@ -64,6 +65,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RerankUnavailableError)
     async def rerank_unavailable(_: Request, err: RerankUnavailableError) -> JSONResponse:
         return error_response(422, "rerank_unavailable", str(err))
+
+    @app.exception_handler(UnknownLabelError)
+    async def unknown_label(_: Request, err: UnknownLabelError) -> JSONResponse:
+        return error_response(422, "unknown_label", str(err))
 
     @app.exception_handler(InvalidItemError)
     async def invalid_item(_: Request, err: InvalidItemError) -> JSONResponse:

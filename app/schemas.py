@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from engine.model_card import ValidationCheck
 from engine.query import BatchResponse
 from engine.ranking import QueryHits
 from engine.voting import Prediction
@@ -89,12 +90,22 @@ class ItemOut(BaseModel):
     path: str = Field(description="relative to the gallery folder")
     label: str | None
     content_hash: str
-    added: str
+    added: str = Field(description="when it was indexed (ISO 8601, UTC)")
+    taken: str | None = Field(
+        description="when the photo was taken, on the camera's clock (EXIF capture time, else the file's "
+        "time; ISO 8601 with the UTC offset where known); null for items indexed before it was kept, until "
+        "the next build-index"
+    )
 
     @classmethod
     def of(cls, item: Item) -> ItemOut:
         return cls(
-            id=item.id, path=item.path, label=item.label, content_hash=item.content_hash, added=item.added
+            id=item.id,
+            path=item.path,
+            label=item.label,
+            content_hash=item.content_hash,
+            added=item.added,
+            taken=item.taken,
         )
 
 
@@ -115,6 +126,9 @@ class DuplicatesOut(BaseModel):
     max_distance: int = Field(description="perceptual-signature bits two copies may differ by")
     unsigned: int = Field(description="items without a perceptual signature, judged by cosine alone")
     note: str | None = Field(None, description="why some pairs were judged by cosine alone, if any were")
+    criteria: str = Field(
+        description="how pairs were judged, in words (signatures only where items have them)"
+    )
     total: int = Field(description="groups at this threshold (pages walk through them, largest first)")
     offset: int
     groups: list[DuplicateGroupOut]
@@ -247,6 +261,10 @@ class ModelCardOut(BaseModel):
     run: str | None = Field(description="The training run's directory name.")
     best_step: int | None
     validation: dict[str, float] = Field(description="The selected checkpoint's validation metrics.")
+    validation_check: ValidationCheck | None = Field(
+        description="The export's check against the untrained model on the validation classes; passed "
+        "false: exported with --force although not shown better. Null for the pretrained model."
+    )
     evaluation: dict[str, Any] | None = Field(
         description="The run's `dmlsearch eval` result (eval.json): trained vs untrained, CI, verdict."
     )

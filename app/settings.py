@@ -33,7 +33,9 @@ class Settings(BaseSettings):
         0, ge=0, description="queries decoded and embedded at once; more wait in line (0 = one per CPU core)"
     )
     api_key: SecretStr | None = Field(
-        None, description="X-API-Key required by POST/DELETE /v1/items; writes are disabled when unset"
+        None,
+        description="X-API-Key required by POST/DELETE /v1/items and POST /v1/admin/reload; both are "
+        "disabled when unset",
     )
     max_upload_bytes: int = Field(20 * 1024 * 1024, gt=0, description="largest single image")
     max_request_bytes: int = Field(

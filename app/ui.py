@@ -19,6 +19,8 @@ from engine.images import IMAGE_SUFFIXES  # importing it also lets st.image show
 API_URL = os.environ.get("DMLSEARCH_API_URL", defaults.API_URL).rstrip("/")
 COLUMNS = 4
 THUMBNAIL_SIZE = 256
+# The sidebar's date filter: by when photos were taken (what a photo library is browsed by) or indexed.
+DATE_FILTERS = {"Taken": "taken", "Indexed": "added"}
 UPLOAD, GALLERY = "Upload an image", "Pick a gallery item"
 SEARCH_PAGE, DUPLICATES_PAGE, MODEL_PAGE = "Search", "Duplicates", "Model"
 # The Search page's controls by session-state key, with their defaults (no filter: None or empty).
@@ -30,6 +32,7 @@ SEARCH_DEFAULTS = {
     "predict": True,
     "filter_labels": [],
     "filter_prefix": "",
+    "filter_clock": next(iter(DATE_FILTERS)),
     "filter_from": None,
     "filter_to": None,
 }
@@ -116,17 +119,27 @@ def render_search_controls() -> tuple[dict, dict]:
 
 
 def render_filters() -> dict:
-    """Search only within labels, a sub-folder and a range of dates added (only the filters set are sent)."""
+    """Search only within labels, a sub-folder and a range of dates, by when the photos were taken or when
+    they were indexed (only the filters set are sent)."""
     st.header("Filter")
     labels = st.multiselect("Labels", fetch_labels(API_URL), accept_new_options=True, key="filter_labels")
     prefix = st.text_input("Sub-folder (path prefix)", key="filter_prefix").strip()
-    added_from = st.date_input("Added from", key="filter_from")
-    added_to = st.date_input("Added before", key="filter_to")
+    clock = st.radio(
+        "Dates",
+        list(DATE_FILTERS),
+        horizontal=True,
+        key="filter_clock",
+        help="Taken: the EXIF capture time (else the file's time), on the camera's clock. "
+        "Indexed: when the photo was added to the index (UTC).",
+    )
+    date_from = st.date_input(f"{clock} from", key="filter_from")
+    date_to = st.date_input(f"{clock} before", key="filter_to")
+    field = DATE_FILTERS[clock]
     chosen = {
         "label": labels,
         "path_prefix": prefix,
-        "added_from": added_from.isoformat() if added_from else None,
-        "added_to": added_to.isoformat() if added_to else None,
+        f"{field}_from": date_from.isoformat() if date_from else None,
+        f"{field}_to": date_to.isoformat() if date_to else None,
     }
     return {name: value for name, value in chosen.items() if value}
 

@@ -32,10 +32,7 @@ def render_duplicates(client: SearchClient, thumbnail: Callable[[int, str], byte
     except ApiCallError as err:
         st.error(f"Duplicates are unavailable: {err}")
         return
-    st.caption(
-        f"{body['total']} groups at cosine >= {body['threshold']:.2f} with perceptual signatures within "
-        f"{body['max_distance']} bits (largest first)"
-    )
+    st.caption(f"{body['total']} groups at {body['criteria']} (largest first)")
     if body["note"]:
         st.warning(body["note"])
     if not body["groups"]:

@@ -58,6 +58,12 @@ def render_model(client: SearchClient) -> None:
     except ApiCallError as err:
         st.error(f"The model card is unavailable: {err}")
         return
+    check = card.get("validation_check")
+    if check is not None and not check["passed"]:
+        st.error(
+            "This model failed the validation check and was exported with --force: it is not shown to "
+            f"search better than the untrained model ({check['detail']})."
+        )
     rows = _card_rows(card)
     st.table({"field": list(rows), "value": list(rows.values())})
     if card["validation"]:

@@ -104,7 +104,4 @@ def duplicates(
             typer.echo(f"group {number}: {len(row)} images")
             for item, score in row:
                 typer.echo(f"  {score:7.4f}  {item.label or '-':<24} {item.path}")
-        typer.echo(
-            f"{len(rows)} groups of near-duplicates at cosine >= {found.threshold} with perceptual "
-            f"signatures within {found.max_distance} bits"
-        )
+        typer.echo(f"{len(rows)} groups of near-duplicates at {found.criteria}")

@@ -104,9 +104,17 @@ def _print_build_summary(out: Path, report: BuildReport) -> None:
     if report.moves:
         typer.echo(moves_heading(report.moves))
         echo_moves(report.moves)
+    if report.dated:
+        typer.echo(f"read when {report.dated} items indexed before were taken (EXIF, else the file's time)")
     if report.duplicates:
         typer.echo(f"copies of indexed files ({len(report.duplicates)}):")
         echo_duplicate_files(report.duplicates)
+    if manifest.shard is not None:  # a shard stores vectors only: `index merge` builds the search index
+        typer.echo(
+            f"{manifest.backend} shard {manifest.shard}, {manifest.count} items (searchable once merged: "
+            "dmlsearch index merge)"
+        )
+        return
     params = ", ".join(f"{name}={value}" for name, value in manifest.search_params.items())
     recall = "" if manifest.achieved_recall is None else f", recall@10 {manifest.achieved_recall:.3f}"
     target = "" if manifest.achieved_recall is None else f" (target {manifest.target_recall:.2f})"
@@ -212,10 +220,18 @@ def query(
         str | None,
         typer.Option(help="Only items whose gallery-relative path starts with this (a sub-folder)."),
     ] = None,
-    added_from: Annotated[
-        datetime | None, typer.Option(help="Only items added at or after this time (UTC if no zone).")
+    taken_from: Annotated[
+        datetime | None,
+        typer.Option(
+            help="Only photos taken at or after this time on the camera's clock (EXIF capture time, else "
+            "the file's time; no zone), e.g. 2024-06-01."
+        ),
     ] = None,
-    added_to: Annotated[datetime | None, typer.Option(help="Only items added before this time.")] = None,
+    taken_to: Annotated[datetime | None, typer.Option(help="Only photos taken before this time.")] = None,
+    added_from: Annotated[
+        datetime | None, typer.Option(help="Only items indexed at or after this time (UTC if no zone).")
+    ] = None,
+    added_to: Annotated[datetime | None, typer.Option(help="Only items indexed before this time.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Print the K gallery images most similar to IMAGE with their cosine scores (within the filters)."""
@@ -230,7 +246,7 @@ def query(
     if not image.is_file():
         raise fail(f"query image {image} does not exist")
     try:
-        where = ItemFilter(tuple(label or ()), path_prefix, added_from, added_to)
+        where = ItemFilter(tuple(label or ()), path_prefix, added_from, added_to, taken_from, taken_to)
         service = SearchService.open(model, index)
         options = SearchOptions(k=k, min_score=min_score, where=where)
         response = service.queries.search([image.read_bytes()], options)

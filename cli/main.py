@@ -15,7 +15,11 @@ from cli import (
     watch_commands,
 )
 
-app = typer.Typer(help="Image retrieval with deep-metric-learning embeddings.", no_args_is_help=True)
+# Click's plain help, not Rich's panels: those cut flag names and env variables to "…" at 80 columns and
+# read "[default: …]" in a help text as a markup tag, dropping it.
+app = typer.Typer(
+    help="Image retrieval with deep-metric-learning embeddings.", no_args_is_help=True, rich_markup_mode=None
+)
 for module in (
     model_commands,
     proof_commands,

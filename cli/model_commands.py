@@ -49,9 +49,10 @@ def export(
     """Export the search model to ONNX: backbone (+ trained head) + L2 normalisation, with its model.json.
 
     A run is refused (exit 2) unless its selected checkpoint is better than the untrained backbone on the
-    validation classes (the 95% interval of the Recall@1 difference above zero); ``--force`` exports it
+    validation classes (the 95% interval of the Recall@1 difference above zero); --force exports it
     anyway.
     """
+    from engine.model_card import ValidationCheck
     from training.backbone import BACKBONES, create_backbone
     from training.comparison import validation_gain
     from training.export import export_onnx, export_run
@@ -78,7 +79,8 @@ def export(
                     "serving it is not shown to improve search. Train with more labelled images or another "
                     "recipe, or export anyway with --force"
                 )
-            card = export_run(run_dir, out)
+            check = ValidationCheck(passed=gain.improved, detail=gain.describe())
+            card = export_run(run_dir, out, check=check)
         except RunDirError as err:
             raise fail(str(err)) from None
     else:
@@ -96,6 +98,13 @@ def export(
             raise fail(str(err)) from None
     precision = f", int8 calibrated on {card.calibration_images} images" if card.precision == "int8" else ""
     typer.echo(f"wrote {out} ({card.embedding_dim}-d{precision}, fingerprint {card.fingerprint[:12]})")
+    if card.validation_check is not None and not card.validation_check.passed:
+        typer.secho(
+            "exported with --force: model.json records that this model failed the validation check "
+            "(the UI's Model page and GET /v1/model say so)",
+            fg=typer.colors.YELLOW,
+            err=True,
+        )
     if card.reranker is not None:
         reranker = card.reranker
         typer.echo(
@@ -186,9 +195,7 @@ def train(
                     raise fail(f"--loss auto races the {DEFAULT_RECIPE} recipes; drop --recipe")
                 race_steps = race_steps or AUTO_RACE_STEPS
                 overrides = parse_assignments(AUTO_CANDIDATES[0], hparam or [])
-                candidates = ", ".join(AUTO_CANDIDATES)
-                typer.echo(f"racing {candidates}: {race_steps} steps each, judged on validation Recall@1")
-                summary = train_auto(
+                summary = train_auto(  # which says what it races, within each candidate's max_steps
                     str(data.resolve()), out, overrides=overrides, race_steps=race_steps, **fields
                 )
                 race = summary["race"]

@@ -85,12 +85,11 @@ def _flag(name: str, field: FieldInfo, aliases: tuple[str, ...], env: str) -> in
     help_text = f"{description[0].upper()}{description[1:]} (env {env})."
     if _unwrap_optional(field.annotation) is SecretStr:
         help_text += " Prefer the variable: flags show in ps."
-    option = typer.Option(
-        *declarations,
-        help=help_text,
-        show_default=False if default in (None, []) else str(default),
-        **bounds,
-    )
+    if default not in (None, []):
+        # In the help text, not as show_default: Click puts a string show_default in parentheses, and the
+        # flag's own default must stay None so that the environment applies.
+        help_text += f"  [default: {default}]"
+    option = typer.Option(*declarations, help=help_text, show_default=False, **bounds)
     # None = not given: the environment's value or the field's default applies.
     return inspect.Parameter(
         name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[value_type | None, option]

@@ -17,6 +17,7 @@ class DuplicatePage:
     max_distance: int
     unsigned: int  # items judged by the embedding alone
     note: str | None
+    criteria: str  # how pairs were judged (index.duplicates.Duplicates.criteria)
 
 
 class DuplicateFinder:
@@ -53,5 +54,11 @@ class DuplicateFinder:
             for group in page
         ]
         return DuplicatePage(
-            rows, len(found.groups), found.threshold, found.max_distance, found.unsigned, found.note
+            rows,
+            len(found.groups),
+            found.threshold,
+            found.max_distance,
+            found.unsigned,
+            found.note,
+            found.criteria,
         )

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from engine import stopping
 from engine.bundle import store_model
+from engine.capture_time import photo_time
 from engine.defaults import BATCH_SIZE, DECODE_WORKERS
 from engine.embedder import Embedder
 from engine.images import list_images
@@ -53,6 +54,7 @@ class BuildReport:
     moves: list[MovedFile] = field(default_factory=list)  # which, with their labels before and after
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (relative path, reason)
     duplicates: list[tuple[str, str]] = field(default_factory=list)  # (relative path, path it duplicates)
+    dated: int = 0  # items indexed before capture times were kept that now have theirs
     rebuilt: bool = False  # whether the search index was (re)built rather than updated in place
     # Items re-embedded under their ids because the index was built with another model, and that model.
     reembedded: int = 0
@@ -75,6 +77,7 @@ class SyncPlan:
     moved_files: list[MovedFile] = field(default_factory=list)  # the moves, as a report names them
     unchanged: int = 0
     duplicates: list[tuple[str, str]] = field(default_factory=list)
+    undated: dict[int, Path] = field(default_factory=dict)  # kept items without a capture time: their files
 
 
 def hash_files(
@@ -128,10 +131,11 @@ def plan_sync(
     again. An item whose path is not among ``files`` and whose file is ``gone`` has moved when one of
     ``files`` holds its content (it keeps its id and vector under the new path), and is removed otherwise.
     Content already indexed (kept, or earlier in sorted path order) is reported as a duplicate instead of
-    being embedded twice.
+    being embedded twice. Kept items indexed before capture times were kept are listed to be dated.
     """
     plan = SyncPlan()
     current = {f.relative: f.content_hash for f in files}
+    paths = {f.relative: f.path for f in files}
     first_path: dict[str, str] = {}  # content hash -> the path that holds it in the index
     kept: set[str] = set()
     moved_away: dict[str, list[Item]] = {}  # content hash -> items whose file is gone
@@ -140,6 +144,8 @@ def plan_sync(
         if content == item.content_hash:
             kept.add(item.path)
             first_path.setdefault(item.content_hash, item.path)
+            if item.taken is None:
+                plan.undated[item.id] = paths[item.path]
         elif content is not None:
             plan.remove.append(item.id)
         elif gone(item.path):
@@ -195,7 +201,7 @@ def embed_files(
         vectors = embedder.embed_tensor(np.stack([decoded.array for _, decoded in batch]))
         committer.add(
             vectors,
-            [(f.relative, f.label, f.content_hash) for f, _ in batch],
+            [Entry(f.relative, f.label, f.content_hash, decoded.taken) for f, decoded in batch],
             [decoded.signature for _, decoded in batch],
         )
         batch.clear()
@@ -289,6 +295,8 @@ def sync_files(
     if plan.moves:
         report.moved = index.move(plan.moves)
         report.moves = plan.moved_files
+    if plan.undated:  # an index from before capture times were kept: read them from the headers, once
+        report.dated = index.set_taken({item_id: photo_time(path) for item_id, path in plan.undated.items()})
     embed_files(
         index,
         embedder,

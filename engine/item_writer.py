@@ -9,13 +9,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.capture_time import capture_time, clock_now
 from engine.decoding import RUN_IMAGES, batch_tensor, open_uploads
 from engine.images import FORMAT_SUFFIXES
 from engine.item_reader import find_item
 from engine.labels import InvalidLabelError, check_label
 from engine.serving import CurrentBundle, LoadedBundle, ServingConfig
 from index.atomic import atomic_write_bytes
-from index.protocol import Item
+from index.protocol import Entry, Item
 
 
 class InvalidItemError(ValueError):
@@ -75,29 +76,27 @@ class ItemWriter:
             target = root / relative
             if target.exists() and (not target.is_file() or target.read_bytes() != new.data):
                 raise InvalidItemError(f"image {position}: {relative} already holds another file")
-            if any(relative.as_posix() == earlier[0] for earlier in prepared):
+            if any(relative.as_posix() == earlier[0].path for earlier in prepared):
                 raise DuplicateItemError(f"image {position} repeats an earlier image of this request")
-            prepared.append((relative.as_posix(), label, digest, target, new.data))
+            # The photo's capture time (before batch_tensor closes the header), else now: the file is new.
+            entry = Entry(relative.as_posix(), label, digest, capture_time(header) or clock_now())
+            prepared.append((entry, target, new.data))
         preprocessing = bundle.embedder.card.preprocessing
         signatures: list[bytes] = []
         tensor = batch_tensor(headers, preprocessing, signatures=signatures)
         vectors = bundle.embedder.embed_tensor(tensor, run_size=RUN_IMAGES)
         with self.current.writing() as bundle:
-            for relative, *_ in prepared:
-                if bundle.index.items.get_by_path(relative) is not None:
-                    raise DuplicateItemError(f"{relative} is already indexed")
+            for entry, *_ in prepared:
+                if bundle.index.items.get_by_path(entry.path) is not None:
+                    raise DuplicateItemError(f"{entry.path} is already indexed")
             written = []
             try:
                 with _storage("nothing was added"):
-                    for _, _, _, target, data in prepared:
+                    for _, target, data in prepared:
                         if not target.exists():
                             atomic_write_bytes(target, data)
                             written.append(target)
-                    ids = bundle.index.add(
-                        vectors,
-                        [(relative, label, digest) for relative, label, digest, *_ in prepared],
-                        signatures,
-                    )
+                    ids = bundle.index.add(vectors, [entry for entry, *_ in prepared], signatures)
             except BaseException:
                 for target in written:  # files of items that never made it into the index
                     target.unlink(missing_ok=True)

@@ -42,6 +42,13 @@ class RerankerCard(BaseModel):
         return model_path.parent / self.file
 
 
+class ValidationCheck(BaseModel):
+    """What ``dmlsearch export`` found when it checked a run against the untrained backbone."""
+
+    passed: bool  # better on the validation classes (the interval above zero); False: exported with --force
+    detail: str  # recall@1 of both, the difference and its interval, e.g. "... 65.62 vs 65.62 untrained ..."
+
+
 class ModelCard(BaseModel):
     format_version: int = 1
     embedding_dim: int
@@ -56,6 +63,7 @@ class ModelCard(BaseModel):
     reranker: RerankerCard | None = None  # a model trained with the pddm loss carries its PDDM unit
     precision: Literal["fp32", "int8"] = "fp32"  # int8: static QDQ quantisation (training/quantize.py)
     calibration_images: int | None = None  # how many images calibrated the int8 activation ranges
+    validation_check: ValidationCheck | None = None  # models exported from a run (none: the pretrained one)
 
     @staticmethod
     def path_for(model_path: Path) -> Path:

@@ -25,7 +25,8 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 
 from engine import defaults
-from engine.images import ImageDecodeError, load_image_file
+from engine.capture_time import capture_time, file_time
+from engine.images import ImageDecodeError, load_image_file, load_rgb, open_image
 from engine.model_card import Preprocessing
 from engine.preprocess import to_array
 from engine.signature import perceptual_signature
@@ -45,6 +46,7 @@ FILE_ERRORS = (ImageDecodeError, OSError)
 class DecodedFile(NamedTuple):
     array: np.ndarray  # the model's input
     signature: bytes  # engine.signature's perceptual signature
+    taken: str  # when the photo was taken (engine.capture_time)
 
 
 def file_array(path: Path, preprocessing: Preprocessing) -> np.ndarray:
@@ -53,9 +55,12 @@ def file_array(path: Path, preprocessing: Preprocessing) -> np.ndarray:
 
 
 def decode_file(path: Path, preprocessing: Preprocessing) -> DecodedFile:
-    """What indexing needs of one image file, from one decode: the model's input and the signature."""
-    image = load_image_file(path, draft_size=preprocessing.resize_size)
-    return DecodedFile(to_array(image, preprocessing), perceptual_signature(image))
+    """What indexing needs of one image file, from one decode: the model's input, the signature and when
+    the photo was taken (from the header, before decoding: a converted image may drop its EXIF)."""
+    header = open_image(path.read_bytes(), draft_size=preprocessing.resize_size)
+    taken = capture_time(header) or file_time(path)
+    image = load_rgb(header)
+    return DecodedFile(to_array(image, preprocessing), perceptual_signature(image), taken)
 
 
 def prefetch(

@@ -35,7 +35,7 @@ class _KeepIds:
         self.by_path = by_path
 
     def add(self, vectors: np.ndarray, entries: Sequence[Entry], signatures: Sequence[bytes]) -> list[int]:
-        old = [self.by_path[path] for path, _, _ in entries]
+        old = [self.by_path[entry.path] for entry in entries]
         return self.store.add(
             vectors,
             entries,

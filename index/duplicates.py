@@ -67,6 +67,18 @@ class Duplicates:
     items: int
 
     @property
+    def criteria(self) -> str:
+        """How pairs were judged, in words: signatures are named only where items have them."""
+        cosine = f"cosine >= {self.threshold}"
+        if self.unsigned == 0:
+            return f"{cosine} with perceptual signatures within {self.max_distance} bits"
+        if self.unsigned >= self.items:
+            return f"{cosine} (no item has a perceptual signature: by cosine alone)"
+        return (
+            f"{cosine}, with perceptual signatures within {self.max_distance} bits where both images have one"
+        )
+
+    @property
     def note(self) -> str | None:
         """Why some pairs were judged by the embedding alone, and what to do about it; None if none were."""
         if self.unsigned == 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -135,6 +135,9 @@ class FaissBackend:
     def move(self, moves: Sequence[Move]) -> int:
         """Metadata only: the vectors and the FAISS index are untouched."""
         return self.store.move(moves)
+
+    def set_taken(self, taken: Mapping[int, str]) -> int:
+        return self.store.set_taken(taken)
 
     def search(
         self, queries: np.ndarray, k: int, where: ItemFilter | None = None

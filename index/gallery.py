@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +13,7 @@ import numpy as np
 
 from index.atomic import remove_abandoned
 from index.faiss_backend import FaissBackend
-from index.filters import ItemFilter
+from index.filters import ItemFilter, UnknownLabelError, match_labels
 from index.items import now_utc
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item, ItemCatalog, Move, VectorIndex
@@ -51,6 +51,7 @@ class GalleryIndex:
         self.manifest = manifest
         self.backend = backend
         self.stamp = self._disk_stamp()  # the manifest as this object last read or wrote it
+        self._labels: frozenset[str] | None = None  # the stored labels, as last read (see _match_labels)
 
     @classmethod
     def create(
@@ -135,6 +136,10 @@ class GalleryIndex:
         """New paths and labels for renamed or moved files; returns how many items existed."""
         return self.backend.move(moves)
 
+    def set_taken(self, taken: Mapping[int, str]) -> int:
+        """Record when items' photos were taken, by id (items indexed before it was kept)."""
+        return self.backend.set_taken(taken)
+
     def build(
         self, options: IndexOptions | None = None, *, retune: bool = True, progress: bool = False
     ) -> bool:
@@ -155,6 +160,8 @@ class GalleryIndex:
         restricts them to the items it lets through."""
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
+        if where is not None and where.labels:
+            where = where.with_labels(self._match_labels(where.labels))
         ids, scores = self.backend.search(queries, k, where)
         # Quantised (PQ) and float-rounded inner products can stray past +-1: report true cosine bounds.
         scores = np.clip(scores, -1.0, 1.0)
@@ -167,6 +174,21 @@ class GalleryIndex:
             ]
             for row_ids, row_scores in zip(ids, scores, strict=True)
         ]
+
+    def _match_labels(self, wanted: tuple[str, ...]) -> tuple[str, ...]:
+        """The stored labels ``wanted`` names, ignoring case (``index.filters.match_labels``).
+
+        The stored labels are read once and again only when a label is not among them (one added since,
+        also by another process): counting them takes a scan on Milvus. A label whose items are all gone
+        may stay known until then, which only makes its filter find nothing.
+        """
+        if self._labels is not None:
+            try:
+                return match_labels(wanted, self._labels)
+            except UnknownLabelError:
+                pass
+        self._labels = frozenset(self.items.label_counts())
+        return match_labels(wanted, self._labels)
 
     def vectors(self, ids: Sequence[int]) -> np.ndarray:
         """The stored vectors of ``ids``, in that order (exact, whatever the search structure compresses)."""

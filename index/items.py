@@ -4,6 +4,9 @@ The stored vectors are the source of truth the FAISS file is derived from: a bui
 resumes from them, an index is re-trained or changes type without re-embedding any image, an HNSW graph
 is rebuilt from them once removed items pile up in it, and shard directories merge from them.
 
+Items also carry when their photo was taken (column ``taken``, see ``index.filters``): indexes written before
+it gain the column when next opened for writing, and their items have none until a build reads it.
+
 Items may also carry a perceptual signature (opaque bytes the engine computes from the image, see
 ``index.duplicates``), in a table of its own: indexes written before it existed gain the empty table when
 next opened for writing, and their items simply have none.
@@ -13,15 +16,16 @@ from __future__ import annotations
 
 import datetime as dt
 import sqlite3
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from index.filters import ItemFilter
+from index.filters import TAKEN_OR_ADDED, ItemFilter
 from index.protocol import Entry, Item, Move, check_dim, normalize_rows
 
-_COLUMNS = "id, path, label, content_hash, added"
+_COLUMNS = "id, path, label, content_hash, added, taken"
+_COLUMNS_BEFORE_TAKEN = "id, path, label, content_hash, added, NULL"  # an old store, opened read-only
 _SQL_CHUNK = 10_000  # ids per "IN (...)" query, below SQLite's variable limit
 
 
@@ -40,18 +44,24 @@ class ItemStore:
             if not path.is_file():
                 raise FileNotFoundError(f"{directory} has no {self.FILE_NAME}")
             self.connection = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+            self._columns = _COLUMNS if self._has_taken() else _COLUMNS_BEFORE_TAKEN
             return
+        self._columns = _COLUMNS
         self.connection = sqlite3.connect(path, check_same_thread=False)
         with self.connection:
             # AUTOINCREMENT: an id is never handed out again, even after its item is removed.
             self.connection.execute(
                 "CREATE TABLE IF NOT EXISTS items (id INTEGER PRIMARY KEY AUTOINCREMENT, "
-                "path TEXT NOT NULL UNIQUE, label TEXT, content_hash TEXT NOT NULL, added TEXT NOT NULL)"
+                "path TEXT NOT NULL UNIQUE, label TEXT, content_hash TEXT NOT NULL, added TEXT NOT NULL, "
+                "taken TEXT)"
             )
+            if not self._has_taken():  # a store from before capture times were kept
+                self.connection.execute("ALTER TABLE items ADD COLUMN taken TEXT")
             self.connection.execute("CREATE INDEX IF NOT EXISTS items_by_hash ON items (content_hash)")
             # Filtered search (index.filters) resolves labels and time ranges through these.
             self.connection.execute("CREATE INDEX IF NOT EXISTS items_by_label ON items (label)")
             self.connection.execute("CREATE INDEX IF NOT EXISTS items_by_added ON items (added)")
+            self.connection.execute(f"CREATE INDEX IF NOT EXISTS items_by_taken ON items ({TAKEN_OR_ADDED})")
             self.connection.execute(
                 "CREATE TABLE IF NOT EXISTS vectors (id INTEGER PRIMARY KEY, vector BLOB NOT NULL)"
             )
@@ -86,10 +96,11 @@ class ItemStore:
         with self.connection:
             cursor = self.connection.cursor()
             rows = zip(vectors, entries, times, given, marks, strict=True)
-            for vector, (path, label, content_hash), time, item_id, signature in rows:
+            for vector, entry, time, item_id, signature in rows:
+                entry = Entry(*entry)
                 cursor.execute(
-                    "INSERT INTO items (id, path, label, content_hash, added) VALUES (?, ?, ?, ?, ?)",
-                    (item_id, path, label, content_hash, time),
+                    f"INSERT INTO items ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+                    (item_id, entry.path, entry.label, entry.content_hash, time, entry.taken),
                 )
                 new_ids.append(int(cursor.lastrowid))
                 cursor.execute(
@@ -133,6 +144,12 @@ class ItemStore:
                 [(move.path, move.label, int(move.id)) for move in moves],
             ).rowcount
 
+    def set_taken(self, taken: Mapping[int, str]) -> int:
+        with self.connection:
+            return self.connection.executemany(
+                "UPDATE items SET taken = ? WHERE id = ?", [(time, int(i)) for i, time in taken.items()]
+            ).rowcount
+
     # -- metadata ----------------------------------------------------------------------------------
 
     def get_many(self, ids: Sequence[int]) -> dict[int, Item]:
@@ -141,7 +158,7 @@ class ItemStore:
             chunk = [int(i) for i in ids[start : start + _SQL_CHUNK]]
             placeholders = ",".join("?" * len(chunk))
             rows = self.connection.execute(
-                f"SELECT {_COLUMNS} FROM items WHERE id IN ({placeholders})", chunk
+                f"SELECT {self._columns} FROM items WHERE id IN ({placeholders})", chunk
             ).fetchall()
             found.update((row[0], Item(*row)) for row in rows)
         return found
@@ -150,7 +167,7 @@ class ItemStore:
         return self.get_many([item_id]).get(item_id)
 
     def get_by_path(self, path: str) -> Item | None:
-        row = self.connection.execute(f"SELECT {_COLUMNS} FROM items WHERE path = ?", (path,)).fetchone()
+        row = self.connection.execute(f"SELECT {self._columns} FROM items WHERE path = ?", (path,)).fetchone()
         return Item(*row) if row else None
 
     def matching_ids(self, where: ItemFilter) -> np.ndarray:
@@ -163,12 +180,12 @@ class ItemStore:
 
     def page(self, offset: int, limit: int) -> list[Item]:
         rows = self.connection.execute(
-            f"SELECT {_COLUMNS} FROM items ORDER BY id LIMIT ? OFFSET ?", (limit, offset)
+            f"SELECT {self._columns} FROM items ORDER BY id LIMIT ? OFFSET ?", (limit, offset)
         ).fetchall()
         return [Item(*row) for row in rows]
 
     def scan(self) -> Iterator[Item]:
-        for row in self.connection.execute(f"SELECT {_COLUMNS} FROM items ORDER BY id"):
+        for row in self.connection.execute(f"SELECT {self._columns} FROM items ORDER BY id"):
             yield Item(*row)
 
     def label_counts(self) -> dict[str, int]:
@@ -231,6 +248,9 @@ class ItemStore:
                 )
             )
         return found
+
+    def _has_taken(self) -> bool:
+        return any(row[1] == "taken" for row in self.connection.execute("PRAGMA table_info(items)"))
 
     def _has_signatures(self) -> bool:
         query = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'signatures'"

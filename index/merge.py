@@ -19,7 +19,7 @@ from tqdm import tqdm
 from index.gallery import GalleryIndex, replace_directory
 from index.items import ItemStore
 from index.manifest import MANIFEST_NAME, Manifest
-from index.protocol import Item
+from index.protocol import Entry, Item
 from index.selection import IndexOptions
 from index.sharding import Shard
 
@@ -102,7 +102,7 @@ def _copy_items(stores: Sequence[ItemStore], target: ItemStore, progress: bool) 
                     signatures[position] = kept.get(shard_id)
         ids = target.add(
             vectors,
-            [(item.path, item.label, item.content_hash) for _, item in chunk],
+            [Entry(item.path, item.label, item.content_hash, item.taken) for _, item in chunk],
             added=[item.added for _, item in chunk],
             signatures=signatures,
         )

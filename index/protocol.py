@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -12,8 +12,15 @@ if TYPE_CHECKING:
     from index.filters import ItemFilter
 
 UNIT_TOLERANCE = 1e-6  # a few float32 ulps around 1.0
-# (relative path, label, content hash): what an index is told about a new item.
-Entry = tuple[str, str | None, str]
+
+
+class Entry(NamedTuple):
+    """What an index is told about a new item."""
+
+    path: str  # relative to the gallery folder
+    label: str | None
+    content_hash: str
+    taken: str | None = None  # when the photo was taken (see ``Item.taken``)
 
 
 @dataclass(frozen=True)
@@ -22,7 +29,11 @@ class Item:
     path: str
     label: str | None
     content_hash: str
-    added: str
+    added: str  # when it was indexed: ISO 8601 in UTC
+    # When the photo was taken, on the camera's clock: ISO 8601 "YYYY-MM-DDTHH:MM:SS", with the UTC offset
+    # when known ("+02:00"). From EXIF, else the file's time; None for items indexed before it was kept
+    # (filters then use ``added``, see ``index.filters``).
+    taken: str | None = None
 
 
 class Move(NamedTuple):
@@ -105,6 +116,11 @@ class VectorIndex(Protocol):
 
     def move(self, moves: Sequence[Move]) -> int:
         """Give items a new path and label; returns how many existed."""
+        ...
+
+    def set_taken(self, taken: Mapping[int, str]) -> int:
+        """Record when items' photos were taken (items indexed before it was kept); returns how many
+        items took it (none where the backend's store has no place for it)."""
         ...
 
     def __len__(self) -> int: ...

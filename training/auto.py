@@ -1,7 +1,8 @@
 """``dmlsearch train --loss auto``: race the strongest recipes on the validation classes, keep the best.
 
-Each candidate in :data:`training.recipes.AUTO_CANDIDATES` trains ``race_steps`` steps with its recommended
-recipe in ``OUT/race/<loss>`` (all sharing one feature cache). The candidate with the highest validation
+Each candidate in :data:`training.recipes.AUTO_CANDIDATES` trains ``race_steps`` steps (or its whole budget,
+``max_steps``, when that is smaller: then its race run is its full run) with its recommended recipe in
+``OUT/race/<loss>`` (all sharing one feature cache). The candidate with the highest validation
 Recall@1 (its best checkpoint so far) wins; its race run is copied into ``OUT`` and continues there to the
 full budget, so the race's steps are not wasted. ``config.json`` records the race: every candidate's
 validation Recall@1, the budget and the winner. Re-running the command resumes every part.
@@ -58,11 +59,16 @@ def train_auto(
     """Race ``candidates`` for ``race_steps`` steps each, then train the winner to its full budget in
     ``out``; returns the winner's summary with the race added under ``"race"``."""
     configs = race_configs(data, out, dict(overrides or {}), fields, candidates)
+    # What each candidate races: never past its budget (-p max_steps=300 under 600 race steps races 300).
+    steps = {loss: min(race_steps, config.max_steps) for loss, config in configs.items()}
+    if progress:
+        each = f"{steps[candidates[0]]} steps" if len(set(steps.values())) == 1 else "up to their budgets"
+        print(f"racing {', '.join(configs)}: {each} each, judged on validation Recall@1", flush=True)
     scores, untrained = {}, 0.0
     for loss, config in configs.items():
         if progress:
-            print(f"race: {loss} for {race_steps} steps ({_settings(config.recipe)})", flush=True)
-        raced = config.model_copy(update={"max_steps": min(race_steps, config.max_steps)})
+            print(f"race: {loss} for {steps[loss]} steps ({_settings(config.recipe)})", flush=True)
+        raced = config.model_copy(update={"max_steps": steps[loss]})
         with warnings.catch_warnings():  # a candidate is only raced, never exported: the scores say enough
             warnings.simplefilter("ignore", NoGainWarning)
             summary = train(raced, out / "race" / loss, progress=progress)
@@ -70,10 +76,10 @@ def train_auto(
         untrained = summary["val_backbone"][SELECTION_METRIC]  # the same classes for every candidate
     winner = max(scores, key=scores.__getitem__)  # ties go to the earlier (stronger-listed) candidate
     race = {
-        "budget_steps": race_steps,
+        "budget_steps": max(steps.values()),
         "val_" + SELECTION_METRIC: scores,
         "winner": winner,
-        "reason": race_reason(scores, winner, untrained, race_steps),
+        "reason": race_reason(scores, winner, untrained, max(steps.values())),
     }
     final = configs[winner]
     final = final.model_copy(update={"recipe": {**final.recipe, "name": "auto", "race": race}})

@@ -19,6 +19,7 @@ from engine.model_card import (
     ModelCard,
     Preprocessing,
     RerankerCard,
+    ValidationCheck,
     file_fingerprint,
 )
 from index.atomic import atomic_path
@@ -41,6 +42,7 @@ def export_onnx(
     run: str | None = None,
     extra: dict[str, Any] | None = None,
     reranker: RerankerCard | None = None,
+    validation_check: ValidationCheck | None = None,
 ) -> ModelCard:
     """Trace ``model`` (TorchScript exporter, dynamic batch axis) and write the ONNX file and its card.
 
@@ -74,6 +76,7 @@ def export_onnx(
         created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         extra=extra or {},
         reranker=reranker,
+        validation_check=validation_check,
     )
     card.save(model_path)
     return card
@@ -119,13 +122,15 @@ def export_pddm_unit(unit: PDDMUnit, path: Path) -> RerankerCard:
     return RerankerCard(kind="pddm", file=path.name, fingerprint=fingerprint)
 
 
-def export_run(run_path: Path, model_path: Path) -> ModelCard:
+def export_run(run_path: Path, model_path: Path, *, check: ValidationCheck | None = None) -> ModelCard:
     """Export a training run's best checkpoint: backbone + head + L2 normalisation in one ONNX graph.
 
     A frozen-mode run trained the head only, so its graph uses the pretrained backbone; a fine-tuned run
     brings its own backbone weights. The card records the loss, the run and its validation metrics, and
     the PDDM unit when the loss trained one (it scores the exported, L2-normalised embeddings: the unit
     normalises its inputs itself, so the training loss's ``embedding_scale`` does not change its scores).
+    ``check``: the export's validation check of the run, recorded in the card (a failed one marks a model
+    exported with --force).
     """
     run = RunDirectory(run_path)
     config = run.require_config()
@@ -164,4 +169,5 @@ def export_run(run_path: Path, model_path: Path) -> ModelCard:
             "val": best["val"],
         },
         reranker=reranker,
+        validation_check=check,
     )

@@ -266,6 +266,12 @@ class _Training:
         self.best = self.run_dir.load_checkpoint("best")
         if self.best is None:
             raise RunDirError(f"{self.run_dir.path} has checkpoints/last.pt but no best.pt: start a new run")
+        if self.progress:
+            print(
+                f"resuming from step {self.state.step} of {self.config.max_steps} "
+                f"({self.run_dir.path / 'checkpoints' / 'last.pt'})",
+                flush=True,
+            )
 
     def _initialise(self) -> None:
         """Start a run: validate the untrained model (step 0, the first best) and save it."""

@@ -53,6 +53,7 @@ async def duplicates(
         max_distance=found.max_distance,
         unsigned=found.unsigned,
         note=found.note,
+        criteria=found.criteria,
         total=found.total,
         offset=offset,
         groups=groups,

@@ -60,6 +60,7 @@ def model_card(service: Service) -> ModelCardOut:
         run=Path(card.run).name if card.run else None,
         best_step=card.extra.get("best_step"),
         validation=card.extra.get("val", {}),
+        validation_check=card.validation_check,
         evaluation=_evaluation(run_dir),
         report_available=run_dir is not None and (run_dir / REPORT_FILE).is_file(),
         plots=plots,

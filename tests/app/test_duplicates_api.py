@@ -15,6 +15,9 @@ def test_groups_are_paged_largest_first_with_scores(make_client: Callable[..., T
     assert everything["threshold"] == DEFAULT_THRESHOLD and everything["offset"] == 0
     assert everything["max_distance"] == DEFAULT_MAX_DISTANCE
     assert everything["unsigned"] == 0 and everything["note"] is None  # built with signatures
+    assert everything["criteria"] == (
+        f"cosine >= {DEFAULT_THRESHOLD} with perceptual signatures within {DEFAULT_MAX_DISTANCE} bits"
+    )
     groups = everything["groups"]
     assert everything["total"] == len(groups) >= 5
     assert [g["size"] for g in groups] == sorted((g["size"] for g in groups), reverse=True)

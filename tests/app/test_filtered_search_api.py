@@ -1,4 +1,5 @@
-"""Filters (label, path prefix, time added) on search, batch search and similar-by-id, over the demo index."""
+"""Filters (label, path prefix, time taken and added) on search, batch search and similar-by-id, over the
+demo index."""
 
 from __future__ import annotations
 
@@ -65,10 +66,34 @@ def test_batch_and_similar_take_the_same_filters(client: TestClient, served: Ser
     assert [r["path"][:7] for r in similar["results"]] == ["coffee/"] * 3
 
 
+def test_dates_taken(client: TestClient, served: Served) -> None:
+    """The demo's generated photos have no EXIF: their file times stand in, on this machine's clock."""
+    items = client.get("/v1/items", params={"limit": 1000}).json()["items"]
+    assert all(item["taken"] and item["taken"][:4] >= "2020" for item in items)
+    before = {"taken_to": "2000-01-01"}
+    assert client.post("/v1/search", params=before, files=_upload(served)).json()["results"] == []
+    since = {"taken_from": min(item["taken"][:19] for item in items), "k": 3}
+    assert len(client.post("/v1/search", params=since, files=_upload(served)).json()["results"]) == 3
+
+
+def test_labels_match_whatever_their_case_and_unknown_ones_are_named(
+    client: TestClient, served: Served
+) -> None:
+    lower = client.post("/v1/search", params={"label": "coffee"}, files=_upload(served)).json()
+    upper = client.post("/v1/search", params={"label": "Coffee"}, files=_upload(served)).json()
+    assert [r["id"] for r in upper["results"]] == [r["id"] for r in lower["results"]] != []
+    response = client.post("/v1/search", params={"label": "cofee"}, files=_upload(served))
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["code"] == "unknown_label"
+    assert "'cofee'" in error["message"] and "cat, coffee" in error["message"]
+
+
 @pytest.mark.parametrize(
     "params",
     [
         {"added_from": "2030-01-01", "added_to": "2020-01-01"},
+        {"taken_from": "2024-06-01T00:00:00+02:00"},
         {"added_from": "yesterday"},
         {"path_prefix": "/etc"},
         {"path_prefix": ""},
@@ -88,6 +113,11 @@ def test_the_query_command_filters_too(served: Served) -> None:
     assert result.exit_code == 0, result.output
     labels = {r["label"] for r in json.loads(result.output)["results"]}
     assert labels <= {"coffee", "temple"} and len(json.loads(result.output)["results"]) == 4
+    result = runner.invoke(app, [*args, "--label", "COFFEE", "--taken-from", "2000-01-01"])
+    assert result.exit_code == 0, result.output
+    assert {r["label"] for r in json.loads(result.output)["results"]} == {"coffee"}
+    result = runner.invoke(app, [*args, "--label", "cofee"])
+    assert result.exit_code == 2 and "no item has the label 'cofee'" in result.output
     result = runner.invoke(app, [*args, "--path-prefix", "rocket/"])
     assert all(r["path"].startswith("rocket/") for r in json.loads(result.output)["results"])
     result = runner.invoke(app, [*args, "--added-to", "2000-01-01"])

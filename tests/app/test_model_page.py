@@ -17,17 +17,19 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from app.ui_model import NOT_APPLICABLE
-from engine.model_card import ModelCard
+from engine.model_card import ModelCard, ValidationCheck
 from engine.run_proof import EVAL_FILE, PLOTS, plot_path
 from tests.helpers import Served, copy_served, uvicorn_server
 from training.comparison import compare_embeddings
 
 PAGE = Path(__file__).resolve().parents[2] / "app" / "ui.py"
+FORCED_DETAIL = "validation recall@1 70.00 at step 40 vs 68.00 untrained, ...: not distinguishable"
 
 
 def _attach_run(model: Path, run: Path) -> dict:
     """Make ``run`` the served model's training run, with an eval result (a constructed better model)
-    and one PNG per report plot; returns the eval result."""
+    and one PNG per report plot, exported with --force (validation could not tell it from the untrained
+    model, as on small folders); returns the eval result."""
     rng = np.random.default_rng(0)
     labels = np.repeat(np.arange(10), 6)
     centres = rng.standard_normal((10, 16))
@@ -47,9 +49,9 @@ def _attach_run(model: Path, run: Path) -> dict:
         "trained": "2026-11-23T07:00:00+00:00",
         "best_step": 40,
     }
-    card.model_copy(
-        update={"loss": "magnet", "run": str(run), "extra": {**extra, "val": {"recall@1": 0.7}}}
-    ).save(model)
+    check = ValidationCheck(passed=False, detail=FORCED_DETAIL)
+    update = {"loss": "magnet", "run": str(run), "extra": {**extra, "val": {"recall@1": 0.7}}}
+    card.model_copy(update={**update, "validation_check": check}).save(model)
     return evaluation
 
 
@@ -58,6 +60,7 @@ def test_pretrained_model_has_a_card_and_no_report(make_client: Callable[..., Te
     card = client.get("/v1/model").json()
     assert card["fingerprint"] == client.get("/v1/stats").json()["model_fingerprint"]
     assert card["loss"] is None and card["run"] is None and card["recipe"] is None
+    assert card["validation_check"] is None
     assert card["report_available"] is False and card["plots"] == [] and card["evaluation"] is None
     response = client.get("/v1/model/plots/training")
     assert response.status_code == 404
@@ -77,6 +80,7 @@ def test_card_of_a_trained_model_lists_its_plots(
         "magnet-1",
     )
     assert card["trained"] == "2026-11-23T07:00:00+00:00" and card["best_step"] == 40
+    assert card["validation_check"] == {"passed": False, "detail": FORCED_DETAIL}
     assert card["evaluation"] == evaluation and card["evaluation"]["verdict"] == "better"
     assert [plot["name"] for plot in card["plots"]] == list(PLOTS)
     with Image.open(io.BytesIO(client.get(card["plots"][0]["url"]).content)) as image:
@@ -119,6 +123,8 @@ def test_model_page_shows_the_card_verdict_and_plots(
     shown = dict(zip(table.iloc[:, 0], table.iloc[:, 1], strict=True))
     assert shown["Loss"] == "magnet" and shown["Recipe"] == "recommended" and shown["Run"] == "magnet-1"
     assert "**better**" in page.success[0].value
+    (forced,) = [error.value for error in page.error]
+    assert "failed the validation check and was exported with --force" in forced and FORCED_DETAIL in forced
     assert len(page.image) == len(PLOTS)
     assert [caption for image in page.image for caption in image.captions] == list(PLOTS.values())
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import base64
+import datetime as dt
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from PIL import ExifTags, Image
 
 from engine.images import decode_image
 from engine.signature import perceptual_signature
@@ -32,7 +34,12 @@ def test_added_items_are_stored_searchable_and_persisted(
     make_client: Callable[..., TestClient], served: Served
 ) -> None:
     client = make_client(api_key=API_KEY)
-    new = [image_bytes(make_image(41, size=(200, 150)), "JPEG"), image_bytes(make_image(42), "PNG")]
+    exif = Image.Exif()
+    exif.get_ifd(ExifTags.IFD.Exif)[ExifTags.Base.DateTimeOriginal] = "2019:07:14 09:30:00"
+    new = [
+        image_bytes(make_image(41, size=(200, 150)), "JPEG", exif=exif),
+        image_bytes(make_image(42), "PNG"),
+    ]
     response = client.post(
         "/v1/items",
         files=[("images", ("a.jpg", new[0])), ("images", ("b.png", new[1]))],
@@ -44,6 +51,8 @@ def test_added_items_are_stored_searchable_and_persisted(
     assert body["count"] == 80
     added = body["items"]
     assert [item["label"] for item in added] == ["fresh", "fresh"]
+    assert added[0]["taken"] == "2019-07-14T09:30:00"  # the upload's EXIF capture time
+    assert added[1]["taken"][:10] == dt.datetime.now().date().isoformat()  # none: the file is new now
     assert added[0]["path"].startswith("fresh/") and added[0]["path"].endswith(".jpg")
     assert (served.gallery / added[1]["path"]).read_bytes() == new[1]
     hit = client.post("/v1/search", params={"k": 1}, files={"image": ("q.png", new[1])}).json()["results"][0]

@@ -66,7 +66,11 @@ def test_groups_are_printed_as_text_json_and_csv(index_dir: Path) -> None:
 
     result = runner.invoke(app, ["duplicates", "--index", str(index_dir)])
     assert result.exit_code == 0, result.output
-    assert "group 1: 3 images" in result.output and "3 groups of near-duplicates" in result.output
+    assert "group 1: 3 images" in result.output
+    assert (
+        f"3 groups of near-duplicates at cosine >= {DEFAULT_THRESHOLD} with perceptual signatures"
+        in result.output
+    )
 
     result = runner.invoke(app, ["duplicates", "--index", str(index_dir), "--max-distance", "0", "--json"])
     stricter = [{item["path"] for item in group} for group in json.loads(result.output)["groups"]]
@@ -98,3 +102,8 @@ def test_an_index_without_signatures_is_judged_by_cosine_with_a_note(index_dir: 
     payload = json.loads(result.stdout)
     assert (payload["threshold"], payload["unsigned"]) == (EMBEDDING_ONLY_THRESHOLD, 8)
     assert {"cat.png", "cat_copy.jpg"} <= {item["path"] for item in payload["groups"][0]}
+    result = runner.invoke(app, ["duplicates", "--index", str(old)])
+    summary = result.stdout.splitlines()[-1]  # no claim about signatures the items do not have
+    assert summary.endswith(
+        f"at cosine >= {EMBEDDING_ONLY_THRESHOLD} (no item has a perceptual signature: by cosine alone)"
+    )

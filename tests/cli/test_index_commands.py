@@ -104,7 +104,7 @@ def test_two_shards_merge_into_what_one_process_builds(
     _run("build-index", synthetic_gallery, "--out", whole, "--model", exported_model, "--no-progress")
     shards = [tmp_path / f"shard{i}" for i in range(2)]
     for number, shard in enumerate(shards):
-        _run(
+        output = _run(
             "build-index",
             synthetic_gallery,
             "--out",
@@ -115,6 +115,9 @@ def test_two_shards_merge_into_what_one_process_builds(
             f"{number}/2",
             "--no-progress",
         )
+        # A shard has no search index of its own (not "faiss index none").
+        assert f"faiss shard {number}/2, " in output and "searchable once merged" in output
+        assert "index none" not in output
     assert "combine the shards" in _fails(
         "query", synthetic_gallery / "alpha" / "alpha_0.png", "--index", shards[0], "--model", exported_model
     )
@@ -135,7 +138,7 @@ def test_two_shards_merge_into_what_one_process_builds(
 
 
 def test_milvus_lite_backend_end_to_end(
-    exported_model: Path, synthetic_gallery: Path, tmp_path: Path
+    exported_model: Path, synthetic_gallery: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     pytest.importorskip("milvus_lite")
     out = tmp_path / "index"
@@ -158,6 +161,11 @@ def test_milvus_lite_backend_end_to_end(
     assert "indexed 0 images" in _run(
         "build-index", synthetic_gallery, "--out", out, "--model", exported_model, "--no-progress"
     )
+    # A Milvus collection keeps no perceptual signatures: the summary does not claim it used them.
+    summary = _run("duplicates", "--index", out).splitlines()[-1]
+    assert "by cosine alone" in summary and "within 4 bits" not in summary
+    # Milvus Lite has no server timestamps: pymilvus's warning about it on every scan is not shown.
+    assert not [record for record in caplog.records if "mvccTs" in record.getMessage()]
     assert "removed 1 items; 8 remain" in _run("index", "remove", out, "beta/beta_2.png")
     assert "beta/beta_2.png" not in {p for _, p, _ in _query(out, exported_model, query)}
     assert json.loads(_run("index", "stats", out, "--json"))["backend"] == "milvus"

@@ -13,6 +13,7 @@ from scipy.sparse.csgraph import connected_components
 from index.duplicates import (
     DEFAULT_THRESHOLD,
     EMBEDDING_ONLY_THRESHOLD,
+    Duplicates,
     SignatureTable,
     find_duplicates,
     group_pairs,
@@ -193,3 +194,12 @@ def test_milvus_indexes_are_grouped_through_the_index_protocol(tmp_path: Path) -
     found = {frozenset(group.ids.tolist()) for group in result.groups}
     expected = brute_force_groups(vectors, ids)
     assert found and all(any(group <= truth for truth in expected) for group in found)
+
+
+def test_the_criteria_name_signatures_only_where_items_have_them() -> None:
+    def criteria(unsigned: int) -> str:
+        return Duplicates(groups=[], threshold=0.9, max_distance=4, unsigned=unsigned, items=10).criteria
+
+    assert criteria(0) == "cosine >= 0.9 with perceptual signatures within 4 bits"
+    assert criteria(3) == "cosine >= 0.9, with perceptual signatures within 4 bits where both images have one"
+    assert criteria(10) == "cosine >= 0.9 (no item has a perceptual signature: by cosine alone)"

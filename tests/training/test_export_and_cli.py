@@ -143,6 +143,9 @@ def test_cli_train_eval_export(labelled_folder: Path, feature_cache: Path, tmp_p
     result = runner.invoke(app, ["export", str(out), "--force"])  # 3 steps may not beat the untrained model
     assert result.exit_code == 0, result.output
     assert Embedder(out / "model.onnx").dim == 16
+    check = ModelCard.load(out / "model.onnx").validation_check  # a forced model says so in its card
+    assert check.passed == beats and check.detail.startswith("validation recall@1")
+    assert ("failed the validation check" in result.output) == (not beats)
 
     result = runner.invoke(
         app, ["eval", str(out / "model.onnx"), "--data", str(labelled_folder), "--split", "val"]

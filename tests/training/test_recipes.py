@@ -152,6 +152,27 @@ def test_auto_races_candidates_and_records_the_winner(
     assert [record["step"] for record in RunDirectory(out).read_metrics()] == [0, 2, 4, 6]
 
 
+def test_a_race_never_runs_past_the_budget_and_says_so(
+    labelled_folder: Path, feature_cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """-p max_steps below the race's steps: the race is the whole run, and every line says that number."""
+    overrides = {"embedding_dim": 16, "head_hidden": 32, "views": 0, "eval_every": 2, "max_steps": 2}
+    summary = auto.train_auto(
+        str(labelled_folder),
+        tmp_path / "auto",
+        overrides=overrides,
+        race_steps=5,
+        candidates=("contrastive", "ms"),
+        cache_dir=str(feature_cache),
+    )
+    printed = capsys.readouterr().out
+    assert "racing contrastive, ms: 2 steps each" in printed
+    assert "race: ms for 2 steps (" in printed and "5 steps" not in printed
+    race = summary["race"]
+    assert race["budget_steps"] == 2 and "after at most 2 steps each" in race["reason"]
+    assert summary["steps"] == 2
+
+
 def test_auto_reason_says_when_the_winner_only_won_a_tie_or_gained_nothing() -> None:
     assert auto.race_reason({"ms": 0.8, "angular": 0.7}, "ms", 0.6, 5) == (
         "highest validation recall@1 after at most 5 steps each"

@@ -57,4 +57,5 @@ def test_sigterm_of_train_saves_last_pt_and_the_rerun_resumes(
     )
     assert resumed.returncode == 0, resumed.stderr
     assert RunDirectory(out).load_checkpoint("last")["step"] == step + 3
+    assert f"resuming from step {step} of {step + 3}" in resumed.stdout
     assert f"of {step + 3}" in resumed.stdout  # "best step B of N": the run went on from the saved step

@@ -51,7 +51,11 @@ def test_frozen_run_writes_a_complete_run_directory(
 
 
 def test_interrupted_run_resumes_to_the_same_weights(
-    labelled_folder: Path, feature_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    labelled_folder: Path,
+    feature_cache: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     config = _config(labelled_folder, feature_cache)
     train(config, tmp_path / "straight", progress=False)
@@ -72,7 +76,9 @@ def test_interrupted_run_resumes_to_the_same_weights(
         train(config, tmp_path / "resumed", progress=False)
     assert RunDirectory(tmp_path / "resumed").load_checkpoint("last")["step"] == 4
     monkeypatch.setattr(ClassBalancedSampler, "after_step", original)
-    train(config, tmp_path / "resumed", progress=False)
+    capsys.readouterr()
+    train(config, tmp_path / "resumed", progress=True)
+    assert f"resuming from step 4 of {config.max_steps} (" in capsys.readouterr().out
 
     straight = RunDirectory(tmp_path / "straight").load_checkpoint("last")["objective"]
     resumed = RunDirectory(tmp_path / "resumed").load_checkpoint("last")["objective"]
