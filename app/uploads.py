@@ -68,7 +68,11 @@ async def read_uploads(
             f"send multipart/form-data with the file field {field!r}, or application/json with base64 images",
         )
     if not images:
-        raise ApiError(422, "invalid_request", f"no image in the request (expected the field {field!r})")
+        raise ApiError(
+            422,
+            "invalid_request",
+            f"no image in the request: send each in the file field {field!r} ({_curl(field)})",
+        )
     _check_count(len(images), max_count)
     if labels and len(labels) not in (1, len(images)):
         raise ApiError(
@@ -77,6 +81,10 @@ async def read_uploads(
             f"{len(labels)} labels for {len(images)} images: give none, one, or one each",
         )
     return Uploads(images, labels, (time.perf_counter() - started) * 1000.0)
+
+
+def _curl(field: str) -> str:
+    return f"curl -F {field}=@photo.jpg"
 
 
 def _check_count(count: int, max_count: int) -> None:
@@ -99,6 +107,16 @@ async def _read_multipart(
             raise ApiError(400, "bad_request", f"unreadable multipart body: {err.message}") from None
     try:
         parts = form.getlist(field)
+        elsewhere = sorted(
+            {key for key, value in form.multi_items() if isinstance(value, UploadFile)} - {field}
+        )
+        if not parts and elsewhere:  # e.g. -F image=@a.jpg sent to the batch endpoint, which reads "images"
+            raise ApiError(
+                422,
+                "invalid_request",
+                f"no image in the file field {field!r}, which this endpoint reads; the request's files are "
+                f"in {', '.join(map(repr, elsewhere))}: send each as {_curl(field)}",
+            )
         if any(not isinstance(part, UploadFile) for part in parts):
             raise ApiError(422, "invalid_request", f"the field {field!r} must be a file upload")
         _check_count(len(parts), max_count)  # before reading any of them

@@ -28,7 +28,7 @@ def capture_time(image: Image.Image) -> str | None:
     Blank or malformed values ("0000:00:00 00:00:00", as some cameras write without a set clock) are none.
     """
     try:
-        exif = image.getexif().get_ifd(ExifTags.IFD.Exif)
+        exif = _header_exif(image).get_ifd(ExifTags.IFD.Exif)
     except Exception:  # untrusted bytes: a broken EXIF block is no capture time, not a broken image
         return None
     for time_tag, offset_tag in _CAPTURE_TAGS:
@@ -37,6 +37,21 @@ def capture_time(image: Image.Image) -> str | None:
             offset = str(exif.get(offset_tag) or "").strip("\x00 ")
             return time.isoformat(timespec="seconds") + (offset if _OFFSET.fullmatch(offset) else "")
     return None
+
+
+def _header_exif(image: Image.Image) -> Image.Exif:
+    """The image's EXIF without decoding its pixels.
+
+    Pillow's PNG ``getexif`` decodes the whole image to look for an eXIf chunk after the pixel data, which
+    here would decode an upload before its checks, and let a corrupt PNG "load" before the decode that
+    must refuse it: for a PNG, only an eXIf chunk ahead of the pixels counts (where writers put it).
+    """
+    if image.format != "PNG":
+        return image.getexif()
+    exif = Image.Exif()
+    if data := image.info.get("exif"):
+        exif.load(data)
+    return exif
 
 
 def photo_time(path: Path) -> str:

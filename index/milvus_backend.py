@@ -143,8 +143,9 @@ class MilvusBackend:
         if int(vector["params"]["dim"]) != self.dim:
             raise ValueError(f"Milvus collection {self.collection!r} has dimension {vector['params']['dim']}")
         self.manifest.index_type = self.client.describe_index(self.collection, "vector")["index_type"]
-        # Milvus adds no field to an existing collection's rows: an older collection keeps its schema, and
-        # its date filters use the time indexed (index.filters).
+        # An existing collection keeps the schema it was made with (changing it is the operator's call on a
+        # shared server): one from before capture times were kept has no `taken`, and its date filters use
+        # the time indexed (index.filters).
         self.has_taken = any(field["name"] == TAKEN for field in description["fields"])
 
     @property

@@ -235,6 +235,11 @@ def test_batch_errors_name_the_bad_image(server: tuple[str, Served]) -> None:
     assert_error(
         httpx.post(f"{url}/v1/search/batch", json={"images": []}, timeout=30), 422, "invalid_request"
     )
+    # The single search's field name sent to the batch endpoint: the answer names both fields.
+    wrong_field = httpx.post(f"{url}/v1/search/batch", files={"image": ("q.jpg", jpeg())}, timeout=30)
+    message = assert_error(wrong_field, 422, "invalid_request")["message"]
+    assert "'images', which this endpoint reads" in message and "are in 'image'" in message
+    assert "curl -F images=@photo.jpg" in message
 
 
 def test_over_size_request_body_is_refused(server: tuple[str, Served]) -> None:

@@ -116,3 +116,17 @@ def test_build_index_keeps_capture_times_and_dates_items_of_older_indexes(
     assert (report.indexed, report.unchanged, report.dated) == (0, 3, 3)
     assert taken() == expected
     assert build_index(gallery, embedder, out, progress=False).dated == 0  # read once
+
+
+def test_reading_the_capture_time_decodes_no_pixels(tmp_path: Path) -> None:
+    """A corrupt PNG stays refused by the decode after its capture time was read from the header."""
+    from engine.images import ImageDecodeError, load_rgb, open_image
+
+    for exif, expected in [(None, None), (_exif("2021:01:02 03:04:05"), "2021-01-02T03:04:05")]:
+        data = bytearray(_photo(tmp_path / "p.png", 5, exif).read_bytes())
+        start = data.index(b"IDAT") + 40
+        data[start : start + 200] = bytes(range(200))
+        header = open_image(bytes(data))
+        assert capture_time(header) == expected  # an eXIf chunk ahead of the pixels, or none
+        with pytest.raises(ImageDecodeError, match="could not be decoded"):
+            load_rgb(header)

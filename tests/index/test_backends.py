@@ -174,3 +174,50 @@ def test_k_beyond_the_gallery_and_wrong_dimensions(make_index: MakeIndex) -> Non
     with pytest.raises(ValueError, match="dimension"):
         index.add(np.ones((1, DIM + 1), dtype=np.float32), entries(1, prefix="bad"))
     index.close()
+
+
+def test_a_milvus_collection_from_before_capture_times_keeps_working(tmp_path: Path) -> None:
+    """A collection made without the ``taken`` field: items are added and read without it, and date
+    filters on when photos were taken use the time indexed (the backend leaves a collection's schema as
+    it was made)."""
+    import datetime as dt
+
+    pymilvus = pytest.importorskip("pymilvus")
+    pytest.importorskip("milvus_lite")
+    from index.filters import ItemFilter
+    from index.manifest import MILVUS_COLLECTION
+    from index.milvus_backend import MODEL_PROPERTY
+    from index.protocol import Entry
+
+    directory = tmp_path / "index"
+    directory.mkdir()
+    client = pymilvus.MilvusClient(str(directory / "milvus.db"))
+    schema = client.create_schema(auto_id=True, enable_dynamic_field=False)
+    schema.add_field("id", pymilvus.DataType.INT64, is_primary=True)
+    schema.add_field("vector", pymilvus.DataType.FLOAT_VECTOR, dim=DIM)
+    schema.add_field("path", pymilvus.DataType.VARCHAR, max_length=4096)
+    schema.add_field("label", pymilvus.DataType.VARCHAR, max_length=512, nullable=True)
+    schema.add_field("content_hash", pymilvus.DataType.VARCHAR, max_length=64)
+    schema.add_field("added", pymilvus.DataType.VARCHAR, max_length=40)
+    index_params = client.prepare_index_params()
+    index_params.add_index("vector", index_type="AUTOINDEX", metric_type="COSINE")
+    client.create_collection(
+        MILVUS_COLLECTION, schema=schema, index_params=index_params, properties={MODEL_PROPERTY: "model-a"}
+    )
+    client.close()
+
+    index = GalleryIndex.create(
+        directory, dim=DIM, model_fingerprint="model-a", gallery_root=None, backend="milvus"
+    )
+    try:
+        assert index.backend.has_taken is False
+        vectors = clustered_vectors(20, DIM)
+        ids = index.add(vectors, [Entry(*entry, "2001-01-01T00:00:00") for entry in entries(20)])
+        index.save()
+        assert index.items.get(ids[0]).taken is None and index.set_taken({ids[0]: "2001-01-01T00:00:00"}) == 0
+        today = dt.datetime.now(dt.UTC).replace(tzinfo=None) - dt.timedelta(days=1)
+        since = index.search(vectors[:2], 5, ItemFilter(taken_from=today))  # added today: found
+        assert all(len(row) == 5 for row in since)
+        assert index.search(vectors[:2], 5, ItemFilter(taken_to=today)) == [[], []]
+    finally:
+        index.close()
