@@ -1,4 +1,5 @@
-"""One behaviour suite for every backend: FAISS flat, HNSW, IVF, IVF-SQ8, IVF-PQ and Milvus Lite."""
+"""One behaviour suite for every backend: FAISS flat, HNSW, IVF, IVF-SQ8, IVF-PQ, Milvus Lite and the real
+Milvus server (2.3, the oldest the backend supports)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import pytest
 from index.gallery import GalleryIndex
 from index.protocol import Move
 from index.selection import IndexOptions
-from tests.helpers import clustered_vectors, entries
+from tests.helpers import MILVUS_BACKENDS, clustered_vectors, entries, milvus_target
 
 DIM = 32
 COUNT = 600
-BACKENDS = ["faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfsq", "faiss-ivfpq", "milvus-lite"]
+BACKENDS = ["faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfsq", "faiss-ivfpq", *MILVUS_BACKENDS]
 # Fraction of exact top-10 neighbours each backend must find on these small sets (PQ codes are lossy).
 MIN_RECALL = {
     "faiss-flat": 1.0,
@@ -24,6 +25,7 @@ MIN_RECALL = {
     "faiss-ivfsq": 0.9,
     "faiss-ivfpq": 0.5,
     "milvus-lite": 0.9,
+    "milvus-server": 0.9,
 }
 
 MakeIndex = Callable[[], GalleryIndex]
@@ -31,18 +33,17 @@ MakeIndex = Callable[[], GalleryIndex]
 
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
-    if request.param == "milvus-lite":
-        pytest.importorskip("pymilvus")
-        pytest.importorskip("milvus_lite")
     return request.param
 
 
 @pytest.fixture
-def make_index(backend: str, tmp_path: Path) -> MakeIndex:
+def make_index(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> MakeIndex:
+    milvus = milvus_target(backend, request, tmp_path) if backend in MILVUS_BACKENDS else None
+
     def make() -> GalleryIndex:
-        if backend == "milvus-lite":
+        if milvus is not None:
             return GalleryIndex.create(
-                tmp_path / "index", dim=DIM, model_fingerprint="model-a", gallery_root=None, backend="milvus"
+                tmp_path / "index", dim=DIM, model_fingerprint="model-a", gallery_root=None, **milvus
             )
         options = IndexOptions(backend.removeprefix("faiss-"), target_recall=0.95)
         return GalleryIndex.create(
