@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index.gallery import GalleryIndex
+from index.gallery import GalleryIndex, IndexMismatchError
 from index.protocol import Move
 from index.selection import IndexOptions
 from tests.helpers import MILVUS_BACKENDS, clustered_vectors, entries, milvus_target
@@ -175,3 +175,25 @@ def test_k_beyond_the_gallery_and_wrong_dimensions(make_index: MakeIndex) -> Non
     with pytest.raises(ValueError, match="dimension"):
         index.add(np.ones((1, DIM + 1), dtype=np.float32), entries(1, prefix="bad"))
     index.close()
+
+
+def test_an_index_refuses_another_model(
+    filled: tuple[GalleryIndex, list[int], np.ndarray], backend: str, tmp_path: Path
+) -> None:
+    index, _, _ = filled
+    with pytest.raises(IndexMismatchError, match="rebuild the index with this model"):
+        index.check_model("model-b", DIM)
+    with pytest.raises(IndexMismatchError, match="dimensions"):
+        index.check_model("model-a", DIM + 1)
+    if backend in MILVUS_BACKENDS:  # the collection itself records its model: another index may not use it
+        manifest = index.manifest
+        with pytest.raises(ValueError, match="holds vectors of model model-a"):
+            GalleryIndex.create(
+                tmp_path / "other",
+                dim=DIM,
+                model_fingerprint="model-b",
+                gallery_root=None,
+                backend="milvus",
+                milvus_uri=manifest.milvus_uri or str(tmp_path / "index" / "milvus.db"),
+                milvus_collection=manifest.milvus_collection,
+            )
