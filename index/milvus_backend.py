@@ -47,7 +47,8 @@ MAX_TOP_K = 16_384  # Milvus's limit on k
 # Read-your-writes within a process without Strong's wait for the server's next time tick (about 230 ms a
 # request on Milvus 2.3 standalone, against 3-4 ms).
 CONSISTENCY = "Session"
-# Seconds one request may take (connecting included): a server that is down fails requests, never hangs them.
+# Seconds one request may take, retries included: a server that is down or stuck fails requests, never
+# hangs them.
 REQUEST_TIMEOUT_S = 10.0
 # The first server version that upserts part of a row (and so moves items in an auto-id collection).
 PARTIAL_UPSERT_VERSION = (2, 6)
@@ -124,8 +125,11 @@ class IdClock:
             return list(range(first, first + count))
 
 
+_LOCAL_METHODS = {"create_schema", "prepare_index_params", "close"}  # no request: no timeout argument
+
+
 class _Server:
-    """The pymilvus client (its calls bounded by the client's timeout), every Milvus failure raised as a
+    """The pymilvus client with a deadline on every request and every Milvus failure raised as a
     :class:`BackendUnavailableError` that carries the server's own message."""
 
     def __init__(self, client: object, where: str) -> None:
@@ -137,6 +141,8 @@ class _Server:
 
         @functools.wraps(method)
         def call(*args: object, **kwargs: object) -> object:
+            if name not in _LOCAL_METHODS:  # pymilvus's own default is no deadline and 75 retries
+                kwargs.setdefault("timeout", REQUEST_TIMEOUT_S)
             try:
                 return method(*args, **kwargs)
             except _pymilvus().MilvusException as err:

@@ -321,6 +321,27 @@ def app_clients(defaults: dict[str, object]) -> Iterator[Callable[..., object]]:
 MILVUS_START_TIMEOUT_S = 180
 MILVUS_STOP_GRACE_S = 10
 MILVUS_SERVER_IDS = Path("/tmp/milvus")
+# ``milvus-server`` with one change: it probes its ports with SO_REUSEADDR, as the server binds them, so a
+# restart takes its port back while the connections of the stopped server linger in TIME_WAIT (it would
+# move to the next free port otherwise).
+MILVUS_LAUNCHER = """
+import socket, sys, milvus
+
+def try_bind_port(self, port):
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+        return sock
+    except OSError:
+        sock.close()
+        return None
+
+milvus.MilvusServerConfig.try_bind_port = try_bind_port
+sys.argv[0] = "milvus-server"
+sys.exit(milvus.main())
+"""
 
 
 class MilvusServerUnavailable(RuntimeError):
@@ -345,27 +366,29 @@ class MilvusServerProcess:
         return self.data / "logs" / "milvus-server.log"
 
     def start(self) -> None:
-        executable = shutil.which("milvus-server", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
-        if executable is None:
+        if importlib.util.find_spec("milvus") is None:
             raise MilvusServerUnavailable(
-                "milvus-server is not installed (pip install 'dmlsearch[milvus-server]')"
+                "the milvus package is not installed (pip install 'dmlsearch[milvus-server]')"
             )
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        # Its embedded etcd listens on 2379 and 2380 unless told otherwise: free ports of its own, so that it
-        # starts beside another Milvus or etcd.
-        etcd_port, peer_port = free_port(), free_port()
         etcd_config = self.data / "etcd.yaml"
-        etcd_config.write_text(
-            f"listen-client-urls: http://localhost:{etcd_port}\n"
-            f"advertise-client-urls: http://localhost:{etcd_port}\n"
-            f"listen-peer-urls: http://localhost:{peer_port}\n"
-            f"initial-advertise-peer-urls: http://localhost:{peer_port}\n"
-            f"initial-cluster: default=http://localhost:{peer_port}\n"
-        )
-        command = [executable, "--data", str(self.data), "--proxy-port", str(self.port)]
+        if not etcd_config.exists():  # kept across restarts: the etcd data records its addresses
+            # Its embedded etcd listens on 2379 and 2380 unless told otherwise: ports of its own, so that
+            # it starts beside another Milvus or etcd.
+            etcd_port, peer_port = free_port(), free_port()
+            etcd_config.write_text(
+                f"listen-client-urls: http://localhost:{etcd_port}\n"
+                f"advertise-client-urls: http://localhost:{etcd_port}\n"
+                f"listen-peer-urls: http://localhost:{peer_port}\n"
+                f"initial-advertise-peer-urls: http://localhost:{peer_port}\n"
+                f"initial-cluster: default=http://localhost:{peer_port}\n"
+            )
+        etcd_port = etcd_config.read_text().split("localhost:")[1].split()[0]
+        (self.data / "configs" / "milvus.yaml").unlink(missing_ok=True)  # rewritten by this start
+        command = ["--data", str(self.data), "--proxy-port", str(self.port), "--etcd-port", etcd_port]
         with self.log.open("ab") as output:
             self.process = subprocess.Popen(
-                [*command, "--etcd-port", str(etcd_port)],
+                [sys.executable, "-c", MILVUS_LAUNCHER, *command],
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "ETCD_CONFIG_PATH": str(etcd_config)},  # read as etcd.config.path
