@@ -1,5 +1,6 @@
 """The real Milvus server stops while ``dmlsearch serve`` (a real uvicorn process) serves its collection:
-``/readyz`` and searches answer 503 with the reason, quickly, and the API recovers when the server is back."""
+``/readyz`` and searches answer 503 with the reason, quickly, and the API recovers when the server is back;
+an API started while Milvus is down loads the index once it is back."""
 
 from __future__ import annotations
 
@@ -94,3 +95,15 @@ def test_the_api_answers_503_while_milvus_is_down_and_recovers_after(
         print(f"API answered again {time.monotonic() - back:.1f} s after Milvus was back")
         assert _search(api.url, query).json()["results"][0]["path"] == "a/0.png"
         assert api.process.poll() is None  # never restarted
+
+    # A server started while Milvus is down is not ready, says why, and loads the index once Milvus is back.
+    own_milvus_server.stop()
+    with serving(["--index", str(index), "--model", str(exported_model)], ready_path="/healthz") as api:
+        ready = httpx.get(f"{api.url}/readyz", timeout=60)
+        assert ready.status_code == 503 and f"Milvus at {own_milvus_server.uri}" in ready.text
+        own_milvus_server.start()
+        back = time.monotonic()
+        while _search(api.url, query).status_code != 200:
+            assert time.monotonic() - back < RECOVERY_S, "the API did not load the index once Milvus was back"
+            time.sleep(0.5)
+        assert _search(api.url, query).json()["results"][0]["path"] == "a/0.png"
