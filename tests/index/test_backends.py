@@ -197,3 +197,25 @@ def test_an_index_refuses_another_model(
                 milvus_uri=manifest.milvus_uri or str(tmp_path / "index" / "milvus.db"),
                 milvus_collection=manifest.milvus_collection,
             )
+
+
+def test_scan_and_pages_walk_every_item_in_id_order_across_segments(make_index: MakeIndex) -> None:
+    """Added in batches, each saved (sealed segments on a Milvus server): a scan yields every item once, in
+    id order, and pages cut that order."""
+    index = make_index()
+    ids: list[int] = []
+    for batch in range(4):
+        ids += index.add(clustered_vectors(700, DIM, seed=batch), entries(700, prefix=f"batch{batch}"))
+        index.save()
+    assert [item.id for item in index.items.scan()] == sorted(ids)
+    pages = [item.id for offset in range(0, 2800, 1000) for item in index.items.page(offset, 1000)]
+    assert pages == sorted(ids)
+    index.close()
+
+
+def test_ids_given_by_the_client_rise_and_never_repeat() -> None:
+    from index.milvus_backend import IdClock
+
+    clock = IdClock()
+    taken = [i for _ in range(2000) for i in clock.take(3)]
+    assert taken == sorted(taken) and len(set(taken)) == len(taken) and 0 < taken[0] < 2**63
