@@ -34,11 +34,15 @@ log = logging.getLogger("dmlsearch.app")
 
 
 async def _poll_index(app: FastAPI, seconds: float) -> None:
-    """Reload the index when another process saved it (see ``SearchService.reload_if_changed``)."""
+    """Reload the index when another process saved it (see ``SearchService.reload_if_changed``), or load it
+    when the server started while the index's server (Milvus) was down."""
     while seconds > 0:
         await asyncio.sleep(seconds)
         service = app.state.engine.service
         if service is None:
+            if app.state.engine.index_server_down:  # started while Milvus was down: load once it is back
+                with contextlib.suppress(ReloadError):  # the reloader logs why
+                    await run_in_threadpool(app.state.reloader.reload)
             continue
         try:
             if await run_in_threadpool(service.reload_if_changed):

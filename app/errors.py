@@ -16,11 +16,14 @@ from engine.item_reader import ItemNotFoundError
 from engine.item_writer import DuplicateItemError, InvalidItemError, StorageError
 from engine.query import RerankUnavailableError
 from index.filters import UnknownLabelError
+from index.protocol import BackendUnavailableError
 
 log = logging.getLogger("dmlsearch.app")
 
 # Image problems the client can fix: a format we do not take is 415, an oversized image 413, the rest 400.
 _IMAGE_ERROR_STATUS = {"unsupported_format": 415, "image_too_large": 413, "batch_too_large": 413}
+# Seconds a client is told to wait when the index's server (Milvus) failed its request.
+INDEX_UNAVAILABLE_RETRY_AFTER = 5
 # Seconds a client is told to wait after the server ran out of memory on its request.
 OUT_OF_MEMORY_RETRY_AFTER = 5
 # Codes for errors Starlette raises itself (unknown route, wrong method, unreadable multipart body).
@@ -98,6 +101,14 @@ def install_error_handlers(app: FastAPI) -> None:
     async def storage_unavailable(request: Request, err: StorageError) -> JSONResponse:
         log.error("write refused on %s %s: %s", request.method, request.url.path, err)
         return error_response(503, "storage_unavailable", str(err))
+
+    @app.exception_handler(BackendUnavailableError)
+    async def index_unavailable(request: Request, err: BackendUnavailableError) -> JSONResponse:
+        # The index's server (Milvus) failed or is down: not the client's fault, and not a bug here.
+        log.error("index server failed on %s %s: %s", request.method, request.url.path, err)
+        return error_response(
+            503, "index_unavailable", str(err), headers={"Retry-After": str(INDEX_UNAVAILABLE_RETRY_AFTER)}
+        )
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, err: RequestValidationError) -> JSONResponse:

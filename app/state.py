@@ -10,6 +10,7 @@ from app.settings import Settings
 from engine.search import SearchService
 from engine.serving import ServingConfig
 from index.atomic import remove_abandoned
+from index.protocol import BackendUnavailableError
 
 log = logging.getLogger("dmlsearch.app")
 
@@ -20,6 +21,7 @@ class EngineState:
 
     service: SearchService | None = None
     not_ready_reason: str | None = "not loaded yet"
+    index_server_down: bool = False  # the load failed on the index's server (Milvus): worth retrying
 
     @classmethod
     def open(
@@ -56,7 +58,7 @@ class EngineState:
             state = cls.open(settings)
         except Exception as err:  # any load failure leaves the process up and not ready
             log.error("search engine not ready: %s", err)
-            return cls(None, f"{type(err).__name__}: {err}")
+            return cls(None, f"{type(err).__name__}: {err}", isinstance(err, BackendUnavailableError))
         if state.service.index.manifest.gallery_root is not None:
             _remove_abandoned_uploads(Path(state.service.index.manifest.gallery_root))
         return state

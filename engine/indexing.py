@@ -452,7 +452,9 @@ def build_index(
             progress=progress,
             decode_workers=decode_workers,
         )
-        if len(index) == 0:
+        # From what this run did, not from the index's count: a server's count may lag its writes, and a
+        # server's failure is raised as what it is, never taken for undecodable files.
+        if report.indexed + plan.unchanged + len(plan.moves) == 0:
             discard = created  # leave no empty index behind
             raise ValueError(f"none of the {len(files)} files under {gallery_root} could be decoded")
         changed = bool(plan.remove or report.indexed) or options is not None

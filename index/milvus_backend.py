@@ -1,17 +1,33 @@
 """The Milvus backend: one collection holds the vectors and the item metadata as fields.
 
 ``uri`` is a Milvus standalone or cluster address (``http://host:19530``) or a local file path, which
-runs Milvus Lite in-process (what the tests use: a real engine). Ids are allocated by Milvus
-(``auto_id``), so several machines building shards of one gallery can write into one collection
-without coordinating. The collection records the model fingerprint, so vectors of two models never mix.
+runs Milvus Lite in-process (the zero-set-up option). The collection records the model fingerprint, so
+vectors of two models never mix.
+
+Two collection layouts, chosen when a collection is created and read back from its schema afterwards:
+
+- on Milvus Lite and servers from 2.6 on, Milvus allocates the ids (``auto_id``), an item without a label
+  has a null label, and a move is a partial upsert;
+- on servers before 2.6 (2.3 to 2.5: no partial upsert, no upsert into an ``auto_id`` collection, no
+  nullable fields before 2.5), ids are given here (:class:`IdClock`), "no label" is stored as the empty
+  string (never a label: labels are folder names) and a move rewrites the whole row.
+
+Every call goes through expressions and requests that Milvus 2.3 understands (no expression templates:
+``id in [...]`` literals), and every failure of Milvus is raised as :class:`BackendUnavailableError` with
+the server's message. Reads use the ``Session`` consistency level: a process sees its own writes at
+once, and other processes' writes once the server has applied them (see docs/architecture.md).
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import logging
+import re
+import secrets
+import threading
+import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +35,7 @@ import numpy as np
 from index.filters import ItemFilter
 from index.items import now_utc
 from index.manifest import MILVUS_COLLECTION, Manifest
-from index.protocol import Entry, Item, Move, check_dim, normalize_rows
+from index.protocol import BackendUnavailableError, Entry, Item, Move, check_dim, normalize_rows
 from index.selection import IndexOptions
 
 MODEL_PROPERTY = "dmlsearch.model_fingerprint"
@@ -29,6 +45,19 @@ MAX_PATH = 4096
 MAX_LABEL = 512
 PAGE = 1000
 MAX_TOP_K = 16_384  # Milvus's limit on k
+# Read-your-writes within a process without Strong's wait for the server's next time tick (about 230 ms a
+# request on Milvus 2.3 standalone, against 3-4 ms).
+CONSISTENCY = "Session"
+# Seconds one request may take, retries included: a server that is down or stuck fails requests, never
+# hangs them.
+REQUEST_TIMEOUT_S = 10.0
+# The first server version that upserts part of a row (and so moves items in an auto-id collection).
+PARTIAL_UPSERT_VERSION = (2, 6)
+NO_LABEL = ""  # how collections without nullable fields store "no label"
+# A filtered graph search walks past the items the filter drops: with a 5% label filter over 3,000 items
+# (tests/index/test_filtered_search.py), Milvus Lite's graph at ef 64 returned 9 of 10 results for some
+# queries once it had indexed the collection, 10 from ef 128.
+FILTERED_EF_FACTOR = 4
 # Milvus index and search parameters per requested index type ("auto" lets Milvus choose; in Milvus Lite
 # it builds a graph index on sealed segments, whose search beam "ef" must be at least k).
 MILVUS_INDEXES: dict[str, tuple[str, dict[str, int], dict[str, int]]] = {
@@ -40,10 +69,6 @@ MILVUS_INDEXES: dict[str, tuple[str, dict[str, int], dict[str, int]]] = {
     "ivfpq": ("IVF_PQ", {"nlist": 1024, "m": 64, "nbits": 8}, {"nprobe": 32}),
 }
 DEFAULT_LITE_FILE = "milvus.db"
-# A filtered graph search walks past the items the filter drops: with a 5% label filter over 3,000 items
-# (tests/index/test_filtered_search.py), Milvus Lite's graph at ef 64 returned 9 of 10 results for some
-# queries once it had indexed the collection, 10 from ef 128.
-FILTERED_EF_FACTOR = 4
 
 
 def _pymilvus():
@@ -52,22 +77,6 @@ def _pymilvus():
     except ImportError as err:
         raise ImportError("pymilvus is not installed: pip install 'dmlsearch[milvus]'") from err
     return pymilvus
-
-
-class _LiteIteratorTimestamp(logging.Filter):
-    """Drops pymilvus's "failed to get mvccTs from milvus server, use client-side ts instead".
-
-    Milvus Lite implements no server-side timestamps (its AllocTimestamp answers "not implemented"), so
-    every ``query_iterator`` (``scan``: each build-index and duplicates run) logged it, though the
-    client-side timestamp pymilvus then takes is the right one for a local file read in this process.
-    Installed only when a Milvus Lite file is opened: from a server the warning means something.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("failed to get mvccTs")
-
-
-_LITE_ITERATOR_FILTER = _LiteIteratorTimestamp()
 
 
 def resolve_uri(uri: str, directory: Path) -> str:
@@ -83,43 +92,118 @@ def _literal(value: str) -> str:
     return json.dumps(value)
 
 
+def _id_list(ids: Sequence[int]) -> str:
+    return f"id in [{', '.join(str(int(i)) for i in ids)}]"
+
+
+def supports_partial_upsert(server_version: str) -> bool:
+    """Milvus Lite reports ``milvus_lite-3.x``; servers ``v2.3.5``, ``v2.6.0``, ``v2.3.5-lite`` (the
+    ``milvus`` package's embedded 2.3 server)."""
+    if server_version.startswith("milvus_lite"):
+        return True
+    match = re.match(r"v?(\d+)\.(\d+)", server_version)
+    if match is None:
+        raise BackendUnavailableError(f"Milvus reports an unknown version {server_version!r}")
+    return (int(match[1]), int(match[2])) >= PARTIAL_UPSERT_VERSION
+
+
+class IdClock:
+    """Ids for collections whose ids are given here: milliseconds since 2024 in the high 41 bits (until
+    2093) and, below them, a random start in 2^21 followed by one id per row of the batch.
+
+    Rising and distinct within a process; two processes collide only when they write in the same
+    millisecond and their random ranges overlap (about ``rows / 2^21`` for a batch of ``rows``).
+    """
+
+    EPOCH_MS = 1_704_067_200_000  # 2024-01-01T00:00:00Z
+    SHIFT = 22
+
+    def __init__(self) -> None:
+        self._last = -1
+        self._lock = threading.Lock()
+
+    def take(self, count: int) -> list[int]:
+        with self._lock:
+            base = (int(time.time() * 1000) - self.EPOCH_MS) << self.SHIFT
+            first = max(base + secrets.randbelow(1 << (self.SHIFT - 1)), self._last + 1)
+            self._last = first + count - 1
+            return list(range(first, first + count))
+
+
+_LOCAL_METHODS = {"create_schema", "prepare_index_params", "close"}  # no request: no timeout argument
+
+
+class _Server:
+    """The pymilvus client with a deadline on every request and every Milvus failure raised as a
+    :class:`BackendUnavailableError` that carries the server's own message."""
+
+    def __init__(self, client: object, where: str) -> None:
+        self._client = client
+        self.where = where
+
+    def __getattr__(self, name: str) -> Callable[..., object]:
+        method = getattr(self._client, name)
+
+        @functools.wraps(method)
+        def call(*args: object, **kwargs: object) -> object:
+            if name not in _LOCAL_METHODS:  # pymilvus's own default is no deadline and 75 retries
+                kwargs.setdefault("timeout", REQUEST_TIMEOUT_S)
+            try:
+                return method(*args, **kwargs)
+            except _pymilvus().MilvusException as err:
+                raise BackendUnavailableError(f"Milvus at {self.where}: {err.message}") from err
+
+        return call
+
+
+def _open_client(uri: str) -> _Server:
+    pymilvus = _pymilvus()
+    try:
+        client = pymilvus.MilvusClient(uri, timeout=REQUEST_TIMEOUT_S)
+    except pymilvus.MilvusException as err:
+        raise BackendUnavailableError(f"Milvus at {uri}: {err.message}") from err
+    return _Server(client, uri)
+
+
 class MilvusBackend:
     builds_locally = False  # the Milvus server indexes its collection itself
 
-    def __init__(self, client: object, manifest: Manifest) -> None:
+    def __init__(self, client: _Server, manifest: Manifest) -> None:
         self.client = client
         self.manifest = manifest
         self.collection = manifest.milvus_collection or MILVUS_COLLECTION
         self.dim = manifest.dim
         _, _, self.search_params = MILVUS_INDEXES[manifest.requested_index_type]
+        # The collection's layout (see the module's docstring), read from its schema.
+        self.auto_id = True
+        self.nullable = True
         self.has_taken = True  # False for a collection made before: its items have no capture time
+        self._ids = IdClock()
 
     @classmethod
     def connect(cls, directory: Path, manifest: Manifest, *, uri: str | None = None) -> MilvusBackend:
         """Connect to the manifest's collection, creating it if it does not exist yet."""
-        pymilvus = _pymilvus()
-        resolved = resolve_uri(uri or manifest.milvus_uri or DEFAULT_LITE_FILE, directory)
-        if "://" not in resolved:  # Milvus Lite (adding the same filter twice keeps one)
-            logging.getLogger("pymilvus.client.iterator.query_iterator").addFilter(_LITE_ITERATOR_FILTER)
-        client = pymilvus.MilvusClient(resolved)
+        client = _open_client(resolve_uri(uri or manifest.milvus_uri or DEFAULT_LITE_FILE, directory))
         backend = cls(client, manifest)
-        if client.has_collection(backend.collection):
-            backend._check_collection()
-        else:
+        if not client.has_collection(backend.collection):
             backend._create_collection(manifest.options)
+        backend._check_collection()
         client.load_collection(backend.collection)
         return backend
 
     def _create_collection(self, options: IndexOptions) -> None:
         data_type = _pymilvus().DataType
-        schema = self.client.create_schema(auto_id=True, enable_dynamic_field=False)
+        modern = supports_partial_upsert(str(self.client.get_server_version()))
+        schema = self.client.create_schema(auto_id=modern, enable_dynamic_field=False)
         schema.add_field("id", data_type.INT64, is_primary=True)
         schema.add_field("vector", data_type.FLOAT_VECTOR, dim=self.dim)
         schema.add_field("path", data_type.VARCHAR, max_length=MAX_PATH)
-        schema.add_field("label", data_type.VARCHAR, max_length=MAX_LABEL, nullable=True)
+        # Older servers take the nullable flag without complaint and then refuse nulls: only ask for it here.
+        null_options = {"nullable": True} if modern else {}
+        schema.add_field("label", data_type.VARCHAR, max_length=MAX_LABEL, **null_options)
         schema.add_field("content_hash", data_type.VARCHAR, max_length=64)
         schema.add_field("added", data_type.VARCHAR, max_length=40)
-        schema.add_field(TAKEN, data_type.VARCHAR, max_length=40, nullable=True)
+        schema.add_field(TAKEN, data_type.VARCHAR, max_length=40, **null_options)
         index_type, build_params, _ = MILVUS_INDEXES[options.index_type]
         index_params = self.client.prepare_index_params()
         index_params.add_index("vector", index_type=index_type, metric_type="COSINE", params=build_params)
@@ -129,7 +213,6 @@ class MilvusBackend:
             index_params=index_params,
             properties={MODEL_PROPERTY: self.manifest.model_fingerprint},
         )
-        self.manifest.index_type = index_type
 
     def _check_collection(self) -> None:
         description = self.client.describe_collection(self.collection)
@@ -139,14 +222,18 @@ class MilvusBackend:
                 f"Milvus collection {self.collection!r} holds vectors of model {str(fingerprint)[:12]}, "
                 f"not {self.manifest.model_fingerprint[:12]}: use another --milvus-collection"
             )
-        vector = next(field for field in description["fields"] if field["name"] == "vector")
-        if int(vector["params"]["dim"]) != self.dim:
-            raise ValueError(f"Milvus collection {self.collection!r} has dimension {vector['params']['dim']}")
+        fields = {field["name"]: field for field in description["fields"]}
+        if int(fields["vector"]["params"]["dim"]) != self.dim:
+            raise ValueError(
+                f"Milvus collection {self.collection!r} has dimension {fields['vector']['params']['dim']}"
+            )
+        self.auto_id = bool(description["auto_id"])
+        self.nullable = bool(fields["label"].get("nullable", False))
         self.manifest.index_type = self.client.describe_index(self.collection, "vector")["index_type"]
         # An existing collection keeps the schema it was made with (changing it is the operator's call on a
         # shared server): one from before capture times were kept has no `taken`, and its date filters use
         # the time indexed (index.filters).
-        self.has_taken = any(field["name"] == TAKEN for field in description["fields"])
+        self.has_taken = TAKEN in fields
 
     @property
     def _metadata_fields(self) -> list[str]:
@@ -170,19 +257,27 @@ class MilvusBackend:
             path, label, content_hash, taken = Entry(*entry)
             if len(path.encode()) > MAX_PATH:
                 raise ValueError(f"path {path[:60]}... is longer than Milvus's {MAX_PATH} bytes")
-            row = {
-                "vector": vector,
-                "path": path,
-                "label": label,
-                "content_hash": content_hash,
-                "added": added,
-            }
-            if self.has_taken:
-                row[TAKEN] = taken
-            rows.append(row)
+            rows.append(self._row(vector, path, label, content_hash, added, taken))
         if not rows:
             return []
+        if not self.auto_id:
+            for row, item_id in zip(rows, self._ids.take(len(rows)), strict=True):
+                row["id"] = item_id
         return [int(i) for i in self.client.insert(self.collection, rows)["ids"]]
+
+    def _row(
+        self, vector: object, path: str, label: str | None, content_hash: str, added: str, taken: str | None
+    ) -> dict:
+        row = {
+            "vector": vector,
+            "path": path,
+            "label": label if self.nullable else (label or NO_LABEL),
+            "content_hash": content_hash,
+            "added": added,
+        }
+        if self.has_taken:  # without nulls, the time indexed stands in for an unknown capture time
+            row[TAKEN] = taken if self.nullable else (taken or added)
+        return row
 
     def search(
         self, queries: np.ndarray, k: int, where: ItemFilter | None = None
@@ -206,6 +301,7 @@ class MilvusBackend:
             output_fields=["id"],
             search_params={"metric_type": "COSINE", "params": params},
             filter=where.milvus_expression(TAKEN if self.has_taken else "added") if where is not None else "",
+            consistency_level=CONSISTENCY,
         )
         for row, hits in enumerate(results):
             for column, hit in enumerate(hits):
@@ -215,16 +311,39 @@ class MilvusBackend:
 
     def remove(self, ids: Sequence[int]) -> int:
         present = sorted(self.get_many(list(ids)))
+        for start in range(0, len(present), PAGE):
+            self.client.delete(self.collection, filter=_id_list(present[start : start + PAGE]))
         if present:
-            self.client.delete(self.collection, ids=present)
+            # A delete does not move the session's timestamp (Milvus 2.3 returns none): one Strong read
+            # waits until the server has applied it, so this process's next Session reads miss the items.
+            self.client.query(
+                self.collection,
+                filter=_id_list(present[:1]),
+                output_fields=["id"],
+                consistency_level="Strong",
+            )
         return len(present)
+
+    def _rows(self, ids: Sequence[int], fields: list[str]) -> list[dict]:
+        """The rows of ``ids`` that exist, by literal ``id in [...]`` queries (2.3 has no templates)."""
+        unique = sorted({int(i) for i in ids})
+        rows: list[dict] = []
+        for start in range(0, len(unique), PAGE):
+            chunk = unique[start : start + PAGE]
+            rows += self.client.query(
+                self.collection,
+                filter=_id_list(chunk),
+                output_fields=fields,
+                limit=len(chunk),
+                consistency_level=CONSISTENCY,
+            )
+        return rows
 
     def vectors(self, ids: Sequence[int]) -> np.ndarray:
         """The collection's stored vector field (float32, as inserted)."""
         if len(ids) == 0:
             return np.zeros((0, self.dim), dtype=np.float32)
-        rows = self.client.get(self.collection, ids=[int(i) for i in ids], output_fields=["vector"])
-        by_id = {int(row["id"]): row["vector"] for row in rows}
+        by_id = {int(row["id"]): row["vector"] for row in self._rows(ids, ["vector"])}
         missing = [int(i) for i in ids if int(i) not in by_id]
         if missing:
             raise KeyError(f"no stored vector for ids {missing[:5]}")
@@ -238,55 +357,82 @@ class MilvusBackend:
         return {}
 
     def move(self, moves: Sequence[Move]) -> int:
-        present = self.get_many([move.id for move in moves])
-        rows = [{"id": m.id, "path": m.path, "label": m.label} for m in moves if m.id in present]
-        if rows:  # a partial upsert keeps each row's id and vector
-            self.client.upsert(self.collection, rows, partial_update=True)
-        return len(rows)
+        return self._update({m.id: {"path": m.path, "label": m.label} for m in moves})
 
     def set_taken(self, taken: Mapping[int, str]) -> int:
         if not self.has_taken:
             return 0
-        present = self.get_many(list(taken))
-        rows = [{"id": i, TAKEN: time} for i, time in taken.items() if i in present]
-        if rows:
+        return self._update({item_id: {TAKEN: time} for item_id, time in taken.items()})
+
+    def _update(self, changes: Mapping[int, dict]) -> int:
+        """Change metadata fields of the items in ``changes`` that exist, keeping their ids and vectors."""
+        present = self._rows(list(changes), ["vector", *self._metadata_fields])
+        if not present:
+            return 0
+        if self.auto_id:  # a partial upsert keeps each row's id and vector
+            rows = [{"id": int(row["id"]), **changes[int(row["id"])]} for row in present]
             self.client.upsert(self.collection, rows, partial_update=True)
-        return len(rows)
+        else:  # servers before 2.6 upsert whole rows only, into collections whose ids are given here
+            rows = []
+            for old in present:
+                item_id = int(old["id"])
+                new = {**old, **changes[item_id]}
+                row = self._row(
+                    np.asarray(old["vector"], np.float32),
+                    new["path"],
+                    new["label"] or None,
+                    new["content_hash"],
+                    new["added"],
+                    new.get(TAKEN) or None,
+                )
+                rows.append({"id": item_id, **row})
+            self.client.upsert(self.collection, rows)
+        return len(present)
 
     # -- ItemCatalog -------------------------------------------------------------------------------
 
     def get_many(self, ids: Sequence[int]) -> dict[int, Item]:
         if not ids:
             return {}
-        rows = self.client.get(
-            self.collection, ids=[int(i) for i in ids], output_fields=self._metadata_fields
-        )
-        return {int(row["id"]): self._item(row) for row in rows}
+        return {int(row["id"]): self._item(row) for row in self._rows(ids, self._metadata_fields)}
 
     def get(self, item_id: int) -> Item | None:
         return self.get_many([item_id]).get(item_id)
 
     def get_by_path(self, path: str) -> Item | None:
         rows = self.client.query(
-            self.collection, filter=f"path == {_literal(path)}", output_fields=self._metadata_fields, limit=1
+            self.collection,
+            filter=f"path == {_literal(path)}",
+            output_fields=self._metadata_fields,
+            limit=1,
+            consistency_level=CONSISTENCY,
         )
         return self._item(rows[0]) if rows else None
 
     def page(self, offset: int, limit: int) -> list[Item]:
         rows = self.client.query(
-            self.collection, filter="id >= 0", output_fields=self._metadata_fields, offset=offset, limit=limit
+            self.collection,
+            filter="id >= 0",
+            output_fields=self._metadata_fields,
+            offset=offset,
+            limit=limit,
+            consistency_level=CONSISTENCY,
         )
         return sorted((self._item(row) for row in rows), key=lambda item: item.id)
 
     def scan(self) -> Iterator[Item]:
-        iterator = self.client.query_iterator(
-            self.collection, batch_size=PAGE, output_fields=self._metadata_fields
-        )
-        try:
-            while batch := iterator.next():
-                yield from (self._item(row) for row in batch)
-        finally:
-            iterator.close()
+        """Pages of ids above the last one seen (Milvus returns a limited query's smallest ids)."""
+        last = -1
+        while rows := self.client.query(
+            self.collection,
+            filter=f"id > {last}",
+            output_fields=self._metadata_fields,
+            limit=PAGE,
+            consistency_level=CONSISTENCY,
+        ):
+            items = sorted((self._item(row) for row in rows), key=lambda item: item.id)
+            yield from items
+            last = items[-1].id
 
     def label_counts(self) -> dict[str, int]:
         # Milvus groups only search results: count over a scan (callers such as the UI cache the answer).
@@ -294,13 +440,16 @@ class MilvusBackend:
         return dict(sorted(counts.items()))
 
     def __len__(self) -> int:
-        rows = self.client.query(self.collection, filter="", output_fields=["count(*)"])
+        rows = self.client.query(
+            self.collection, filter="", output_fields=["count(*)"], consistency_level=CONSISTENCY
+        )
         return int(rows[0]["count(*)"])
 
     @staticmethod
     def _item(row: dict) -> Item:
-        fields = (row["path"], row.get("label"), row["content_hash"], row["added"], row.get(TAKEN))
-        return Item(int(row["id"]), *fields)
+        # None in nullable collections, NO_LABEL in the others: both mean "no label".
+        label = row.get("label") or None
+        return Item(int(row["id"]), row["path"], label, row["content_hash"], row["added"], row.get(TAKEN))
 
     # -- persistence -------------------------------------------------------------------------------
 

@@ -48,6 +48,11 @@ class IndexNotBuiltError(RuntimeError):
     """Vectors were stored but the search structure has not been built yet (an interrupted build)."""
 
 
+class BackendUnavailableError(RuntimeError):
+    """The index's server (Milvus) failed a request or cannot be reached; the message is the server's.
+    Not the caller's input: the API answers 503, the command line names the server and its message."""
+
+
 class ItemCatalog(Protocol):
     """Item metadata by stable int64 id."""
 

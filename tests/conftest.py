@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import export_small_model, make_image
+from tests.helpers import (
+    MilvusServerProcess,
+    MilvusServerUnavailable,
+    export_small_model,
+    free_port,
+    make_image,
+)
 
 # Set before pymilvus loads gRPC: its fork handlers restart pollers in a forked child, which can then abort
 # before exec (grpc/grpc#43055); the tests fork server processes after Milvus Lite tests ran.
@@ -68,3 +77,22 @@ def synthetic_gallery(tmp_path: Path) -> Path:
     (root / "beta" / "corrupt.jpg").write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg")
     (root / "notes.txt").write_text("not an image")
     return root
+
+
+@pytest.fixture(scope="session")
+def milvus_server() -> Iterator[MilvusServerProcess]:
+    """The real Milvus standalone server (``milvus`` package), started once per session in a temporary data
+    folder on a free port; stopped (its process group killed if need be) and its folder removed at the end.
+    Tests that need it skip, saying why, only where it cannot start on this machine."""
+    pytest.importorskip("pymilvus")
+    server = MilvusServerProcess(Path(tempfile.mkdtemp(prefix="dmlsearch-milvus-")), free_port())
+    try:
+        server.start()
+    except MilvusServerUnavailable as err:
+        shutil.rmtree(server.data, ignore_errors=True)
+        pytest.skip(f"the real Milvus server cannot start here: {err}")
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(server.data, ignore_errors=True)

@@ -3,12 +3,14 @@ real uvicorn servers. Fixtures live in the conftests; everything a test imports 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import io
 import os
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -312,3 +314,191 @@ def app_clients(defaults: dict[str, object]) -> Iterator[Callable[..., object]]:
     finally:
         for client in clients:
             client.__exit__(None, None, None)
+
+
+# Seconds the real Milvus server gets to start (it unpacks 250 MB of binaries into its data folder first;
+# about 15-20 s here) and to stop on SIGTERM before the whole process group is killed.
+MILVUS_START_TIMEOUT_S = 180
+MILVUS_STOP_GRACE_S = 10
+MILVUS_SERVER_IDS = Path("/tmp/milvus")
+# ``milvus-server`` with one change: it probes its ports with SO_REUSEADDR, as the server binds them, so a
+# restart takes its port back while the connections of the stopped server linger in TIME_WAIT (it would
+# move to the next free port otherwise).
+MILVUS_LAUNCHER = """
+import socket, sys, milvus
+
+def try_bind_port(self, port):
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+        return sock
+    except OSError:
+        sock.close()
+        return None
+
+milvus.MilvusServerConfig.try_bind_port = try_bind_port
+sys.argv[0] = "milvus-server"
+sys.exit(milvus.main())
+"""
+
+
+class MilvusServerUnavailable(RuntimeError):
+    """The real Milvus server cannot start on this machine (not installed, or it exited or never answered)."""
+
+
+@dataclass
+class MilvusServerProcess:
+    """The real Milvus standalone server of the ``milvus`` package (``milvus-server``) as a process group,
+    on ``port`` with its data in ``data``; :meth:`stop` then :meth:`start` again keeps its data."""
+
+    data: Path
+    port: int
+    process: subprocess.Popen | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        return self.data / "logs" / "milvus-server.log"
+
+    def start(self) -> None:
+        if importlib.util.find_spec("milvus") is None:
+            raise MilvusServerUnavailable(
+                "the milvus package is not installed (pip install 'dmlsearch[milvus-server]')"
+            )
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        etcd_config = self.data / "etcd.yaml"
+        if not etcd_config.exists():  # kept across restarts: the etcd data records its addresses
+            # Its embedded etcd listens on 2379 and 2380 unless told otherwise: ports of its own, so that
+            # it starts beside another Milvus or etcd.
+            etcd_port, peer_port = free_port(), free_port()
+            etcd_config.write_text(
+                f"listen-client-urls: http://localhost:{etcd_port}\n"
+                f"advertise-client-urls: http://localhost:{etcd_port}\n"
+                f"listen-peer-urls: http://localhost:{peer_port}\n"
+                f"initial-advertise-peer-urls: http://localhost:{peer_port}\n"
+                f"initial-cluster: default=http://localhost:{peer_port}\n"
+            )
+        etcd_port = etcd_config.read_text().split("localhost:")[1].split()[0]
+        (self.data / "configs" / "milvus.yaml").unlink(missing_ok=True)  # rewritten by this start
+        command = ["--data", str(self.data), "--proxy-port", str(self.port), "--etcd-port", etcd_port]
+        with self.log.open("ab") as output:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", MILVUS_LAUNCHER, *command],
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "ETCD_CONFIG_PATH": str(etcd_config)},  # read as etcd.config.path
+                start_new_session=True,  # its own process group: stop() reaches the server it spawns
+            )
+        try:
+            self._wait_until_serving()
+        except MilvusServerUnavailable:
+            self.stop()
+            raise
+
+    def _wait_until_serving(self) -> None:
+        from pymilvus import MilvusClient, MilvusException
+
+        deadline = time.monotonic() + MILVUS_START_TIMEOUT_S
+        while True:
+            if self.process.poll() is not None:
+                raise MilvusServerUnavailable(
+                    f"milvus-server exited with code {self.process.returncode}: {self._log_tail()}"
+                )
+            # milvus-server moves to the next free port when the one asked for is taken: check its config.
+            config = self.data / "configs" / "milvus.yaml"
+            if config.exists() and f"port: {self.port}\n" not in config.read_text():
+                raise MilvusServerUnavailable(f"port {self.port} was taken before milvus-server bound it")
+            try:
+                MilvusClient(self.uri, timeout=2).get_server_version()
+                return
+            except MilvusException:
+                pass
+            if time.monotonic() > deadline:
+                raise MilvusServerUnavailable(
+                    f"milvus-server did not answer within {MILVUS_START_TIMEOUT_S} s: {self._log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def _log_tail(self) -> str:
+        logs = [self.log, self.data / "logs" / "milvus-stderr.log"]
+        return " | ".join(log.read_text(errors="replace")[-1000:] for log in logs if log.exists())
+
+    def stop(self) -> None:
+        """SIGTERM to the process group, then SIGKILL once the grace period is over (milvus-server may
+        ignore SIGTERM); returns when no process of the group is left."""
+        if self.process is None:
+            return
+        group = self.process.pid  # start_new_session: the group's id is the leader's pid
+        members = _group_members(group)
+        for sig, grace in ((signal.SIGTERM, MILVUS_STOP_GRACE_S), (signal.SIGKILL, MILVUS_STOP_GRACE_S)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, sig)
+            deadline = time.monotonic() + grace
+            while _group_alive(group, self.process) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not _group_alive(group, self.process):
+                break
+        self.process = None
+        # Milvus 2.3 leaves /tmp/milvus/server_id_PID behind, outside its data folder.
+        for pid in members:
+            (MILVUS_SERVER_IDS / f"server_id_{pid}").unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            MILVUS_SERVER_IDS.rmdir()  # only when empty: another Milvus may be running
+
+
+def _group_alive(group: int, leader: subprocess.Popen) -> bool:
+    leader.poll()  # reap the leader, or it stays a zombie member of the group
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    # Members that exited but wait for their parent to reap them are gone for our purpose.
+    return any(_state(pid) not in ("Z", None) for pid in _group_members(group))
+
+
+def _group_members(group: int) -> list[int]:
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == group:
+                members.append(int(stat.parent.name))
+    return members
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+# The Milvus engines the backend suites run on besides FAISS: Milvus Lite in-process, the real server.
+MILVUS_BACKENDS = ("milvus-lite", "milvus-server")
+
+
+def milvus_target(backend: str, request: pytest.FixtureRequest, directory: Path) -> dict[str, object]:
+    """``GalleryIndex.create`` arguments for a fresh collection on ``backend`` (one of
+    :data:`MILVUS_BACKENDS`); the real server's collection is dropped when the test (or module) ends."""
+    pytest.importorskip("pymilvus")
+    if backend == "milvus-lite":
+        pytest.importorskip("milvus_lite")
+        return {"backend": "milvus"}
+    server: MilvusServerProcess = request.getfixturevalue("milvus_server")
+    collection = f"test_{os.urandom(6).hex()}"
+
+    def drop() -> None:
+        from pymilvus import MilvusClient
+
+        if server.process is not None:
+            client = MilvusClient(server.uri, timeout=10)
+            client.drop_collection(collection)
+            client.close()
+
+    request.addfinalizer(drop)
+    return {"backend": "milvus", "milvus_uri": server.uri, "milvus_collection": collection}

@@ -12,7 +12,13 @@ from cli.main import app
 from engine.model_card import ModelCard
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
-from tests.helpers import make_image
+from tests.helpers import (
+    MILVUS_BACKENDS,
+    MilvusServerProcess,
+    free_port,
+    make_image,
+    milvus_target,
+)
 
 runner = CliRunner()
 
@@ -137,11 +143,19 @@ def test_two_shards_merge_into_what_one_process_builds(
     )
 
 
-def test_milvus_lite_backend_end_to_end(
-    exported_model: Path, synthetic_gallery: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("engine", MILVUS_BACKENDS)
+def test_milvus_backend_end_to_end(
+    engine: str,
+    exported_model: Path,
+    synthetic_gallery: Path,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    pytest.importorskip("milvus_lite")
     out = tmp_path / "index"
+    target = milvus_target(engine, request, out)
+    where = [f"--{key.replace('_', '-')}={value}" for key, value in target.items() if key != "backend"]
+    make_image(555).save(synthetic_gallery / "loose.png")  # directly in the folder: no label
     output = _run(
         "build-index",
         synthetic_gallery,
@@ -151,10 +165,16 @@ def test_milvus_lite_backend_end_to_end(
         exported_model,
         "--backend",
         "milvus",
+        *where,
         "--no-progress",
     )
-    assert "indexed 9 images" in output and "milvus index AUTOINDEX" in output
-    assert (out / "milvus.db").exists()  # Milvus Lite inside the index directory by default
+    assert "indexed 10 images" in output and "milvus index AUTOINDEX" in output
+    if engine == "milvus-lite":
+        assert (out / "milvus.db").exists()  # Milvus Lite inside the index directory by default
+    index = GalleryIndex.open(out)
+    assert index.items.get_by_path("loose.png").label is None  # not "": no label
+    assert index.items.get_by_path("beta/beta_0.png").label == "beta"
+    index.close()
     query = synthetic_gallery / "beta" / "beta_2.png"
     top = _query(out, exported_model, query)[0]
     assert top[1] == "beta/beta_2.png" and top[2] == pytest.approx(1.0, abs=1e-4)
@@ -164,9 +184,9 @@ def test_milvus_lite_backend_end_to_end(
     # A Milvus collection keeps no perceptual signatures: the summary does not claim it used them.
     summary = _run("duplicates", "--index", out).splitlines()[-1]
     assert "by cosine alone" in summary and "within 4 bits" not in summary
-    # Milvus Lite has no server timestamps: pymilvus's warning about it on every scan is not shown.
+    # Milvus Lite has no server timestamps: pymilvus's warning about them is not shown.
     assert not [record for record in caplog.records if "mvccTs" in record.getMessage()]
-    assert "removed 1 items; 8 remain" in _run("index", "remove", out, "beta/beta_2.png")
+    assert "removed 1 items; 9 remain" in _run("index", "remove", out, "beta/beta_2.png")
     assert "beta/beta_2.png" not in {p for _, p, _ in _query(out, exported_model, query)}
     assert json.loads(_run("index", "stats", out, "--json"))["backend"] == "milvus"
     assert "is a milvus index" in _fails(
@@ -213,3 +233,52 @@ def _ids(index_dir: Path) -> list[tuple[int, str, str | None]]:
         return [(item.id, item.path, item.label) for item in index.items.scan()]
     finally:
         index.close()
+
+
+def test_an_unreachable_milvus_server_is_reported_as_such(
+    exported_model: Path, synthetic_gallery: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("pymilvus")
+    uri = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    output = _fails(
+        "build-index", synthetic_gallery, "--out", tmp_path / "index", "--model", exported_model,
+        "--backend", "milvus", "--milvus-uri", uri, "--no-progress",
+    )  # fmt: skip
+    assert f"error: Milvus at {uri}:" in output and "decoded" not in output
+
+
+def test_a_write_the_milvus_server_refuses_is_reported_with_its_message(
+    exported_model: Path, synthetic_gallery: Path, tmp_path: Path, milvus_server: MilvusServerProcess
+) -> None:
+    """The server takes the collection but refuses every insert (labels longer than its field): the build
+    fails with the server's message, not as "none of the files could be decoded"."""
+    from pymilvus import DataType, MilvusClient
+
+    from index.milvus_backend import MODEL_PROPERTY
+
+    card = ModelCard.load(exported_model)
+    client = MilvusClient(milvus_server.uri, timeout=10)
+    schema = client.create_schema(auto_id=False, enable_dynamic_field=False)
+    schema.add_field("id", DataType.INT64, is_primary=True)
+    schema.add_field("vector", DataType.FLOAT_VECTOR, dim=card.embedding_dim)
+    schema.add_field("path", DataType.VARCHAR, max_length=4096)
+    schema.add_field("label", DataType.VARCHAR, max_length=2)  # "alpha" does not fit
+    schema.add_field("content_hash", DataType.VARCHAR, max_length=64)
+    schema.add_field("added", DataType.VARCHAR, max_length=40)
+    index_params = client.prepare_index_params()
+    index_params.add_index("vector", index_type="FLAT", metric_type="COSINE")
+    collection = f"narrow_{free_port()}"
+    client.create_collection(
+        collection, schema=schema, index_params=index_params, properties={MODEL_PROPERTY: card.fingerprint}
+    )
+    try:
+        output = _fails(
+            "build-index", synthetic_gallery, "--out", tmp_path / "index", "--model", exported_model,
+            "--backend", "milvus", "--milvus-uri", milvus_server.uri, "--milvus-collection", collection,
+            "--no-progress",
+        )  # fmt: skip
+    finally:
+        client.drop_collection(collection)
+        client.close()
+    assert f"error: Milvus at {milvus_server.uri}:" in output and "max length" in output
+    assert "decoded" not in output

@@ -1,4 +1,5 @@
-"""One behaviour suite for every backend: FAISS flat, HNSW, IVF, IVF-SQ8, IVF-PQ and Milvus Lite."""
+"""One behaviour suite for every backend: FAISS flat, HNSW, IVF, IVF-SQ8, IVF-PQ, Milvus Lite and the real
+Milvus server (2.3, the oldest the backend supports)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index.gallery import GalleryIndex
+from index.gallery import GalleryIndex, IndexMismatchError
 from index.protocol import Move
 from index.selection import IndexOptions
-from tests.helpers import clustered_vectors, entries
+from tests.helpers import MILVUS_BACKENDS, clustered_vectors, entries, milvus_target
 
 DIM = 32
 COUNT = 600
-BACKENDS = ["faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfsq", "faiss-ivfpq", "milvus-lite"]
+BACKENDS = ["faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfsq", "faiss-ivfpq", *MILVUS_BACKENDS]
 # Fraction of exact top-10 neighbours each backend must find on these small sets (PQ codes are lossy).
 MIN_RECALL = {
     "faiss-flat": 1.0,
@@ -24,6 +25,7 @@ MIN_RECALL = {
     "faiss-ivfsq": 0.9,
     "faiss-ivfpq": 0.5,
     "milvus-lite": 0.9,
+    "milvus-server": 0.9,
 }
 
 MakeIndex = Callable[[], GalleryIndex]
@@ -31,18 +33,17 @@ MakeIndex = Callable[[], GalleryIndex]
 
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
-    if request.param == "milvus-lite":
-        pytest.importorskip("pymilvus")
-        pytest.importorskip("milvus_lite")
     return request.param
 
 
 @pytest.fixture
-def make_index(backend: str, tmp_path: Path) -> MakeIndex:
+def make_index(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> MakeIndex:
+    milvus = milvus_target(backend, request, tmp_path) if backend in MILVUS_BACKENDS else None
+
     def make() -> GalleryIndex:
-        if backend == "milvus-lite":
+        if milvus is not None:
             return GalleryIndex.create(
-                tmp_path / "index", dim=DIM, model_fingerprint="model-a", gallery_root=None, backend="milvus"
+                tmp_path / "index", dim=DIM, model_fingerprint="model-a", gallery_root=None, **milvus
             )
         options = IndexOptions(backend.removeprefix("faiss-"), target_recall=0.95)
         return GalleryIndex.create(
@@ -221,3 +222,47 @@ def test_a_milvus_collection_from_before_capture_times_keeps_working(tmp_path: P
         assert index.search(vectors[:2], 5, ItemFilter(taken_to=today)) == [[], []]
     finally:
         index.close()
+
+
+def test_an_index_refuses_another_model(
+    filled: tuple[GalleryIndex, list[int], np.ndarray], backend: str, tmp_path: Path
+) -> None:
+    index, _, _ = filled
+    with pytest.raises(IndexMismatchError, match="rebuild the index with this model"):
+        index.check_model("model-b", DIM)
+    with pytest.raises(IndexMismatchError, match="dimensions"):
+        index.check_model("model-a", DIM + 1)
+    if backend in MILVUS_BACKENDS:  # the collection itself records its model: another index may not use it
+        manifest = index.manifest
+        with pytest.raises(ValueError, match="holds vectors of model model-a"):
+            GalleryIndex.create(
+                tmp_path / "other",
+                dim=DIM,
+                model_fingerprint="model-b",
+                gallery_root=None,
+                backend="milvus",
+                milvus_uri=manifest.milvus_uri or str(tmp_path / "index" / "milvus.db"),
+                milvus_collection=manifest.milvus_collection,
+            )
+
+
+def test_scan_and_pages_walk_every_item_in_id_order_across_segments(make_index: MakeIndex) -> None:
+    """Added in batches, each saved (sealed segments on a Milvus server): a scan yields every item once, in
+    id order, and pages cut that order."""
+    index = make_index()
+    ids: list[int] = []
+    for batch in range(4):
+        ids += index.add(clustered_vectors(700, DIM, seed=batch), entries(700, prefix=f"batch{batch}"))
+        index.save()
+    assert [item.id for item in index.items.scan()] == sorted(ids)
+    pages = [item.id for offset in range(0, 2800, 1000) for item in index.items.page(offset, 1000)]
+    assert pages == sorted(ids)
+    index.close()
+
+
+def test_ids_given_by_the_client_rise_and_never_repeat() -> None:
+    from index.milvus_backend import IdClock
+
+    clock = IdClock()
+    taken = [i for _ in range(2000) for i in clock.take(3)]
+    assert taken == sorted(taken) and len(set(taken)) == len(taken) and 0 < taken[0] < 2**63

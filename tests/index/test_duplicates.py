@@ -23,7 +23,7 @@ from index.duplicates import (
 from index.gallery import GalleryIndex
 from index.items import ItemStore
 from index.selection import IndexOptions
-from tests.helpers import clustered_vectors, entries
+from tests.helpers import MILVUS_BACKENDS, clustered_vectors, entries, milvus_target
 
 DIM = 32
 THRESHOLD = 0.95
@@ -178,13 +178,15 @@ def test_no_pairs_no_groups_and_bad_thresholds(tmp_path: Path) -> None:
     index.close()
 
 
-def test_milvus_indexes_are_grouped_through_the_index_protocol(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", MILVUS_BACKENDS)
+def test_milvus_indexes_are_grouped_through_the_index_protocol(
+    engine: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """Milvus keeps no signatures: its pairs come from its own kNN search, by cosine alone."""
-    pytest.importorskip("pymilvus")
-    pytest.importorskip("milvus_lite")
     vectors = planted_vectors()[:400]
+    target = milvus_target(engine, request, tmp_path / "index")
     index = GalleryIndex.create(
-        tmp_path / "index", dim=DIM, model_fingerprint="m", gallery_root=None, backend="milvus"
+        tmp_path / "index", dim=DIM, model_fingerprint="m", gallery_root=None, **target
     )
     ids = np.array(index.add(vectors, entries(len(vectors)), [b"\x00" * 32] * len(vectors)))
     index.save()

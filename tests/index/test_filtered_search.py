@@ -12,12 +12,12 @@ from index.gallery import GalleryIndex
 from index.items import ItemStore
 from index.protocol import Entry
 from index.selection import IndexOptions
-from tests.helpers import clustered_vectors
+from tests.helpers import MILVUS_BACKENDS, clustered_vectors, milvus_target
 
 DIM = 32
 COUNT = 3000
 K = 10
-BACKENDS = ["faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfsq", "faiss-ivfpq", "milvus-lite"]
+BACKENDS = ["faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfsq", "faiss-ivfpq", *MILVUS_BACKENDS]
 # recall@10 against brute force over the subset (flat: the same results).
 MIN_RECALL = {"faiss-ivfpq": 0.5}
 DEFAULT_MIN_RECALL = 0.9
@@ -70,12 +70,9 @@ def matches(where: ItemFilter, i: int) -> bool:
 def filled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     backend = request.param
     directory = tmp_path_factory.mktemp("filtered") / "index"
-    if backend == "milvus-lite":
-        pytest.importorskip("pymilvus")
-        pytest.importorskip("milvus_lite")
-        index = GalleryIndex.create(
-            directory, dim=DIM, model_fingerprint="m", gallery_root=None, backend="milvus"
-        )
+    if backend in MILVUS_BACKENDS:
+        target = milvus_target(backend, request, directory)
+        index = GalleryIndex.create(directory, dim=DIM, model_fingerprint="m", gallery_root=None, **target)
     else:
         options = IndexOptions(backend.removeprefix("faiss-"), target_recall=0.95)
         index = GalleryIndex.create(
@@ -83,21 +80,16 @@ def filled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         )
     vectors = clustered_vectors(COUNT, DIM, clusters=20, spread=0.5)
     rows = [metadata(i) for i in range(COUNT)]
-    ids = index.add(vectors, [entry for entry, _ in rows])
-    times = [stored_time(added) for _, added in rows]
-    if backend == "milvus-lite":
-        index.backend.client.upsert(
-            index.backend.collection,
-            [{"id": i, "added": t} for i, t in zip(ids, times, strict=True)],
-            partial_update=True,
-        )
-    else:
-        with index.items.connection as connection:
-            connection.executemany(
-                "UPDATE items SET added = ? WHERE id = ?", list(zip(times, ids, strict=True))
-            )
+    ids = np.zeros(COUNT, dtype=np.int64)
+    # Each day's items are added while the clock every backend stamps items with reads that day.
+    for day in sorted({added for _, added in rows}):
+        today = [i for i, (_, added) in enumerate(rows) if added == day]
+        with pytest.MonkeyPatch.context() as clock:
+            for module in ("index.items", "index.milvus_backend"):
+                clock.setattr(f"{module}.now_utc", lambda day=day: stored_time(day), raising=False)
+            ids[today] = index.add(vectors[today], [rows[i][0] for i in today])
     index.save()
-    yield backend, index, np.array(ids), vectors
+    yield backend, index, ids, vectors
     index.close()
 
 

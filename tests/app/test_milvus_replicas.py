@@ -1,0 +1,150 @@
+"""Two ``dmlsearch serve`` replicas (real uvicorn processes) on one collection of the real Milvus server.
+
+Replicas read at the ``Session`` consistency level (``index.milvus_backend.CONSISTENCY``): each sees its own
+writes at once, and another replica's once the server has applied them, which the tests below measure
+against :data:`REPLICA_DELAY_S`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers import (
+    API_KEY,
+    MilvusServerProcess,
+    image_bytes,
+    make_image,
+    milvus_target,
+    serving,
+    uvicorn_server,
+    wait_until,
+)
+
+KEY = {"X-API-Key": API_KEY}
+# How long a write through one replica may take to show on another: Milvus's Bounded staleness (5 s), an
+# upper bound; measured here it is well under a second (see the test's output).
+REPLICA_DELAY_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def replicated(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    exported_model: Path,
+    milvus_server: MilvusServerProcess,
+) -> Iterator[list[str]]:
+    """An index of a small gallery in a real Milvus server, and the serve arguments of a replica."""
+    from engine.embedder import Embedder
+    from engine.indexing import build_index
+
+    root = tmp_path_factory.mktemp("replicas")
+    gallery = root / "gallery"
+    for i in range(9):
+        (gallery / f"label{i % 3}").mkdir(parents=True, exist_ok=True)
+        make_image(300 + i).save(gallery / f"label{i % 3}" / f"{i}.png")
+    index = root / "index"
+    build_index(
+        gallery,
+        Embedder(exported_model),
+        index,
+        progress=False,
+        **milvus_target("milvus-server", request, index),
+    )
+    yield ["--index", str(index), "--model", str(exported_model), "--rate-limit", "0"]
+
+
+def _search_top(base: str, image: bytes) -> int | None:
+    response = httpx.post(f"{base}/v1/search", params={"k": 1}, files={"image": ("q.png", image)}, timeout=30)
+    response.raise_for_status()
+    results = response.json()["results"]
+    return results[0]["id"] if results else None
+
+
+def _time_until(condition: object, what: str) -> float:
+    started = time.monotonic()
+    wait_until(condition, REPLICA_DELAY_S, what, interval=0.02)
+    return time.monotonic() - started
+
+
+def test_a_write_through_one_replica_is_seen_by_the_other(replicated: list[str]) -> None:
+    args = replicated
+    env = {"DMLSEARCH_API_KEY": API_KEY}
+    with uvicorn_server(args, env) as a, uvicorn_server(args, env) as b:
+        image = image_bytes(make_image(4242), "PNG")
+        added = httpx.post(
+            f"{a}/v1/items",
+            files={"images": ("n.png", image)},
+            data={"label": "new"},
+            headers=KEY,
+            timeout=60,
+        )
+        assert added.status_code == 201, added.text
+        new_id = added.json()["items"][0]["id"]
+        assert _search_top(a, image) == new_id  # its own write, at once
+        seen = _time_until(
+            lambda: _search_top(b, image) == new_id, "replica B to find the item added through A"
+        )
+        assert httpx.get(f"{b}/v1/items/{new_id}").json()["label"] == "new"
+
+        removed = httpx.delete(f"{b}/v1/items/{new_id}", headers=KEY, timeout=60)
+        assert removed.status_code == 200, removed.text
+        assert _search_top(b, image) != new_id
+        gone = _time_until(
+            lambda: (
+                _search_top(a, image) != new_id and httpx.get(f"{a}/v1/items/{new_id}").status_code == 404
+            ),
+            "replica A to lose the item deleted through B",
+        )
+        print(
+            f"added through A, found by B after {seen:.3f} s; "
+            f"deleted through B, gone from A after {gone:.3f} s"
+        )
+
+
+def test_a_replica_killed_during_writes_loses_no_acknowledged_write(
+    replicated: list[str],
+) -> None:
+    """``kill -9`` of replica A while it adds images one by one: every add it acknowledged (201) is in the
+    collection, as replica B shows; the add in flight may or may not have landed, never half of it."""
+    args = replicated
+    env = {"DMLSEARCH_API_KEY": API_KEY}
+    acknowledged: list[int] = []
+    stop = threading.Event()
+
+    with serving(args, env) as a, uvicorn_server(args, env) as b:
+
+        def write() -> None:
+            for n in range(1000):
+                if stop.is_set():
+                    return
+                image = image_bytes(make_image(10_000 + n), "PNG")
+                try:
+                    response = httpx.post(
+                        f"{a.url}/v1/items", files={"images": (f"{n}.png", image)}, headers=KEY, timeout=60
+                    )
+                except httpx.HTTPError:
+                    return  # the replica is gone
+                if response.status_code == 201:
+                    acknowledged.append(response.json()["items"][0]["id"])
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        wait_until(lambda: len(acknowledged) >= 5, 120, "five acknowledged writes")
+        a.process.kill()  # SIGKILL: no shutdown, no flush
+        a.process.wait(timeout=10)
+        stop.set()
+        writer.join(timeout=70)
+        assert not writer.is_alive()
+
+        def all_on_b() -> bool:
+            return all(httpx.get(f"{b}/v1/items/{item_id}").status_code == 200 for item_id in acknowledged)
+
+        _time_until(all_on_b, f"replica B to show the {len(acknowledged)} acknowledged items")
+        stats = httpx.get(f"{b}/v1/stats").json()
+        assert stats["count"] >= 9 + len(acknowledged)
