@@ -81,11 +81,26 @@ class CurrentBundle:
             yield self.bundle
 
     def swap(self, bundle: LoadedBundle) -> LoadedBundle:
-        """Serve ``bundle`` from now on, once the searches and writes under way are done; returns the old
-        one (for the caller to close what the new one does not share)."""
+        """Serve ``bundle`` from now on and close what the old one does not share; returns the bundle served.
+
+        The swap waits for the searches and writes under way, and no write runs during it. A FAISS index
+        opened before a write of this process (or another) saved its directory is read again first, under
+        the same lock: every write acknowledged before the swap is in the index served after it.
+        """
         with self.lock.write():
+            if bundle.index.manifest.backend == "faiss" and bundle.index.saved_elsewhere():
+                reopened = GalleryIndex.open(bundle.index.directory, backend="faiss")
+                try:
+                    fresh = bundle.with_index(reopened)  # rebuilt with another model meanwhile: refused
+                except ValueError:
+                    reopened.close()
+                    raise
+                bundle.index.close()
+                bundle = fresh
             old, self.bundle = self.bundle, bundle
-        return old
+        if old.index is not bundle.index:
+            old.index.close()
+        return bundle
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +34,12 @@ from tests.helpers import (
     wait_until,
     write_labelled_folder,
 )
+from tests.hostile_bundles import (
+    HOSTILE_MODELS,
+    with_corrupt_vectors,
+    with_garbage_vectors,
+    with_hostile_model,
+)
 
 KEY = {"X-API-Key": API_KEY}
 LABEL = {"label": "kill"}
@@ -40,6 +47,8 @@ MB = 1024**2
 # Memory a request may add to the server's peak. The largest allowed image (50 MP) peaks at ~0.25-0.6 GB
 # depending on its pixel mode (README, "Memory"); the extreme aspect ratios below took 5-20 GB before.
 BIG_IMAGE_BUDGET = 700 * MB
+# The capped server's reload probe limit: a model that has not embedded the probe image by then is refused.
+PROBE_SECONDS = 15
 SMALL_REQUEST_BUDGET = 150 * MB
 
 
@@ -61,7 +70,7 @@ def served_args(served: Served, *extra: str) -> list[str]:
 def capped(served_module: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A server with default limits, writes enabled and its output in a log file, under the 2 GB cap."""
     log = tmp_path_factory.mktemp("capped") / "server.log"
-    env = {"DMLSEARCH_API_KEY": API_KEY}
+    env = {"DMLSEARCH_API_KEY": API_KEY, "DMLSEARCH_RELOAD_PROBE_SECONDS": str(PROBE_SECONDS)}
     args = served_args(served_module, "--rate-limit", "0")
     with serving(args, env, address_space=ADDRESS_SPACE_CAP, log=log) as server:
         yield server
@@ -331,3 +340,70 @@ def test_build_index_skips_links_out_of_the_gallery(tmp_path: Path, exported_mod
     assert len(index) == 4
     assert all(item.path != "class_00/link.png" for item in index.items.scan())
     index.close()
+
+
+# What each hostile bundle's refusal says. Before, each was reloaded with 200: then every search answered
+# 500 (narrow, nan), the first search never returned and held a core and a compute slot for good (endless),
+# or /v1/duplicates answered 500 (corrupt and garbage blobs).
+HOSTILE_REASONS = {
+    "narrow": "outputs shape (1, 64) for one image",
+    "nan": "not finite",
+    "endless": f"did not embed one image within {PROBE_SECONDS} s",
+    "corrupt blobs": "corrupt vector blobs",
+    "garbage blobs": "not finite unit vectors",
+}
+
+
+@pytest.fixture(scope="module")
+def hostile_bundles(served_module: Served, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hostile")
+    bundles = {kind: with_hostile_model(served_module.index, root / kind, kind) for kind in HOSTILE_MODELS}
+    bundles["corrupt blobs"] = with_corrupt_vectors(served_module.index, root / "corrupt")
+    bundles["garbage blobs"] = with_garbage_vectors(served_module.index, root / "garbage")
+    return bundles
+
+
+def cpu_seconds(server: ServerProcess) -> float:
+    """User plus system CPU time of the server process, all its threads."""
+    fields = Path(f"/proc/{server.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(server: ServerProcess) -> list[str]:
+    tasks = Path(f"/proc/{server.process.pid}/task")
+    return [pid for task in tasks.iterdir() for pid in (task / "children").read_text().split()]
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_REASONS))
+def test_a_bundle_that_fails_its_probe_is_refused_and_costs_nothing(
+    capped: ServerProcess, hostile_bundles: dict[str, Path], case: str
+) -> None:
+    """The reload probes the new bundle (its model in a child process killed after the probe limit, its
+    index and stored vectors): 422 with the reason, the old bundle keeps serving, and nothing is left
+    running: no child, no busy thread (CPU idle afterwards), both compute slots free."""
+    old = httpx.get(f"{capped.url}/v1/stats", timeout=10).json()["model_fingerprint"]
+    response = httpx.post(
+        f"{capped.url}/v1/admin/reload",
+        headers=KEY,
+        json={"index_path": str(hostile_bundles[case])},
+        timeout=PROBE_SECONDS + 60,
+    )
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["code"] == "reload_failed"
+    assert HOSTILE_REASONS[case] in response.json()["error"]["message"], response.text
+    assert children(capped) == []
+    idle_from = cpu_seconds(capped)
+    time.sleep(2)
+    assert cpu_seconds(capped) - idle_from < 0.5, "a thread is still busy"
+    answers: list[httpx.Response] = []
+    queries = [
+        threading.Thread(target=lambda: answers.append(search(capped, png(64, 64), k=3))) for _ in range(4)
+    ]
+    for query in queries:
+        query.start()
+    for query in queries:
+        query.join(60)
+    assert [answer.status_code for answer in answers] == [200] * 4
+    assert {answer.json()["model_fingerprint"] for answer in answers} == {old}
+    assert httpx.get(f"{capped.url}/v1/duplicates", timeout=60).status_code == 200
+    assert_alive(capped)
