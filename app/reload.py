@@ -21,16 +21,18 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from app.state import EngineState
+from engine.model_card import ModelCard
 from engine.probe import probe_output, prove_bundle, prove_index
 from engine.search import SearchService
 from engine.serving import LoadedBundle
-from index.gallery import GalleryIndex, IndexMismatchError
+from index.gallery import IndexMismatchError
 
 log = logging.getLogger("dmlsearch.app")
 
@@ -75,7 +77,7 @@ class Reloader:
             directory = service.index.directory
             started = time.perf_counter()
             try:
-                index = GalleryIndex.open(directory, backend="faiss")
+                index = LoadedBundle.open_index(directory, backend="faiss")
             except Exception as err:  # a save in progress or a bad index: keep serving the one loaded
                 raise ReloadError(f"{type(err).__name__}: {err}") from err
             try:
@@ -83,20 +85,32 @@ class Reloader:
             except IndexMismatchError:
                 index.close()
                 return self._reload(directory, None)
-            return self._swap(bundle, directory, started, prove_index)
+            return self._swap(bundle, directory, started, partial(prove_index, stored_vectors=False))
 
     def _reload(self, index_path: Path | None, model_path: Path | None) -> Reloaded:
         started = time.perf_counter()
         settings = self.app.state.settings
         where = index_path or settings.index_path
+        service: SearchService | None = self.app.state.engine.service
         try:
             index_path, model_path = EngineState.locate(settings, index_path, model_path)
-            output = probe_output(model_path, settings.reload_probe_seconds)  # before this process loads it
-            bundle = EngineState.open_bundle(settings, index_path, model_path)
+            if service is not None and ModelCard.load(model_path).fingerprint == service.model_fingerprint:
+                # The model served already (the same bytes): its loaded session serves the new index.
+                index = EngineState.open_index(settings, index_path)
+                try:
+                    bundle = service.current.bundle.with_index(index)
+                except ValueError:
+                    index.close()
+                    raise
+                prove: Callable[[LoadedBundle], None] = partial(prove_index, stored_vectors=True)
+            else:
+                output = probe_output(model_path, settings.reload_probe_seconds)  # before it is loaded here
+                bundle = EngineState.open_bundle(settings, index_path, model_path)
+                prove = partial(prove_bundle, output=output)
         except Exception as err:  # whatever is wrong with the new bundle, keep serving the old one
             log.error("reload of %s failed, still serving the loaded index: %s", where, err)
             raise ReloadError(f"{type(err).__name__}: {err}") from err
-        return self._swap(bundle, where, started, lambda fresh: prove_bundle(fresh, output))
+        return self._swap(bundle, where, started, prove)
 
     def _swap(
         self, bundle: LoadedBundle, where: Path, started: float, prove: Callable[[LoadedBundle], None]

@@ -11,6 +11,7 @@ from engine.bundle import resolve_model
 from engine.search import SearchService
 from engine.serving import LoadedBundle, ServingConfig
 from index.atomic import remove_abandoned
+from index.gallery import GalleryIndex
 
 log = logging.getLogger("dmlsearch.app")
 
@@ -42,6 +43,10 @@ class EngineState:
         if index_path is None:
             index_path, model_path = settings.index_path, model_path or settings.model_path
         return index_path, resolve_model(index_path, model_path)
+
+    @staticmethod
+    def open_index(settings: Settings, index_path: Path) -> GalleryIndex:
+        return LoadedBundle.open_index(index_path, backend=settings.backend, milvus_uri=settings.milvus_uri)
 
     @staticmethod
     def open_bundle(settings: Settings, index_path: Path, model_path: Path) -> LoadedBundle:

@@ -97,12 +97,11 @@ def prove_bundle(bundle: LoadedBundle, output: np.ndarray) -> None:
     check_index(bundle, check_output(output, bundle.embedder.dim), stored_vectors=True)
 
 
-def prove_index(bundle: LoadedBundle) -> None:
-    """The probe of an index saved by another process, about to be served with the model already served
-    (proven when it was loaded): the probe query runs in this process."""
+def prove_index(bundle: LoadedBundle, *, stored_vectors: bool) -> None:
+    """The probe of another index about to be served with the model already served (already answering
+    queries): the probe query runs in this process."""
     vector = bundle.embedder.embed([probe_image()])
-    check_output(vector, bundle.embedder.dim)
-    check_index(bundle, vector, stored_vectors=False)
+    check_index(bundle, check_output(vector, bundle.embedder.dim), stored_vectors=stored_vectors)
 
 
 def main() -> None:
