@@ -28,29 +28,24 @@ from app.reload import Reloader, ReloadError, reload_on_sighup
 from app.routes import router
 from app.settings import Settings
 from app.state import EngineState
-from index.gallery import IndexMismatchError
 
 log = logging.getLogger("dmlsearch.app")
 
 
 async def _poll_index(app: FastAPI, seconds: float) -> None:
-    """Reload the index when another process saved it (see ``SearchService.reload_if_changed``), or load it
-    when the server started while the index's server (Milvus) was down."""
+    """Serve the index again when another process saved it (see ``Reloader.refresh``), or load it when the
+    server started while the index's server (Milvus) was down."""
+    reloader: Reloader = app.state.reloader
     while seconds > 0:
         await asyncio.sleep(seconds)
-        service = app.state.engine.service
-        if service is None:
+        if app.state.engine.service is None:
             if app.state.engine.index_server_down:  # started while Milvus was down: load once it is back
                 with contextlib.suppress(ReloadError):  # the reloader logs why
-                    await run_in_threadpool(app.state.reloader.reload)
+                    await run_in_threadpool(reloader.reload)
             continue
         try:
-            if await run_in_threadpool(service.reload_if_changed):
-                log.info("index reloaded: %d items", len(service.index))
-        except IndexMismatchError:  # rebuilt in place with another model: load it with the model it carries
-            with contextlib.suppress(ReloadError):  # the reloader logs why
-                await run_in_threadpool(app.state.reloader.reload, service.index.directory)
-        except Exception as err:  # a save in progress or a bad index: keep serving the one loaded
+            await run_in_threadpool(reloader.refresh)
+        except ReloadError as err:  # a save in progress or a bad index: keep serving the one loaded
             log.warning("index not reloaded: %s", err)
 
 

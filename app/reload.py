@@ -1,11 +1,14 @@
-"""Switch a running server to another index directory (and the model it carries) without dropping a request.
+"""Switch a running server to another bundle (an index directory and the model it carries) without
+dropping a request, after the bundle has proven it can answer.
 
-The new engine (embedder, PDDM unit and index, one :class:`SearchService`) is loaded and tried beside the
-served one; then one reference assignment swaps it in. Each request takes the engine once, when it starts
-(``app.deps.ready_service``), so queries in flight finish on the old engine, which is freed when the last
-of them lets go of it; new requests get the new one, and ``/readyz`` never stops answering 200. A load
-that fails leaves the served engine as it was and says why. Triggered by ``POST /v1/admin/reload`` or by
-SIGHUP, which reloads the configured index path (a symlink the operator repointed, say).
+Every change of the served bundle goes through :class:`Reloader` and ``SearchService.swap``
+(``CurrentBundle.swap``): ``POST /v1/admin/reload`` and SIGHUP (:meth:`Reloader.reload`: the configured
+path again, a symlink the operator repointed, say, or another directory), and the index poller
+(:meth:`Reloader.refresh`: the served index saved by another process). The new bundle is loaded beside
+the served one and probed (``engine.probe``: a query through its model in a child process that is killed
+when it overruns, and through its index); then it is swapped in under the lock writes take, so that no
+write is half done and every acknowledged write is in it, and the old index is closed. A bundle that
+fails to load or to prove itself is refused with the reason, and the served one stays.
 """
 
 from __future__ import annotations
@@ -18,19 +21,24 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-import numpy as np
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from app.state import EngineState
+from engine.model_card import ModelCard
+from engine.probe import probe_output, prove_bundle, prove_index
+from engine.search import SearchService
+from engine.serving import LoadedBundle
+from index.gallery import IndexMismatchError
 
 log = logging.getLogger("dmlsearch.app")
 
 
 class ReloadError(Exception):
-    """The new index could not be loaded: the served one stays."""
+    """The new bundle could not be loaded or failed its probe: the served one stays."""
 
 
 @dataclass(frozen=True)
@@ -43,34 +51,89 @@ class Reloaded:
 
 
 class Reloader:
-    """Loads and swaps in engines for one app, one reload at a time."""
+    """Loads, proves and swaps in bundles for one app, one change at a time."""
 
     def __init__(self, app: FastAPI) -> None:
         self.app = app
         self._lock = threading.Lock()  # two reloads at once would race for the last word
 
     def reload(self, index_path: Path | None = None, model_path: Path | None = None) -> Reloaded:
-        """Load ``index_path`` (default: the configured one) and swap it in; raises :class:`ReloadError`.
+        """Load ``index_path`` (default: the configured one), prove it and swap it in; raises
+        :class:`ReloadError`.
 
         ``model_path`` None: the model the index carries (the configured model for the configured path).
         """
-        started = time.perf_counter()
-        where = index_path or self.app.state.settings.index_path
         with self._lock:
+            return self._reload(index_path, model_path)
+
+    def refresh(self) -> Reloaded | None:
+        """Serve the served FAISS index again when another process saved it (None: it did not), with the
+        model already served; an index rebuilt in place with another model is reloaded whole, with the
+        model it carries. Raises :class:`ReloadError` when the saved index cannot be served."""
+        with self._lock:
+            service: SearchService | None = self.app.state.engine.service
+            if service is None or not service.saved_elsewhere():
+                return None
+            directory = service.index.directory
+            started = time.perf_counter()
             try:
-                fresh = EngineState.open(self.app.state.settings, index_path, model_path)
-                _try(fresh)
-            except Exception as err:  # whatever is wrong with the new index, keep serving the old one
-                log.error("reload of %s failed, still serving the loaded index: %s", where, err)
+                index = LoadedBundle.open_index(directory, backend="faiss")
+            except Exception as err:  # a save in progress or a bad index: keep serving the one loaded
                 raise ReloadError(f"{type(err).__name__}: {err}") from err
-            previous = self.app.state.engine.service
-            self.app.state.engine = fresh  # the swap: one reference, model + PDDM unit + index together
-        service = fresh.service
+            try:
+                bundle = service.current.bundle.with_index(index)
+            except IndexMismatchError:
+                index.close()
+                return self._reload(directory, None)
+            return self._swap(bundle, directory, started, partial(prove_index, stored_vectors=False))
+
+    def _reload(self, index_path: Path | None, model_path: Path | None) -> Reloaded:
+        started = time.perf_counter()
+        settings = self.app.state.settings
+        where = index_path or settings.index_path
+        service: SearchService | None = self.app.state.engine.service
+        try:
+            index_path, model_path = EngineState.locate(settings, index_path, model_path)
+            if service is not None and ModelCard.load(model_path).fingerprint == service.model_fingerprint:
+                # The model served already (the same bytes): its loaded session serves the new index.
+                index = EngineState.open_index(settings, index_path)
+                try:
+                    bundle = service.current.bundle.with_index(index)
+                except ValueError:
+                    index.close()
+                    raise
+                prove: Callable[[LoadedBundle], None] = partial(prove_index, stored_vectors=True)
+            else:
+                output = probe_output(model_path, settings.reload_probe_seconds)  # before it is loaded here
+                bundle = EngineState.open_bundle(settings, index_path, model_path)
+                prove = partial(prove_bundle, output=output)
+        except Exception as err:  # whatever is wrong with the new bundle, keep serving the old one
+            log.error("reload of %s failed, still serving the loaded index: %s", where, err)
+            raise ReloadError(f"{type(err).__name__}: {err}") from err
+        return self._swap(bundle, where, started, prove)
+
+    def _swap(
+        self, bundle: LoadedBundle, where: Path, started: float, prove: Callable[[LoadedBundle], None]
+    ) -> Reloaded:
+        state: EngineState = self.app.state.engine
+        previous = state.service.model_fingerprint if state.service is not None else None
+        try:
+            prove(bundle)
+            if state.service is not None:
+                served = state.service.swap(bundle)
+            else:  # nothing served yet (the start-up load failed): this bundle is the first
+                state.service = SearchService(bundle, EngineState.config(self.app.state.settings))
+                state.not_ready_reason, state.index_server_down = None, False
+                served = bundle
+        except Exception as err:  # whatever is wrong with the new bundle, keep serving the old one
+            bundle.index.close()
+            log.error("reload of %s failed, still serving the loaded index: %s", where, err)
+            raise ReloadError(f"{type(err).__name__}: {err}") from err
         result = Reloaded(
             index_path=Path(where),
-            model_fingerprint=service.model_fingerprint,
-            previous_model_fingerprint=previous.model_fingerprint if previous is not None else None,
-            count=len(service.index),
+            model_fingerprint=served.embedder.fingerprint,
+            previous_model_fingerprint=previous,
+            count=len(served.index),
             took_ms=(time.perf_counter() - started) * 1000.0,
         )
         log.info(
@@ -81,12 +144,6 @@ class Reloader:
             result.took_ms,
         )
         return result
-
-
-def _try(state: EngineState) -> None:
-    """One search through the new index, so a truncated or half-built one fails here, not in a query."""
-    service = state.service
-    service.index.search(np.zeros((1, service.embedder.dim), dtype=np.float32), 1)
 
 
 def reload_on_sighup(reloader: Reloader) -> Callable[[], None]:

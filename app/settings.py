@@ -73,6 +73,12 @@ class Settings(BaseSettings):
         description="check this often whether another process (dmlsearch watch, build-index) saved the "
         "index, and reload it (0 = never)",
     )
+    reload_probe_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="a reloaded model must embed a probe image within this (in a child process, killed "
+        "after it), or the reload is refused",
+    )
     rate_limit_per_second: float = Field(
         20.0, ge=0, description="sustained requests per second per client on /v1 (0 disables limiting)"
     )

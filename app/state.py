@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.settings import Settings
+from engine.bundle import resolve_model
 from engine.search import SearchService
-from engine.serving import ServingConfig
+from engine.serving import LoadedBundle, ServingConfig
 from index.atomic import remove_abandoned
+from index.gallery import GalleryIndex
 from index.protocol import BackendUnavailableError
 
 log = logging.getLogger("dmlsearch.app")
@@ -23,33 +25,47 @@ class EngineState:
     not_ready_reason: str | None = "not loaded yet"
     index_server_down: bool = False  # the load failed on the index's server (Milvus): worth retrying
 
-    @classmethod
-    def open(
-        cls, settings: Settings, index_path: Path | None = None, model_path: Path | None = None
-    ) -> EngineState:
-        """A ready engine over ``index_path`` (default: the configured one) or an exception saying why not.
+    @staticmethod
+    def config(settings: Settings) -> ServingConfig:
+        return ServingConfig(
+            max_pixels=settings.max_image_pixels,
+            max_batch_pixels=settings.max_batch_pixels,
+            jpeg_draft=settings.jpeg_draft,
+            vote_sigma2=settings.vote_sigma2,
+            rerank_pool=settings.rerank_pool,
+        )
 
-        ``model_path`` None: the configured model for the configured index, else the model the index
-        carries. The embedder, its PDDM unit and the index come as one :class:`SearchService`, and are
-        swapped as one.
-        """
+    @staticmethod
+    def locate(
+        settings: Settings, index_path: Path | None = None, model_path: Path | None = None
+    ) -> tuple[Path, Path]:
+        """The index directory (default: the configured one) and the model to serve it with, checked to
+        be the one it was built with (``model_path`` None: the configured model for the configured index,
+        else the model the index carries)."""
         if index_path is None:
             index_path, model_path = settings.index_path, model_path or settings.model_path
-        service = SearchService.open(
+        return index_path, resolve_model(index_path, model_path)
+
+    @staticmethod
+    def open_index(settings: Settings, index_path: Path) -> GalleryIndex:
+        return LoadedBundle.open_index(index_path, backend=settings.backend, milvus_uri=settings.milvus_uri)
+
+    @staticmethod
+    def open_bundle(settings: Settings, index_path: Path, model_path: Path) -> LoadedBundle:
+        """The embedder, its PDDM unit and the index, loaded as one bundle (swapped as one)."""
+        return LoadedBundle.open(
             model_path,
             index_path,
             threads=settings.threads,
             backend=settings.backend,
             milvus_uri=settings.milvus_uri,
-            config=ServingConfig(
-                max_pixels=settings.max_image_pixels,
-                max_batch_pixels=settings.max_batch_pixels,
-                jpeg_draft=settings.jpeg_draft,
-                vote_sigma2=settings.vote_sigma2,
-                rerank_pool=settings.rerank_pool,
-            ),
         )
-        return cls(service, None)
+
+    @classmethod
+    def open(cls, settings: Settings) -> EngineState:
+        """A ready engine over the configured bundle, or an exception saying why not."""
+        bundle = cls.open_bundle(settings, *cls.locate(settings))
+        return cls(SearchService(bundle, cls.config(settings)), None)
 
     @classmethod
     def load(cls, settings: Settings) -> EngineState:

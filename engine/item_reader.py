@@ -21,6 +21,21 @@ def find_item(bundle: LoadedBundle, item_id: int) -> Item:
     return item
 
 
+def image_path(bundle: LoadedBundle, item_id: int) -> Path:
+    """The gallery file of an item, refusing anything that resolves outside the gallery root; call it
+    under the bundle's lock."""
+    item = find_item(bundle, item_id)
+    root = bundle.index.manifest.gallery_root
+    if root is None:
+        raise ItemNotFoundError(f"item {item_id} has no stored image (the index records no gallery)")
+    root_path = Path(root).resolve()
+    path = (root_path / item.path).resolve()
+    # resolve() follows symlinks and "..", so a path or link pointing outside the gallery is refused.
+    if not path.is_relative_to(root_path) or not path.is_file():
+        raise ItemNotFoundError(f"the image of item {item_id} is not available in the gallery")
+    return path
+
+
 class ItemReader:
     def __init__(self, current: CurrentBundle, *, max_pixels: int) -> None:
         self.current = current
@@ -33,16 +48,7 @@ class ItemReader:
     def image_path(self, item_id: int) -> Path:
         """The gallery file of an item, refusing anything that resolves outside the gallery root."""
         with self.current.reading() as bundle:
-            item = find_item(bundle, item_id)
-            root = bundle.index.manifest.gallery_root
-        if root is None:
-            raise ItemNotFoundError(f"item {item_id} has no stored image (the index records no gallery)")
-        root_path = Path(root).resolve()
-        path = (root_path / item.path).resolve()
-        # resolve() follows symlinks and "..", so a path or link pointing outside the gallery is refused.
-        if not path.is_relative_to(root_path) or not path.is_file():
-            raise ItemNotFoundError(f"the image of item {item_id} is not available in the gallery")
-        return path
+            return image_path(bundle, item_id)
 
     def thumbnail(self, item_id: int, size: int) -> bytes:
         """A JPEG of the item's image, at most ``size`` pixels on its longer side."""

@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from engine.capture_time import capture_time, clock_now
 from engine.decoding import RUN_IMAGES, batch_tensor, open_uploads
 from engine.images import FORMAT_SUFFIXES
@@ -51,6 +53,23 @@ class NewItem:
     label: str | None = None
 
 
+@dataclass(frozen=True)
+class _NewFile:
+    relative: str  # gallery-relative path, as the index stores it
+    label: str | None
+    digest: str
+    taken: str  # when the photo was taken (index.protocol.Item.taken)
+    target: Path
+    data: bytes
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    files: list[_NewFile]
+    vectors: np.ndarray
+    signatures: list[bytes]
+
+
 class ItemWriter:
     """Writes run alone under the bundle's lock (searches wait for them) and save the index before
     returning."""
@@ -63,12 +82,43 @@ class ItemWriter:
         """Store the images under the gallery root (``<label>/<content hash>.<ext>``) and index them.
 
         Everything is validated, decoded and embedded before the index is touched, so a bad image leaves
-        the index unchanged. Files are written atomically; the index is saved before returning.
+        the index unchanged; that work runs outside the lock, and again under it for the bundle a reload
+        swapped in meanwhile (its model, its gallery). Files are written atomically; the index is saved
+        before returning.
         """
         bundle = self.current.bundle
+        prepared = self._prepare(bundle, new_items)
+        with self.current.writing() as served:
+            if served is not bundle:
+                prepared = self._prepare(served, new_items)
+            for file in prepared.files:
+                if served.index.items.get_by_path(file.relative) is not None:
+                    raise DuplicateItemError(f"{file.relative} is already indexed")
+            written = []
+            try:
+                with _storage("nothing was added"):
+                    for file in prepared.files:
+                        if not file.target.exists():
+                            atomic_write_bytes(file.target, file.data)
+                            written.append(file.target)
+                    ids = served.index.add(
+                        prepared.vectors,
+                        [Entry(f.relative, f.label, f.digest, f.taken) for f in prepared.files],
+                        prepared.signatures,
+                    )
+            except BaseException:
+                for target in written:  # files of items that never made it into the index
+                    target.unlink(missing_ok=True)
+                raise
+            with _storage(f"items {ids} were stored and are searchable, but the index files were not saved"):
+                served.index.save()
+            return [find_item(served, item_id) for item_id in ids]
+
+    def _prepare(self, bundle: LoadedBundle, new_items: Sequence[NewItem]) -> _Prepared:
+        """Check, decode and embed the new items for ``bundle``: where each file goes, and its vector."""
         root = _gallery_root(bundle)
         headers = open_uploads([new.data for new in new_items], self.config.budget(bundle.embedder))
-        prepared = []
+        files: list[_NewFile] = []
         for position, (new, header) in enumerate(zip(new_items, headers, strict=True)):
             label = _label_folder(bundle, root, new.label, position)
             digest = hashlib.sha256(new.data).hexdigest()
@@ -76,34 +126,15 @@ class ItemWriter:
             target = root / relative
             if target.exists() and (not target.is_file() or target.read_bytes() != new.data):
                 raise InvalidItemError(f"image {position}: {relative} already holds another file")
-            if any(relative.as_posix() == earlier[0].path for earlier in prepared):
+            if any(relative.as_posix() == earlier.relative for earlier in files):
                 raise DuplicateItemError(f"image {position} repeats an earlier image of this request")
             # The photo's capture time (before batch_tensor closes the header), else now: the file is new.
-            entry = Entry(relative.as_posix(), label, digest, capture_time(header) or clock_now())
-            prepared.append((entry, target, new.data))
-        preprocessing = bundle.embedder.card.preprocessing
+            taken = capture_time(header) or clock_now()
+            files.append(_NewFile(relative.as_posix(), label, digest, taken, target, new.data))
         signatures: list[bytes] = []
-        tensor = batch_tensor(headers, preprocessing, signatures=signatures)
+        tensor = batch_tensor(headers, bundle.embedder.card.preprocessing, signatures=signatures)
         vectors = bundle.embedder.embed_tensor(tensor, run_size=RUN_IMAGES)
-        with self.current.writing() as bundle:
-            for entry, *_ in prepared:
-                if bundle.index.items.get_by_path(entry.path) is not None:
-                    raise DuplicateItemError(f"{entry.path} is already indexed")
-            written = []
-            try:
-                with _storage("nothing was added"):
-                    for _, target, data in prepared:
-                        if not target.exists():
-                            atomic_write_bytes(target, data)
-                            written.append(target)
-                    ids = bundle.index.add(vectors, [entry for entry, *_ in prepared], signatures)
-            except BaseException:
-                for target in written:  # files of items that never made it into the index
-                    target.unlink(missing_ok=True)
-                raise
-            with _storage(f"items {ids} were stored and are searchable, but the index files were not saved"):
-                bundle.index.save()
-            return [find_item(bundle, item_id) for item_id in ids]
+        return _Prepared(files, vectors, signatures)
 
     def remove(self, item_id: int) -> Item:
         """Remove an item from the index (its gallery file stays on disk) and save the index."""

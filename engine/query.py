@@ -7,15 +7,17 @@ when asked, ranked, voted on and cut to its page (``engine.ranking``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
 import numpy as np
 
 from engine import defaults
 from engine.decoding import RUN_IMAGES, batch_tensor, open_uploads
-from engine.item_reader import ItemReader
+from engine.item_reader import ItemReader, image_path
 from engine.ranking import QueryHits, rank_page, rerank_depth
 from engine.serving import CurrentBundle, LoadedBundle, ServingConfig
 from index.filters import ItemFilter
@@ -88,22 +90,52 @@ class QueryService:
     def search(self, queries: Sequence[Query], options: SearchOptions) -> BatchResponse:
         """Search with each query; raises ``ImageDecodeError`` for a bad image, named by its position
         (``image 2:``) when there are several, before any model work is done (and for queries over the
-        request's pixel budget, before any image is decoded); ``ItemNotFoundError`` for an unknown item."""
-        embedder = self.current.bundle.embedder
-        self._check(options, self.current.bundle)
+        request's pixel budget, before any image is decoded); ``ItemNotFoundError`` for an unknown item.
+
+        Decoding and embedding run outside the bundle's lock, the search under it. A reload that swapped
+        in another model meanwhile has the queries embedded again by it, under the lock: vectors of one
+        model never meet the index of another, and the answer names the model that searched.
+        """
+        bundle = self.current.bundle
+        self._check(options, bundle)
         timer = StageTimer()
+        vectors = self._embed(queries, bundle, timer, self.reader.image_path)
+        excluded = [query.item_id if isinstance(query, ItemQuery) else None for query in queries]
+        with self.current.reading() as served:
+            if served.embedder is not bundle.embedder:
+                self._check(options, served)
+                vectors = self._embed(queries, served, timer, partial(image_path, served))
+            candidates = self._candidates(served, vectors, excluded, options, timer)
+        hits = [
+            rank_page(
+                hits,
+                pddm,
+                k=options.k,
+                offset=options.offset,
+                predict=options.predict,
+                vote_sigma2=self.config.vote_sigma2,
+            )
+            for hits, pddm in candidates
+        ]
+        return BatchResponse(hits, timer.elapsed_ms(), served.embedder.fingerprint, timer.ms)
+
+    def _embed(
+        self,
+        queries: Sequence[Query],
+        bundle: LoadedBundle,
+        timer: StageTimer,
+        item_image: Callable[[int], Path],
+    ) -> np.ndarray:
+        embedder = bundle.embedder
         with timer.stage("decode"):
             images = [
-                self.reader.image_path(query.item_id).read_bytes() if isinstance(query, ItemQuery) else query
+                item_image(query.item_id).read_bytes() if isinstance(query, ItemQuery) else query
                 for query in queries
             ]
             headers = open_uploads(images, self.config.budget(embedder))
         tensor = batch_tensor(headers, embedder.card.preprocessing, stage=timer.stage)
         with timer.stage("embed"):
-            vectors = embedder.embed_tensor(tensor, run_size=RUN_IMAGES)
-        excluded = [query.item_id if isinstance(query, ItemQuery) else None for query in queries]
-        hits = self._search_vectors(vectors, excluded, options, timer)
-        return BatchResponse(hits, timer.elapsed_ms(), embedder.fingerprint, timer.ms)
+            return embedder.embed_tensor(tensor, run_size=RUN_IMAGES)
 
     def _check(self, options: SearchOptions, bundle: LoadedBundle) -> None:
         if options.k < 1 or options.offset < 0:
@@ -116,15 +148,17 @@ class QueryService:
                 "(dmlsearch export of a run trained with --loss pddm)"
             )
 
-    def _search_vectors(
+    def _candidates(
         self,
+        bundle: LoadedBundle,
         vectors: np.ndarray,
         excluded: Sequence[int | None],
         options: SearchOptions,
         timer: StageTimer,
-    ) -> list[QueryHits]:
-        """Search, drop each query's excluded item and the hits below ``min_score`` (a cosine cut,
-        re-ranked or not), re-rank when asked, then rank, vote and cut the page.
+    ) -> list[tuple[list[Hit], np.ndarray | None]]:
+        """Each query's hits, less its excluded item and the hits below ``min_score`` (a cosine cut,
+        re-ranked or not), with their PDDM scores when asked; call it under the bundle's lock (the
+        candidates' vectors are read before a write removes them).
 
         With rerank, the page is taken from the re-ranked pool (``engine.ranking.rerank_depth``): an
         ``offset`` past the pool gives short or empty pages, and the vote is over the top ``offset + k``
@@ -136,33 +170,21 @@ class QueryService:
             depth = options.offset + options.k
         # One extra neighbour for a query item, which is dropped from its own results.
         extra = any(item_id is not None for item_id in excluded)
-        with self.current.reading() as bundle:  # the candidates' vectors are read before a write removes them
-            with timer.stage("search"):
-                hit_lists = [
-                    [hit for hit in hits if hit.item.id != exclude and hit.score >= options.min_score]
-                    if exclude is not None
-                    else [hit for hit in hits[:depth] if hit.score >= options.min_score]
-                    for hits, exclude in zip(
-                        bundle.index.search(vectors, depth + extra, options.where), excluded, strict=True
-                    )
-                ]
-            pddm_lists: list[np.ndarray | None] = [None] * len(hit_lists)
-            if options.rerank:
-                with timer.stage("rerank"):
-                    pddm_lists = [
-                        _pddm_scores(bundle, v, hits) for v, hits in zip(vectors, hit_lists, strict=True)
-                    ]
-        return [
-            rank_page(
-                hits,
-                pddm,
-                k=options.k,
-                offset=options.offset,
-                predict=options.predict,
-                vote_sigma2=self.config.vote_sigma2,
-            )
-            for hits, pddm in zip(hit_lists, pddm_lists, strict=True)
-        ]
+        with timer.stage("search"):
+            hit_lists = [
+                [hit for hit in hits if hit.item.id != exclude and hit.score >= options.min_score]
+                if exclude is not None
+                else [hit for hit in hits[:depth] if hit.score >= options.min_score]
+                for hits, exclude in zip(
+                    bundle.index.search(vectors, depth + extra, options.where), excluded, strict=True
+                )
+            ]
+        pddm_lists: list[np.ndarray | None] = [None] * len(hit_lists)
+        if options.rerank:
+            with timer.stage("rerank"):
+                pairs = zip(vectors, hit_lists, strict=True)
+                pddm_lists = [_pddm_scores(bundle, vector, hits) for vector, hits in pairs]
+        return list(zip(hit_lists, pddm_lists, strict=True))
 
 
 def _pddm_scores(bundle: LoadedBundle, query: np.ndarray, hits: Sequence[Hit]) -> np.ndarray:

@@ -4,7 +4,7 @@
 services sharing it under one readers-writer lock (searches run side by side; a write or a reload waits
 for them and runs alone): ``queries`` (``engine.query``), ``reader`` (``engine.item_reader``), ``writer``
 (``engine.item_writer``) and ``duplicates`` (``engine.duplicates``). A reload swaps the bundle as one
-unit (``CurrentBundle.swap``).
+unit (``CurrentBundle.swap``), the one way the served bundle changes (``app.reload``).
 """
 
 from __future__ import annotations
@@ -62,24 +62,17 @@ class SearchService:
     def rerankers(self) -> list[str]:
         return self.current.bundle.rerankers
 
-    def reload_if_changed(self) -> bool:
-        """Swap in the FAISS index from disk when another process saved it (``dmlsearch watch``,
-        ``build-index``, ``index add``); returns whether it did.
-
-        The new index is opened beside the old one while searches go on; they wait only for the swap.
-        (Milvus collections are live: their changes are seen without this.)
-        """
+    def saved_elsewhere(self) -> bool:
+        """Whether another process saved the served FAISS index since it was loaded (``dmlsearch watch``,
+        ``build-index``, ``index add``). Milvus collections are live: their changes are seen without a
+        reload."""
         index = self.index
-        if index.manifest.backend != "faiss" or not index.saved_elsewhere():
-            return False
-        fresh = GalleryIndex.open(index.directory, backend="faiss")
-        try:
-            bundle = self.current.bundle.with_index(fresh)  # checks the index against the model
-        except ValueError:
-            fresh.close()
-            raise
-        self.current.swap(bundle).index.close()
-        return True
+        return index.manifest.backend == "faiss" and index.saved_elsewhere()
+
+    def swap(self, bundle: LoadedBundle) -> LoadedBundle:
+        """Serve ``bundle`` from now on (``CurrentBundle.swap``: after the writes under way, with every
+        acknowledged write in it); returns the bundle served."""
+        return self.current.swap(bundle)
 
     def close(self) -> None:
         self.index.close()

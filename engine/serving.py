@@ -47,9 +47,17 @@ class LoadedBundle:
         backend; ``milvus_uri``: where its Milvus collection is. The model's PDDM unit is loaded too when
         its card names one (a model exported from a pddm run)."""
         embedder = Embedder(resolve_model(index_dir, model_path), threads=threads)
-        index = GalleryIndex.open(index_dir, backend=backend, milvus_uri=milvus_uri)
+        index = cls.open_index(index_dir, backend=backend, milvus_uri=milvus_uri)
         reranker = PDDMReranker.for_model(embedder.model_path, embedder.card, threads=threads)
         return cls(embedder, index, reranker)
+
+    @staticmethod
+    def open_index(
+        index_dir: Path, *, backend: str | None = None, milvus_uri: str | None = None
+    ) -> GalleryIndex:
+        """An index to serve: a FAISS file is read into memory, not mapped, so that another process
+        overwriting it in place (``cp new.faiss vectors.faiss``) cannot kill the server with SIGBUS."""
+        return GalleryIndex.open(index_dir, backend=backend, milvus_uri=milvus_uri, mapped=False)
 
     def with_index(self, index: GalleryIndex) -> LoadedBundle:
         """The same model over another index (checked to be embedded by it)."""
@@ -81,11 +89,26 @@ class CurrentBundle:
             yield self.bundle
 
     def swap(self, bundle: LoadedBundle) -> LoadedBundle:
-        """Serve ``bundle`` from now on, once the searches and writes under way are done; returns the old
-        one (for the caller to close what the new one does not share)."""
+        """Serve ``bundle`` from now on and close what the old one does not share; returns the bundle served.
+
+        The swap waits for the searches and writes under way, and no write runs during it. A FAISS index
+        opened before a write of this process (or another) saved its directory is read again first, under
+        the same lock: every write acknowledged before the swap is in the index served after it.
+        """
         with self.lock.write():
+            if bundle.index.manifest.backend == "faiss" and bundle.index.saved_elsewhere():
+                reopened = LoadedBundle.open_index(bundle.index.directory, backend="faiss")
+                try:
+                    fresh = bundle.with_index(reopened)  # rebuilt with another model meanwhile: refused
+                except ValueError:
+                    reopened.close()
+                    raise
+                bundle.index.close()
+                bundle = fresh
             old, self.bundle = self.bundle, bundle
-        return old
+        if old.index is not bundle.index:
+            old.index.close()
+        return bundle
 
 
 @dataclass(frozen=True)

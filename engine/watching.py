@@ -6,7 +6,7 @@ Each batch goes through build-index's own content-hash sync (:func:`engine.index
 renamed and moved files keep their ids, changed files are embedded again, deleted files are removed,
 and a file that does not decode yet (half written) is skipped until its next change. The index is
 saved after every batch, so a server on the same index reloads it
-(``SearchService.reload_if_changed``), and a killed watcher restarts by catching up with
+(``app.reload.Reloader.refresh``), and a killed watcher restarts by catching up with
 :func:`engine.indexing.build_index`.
 
 The watcher follows the index at the path it was given, as the server's index poller does: when another

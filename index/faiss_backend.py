@@ -58,8 +58,9 @@ class FaissBackend:
         return cls(directory, manifest, ItemStore(directory, manifest.dim), None)
 
     @classmethod
-    def open(cls, directory: Path, manifest: Manifest) -> FaissBackend:
-        """Open memory-mapped; reconcile the FAISS index with the store if a crash left them apart."""
+    def open(cls, directory: Path, manifest: Manifest, *, mapped: bool = True) -> FaissBackend:
+        """Open (memory-mapped unless not ``mapped``); reconcile the FAISS index with the store if a crash
+        left them apart."""
         items = directory / ItemStore.FILE_NAME
         if manifest.count and (not items.exists() or items.stat().st_size == 0):
             # SQLite would start an empty store, and reconciling would then empty the index too.
@@ -75,7 +76,7 @@ class FaissBackend:
         if manifest.index_spec is not None and (directory / cls.FILE_NAME).exists():
             spec = IndexSpec(manifest.index_type, manifest.index_spec, manifest.dim)
             try:
-                index = FaissIndex.load(directory / cls.FILE_NAME, spec, mmap=True)
+                index = FaissIndex.load(directory / cls.FILE_NAME, spec, mmap=mapped)
             except RuntimeError as err:  # faiss reports a short or garbled file as RuntimeError
                 store.close()
                 raise ValueError(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
+import sys
 import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 # When the photo was taken, or for items indexed before that was kept, when it was indexed.
 TAKEN_OR_ADDED = "COALESCE(taken, added)"
 LABELS_SHOWN = 30  # known labels an unknown-label error lists
+_SURROGATES = (0xD800, 0xDFFF)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,15 @@ class ItemFilter:
                 given = self.path_prefix
                 raise ValueError(f"path_prefix must be a non-empty path in the gallery folder, got {given!r}")
             object.__setattr__(self, "path_prefix", prefix)
+        for name in ("added_from", "added_to"):
+            when = getattr(self, name)
+            if when is not None:
+                try:
+                    _utc(when)
+                except OverflowError:  # 0001-01-01T00:00:00+14:00 is before year 1 in UTC
+                    raise ValueError(
+                        f"{name} {when.isoformat()} is out of range once converted to UTC"
+                    ) from None
         if self.added_from and self.added_to and _utc(self.added_from) >= _utc(self.added_to):
             raise ValueError("added_from must be earlier than added_to")
         for name in ("taken_from", "taken_to"):
@@ -78,8 +89,12 @@ class ItemFilter:
             values.extend(self.labels)
         if self.path_prefix:
             # A range over the path index instead of LIKE, which would treat '_' and '%' as wildcards.
-            parts.append("path >= ? AND path < ?")
-            values.extend([self.path_prefix, _after_prefix(self.path_prefix)])
+            parts.append("path >= ?")
+            values.append(self.path_prefix)
+            after = _after_prefix(self.path_prefix)
+            if after is not None:
+                parts.append("path < ?")
+                values.append(after)
         if self.added_from:
             parts.append("added >= ?")
             values.append(stored_time(self.added_from))
@@ -101,7 +116,9 @@ class ItemFilter:
             parts.append(f"label in [{', '.join(json.dumps(label) for label in self.labels)}]")
         if self.path_prefix:
             parts.append(f"path >= {json.dumps(self.path_prefix)}")
-            parts.append(f"path < {json.dumps(_after_prefix(self.path_prefix))}")
+            after = _after_prefix(self.path_prefix)
+            if after is not None:
+                parts.append(f"path < {json.dumps(after)}")
         if self.added_from:
             parts.append(f"added >= {json.dumps(stored_time(self.added_from))}")
         if self.added_to:
@@ -156,6 +173,16 @@ def clock_time(time: dt.datetime) -> str:
     return time.isoformat(timespec="seconds")
 
 
-def _after_prefix(prefix: str) -> str:
-    """The smallest string above every string that starts with ``prefix``."""
-    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+def _after_prefix(prefix: str) -> str | None:
+    """The smallest string above every string that starts with ``prefix``; None when there is none (the
+    prefix is all U+10FFFF, the last code point).
+
+    Code-point order is SQLite's (UTF-8 bytes compare in code-point order), and the surrogates, which
+    cannot be stored, are stepped over."""
+    stem = prefix.rstrip(chr(sys.maxunicode))
+    if not stem:
+        return None
+    following = ord(stem[-1]) + 1
+    if _SURROGATES[0] <= following <= _SURROGATES[1]:
+        following = _SURROGATES[1] + 1
+    return stem[:-1] + chr(following)

@@ -34,13 +34,15 @@ class Hit:
 
 
 def _connect(
-    directory: Path, manifest: Manifest, *, create: bool, milvus_uri: str | None = None
+    directory: Path, manifest: Manifest, *, create: bool, milvus_uri: str | None = None, mapped: bool = True
 ) -> VectorIndex:
     if manifest.backend == "milvus":
         from index.milvus_backend import MilvusBackend  # pymilvus is an optional extra
 
         return MilvusBackend.connect(directory, manifest, uri=milvus_uri)
-    return FaissBackend.create(directory, manifest) if create else FaissBackend.open(directory, manifest)
+    if create:
+        return FaissBackend.create(directory, manifest)
+    return FaissBackend.open(directory, manifest, mapped=mapped)
 
 
 class GalleryIndex:
@@ -93,18 +95,26 @@ class GalleryIndex:
 
     @classmethod
     def open(
-        cls, directory: Path, *, backend: str | None = None, milvus_uri: str | None = None
+        cls,
+        directory: Path,
+        *,
+        backend: str | None = None,
+        milvus_uri: str | None = None,
+        mapped: bool = True,
     ) -> GalleryIndex:
         """Open an index directory; a FAISS index is memory-mapped until its first change.
 
         ``backend``: refuse an index of another backend; ``milvus_uri``: reach its Milvus collection at
-        another address than the one recorded when it was built.
+        another address than the one recorded when it was built; ``mapped`` False: read the FAISS file
+        into memory instead (a server: a file truncated under a mapping, ``cp new.faiss vectors.faiss``,
+        kills the process with SIGBUS at its next search).
         """
         remove_abandoned(directory)  # before loading: a killed writer's half-written copies are litter
         manifest = Manifest.load(directory)
         if backend is not None and backend != manifest.backend:
             raise ValueError(f"{directory} is a {manifest.backend} index, not {backend}")
-        return cls(directory, manifest, _connect(directory, manifest, create=False, milvus_uri=milvus_uri))
+        connection = _connect(directory, manifest, create=False, milvus_uri=milvus_uri, mapped=mapped)
+        return cls(directory, manifest, connection)
 
     @property
     def items(self) -> ItemCatalog:

@@ -27,6 +27,8 @@ from index.protocol import Entry, Item, Move, check_dim, normalize_rows
 _COLUMNS = "id, path, label, content_hash, added, taken"
 _COLUMNS_BEFORE_TAKEN = "id, path, label, content_hash, added, NULL"  # an old store, opened read-only
 _SQL_CHUNK = 10_000  # ids per "IN (...)" query, below SQLite's variable limit
+# How far a stored vector's length may be from 1 (float32 rounding of a normalised vector is ~1e-7).
+_UNIT_TOLERANCE = 1e-3
 
 
 def now_utc() -> str:
@@ -229,6 +231,29 @@ class ItemStore:
         cursor = self.connection.execute("SELECT id, vector FROM vectors ORDER BY id")
         while rows := cursor.fetchmany(chunk_size):
             yield np.array([row[0] for row in rows], dtype=np.int64), self._decode([row[1] for row in rows])
+
+    def vector_problem(self, chunk_size: int = _SQL_CHUNK) -> str | None:
+        """What is wrong with the stored vectors, or None: every item has one vector of ``dim`` float32s,
+        finite and of unit length (or zero: ``add`` stores them normalised), and none without an item."""
+        size = self.dim * np.dtype(np.float32).itemsize
+        (wrong_size,) = self.connection.execute(
+            "SELECT COUNT(*) FROM vectors WHERE typeof(vector) != 'blob' OR length(vector) != ?", (size,)
+        ).fetchone()
+        if wrong_size:
+            return f"{wrong_size} stored vectors are not {self.dim} float32s (corrupt vector blobs)"
+        (unpaired,) = self.connection.execute(
+            "SELECT (SELECT COUNT(*) FROM items WHERE id NOT IN (SELECT id FROM vectors))"
+            " + (SELECT COUNT(*) FROM vectors WHERE id NOT IN (SELECT id FROM items))"
+        ).fetchone()
+        if unpaired:
+            return f"{unpaired} items have no stored vector or vectors no item"
+        for ids, vectors in self.iter_vectors(chunk_size):
+            norms = np.linalg.norm(vectors, axis=1)
+            bad = ~np.isfinite(norms) | ((np.abs(norms - 1.0) > _UNIT_TOLERANCE) & (norms != 0))
+            if bad.any():
+                some = ids[bad][:5].tolist()
+                return f"stored vectors of ids {some} are not finite unit vectors (corrupt blobs)"
+        return None
 
     # -- perceptual signatures ---------------------------------------------------------------------
 

@@ -295,6 +295,34 @@ def test_huge_integers_are_422(server: tuple[str, Served], path: str, params: di
     assert_error(httpx.get(f"{url}{path}", params=params, timeout=30), 422, "invalid_request")
 
 
+# Before: the first two were 500s (ValueError in chr() past U+10FFFF; a surrogate SQLite cannot store), the
+# times OverflowErrors (500): converted to UTC they fall before year 1 or after year 9999.
+EDGE_PREFIXES = ["cat%F4%8F%BF%BF", "cat%ED%9F%BF", "%F4%8F%BF%BF%F4%8F%BF%BF", "%00", "cat%EF%BF%BF"]
+OUT_OF_RANGE_TIMES = [
+    {"added_to": "0001-01-01T00:00:00+14:00"},
+    {"added_from": "9999-12-31T23:59:59-14:00"},
+    {"added_from": "0001-01-01T00:00:00+14:00", "added_to": "9999-12-31T23:59:59-14:00"},
+]
+
+
+@pytest.mark.parametrize("prefix", EDGE_PREFIXES)
+def test_any_path_prefix_is_answered_without_a_500(server: tuple[str, Served], prefix: str) -> None:
+    url, _ = server
+    for response in (
+        httpx.get(f"{url}/v1/items/3/similar?path_prefix={prefix}", timeout=30),
+        httpx.post(f"{url}/v1/search?path_prefix={prefix}", files={"image": ("q.jpg", jpeg())}, timeout=30),
+    ):
+        assert response.status_code == 200, response.text
+        assert response.json()["results"] == []  # no gallery path starts with these
+
+
+@pytest.mark.parametrize("params", OUT_OF_RANGE_TIMES)
+def test_times_out_of_range_in_utc_are_422(server: tuple[str, Served], params: dict) -> None:
+    url, _ = server
+    error = assert_error(httpx.get(f"{url}/v1/items/3/similar", params=params, timeout=30), 422)
+    assert "out of range" in error["message"]
+
+
 def test_the_last_possible_offset_is_an_empty_page(server: tuple[str, Served]) -> None:
     url, _ = server
     page = httpx.get(f"{url}/v1/items", params={"offset": 2**63 - 1}, timeout=30)

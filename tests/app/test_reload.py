@@ -183,9 +183,11 @@ def test_an_index_rebuilt_in_place_with_another_model_is_reloaded_with_it(
     assert _search(client) == new
 
 
-def test_a_query_in_flight_finishes_on_the_old_engine(
+def test_a_query_embedded_by_a_model_swapped_out_meanwhile_is_answered_by_the_new_one(
     served_module: Served, new_index: Path, client_for: Callable[..., TestClient]
 ) -> None:
+    """The reload does not wait for a query being embedded; the query then finds another model served and
+    is embedded again by it (before: searched with the old model's vector, it mixed two models)."""
     client = client_for(index_path=served_module.index, api_key=API_KEY)
     old_service = client.app.state.engine.service
     entered, release = threading.Event(), threading.Event()
@@ -215,7 +217,7 @@ def test_a_query_in_flight_finishes_on_the_old_engine(
     query.join(30)
     (answer,) = answers
     assert answer.status_code == 200
-    assert answer.json()["model_fingerprint"] == _fingerprint(served_module.index)
+    assert answer.json()["model_fingerprint"] == _fingerprint(new_index)
     assert len(answer.json()["results"]) == 3
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,3 +199,21 @@ def test_label_matching() -> None:
     many = [f"l{i:03d}" for i in range(100)]
     with pytest.raises(UnknownLabelError, match="l029 and 70 more"):
         match_labels(["x"], many)
+
+
+@pytest.mark.parametrize(
+    ("prefix", "inside", "outside"),
+    [
+        ("a\U0010ffff", "a\U0010ffff/x.jpg", "b"),
+        ("a\ud7ff", "a\ud7ff.jpg", "a\ue000"),
+        ("\U0010ffff", "\U0010ffff\U0010ffff", "\U0010fffe"),
+    ],
+)
+def test_prefix_ranges_at_the_ends_of_unicode(tmp_path: Path, prefix: str, inside: str, outside: str) -> None:
+    """The range's upper end steps over the surrogates and past the last code point (both were errors)."""
+    store = ItemStore(tmp_path, 2)
+    vectors = np.eye(2, dtype=np.float32)
+    store.add(vectors, [(inside, None, "h1"), (outside, None, "h2")])
+    condition, values = ItemFilter(path_prefix=prefix).sql()
+    rows = store.connection.execute(f"SELECT path FROM items WHERE {condition}", values).fetchall()
+    assert [path for (path,) in rows] == [inside]
