@@ -6,9 +6,7 @@ when asked, ranked, voted on and cut to its page (``engine.ranking``).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +16,7 @@ from engine.decoding import RUN_IMAGES, batch_tensor, open_uploads
 from engine.item_reader import ItemReader
 from engine.ranking import QueryHits, rank_page, rerank_depth
 from engine.serving import CurrentBundle, LoadedBundle, ServingConfig
+from engine.timing import StageTimer
 from index.filters import ItemFilter
 from index.gallery import Hit
 
@@ -58,25 +57,6 @@ class BatchResponse:
 
 class RerankUnavailableError(ValueError):
     """A re-ranking was asked for that the served model cannot do."""
-
-
-class StageTimer:
-    """Wall-clock milliseconds per named stage of one request."""
-
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
-        self.ms: dict[str, float] = {}
-
-    @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - start) * 1000.0
-
-    def elapsed_ms(self) -> float:
-        return (time.perf_counter() - self.started) * 1000.0
 
 
 class QueryService:
