@@ -28,6 +28,7 @@ from app.reload import Reloader, ReloadError, reload_on_sighup
 from app.routes import router
 from app.settings import Settings
 from app.state import EngineState
+from engine.decode_pool import DecodePool
 from index.gallery import IndexMismatchError
 
 log = logging.getLogger("dmlsearch.app")
@@ -78,12 +79,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return_freed_blocks()
         redact_access_log()
         app.state.compute = ComputeSlots(settings.compute_slots or default_slots())
-        app.state.engine = await run_in_threadpool(EngineState.load, settings)
+        # One decode process per compute slot: every decode holds a slot.
+        app.state.decoder = DecodePool(app.state.compute.slots, settings.decode_limits())
+        app.state.engine = await run_in_threadpool(EngineState.load, settings, decoder=app.state.decoder)
         poller = asyncio.create_task(_poll_index(app, settings.index_poll_seconds))
         stop_sighup = reload_on_sighup(app.state.reloader)
         yield
         stop_sighup()
         poller.cancel()
+        # After the grace period: decodes still running are ended (their requests were cancelled).
+        app.state.decoder.close()
         if app.state.engine.service is not None:
             app.state.engine.service.close()
 

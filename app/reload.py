@@ -58,7 +58,9 @@ class Reloader:
         where = index_path or self.app.state.settings.index_path
         with self._lock:
             try:
-                fresh = EngineState.open(self.app.state.settings, index_path, model_path)
+                fresh = EngineState.open(
+                    self.app.state.settings, index_path, model_path, decoder=self.app.state.decoder
+                )
                 _try(fresh)
             except Exception as err:  # whatever is wrong with the new index, keep serving the old one
                 log.error("reload of %s failed, still serving the loaded index: %s", where, err)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.settings import Settings
+from engine.decode_pool import Decoder
 from engine.search import SearchService
 from engine.serving import ServingConfig
 from index.atomic import remove_abandoned
@@ -23,9 +24,16 @@ class EngineState:
 
     @classmethod
     def open(
-        cls, settings: Settings, index_path: Path | None = None, model_path: Path | None = None
+        cls,
+        settings: Settings,
+        index_path: Path | None = None,
+        model_path: Path | None = None,
+        *,
+        decoder: Decoder,
     ) -> EngineState:
         """A ready engine over ``index_path`` (default: the configured one) or an exception saying why not.
+
+        ``decoder``: where its images are decoded (the app's decode processes).
 
         ``model_path`` None: the configured model for the configured index, else the model the index
         carries. The embedder, its PDDM unit and the index come as one :class:`SearchService`, and are
@@ -45,15 +53,16 @@ class EngineState:
                 jpeg_draft=settings.jpeg_draft,
                 vote_sigma2=settings.vote_sigma2,
                 rerank_pool=settings.rerank_pool,
+                decoder=decoder,
             ),
         )
         return cls(service, None)
 
     @classmethod
-    def load(cls, settings: Settings) -> EngineState:
+    def load(cls, settings: Settings, *, decoder: Decoder) -> EngineState:
         """The configured engine, or a not-ready state with the reason (the process stays up)."""
         try:
-            state = cls.open(settings)
+            state = cls.open(settings, decoder=decoder)
         except Exception as err:  # any load failure leaves the process up and not ready
             log.error("search engine not ready: %s", err)
             return cls(None, f"{type(err).__name__}: {err}")

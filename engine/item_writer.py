@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.decoding import RUN_IMAGES, batch_tensor, open_uploads
+from engine.decoding import RUN_IMAGES, decode_uploads
 from engine.images import FORMAT_SUFFIXES
 from engine.item_reader import find_item
 from engine.labels import InvalidLabelError, check_label
@@ -66,22 +66,27 @@ class ItemWriter:
         """
         bundle = self.current.bundle
         root = _gallery_root(bundle)
-        headers = open_uploads([new.data for new in new_items], self.config.budget(bundle.embedder))
+        preprocessing = bundle.embedder.card.preprocessing
+        decoded = self.config.decoder.run(
+            decode_uploads,
+            [new.data for new in new_items],
+            self.config.budget(bundle.embedder),
+            preprocessing,
+            signatures=True,
+            images=len(new_items),
+        )
         prepared = []
-        for position, (new, header) in enumerate(zip(new_items, headers, strict=True)):
+        for position, (new, image_format) in enumerate(zip(new_items, decoded.formats, strict=True)):
             label = _label_folder(bundle, root, new.label, position)
             digest = hashlib.sha256(new.data).hexdigest()
-            relative = Path(label or ".") / f"{digest[:20]}{FORMAT_SUFFIXES[header.format]}"
+            relative = Path(label or ".") / f"{digest[:20]}{FORMAT_SUFFIXES[image_format]}"
             target = root / relative
             if target.exists() and (not target.is_file() or target.read_bytes() != new.data):
                 raise InvalidItemError(f"image {position}: {relative} already holds another file")
             if any(relative.as_posix() == earlier[0] for earlier in prepared):
                 raise DuplicateItemError(f"image {position} repeats an earlier image of this request")
             prepared.append((relative.as_posix(), label, digest, target, new.data))
-        preprocessing = bundle.embedder.card.preprocessing
-        signatures: list[bytes] = []
-        tensor = batch_tensor(headers, preprocessing, signatures=signatures)
-        vectors = bundle.embedder.embed_tensor(tensor, run_size=RUN_IMAGES)
+        vectors = bundle.embedder.embed_tensor(decoded.tensor, run_size=RUN_IMAGES)
         with self.current.writing() as bundle:
             for relative, *_ in prepared:
                 if bundle.index.items.get_by_path(relative) is not None:
@@ -96,7 +101,7 @@ class ItemWriter:
                     ids = bundle.index.add(
                         vectors,
                         [(relative, label, digest) for relative, label, digest, *_ in prepared],
-                        signatures,
+                        decoded.signatures,
                     )
             except BaseException:
                 for target in written:  # files of items that never made it into the index

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine import defaults
-from engine.decoding import RUN_IMAGES, batch_tensor, open_uploads
+from engine.decoding import RUN_IMAGES, decode_uploads
 from engine.item_reader import ItemReader
 from engine.ranking import QueryHits, rank_page, rerank_depth
 from engine.serving import CurrentBundle, LoadedBundle, ServingConfig
@@ -77,10 +77,13 @@ class QueryService:
                 self.reader.image_path(query.item_id).read_bytes() if isinstance(query, ItemQuery) else query
                 for query in queries
             ]
-            headers = open_uploads(images, self.config.budget(embedder))
-        tensor = batch_tensor(headers, embedder.card.preprocessing, stage=timer.stage)
+            budget, preprocessing = self.config.budget(embedder), embedder.card.preprocessing
+            decoded = self.config.decoder.run(
+                decode_uploads, images, budget, preprocessing, images=len(images)
+            )
+        timer.include(decoded.ms, within="decode")
         with timer.stage("embed"):
-            vectors = embedder.embed_tensor(tensor, run_size=RUN_IMAGES)
+            vectors = embedder.embed_tensor(decoded.tensor, run_size=RUN_IMAGES)
         excluded = [query.item_id if isinstance(query, ItemQuery) else None for query in queries]
         hits = self._search_vectors(vectors, excluded, options, timer)
         return BatchResponse(hits, timer.elapsed_ms(), embedder.fingerprint, timer.ms)

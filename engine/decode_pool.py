@@ -1,0 +1,299 @@
+"""Decoding untrusted images in worker processes that a deadline can kill and a memory limit confines.
+
+What a decoder costs is not written in the header: a 290 KB progressive JPEG whose one scan repeats a
+thousand times decodes for 20 s, a 34-byte WebP that declares 49 MP takes 750 MB, an AVIF whose ``ispe``
+box says 64x64 decodes a 16384x16384 frame. A thread can neither be stopped nor kept from the server's
+memory, so every decode of untrusted bytes (uploads, thumbnails, ``add``, ``build-index``, ``watch``) runs
+in one of a few worker processes, each
+- under an address-space limit (``RLIMIT_AS``) of ``memory_bytes`` above what it maps once started: what
+  the decoder really allocates is capped, whatever the header said;
+- under a CPU-time limit per task (``RLIMIT_CPU``, moved before each task): the kernel ends the worker
+  when a task has spent ``cpu_seconds`` per image;
+- and a wall-clock deadline (``wall_seconds`` per image, for a CPU shared with others), past which the
+  caller ends the worker; so does a caller whose client went away (:func:`cancelled_by`), and closing the
+  pool (a server's shutdown).
+A worker that was ended, ran out of its memory or grew large is replaced by a fresh one. The caller gets
+``ImageDecodeError("image_too_costly")`` for an image over a limit, :class:`DecodeCancelledError` when its
+client went away, and ``MemoryError`` when something else ended the worker (the kernel's OOM killer): the
+machine's shortage, not the image's fault.
+
+Workers are forked from a ``forkserver`` that has imported the decoders once (a fork from the server itself
+would copy its threads' locks): starting one takes milliseconds, not an interpreter's start-up.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import resource
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from engine import defaults
+from engine.images import ImageDecodeError
+
+T = TypeVar("T")
+
+# Imported once by the forkserver, so that every worker forked from it starts with the decoders loaded.
+PRELOAD = ["engine.decoding", "engine.prefetch"]
+# How often a caller waiting on a worker looks at its client and at the pool's state.
+POLL_SECONDS = 0.05
+# A worker whose peak use grew past this above its start is replaced after its task, so that an idle
+# worker holds only its start-up memory (freed heap stays with a process) and the next task finds all of
+# its memory limit.
+RETIRE_GROWTH_BYTES = 256 * 1024**2
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+_cancel: ContextVar[threading.Event | None] = ContextVar("decode_cancel", default=None)
+
+
+class DecodeCancelledError(RuntimeError):
+    """The decode was stopped because its client went away."""
+
+
+class DecodePoolClosedError(RuntimeError):
+    """The decode pool was closed (the process is stopping) while a decode waited or ran."""
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """What one image's decode may cost; a task of ``n`` images gets ``n`` times the time."""
+
+    cpu_seconds: float = defaults.DECODE_CPU_SECONDS
+    wall_seconds: float = defaults.DECODE_WALL_SECONDS
+    memory_bytes: int = defaults.DECODE_MEMORY_BYTES
+
+
+class Decoder(Protocol):
+    """Runs a decode task (a module-level function of picklable arguments) and returns its result."""
+
+    def run(self, task: Callable[..., T], *args: Any, images: int = 1, **kwargs: Any) -> T: ...
+
+
+class InProcessDecoder:
+    """Decodes in the calling thread, without limits: for trusted files (training sets, benchmarks)."""
+
+    def run(self, task: Callable[..., T], *args: Any, images: int = 1, **kwargs: Any) -> T:
+        return task(*args, **kwargs)
+
+
+@contextmanager
+def cancelled_by(event: threading.Event) -> Iterator[None]:
+    """Decodes started in this context (this thread) stop, their workers ended, once ``event`` is set."""
+    token = _cancel.set(event)
+    try:
+        yield
+    finally:
+        _cancel.reset(token)
+
+
+class _Worker:
+    def __init__(self, context: Any, memory_bytes: int, niceness: int) -> None:
+        self.conn, child = context.Pipe()
+        self.process = context.Process(
+            target=_serve, args=(child, memory_bytes, niceness), name="dmlsearch-decode", daemon=True
+        )
+        self.process.start()
+        child.close()
+
+    def end(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+
+class DecodePool:
+    """``workers`` decode processes under :class:`DecodeLimits`; ``run`` blocks until one is free.
+
+    ``niceness``: added to the workers' (``build-index`` lowers them below the model, see engine.prefetch).
+    """
+
+    def __init__(self, workers: int, limits: DecodeLimits | None = None, *, niceness: int = 0) -> None:
+        if workers < 1:
+            raise ValueError(f"a decode pool needs at least one worker, got {workers}")
+        self.limits = limits or DecodeLimits()
+        self._niceness = niceness
+        self._context = multiprocessing.get_context("forkserver")
+        self._context.set_forkserver_preload(PRELOAD)
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._live: set[_Worker] = set()
+        self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        for _ in range(workers):
+            self._idle.put(self._start())
+
+    def run(self, task: Callable[..., T], *args: Any, images: int = 1, **kwargs: Any) -> T:
+        """``task(*args, **kwargs)`` in a worker, within the limits for ``images`` images."""
+        worker = self._take()
+        healthy = False
+        try:
+            result, healthy = self._call(worker, task, args, kwargs, max(images, 1))
+            return result
+        finally:
+            if healthy:
+                self._idle.put(worker)
+            else:
+                self._replace(worker)
+
+    def close(self) -> None:
+        """End every worker: decodes running or waiting raise :class:`DecodePoolClosedError`."""
+        self._closed.set()
+        with self._lock:
+            workers, self._live = list(self._live), set()
+        for worker in workers:
+            worker.end()
+
+    def __enter__(self) -> DecodePool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _start(self) -> _Worker:
+        try:
+            worker = _Worker(self._context, self.limits.memory_bytes, self._niceness)
+        except OSError as err:  # fork failed: the machine's memory or process table, not the image's
+            raise MemoryError(f"could not start a decode process: {err}") from None
+        with self._lock:
+            self._live.add(worker)
+        return worker
+
+    def _take(self) -> _Worker:
+        while True:
+            if self._closed.is_set():
+                raise DecodePoolClosedError("the decoders are shutting down")
+            try:
+                return self._idle.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                continue
+
+    def _replace(self, worker: _Worker) -> None:
+        with self._lock:
+            self._live.discard(worker)
+        worker.end()
+        if not self._closed.is_set():
+            self._idle.put(self._start())
+
+    def _call(
+        self, worker: _Worker, task: Callable[..., T], args: tuple, kwargs: dict, images: int
+    ) -> tuple[T, bool]:
+        """The task's result and whether the worker may take another task."""
+        cancel = _cancel.get()
+        limits = self.limits
+        deadline = time.monotonic() + limits.wall_seconds * images
+        try:
+            worker.conn.send((task, args, kwargs, limits.cpu_seconds * images))
+        except (OSError, ValueError):  # the worker was ended meanwhile (close) or died idle
+            self._raise_if_closed()
+            raise MemoryError("a decode process ended before it took its task") from None
+        while True:
+            ready = multiprocessing.connection.wait([worker.conn, worker.process.sentinel], POLL_SECONDS)
+            if worker.conn in ready:
+                try:
+                    status, value, retire = worker.conn.recv()
+                except (EOFError, OSError):  # it died with its answer unsent: its exit code says why
+                    worker.process.join()
+                    self._raise_if_closed()
+                    raise _ended(worker.process.exitcode, limits) from None
+                if status == "ok":
+                    return value, not retire
+                if status == "memory":
+                    megabytes = limits.memory_bytes // 1024**2
+                    raise ImageDecodeError(
+                        "image_too_costly", f"decoding it needs more than the {megabytes} MB a decode may use"
+                    )
+                raise value
+            if ready:  # only the sentinel: the worker died
+                worker.process.join()
+                self._raise_if_closed()
+                raise _ended(worker.process.exitcode, limits)
+            self._raise_if_closed()
+            if cancel is not None and cancel.is_set():
+                raise DecodeCancelledError("the client went away")
+            if time.monotonic() > deadline:
+                raise ImageDecodeError(
+                    "image_too_costly",
+                    f"decoding took longer than {limits.wall_seconds * images:g} s, the limit for "
+                    f"{_images(images)}",
+                )
+
+    def _raise_if_closed(self) -> None:
+        if self._closed.is_set():
+            raise DecodePoolClosedError("the decoders are shutting down")
+
+
+def _images(count: int) -> str:
+    return "one image" if count == 1 else f"{count} images"
+
+
+def _ended(exitcode: int | None, limits: DecodeLimits) -> Exception:
+    """Why a worker died, as the error its caller raises."""
+    if exitcode == -signal.SIGXCPU:
+        return ImageDecodeError(
+            "image_too_costly", f"decoding took more than {limits.cpu_seconds:g} s of CPU per image"
+        )
+    if exitcode == -signal.SIGKILL:  # not ours (we wait for ours): the kernel's OOM killer
+        return MemoryError("a decode process was killed (the machine ran out of memory)")
+    return ImageDecodeError("corrupt_image", f"the decoder crashed on this image (exit code {exitcode})")
+
+
+# --- the worker process -------------------------------------------------------------------------------
+
+
+def _serve(conn: Connection, memory_bytes: int, niceness: int) -> None:
+    """A worker's loop: take a task, run it under its CPU limit, send back ``(status, value, retire)``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent ends us
+    if niceness:
+        os.nice(niceness)
+    start = _mapped_bytes()
+    _limit(resource.RLIMIT_AS, start + memory_bytes, hard=True)
+    while True:
+        try:
+            task, args, kwargs, cpu_seconds = conn.recv()
+        except (EOFError, OSError):
+            return
+        used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+        _limit(resource.RLIMIT_CPU, math.ceil(used + cpu_seconds), hard=False)
+        try:
+            answer: tuple[str, object] = ("ok", task(*args, **kwargs))
+        except MemoryError:
+            answer = ("memory", None)
+        except Exception as err:  # the caller's to raise (ImageDecodeError, OSError of a file...)
+            answer = ("error", err)
+        retire = answer[0] == "memory" or _peak_bytes() - start > RETIRE_GROWTH_BYTES
+        try:
+            conn.send((*answer, retire))
+        except Exception as err:  # an error that does not pickle: its message does
+            conn.send(("error", RuntimeError(f"{type(err).__name__}: {err}"), retire))
+        if retire:
+            return
+
+
+def _limit(kind: int, value: int, *, hard: bool) -> None:
+    """Lower a resource limit to ``value`` (never above the limit inherited: ``prlimit`` on the server)."""
+    _, inherited = resource.getrlimit(kind)
+    if inherited != resource.RLIM_INFINITY:
+        value = min(value, inherited)
+    resource.setrlimit(kind, (value, value if hard else inherited))
+
+
+def _mapped_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[0]) * _PAGE
+
+
+def _peak_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmPeak:"):
+            return int(line.split()[1]) * 1024
+    return 0
