@@ -18,24 +18,30 @@ client went away, and ``MemoryError`` when something else ended the worker (the 
 machine's shortage, not the image's fault.
 
 Workers are forked from a ``forkserver`` that has imported the decoders once (a fork from the server itself
-would copy its threads' locks): starting one takes milliseconds, not an interpreter's start-up.
+would copy its threads' locks): starting one takes milliseconds, not an interpreter's start-up (3.8-5 s
+here to import the decoders).
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import queue
 import resource
 import signal
+import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -54,7 +60,13 @@ POLL_SECONDS = 0.05
 # its memory limit.
 RETIRE_GROWTH_BYTES = 256 * 1024**2
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+# Shared memory per worker for the arrays of its answers (pickle protocol 5 buffers): a request's model
+# input (64 images at 600 KB each) is copied once, not pushed through a pipe 64 KB at a time, each piece
+# waiting for the reader to be scheduled (a 600 KB array took 3-40 ms a round trip on a loaded machine,
+# a few bytes 0.3 ms). Larger answers go through the pipe.
+SHARED_BYTES = 64 * 1024**2
 
+_main_swap = threading.Lock()
 _cancel: ContextVar[threading.Event | None] = ContextVar("decode_cancel", default=None)
 
 
@@ -100,17 +112,56 @@ def cancelled_by(event: threading.Event) -> Iterator[None]:
 
 class _Worker:
     def __init__(self, context: Any, memory_bytes: int, niceness: int) -> None:
-        self.conn, child = context.Pipe()
-        self.process = context.Process(
-            target=_serve, args=(child, memory_bytes, niceness), name="dmlsearch-decode", daemon=True
-        )
-        self.process.start()
-        child.close()
+        tasks, self.tasks = context.Pipe(duplex=False)
+        self.results, results = context.Pipe(duplex=False)
+        shared = os.memfd_create("dmlsearch-decode", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(shared, SHARED_BYTES)
+            self.shared = mmap.mmap(shared, SHARED_BYTES)
+            self.process = context.Process(
+                target=_serve,
+                args=(tasks, results, _SharedFd(shared), memory_bytes, niceness),
+                name="dmlsearch-decode",
+                daemon=True,
+            )
+            with _without_main():
+                self.process.start()
+        finally:
+            os.close(shared)
+            tasks.close()
+            results.close()
+
+    def receive(self) -> tuple[str, Any, bool]:
+        """The worker's answer: ``(status, value, retire)``."""
+        payload, sizes, retire = self.results.recv()
+        buffers, offset = [], 0
+        for size in sizes or ():  # copied out: the next task overwrites the shared memory
+            buffers.append(bytearray(memoryview(self.shared)[offset : offset + size]))
+            offset += size
+        status, value = pickle.loads(payload, buffers=buffers)
+        return status, value, retire
 
     def end(self) -> None:
         self.process.kill()
         self.process.join()
-        self.conn.close()
+        self.tasks.close()
+        self.results.close()
+        self.shared.close()
+
+
+@contextmanager
+def _without_main() -> Iterator[None]:
+    """Start processes without the parent's ``__main__``: multiprocessing runs it again in each child (and
+    in the forkserver) so that functions defined there unpickle; the tasks here are all defined in engine
+    modules, and the server's main module imports the whole application (seconds and hundreds of MB more
+    in each worker, a failure when it is ``<stdin>``)."""
+    with _main_swap:
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            yield
+        finally:
+            sys.modules["__main__"] = main
 
 
 class DecodePool:
@@ -193,15 +244,15 @@ class DecodePool:
         limits = self.limits
         deadline = time.monotonic() + limits.wall_seconds * images
         try:
-            worker.conn.send((task, args, kwargs, limits.cpu_seconds * images))
+            worker.tasks.send((task, args, kwargs, limits.cpu_seconds * images))
         except (OSError, ValueError):  # the worker was ended meanwhile (close) or died idle
             self._raise_if_closed()
             raise MemoryError("a decode process ended before it took its task") from None
         while True:
-            ready = multiprocessing.connection.wait([worker.conn, worker.process.sentinel], POLL_SECONDS)
-            if worker.conn in ready:
+            ready = multiprocessing.connection.wait([worker.results, worker.process.sentinel], POLL_SECONDS)
+            if worker.results in ready:
                 try:
-                    status, value, retire = worker.conn.recv()
+                    status, value, retire = worker.receive()
                 except (EOFError, OSError):  # it died with its answer unsent: its exit code says why
                     worker.process.join()
                     self._raise_if_closed()
@@ -251,16 +302,33 @@ def _ended(exitcode: int | None, limits: DecodeLimits) -> Exception:
 # --- the worker process -------------------------------------------------------------------------------
 
 
-def _serve(conn: Connection, memory_bytes: int, niceness: int) -> None:
+class _SharedFd:
+    """A file descriptor handed to a worker as it starts (duplicated into it, as multiprocessing does for
+    its pipes)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Callable[[Any], int], tuple[Any]]:
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(duplicate: Any) -> int:
+    return duplicate.detach()
+
+
+def _serve(tasks: Connection, results: Connection, shared_fd: int, memory_bytes: int, niceness: int) -> None:
     """A worker's loop: take a task, run it under its CPU limit, send back ``(status, value, retire)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent ends us
     if niceness:
         os.nice(niceness)
+    shared = mmap.mmap(shared_fd, SHARED_BYTES)
+    os.close(shared_fd)
     start = _mapped_bytes()
     _limit(resource.RLIMIT_AS, start + memory_bytes, hard=True)
     while True:
         try:
-            task, args, kwargs, cpu_seconds = conn.recv()
+            task, args, kwargs, cpu_seconds = tasks.recv()
         except (EOFError, OSError):
             return
         used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
@@ -273,11 +341,27 @@ def _serve(conn: Connection, memory_bytes: int, niceness: int) -> None:
             answer = ("error", err)
         retire = answer[0] == "memory" or _peak_bytes() - start > RETIRE_GROWTH_BYTES
         try:
-            conn.send((*answer, retire))
+            results.send((*_packed(answer, shared), retire))
         except Exception as err:  # an error that does not pickle: its message does
-            conn.send(("error", RuntimeError(f"{type(err).__name__}: {err}"), retire))
+            failed = ("error", RuntimeError(f"{type(err).__name__}: {err}"))
+            results.send((pickle.dumps(failed), None, retire))
         if retire:
             return
+
+
+def _packed(answer: tuple[str, object], shared: mmap.mmap) -> tuple[bytes, list[int] | None]:
+    """The answer pickled with its large buffers (numpy arrays) in ``shared`` when they fit, and their
+    sizes (None: all in the pickle)."""
+    buffers: list[pickle.PickleBuffer] = []
+    payload = pickle.dumps(answer, protocol=5, buffer_callback=buffers.append)
+    views = [buffer.raw() for buffer in buffers]
+    if sum(view.nbytes for view in views) > SHARED_BYTES:
+        return pickle.dumps(answer, protocol=5), None
+    offset = 0
+    for view in views:
+        shared[offset : offset + view.nbytes] = view
+        offset += view.nbytes
+    return payload, [view.nbytes for view in views]
 
 
 def _limit(kind: int, value: int, *, hard: bool) -> None:
