@@ -5,9 +5,13 @@ pixel mode, and the hostile ones): its size, what decoding it as an upload costs
 without limits (peak memory over the process's start, CPU seconds; under a 4 GB address-space cap and a
 ``--measure-timeout`` so that a bomb cannot take the machine), and what ``engine.decode_pool`` answers
 under the default limits (``engine.defaults.DECODE_*``), with its wall time. Also the per-image cost of the
-process hop: one small JPEG decoded in-process and through the pool, interleaved.
+process hop: one small JPEG decoded in-process and through the pool, interleaved, and with ``--files DIR``
+build-index's decode stage (``engine.prefetch`` with 2 threads, each decoding in-process as before or
+waiting on one of 2 decode processes at the build's niceness) over the first ``--count`` JPEGs of DIR,
+``--repeats`` times interleaved.
 
-    python bench/decode_limits.py [--only NAME ...] [--out bench/results/decode_limits]
+    python bench/decode_limits.py [--only NAME ...] [--files CARS196/images] [--hop-only]
+                                  [--out bench/results/decode_limits]
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from engine.decode_pool import DecodePool, InProcessDecoder
 from engine.decoding import PixelBudget, decode_uploads
 from engine.images import ImageDecodeError
 from engine.model_card import Preprocessing
+from engine.prefetch import WORKER_NICENESS, decode_file, prefetch
 from tests.hostile_images import HOSTILE, LEGIT, encode, noise
 
 BUDGET = PixelBudget(draft_size=Preprocessing().resize_size)
@@ -104,12 +109,35 @@ def hop_cost(pool: DecodePool, repeats: int = 200) -> dict:
     }
 
 
+def build_decode_rates(folder: Path, count: int, repeats: int) -> dict:
+    """Images per second through build-index's decode stage, in-process threads against processes."""
+    files = sorted(folder.rglob("*.jpg"))[:count]
+    for path in files:  # read once: every run then reads from the page cache
+        path.read_bytes()
+    preprocessing, rates = Preprocessing(), {"threads": [], "processes": []}
+    with DecodePool(2, niceness=WORKER_NICENESS) as pool:
+        for _ in range(repeats):
+            for name, decoder in (("threads", InProcessDecoder()), ("processes", pool)):
+                started = time.perf_counter()
+                loaded = prefetch(
+                    files, lambda f, d=decoder: d.run(decode_file, f, preprocessing), workers=2, depth=64
+                )
+                done = sum(1 for _ in loaded)
+                rates[name].append(done / (time.perf_counter() - started))
+    ratios = [p / t for p, t in zip(rates["processes"], rates["threads"], strict=True)]
+    return {"files": len(files), **rates, "ratios": ratios}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--only", nargs="*", help="case names (default: all)")
     parser.add_argument("--measure-timeout", type=float, default=60.0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/decode_limits"))
+    parser.add_argument("--files", type=Path, help="a folder of JPEGs (Cars196) for the build-index rates")
+    parser.add_argument("--count", type=int, default=400)
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--hop-only", action="store_true", help="only the hop and build-index rates")
     args = parser.parse_args()
     if args.measure:
         measure_one(args.measure)
@@ -119,7 +147,9 @@ def main() -> None:
     with DecodePool(1) as pool, tempfile.TemporaryDirectory() as folder:
         hop = hop_cost(pool)
         print(json.dumps(hop), flush=True)
-        for name, make in cases.items():
+        build = build_decode_rates(args.files, args.count, args.repeats) if args.files else None
+        print(json.dumps(build), flush=True)
+        for name, make in cases.items() if not args.hop_only else ():
             if args.only and name.split()[1] not in args.only:
                 continue
             started = time.perf_counter()
@@ -139,6 +169,7 @@ def main() -> None:
             "memory_mb": limits.memory_bytes // 1024**2,
         },
         "hop": hop,
+        "build_decode": build,
         "cases": rows,
     }
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
@@ -149,6 +180,20 @@ def main() -> None:
         f"{limits.memory_bytes // 1024**2} MB per image. Process hop, 640x480 JPEG, median of 200 "
         f"interleaved: {hop['in_process_ms']:.2f} ms in-process, {hop['pool_ms']:.2f} ms through the pool "
         f"({hop['ratio']:.2f}x).",
+        *(
+            [
+                f"build-index's decode stage, {build['files']} JPEGs, 2 threads in-process against 2 decode "
+                "processes, interleaved (img/s): in-process "
+                + ", ".join(f"{rate:.1f}" for rate in build["threads"])
+                + "; processes "
+                + ", ".join(f"{rate:.1f}" for rate in build["processes"])
+                + "; ratios "
+                + ", ".join(f"{ratio:.2f}" for ratio in build["ratios"])
+                + ".",
+            ]
+            if build
+            else []
+        ),
         "",
         "| case | bytes | unlimited: peak MB | CPU s | outcome | pool answer | pool s |",
         "|---|---:|---:|---:|---|---|---:|",

@@ -6,7 +6,8 @@ box says 64x64 decodes a 16384x16384 frame. A thread can neither be stopped nor 
 memory, so every decode of untrusted bytes (uploads, thumbnails, ``add``, ``build-index``, ``watch``) runs
 in one of a few worker processes, each
 - under an address-space limit (``RLIMIT_AS``) of ``memory_bytes`` above what it maps once started: what
-  the decoder really allocates is capped, whatever the header said;
+  the decoder really allocates is capped, whatever the header said (a decode that fails as corrupt is tried
+  once more under twice the limit: decoders report failed allocations as corrupt data);
 - under a CPU-time limit per task (``RLIMIT_CPU``, moved before each task): the kernel ends the worker
   when a task has spent ``cpu_seconds`` per image;
 - and a wall-clock deadline (``wall_seconds`` per image, for a CPU shared with others), past which the
@@ -59,6 +60,9 @@ POLL_SECONDS = 0.05
 # worker holds only its start-up memory (freed heap stays with a process) and the next task finds all of
 # its memory limit.
 RETIRE_GROWTH_BYTES = 256 * 1024**2
+# A decode that fails as corrupt under its memory limit is tried again under this many times the limit,
+# to tell a decoder that ran out of memory (it says "corrupt") from a corrupt file.
+RETRY_FACTOR = 2
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 # Shared memory per worker for the arrays of its answers (pickle protocol 5 buffers): a request's model
 # input (64 images at 600 KB each) is copied once, not pushed through a pipe 64 KB at a time, each piece
@@ -325,21 +329,27 @@ def _serve(tasks: Connection, results: Connection, shared_fd: int, memory_bytes:
     shared = mmap.mmap(shared_fd, SHARED_BYTES)
     os.close(shared_fd)
     start = _mapped_bytes()
-    _limit(resource.RLIMIT_AS, start + memory_bytes, hard=True)
+    _limit(resource.RLIMIT_AS, start + memory_bytes, hard=start + RETRY_FACTOR * memory_bytes)
+    # SIGXCPU (and a decoder's crash) would dump the worker's memory, up to the limit, into the cwd.
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     while True:
         try:
             task, args, kwargs, cpu_seconds = tasks.recv()
         except (EOFError, OSError):
             return
         used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
-        _limit(resource.RLIMIT_CPU, math.ceil(used + cpu_seconds), hard=False)
-        try:
-            answer: tuple[str, object] = ("ok", task(*args, **kwargs))
-        except MemoryError:
-            answer = ("memory", None)
-        except Exception as err:  # the caller's to raise (ImageDecodeError, OSError of a file...)
-            answer = ("error", err)
-        retire = answer[0] == "memory" or _peak_bytes() - start > RETIRE_GROWTH_BYTES
+        _limit(resource.RLIMIT_CPU, math.ceil(used + cpu_seconds))
+        answer, retried = _attempt(task, args, kwargs), False
+        if _corrupt(answer):
+            # Decoders report a failed allocation as a failed decode (libwebp: "could not create decoder
+            # object", libavif: "Decoding of color planes failed"): tried again with more room, a file
+            # that then decodes (or fails otherwise) failed for want of memory, not for its bytes.
+            _, hard = resource.getrlimit(resource.RLIMIT_AS)
+            resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+            again, retried = _attempt(task, args, kwargs), True
+            if not _corrupt(again):
+                answer = ("memory", None)
+        retire = answer[0] == "memory" or retried or _peak_bytes() - start > RETIRE_GROWTH_BYTES
         try:
             results.send((*_packed(answer, shared), retire))
         except Exception as err:  # an error that does not pickle: its message does
@@ -347,6 +357,19 @@ def _serve(tasks: Connection, results: Connection, shared_fd: int, memory_bytes:
             results.send((pickle.dumps(failed), None, retire))
         if retire:
             return
+
+
+def _attempt(task: Callable[..., object], args: tuple, kwargs: dict) -> tuple[str, object]:
+    try:
+        return "ok", task(*args, **kwargs)
+    except MemoryError:
+        return "memory", None
+    except Exception as err:  # the caller's to raise (ImageDecodeError, OSError of a file...)
+        return "error", err
+
+
+def _corrupt(answer: tuple[str, object]) -> bool:
+    return isinstance(answer[1], ImageDecodeError) and answer[1].code == "corrupt_image"
 
 
 def _packed(answer: tuple[str, object], shared: mmap.mmap) -> tuple[bytes, list[int] | None]:
@@ -364,12 +387,13 @@ def _packed(answer: tuple[str, object], shared: mmap.mmap) -> tuple[bytes, list[
     return payload, [view.nbytes for view in views]
 
 
-def _limit(kind: int, value: int, *, hard: bool) -> None:
-    """Lower a resource limit to ``value`` (never above the limit inherited: ``prlimit`` on the server)."""
+def _limit(kind: int, soft: int, hard: int | None = None) -> None:
+    """Set a resource limit (``hard`` None: the one inherited), never above the limit inherited (the
+    server's ``prlimit``)."""
     _, inherited = resource.getrlimit(kind)
     if inherited != resource.RLIM_INFINITY:
-        value = min(value, inherited)
-    resource.setrlimit(kind, (value, value if hard else inherited))
+        soft, hard = min(soft, inherited), min(hard or inherited, inherited)
+    resource.setrlimit(kind, (soft, inherited if hard is None else hard))
 
 
 def _mapped_bytes() -> int:

@@ -25,7 +25,7 @@ MAX_BATCH_PIXELS = 100_000_000
 # with other requests) and memory above a decode process's own. Past any of them the image is refused,
 # 422 image_too_costly; the figures behind each: README, "Limits and memory".
 DECODE_CPU_SECONDS = 5.0
-DECODE_WALL_SECONDS = 20.0
+DECODE_WALL_SECONDS = 30.0
 DECODE_MEMORY_BYTES = 1024 * 1024**2
 # Decode large JPEGs at reduced DCT scale (see engine.images.DRAFT_MARGIN for the measured cost).
 JPEG_DRAFT = True
