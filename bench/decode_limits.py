@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import resource
 import subprocess
 import sys
@@ -109,23 +111,40 @@ def hop_cost(pool: DecodePool, repeats: int = 200) -> dict:
     }
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU of this process and of ``pids`` (the decode workers), from /proc."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = time.process_time()
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
 def build_decode_rates(folder: Path, count: int, repeats: int) -> dict:
-    """Images per second through build-index's decode stage, in-process threads against processes."""
+    """Build-index's decode stage, in-process threads against processes: images per second and CPU
+    milliseconds per image (this process and the workers: on a loaded machine the steadier of the two)."""
     files = sorted(folder.rglob("*.jpg"))[:count]
     for path in files:  # read once: every run then reads from the page cache
         path.read_bytes()
-    preprocessing, rates = Preprocessing(), {"threads": [], "processes": []}
+    preprocessing = Preprocessing()
+    rates: dict[str, list[float]] = {"threads": [], "processes": []}
+    cpu_ms: dict[str, list[float]] = {"threads": [], "processes": []}
     with DecodePool(2, niceness=WORKER_NICENESS) as pool:
+        workers = [
+            child.pid for child in multiprocessing.active_children() if child.name == "dmlsearch-decode"
+        ]
         for _ in range(repeats):
             for name, decoder in (("threads", InProcessDecoder()), ("processes", pool)):
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), cpu_seconds(workers)
                 loaded = prefetch(
                     files, lambda f, d=decoder: d.run(decode_file, f, preprocessing), workers=2, depth=64
                 )
                 done = sum(1 for _ in loaded)
                 rates[name].append(done / (time.perf_counter() - started))
+                cpu_ms[name].append((cpu_seconds(workers) - cpu) * 1000 / done)
     ratios = [p / t for p, t in zip(rates["processes"], rates["threads"], strict=True)]
-    return {"files": len(files), **rates, "ratios": ratios}
+    return {"files": len(files), **rates, "ratios": ratios, "cpu_ms_per_image": cpu_ms}
 
 
 def main() -> None:
@@ -189,6 +208,10 @@ def main() -> None:
                 + ", ".join(f"{rate:.1f}" for rate in build["processes"])
                 + "; ratios "
                 + ", ".join(f"{ratio:.2f}" for ratio in build["ratios"])
+                + "; CPU ms per image in-process "
+                + ", ".join(f"{ms:.1f}" for ms in build["cpu_ms_per_image"]["threads"])
+                + ", processes (this process + the workers) "
+                + ", ".join(f"{ms:.1f}" for ms in build["cpu_ms_per_image"]["processes"])
                 + ".",
             ]
             if build
