@@ -254,8 +254,8 @@ def test_build_index_skips_a_file_over_the_decode_limit_with_the_reason(
 
 # What each new hostile file gets from a server under the tight limits (bench/results/decode_limits.md has
 # what each costs without limits, and the files that take minutes to make: 20,000 GIF frames, 10,000 TIFF
-# pages, 300 animated WebP frames, a 49-MP HEIC, a 16383x4000 WebP). Never a 500, never a dead server, always within the
-# wall-time limit.
+# pages, 300 animated WebP frames, a 49-MP HEIC, a 16383x4000 WebP). Never a 500, never a dead server,
+# always within the wall-time limit.
 EXPECTED = {
     "png-1.5m-ancillary-chunks": {422},
     "apng-2000-frames": {200},  # only the first frame is decoded
