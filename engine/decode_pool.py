@@ -193,13 +193,21 @@ class DecodePool:
         worker = self._take()
         healthy = False
         try:
-            result, healthy = self._call(worker, task, args, kwargs, max(images, 1))
-            return result
+            status, value, retire = self._call(worker, task, args, kwargs, max(images, 1))
+            healthy = not retire  # it answered (a corrupt image too): it takes the next task
         finally:
             if healthy:
                 self._idle.put(worker)
             else:
                 self._replace(worker)
+        if status == "ok":
+            return value
+        if status == "memory":
+            megabytes = self.limits.memory_bytes // 1024**2
+            raise ImageDecodeError(
+                "image_too_costly", f"decoding it needs more than the {megabytes} MB a decode may use"
+            )
+        raise value
 
     def close(self) -> None:
         """End every worker: decodes running or waiting raise :class:`DecodePoolClosedError`."""
@@ -241,9 +249,10 @@ class DecodePool:
             self._idle.put(self._start())
 
     def _call(
-        self, worker: _Worker, task: Callable[..., T], args: tuple, kwargs: dict, images: int
-    ) -> tuple[T, bool]:
-        """The task's result and whether the worker may take another task."""
+        self, worker: _Worker, task: Callable[..., Any], args: tuple, kwargs: dict, images: int
+    ) -> tuple[str, Any, bool]:
+        """The worker's answer ``(status, value, retire)``; raises when it did not answer (ended for a
+        limit, a cancel or the pool's close, or dead)."""
         cancel = _cancel.get()
         limits = self.limits
         deadline = time.monotonic() + limits.wall_seconds * images
@@ -261,14 +270,7 @@ class DecodePool:
                     worker.process.join()
                     self._raise_if_closed()
                     raise _ended(worker.process.exitcode, limits) from None
-                if status == "ok":
-                    return value, not retire
-                if status == "memory":
-                    megabytes = limits.memory_bytes // 1024**2
-                    raise ImageDecodeError(
-                        "image_too_costly", f"decoding it needs more than the {megabytes} MB a decode may use"
-                    )
-                raise value
+                return status, value, retire
             if ready:  # only the sentinel: the worker died
                 worker.process.join()
                 self._raise_if_closed()
@@ -339,17 +341,18 @@ def _serve(tasks: Connection, results: Connection, shared_fd: int, memory_bytes:
             return
         used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
         _limit(resource.RLIMIT_CPU, math.ceil(used + cpu_seconds))
-        answer, retried = _attempt(task, args, kwargs), False
+        answer = _attempt(task, args, kwargs)
         if _corrupt(answer):
             # Decoders report a failed allocation as a failed decode (libwebp: "could not create decoder
             # object", libavif: "Decoding of color planes failed"): tried again with more room, a file
             # that then decodes (or fails otherwise) failed for want of memory, not for its bytes.
-            _, hard = resource.getrlimit(resource.RLIMIT_AS)
+            soft, hard = resource.getrlimit(resource.RLIMIT_AS)
             resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
-            again, retried = _attempt(task, args, kwargs), True
+            again = _attempt(task, args, kwargs)
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
             if not _corrupt(again):
                 answer = ("memory", None)
-        retire = answer[0] == "memory" or retried or _peak_bytes() - start > RETIRE_GROWTH_BYTES
+        retire = answer[0] == "memory" or _peak_bytes() - start > RETIRE_GROWTH_BYTES
         try:
             results.send((*_packed(answer, shared), retire))
         except Exception as err:  # an error that does not pickle: its message does
