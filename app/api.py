@@ -28,6 +28,7 @@ from app.reload import Reloader, ReloadError, reload_on_sighup
 from app.routes import router
 from app.settings import Settings
 from app.state import EngineState
+from engine.decode_pool import DecodePool
 
 log = logging.getLogger("dmlsearch.app")
 
@@ -59,10 +60,10 @@ before any image is read (422 `too_many_images`).
 resampled, straight to the model input (224x224), so no image is ever upscaled beyond it whatever its
 shape (a 1x100000 PNG costs what a small photo does).
 
-Worst case measured (`bench/request_memory.py`, a server under a 2 GB address-space cap): ~0.43 GB over the
-idle process per request (a 49-MP image with transparency), so per process the idle RSS (~0.3 GB) plus
-`compute_slots` x 0.43 GB plus the request bodies being received. Running out of memory anywhere is 503
-`out_of_memory` with `Retry-After`; a read-only or full index folder makes writes 503
+Each image is decoded in a worker process under a CPU, wall-clock and memory limit (`decode_cpu_seconds`,
+`decode_wall_seconds`, `decode_memory_mb`: what the decoder really allocates, whatever the header says);
+past one, 422 `image_too_costly`. A client that disconnects ends its decode. Running out of memory
+anywhere else is 503 `out_of_memory` with `Retry-After`; a read-only or full index folder makes writes 503
 `storage_unavailable`, searches go on.
 """
 
@@ -77,12 +78,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return_freed_blocks()
         redact_access_log()
         app.state.compute = ComputeSlots(settings.compute_slots or default_slots())
-        app.state.engine = await run_in_threadpool(EngineState.load, settings)
+        # One decode process per compute slot (every decode holds a slot); started off the event loop, as
+        # their forkserver imports the decoders (seconds).
+        limits = settings.decode_limits()
+        app.state.decoder = await run_in_threadpool(DecodePool, app.state.compute.slots, limits)
+        app.state.engine = await run_in_threadpool(EngineState.load, settings, decoder=app.state.decoder)
         poller = asyncio.create_task(_poll_index(app, settings.index_poll_seconds))
         stop_sighup = reload_on_sighup(app.state.reloader)
         yield
         stop_sighup()
         poller.cancel()
+        # After the grace period: decodes still running are ended (their requests were cancelled).
+        app.state.decoder.close()
         if app.state.engine.service is not None:
             app.state.engine.service.close()
 

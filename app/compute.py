@@ -5,11 +5,16 @@ Without it every request gets a worker thread at once. In ``bench/load.py`` (16 
 time) and the event loop thread, which receives uploads and sends answers, starved: a 12-MP upload took
 ~0.6 s just to arrive, against ~20 ms with the bound. With as many slots as cores, extra requests wait in
 line without using the CPU (the "queue" stage of a response's timings), at the same throughput.
+
+A request whose client goes away stops: a decode under way has its process ended (``engine.decode_pool``),
+and work not yet started does not start, so the slot is free again at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -17,7 +22,12 @@ from typing import ParamSpec, TypeVar
 
 import anyio.to_thread
 from anyio import CapacityLimiter
+from starlette.requests import Request
 
+from engine.decode_pool import DecodeCancelledError, cancelled_by
+
+# How often a request whose work is under way checks that its client is still there.
+DISCONNECT_POLL_SECONDS = 0.2
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -40,3 +50,28 @@ class ComputeSlots:
         async with self.limiter:
             queued_ms = (time.perf_counter() - started) * 1000.0
             return await anyio.to_thread.run_sync(partial(function, *args, **kwargs)), queued_ms
+
+    async def run_for(
+        self, request: Request, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+    ) -> tuple[T, float]:
+        """:meth:`run` for ``request``: if its client disconnects, the work stops (raising
+        :class:`DecodeCancelledError`) instead of holding the slot to its end."""
+        gone = threading.Event()
+        watcher = asyncio.create_task(_watch(request, gone))
+        try:
+            return await self.run(_unless_gone, gone, partial(function, *args, **kwargs))
+        finally:
+            watcher.cancel()
+
+
+async def _watch(request: Request, gone: threading.Event) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+    gone.set()
+
+
+def _unless_gone(gone: threading.Event, work: Callable[[], T]) -> T:
+    if gone.is_set():  # it went away while the request waited for its slot
+        raise DecodeCancelledError("the client went away")
+    with cancelled_by(gone):
+        return work()

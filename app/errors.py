@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.memory import release_memory
+from engine.decode_pool import DecodeCancelledError, DecodePoolClosedError
 from engine.images import ImageDecodeError
 from engine.item_reader import ItemNotFoundError
 from engine.item_writer import DuplicateItemError, InvalidItemError, StorageError
@@ -20,10 +21,18 @@ from index.protocol import BackendUnavailableError
 
 log = logging.getLogger("dmlsearch.app")
 
-# Image problems the client can fix: a format we do not take is 415, an oversized image 413, the rest 400.
-_IMAGE_ERROR_STATUS = {"unsupported_format": 415, "image_too_large": 413, "batch_too_large": 413}
+# Image problems the client can fix: a format we do not take is 415, an oversized image 413, one whose
+# decode goes over its time or memory limit 422, the rest 400.
+_IMAGE_ERROR_STATUS = {
+    "unsupported_format": 415,
+    "image_too_large": 413,
+    "batch_too_large": 413,
+    "image_too_costly": 422,
+}
 # Seconds a client is told to wait when the index's server (Milvus) failed its request.
 INDEX_UNAVAILABLE_RETRY_AFTER = 5
+# nginx's code for a request whose client closed the connection: nobody reads it, the access log does.
+CLIENT_CLOSED_REQUEST = 499
 # Seconds a client is told to wait after the server ran out of memory on its request.
 OUT_OF_MEMORY_RETRY_AFTER = 5
 # Codes for errors Starlette raises itself (unknown route, wrong method, unreadable multipart body).
@@ -96,6 +105,14 @@ def install_error_handlers(app: FastAPI) -> None:
             "the server does not have the memory for this request now: retry later, or send smaller images",
             headers={"Retry-After": str(OUT_OF_MEMORY_RETRY_AFTER)},
         )
+
+    @app.exception_handler(DecodeCancelledError)
+    async def client_gone(_: Request, err: DecodeCancelledError) -> JSONResponse:
+        return error_response(CLIENT_CLOSED_REQUEST, "client_closed_request", str(err))
+
+    @app.exception_handler(DecodePoolClosedError)
+    async def shutting_down(_: Request, err: DecodePoolClosedError) -> JSONResponse:
+        return error_response(503, "shutting_down", str(err), headers={"Connection": "close"})
 
     @app.exception_handler(StorageError)
     async def storage_unavailable(request: Request, err: StorageError) -> JSONResponse:

@@ -122,7 +122,9 @@ class Reloader:
             if state.service is not None:
                 served = state.service.swap(bundle)
             else:  # nothing served yet (the start-up load failed): this bundle is the first
-                state.service = SearchService(bundle, EngineState.config(self.app.state.settings))
+                state.service = SearchService(
+                    bundle, EngineState.config(self.app.state.settings, self.app.state.decoder)
+                )
                 state.not_ready_reason, state.index_server_down = None, False
                 served = bundle
         except Exception as err:  # whatever is wrong with the new bundle, keep serving the old one

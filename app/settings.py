@@ -14,6 +14,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine import defaults
+from engine.decode_pool import DecodeLimits
 
 
 class Settings(BaseSettings):
@@ -53,6 +54,23 @@ class Settings(BaseSettings):
     max_k: int = Field(defaults.MAX_K, ge=1, le=defaults.MAX_K, description="largest k a client may ask for")
     max_offset: int = Field(10_000, ge=0, description="largest offset (paging) a client may ask for")
     max_batch: int = Field(64, ge=1, description="most images in one batch search or add")
+    decode_cpu_seconds: float = Field(
+        defaults.DECODE_CPU_SECONDS,
+        gt=0,
+        description="CPU seconds decoding one image may take; past it the image is refused (422 "
+        "image_too_costly)",
+    )
+    decode_wall_seconds: float = Field(
+        defaults.DECODE_WALL_SECONDS,
+        gt=0,
+        description="wall-clock time decoding one image may take (its CPU is shared); past it, 422 as well",
+    )
+    decode_memory_mb: int = Field(
+        defaults.DECODE_MEMORY_BYTES // 1024**2,
+        ge=64,
+        description="memory decoding one image may allocate, in a decode process's address-space limit "
+        "(what the decoder really takes, not what the header declares); past it, 422 as well",
+    )
     jpeg_draft: bool = Field(
         defaults.JPEG_DRAFT, description="decode large JPEGs at reduced DCT scale (much faster)"
     )
@@ -128,6 +146,10 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [origin.strip() for origin in value.split(",") if origin.strip()]
         return value
+
+    def decode_limits(self) -> DecodeLimits:
+        memory = self.decode_memory_mb * 1024**2
+        return DecodeLimits(self.decode_cpu_seconds, self.decode_wall_seconds, memory)
 
     @property
     def writes_enabled(self) -> bool:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from app.settings import Settings
 from engine.bundle import resolve_model
+from engine.decode_pool import Decoder
 from engine.search import SearchService
 from engine.serving import LoadedBundle, ServingConfig
 from index.atomic import remove_abandoned
@@ -26,13 +27,16 @@ class EngineState:
     index_server_down: bool = False  # the load failed on the index's server (Milvus): worth retrying
 
     @staticmethod
-    def config(settings: Settings) -> ServingConfig:
+    def config(settings: Settings, decoder: Decoder) -> ServingConfig:
+        """How bundles are served; ``decoder``: where their images are decoded (the app's decode
+        processes)."""
         return ServingConfig(
             max_pixels=settings.max_image_pixels,
             max_batch_pixels=settings.max_batch_pixels,
             jpeg_draft=settings.jpeg_draft,
             vote_sigma2=settings.vote_sigma2,
             rerank_pool=settings.rerank_pool,
+            decoder=decoder,
         )
 
     @staticmethod
@@ -62,16 +66,16 @@ class EngineState:
         )
 
     @classmethod
-    def open(cls, settings: Settings) -> EngineState:
+    def open(cls, settings: Settings, *, decoder: Decoder) -> EngineState:
         """A ready engine over the configured bundle, or an exception saying why not."""
         bundle = cls.open_bundle(settings, *cls.locate(settings))
-        return cls(SearchService(bundle, cls.config(settings)), None)
+        return cls(SearchService(bundle, cls.config(settings, decoder)), None)
 
     @classmethod
-    def load(cls, settings: Settings) -> EngineState:
+    def load(cls, settings: Settings, *, decoder: Decoder) -> EngineState:
         """The configured engine, or a not-ready state with the reason (the process stays up)."""
         try:
-            state = cls.open(settings)
+            state = cls.open(settings, decoder=decoder)
         except Exception as err:  # any load failure leaves the process up and not ready
             log.error("search engine not ready: %s", err)
             return cls(None, f"{type(err).__name__}: {err}", isinstance(err, BackendUnavailableError))

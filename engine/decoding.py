@@ -7,6 +7,9 @@ What one request may make the server allocate is bounded before any pixel is dec
 - preprocessing: images are decoded one at a time and each is cropped to the model input at once, so at
   most one full-size decoded image is held, and the resize touches only the region the crop keeps
   (:func:`engine.preprocess.resize_and_crop`): its output is the model input whatever the aspect ratio.
+
+What the decoders then really take, in memory and time, is bounded by running :func:`decode_uploads` in a
+decode process (``engine.decode_pool``): only the model input comes back to the server.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from typing import TypeVar
 import numpy as np
 from PIL import Image
 
+from engine.capture_time import capture_time
 from engine.defaults import MAX_BATCH_PIXELS, MAX_IMAGE_PIXELS
 from engine.images import ImageDecodeError, load_rgb, open_image
 from engine.model_card import Preprocessing
 from engine.preprocess import to_array
 from engine.signature import perceptual_signature
+from engine.timing import StageTimer
 
 # Images per model run when serving. Activations take ~16 MB per image (EfficientNet-Lite0, onnxruntime
 # CPU) and the arena keeps the largest run's: one run of 64 left the process 1 GB bigger, runs of 8 ~130
@@ -39,6 +44,38 @@ class PixelBudget:
     max_pixels: int = MAX_IMAGE_PIXELS  # one image
     max_batch_pixels: int = MAX_BATCH_PIXELS  # all images of one request, as decoded
     draft_size: int | None = None  # JPEGs decode at reduced scale down to twice this (None: in full)
+
+
+@dataclass(frozen=True)
+class DecodedUploads:
+    """A request's images as the model's input, with what else the caller needs of them."""
+
+    tensor: np.ndarray  # NCHW, one row per image
+    formats: list[str]  # each image's Pillow format (the suffix its stored file gets)
+    signatures: list[bytes] | None  # perceptual signatures, when asked for
+    capture_times: list[str | None] | None  # when each photo was taken (EXIF), when asked for
+    ms: dict[str, float]  # "decode" and "preprocess" wall-clock milliseconds
+
+
+def decode_uploads(
+    images: Sequence[bytes],
+    budget: PixelBudget,
+    preprocessing: Preprocessing,
+    *,
+    signatures: bool = False,
+    capture_times: bool = False,
+) -> DecodedUploads:
+    """The decode task of one request (:func:`open_uploads`, then :func:`batch_tensor`); raises
+    :class:`ImageDecodeError` naming the first bad image's position."""
+    timer = StageTimer()
+    with timer.stage("decode"):
+        headers = open_uploads(images, budget)
+    formats = [str(header.format) for header in headers]
+    # Read before batch_tensor closes the headers.
+    taken = [capture_time(header) for header in headers] if capture_times else None
+    found: list[bytes] | None = [] if signatures else None
+    tensor = batch_tensor(headers, preprocessing, stage=timer.stage, signatures=found)
+    return DecodedUploads(tensor, formats, found, taken, timer.ms)
 
 
 def _named(position: int, count: int, function: Callable[..., T], *args: object, **kwargs: object) -> T:
@@ -70,7 +107,7 @@ def open_uploads(images: Sequence[bytes], budget: PixelBudget) -> list[Image.Ima
 
 
 def batch_tensor(
-    headers: Sequence[Image.Image],
+    headers: list[Image.Image],
     preprocessing: Preprocessing,
     *,
     stage: Stage | None = None,
@@ -78,19 +115,24 @@ def batch_tensor(
 ) -> np.ndarray:
     """Decode the images of :func:`open_uploads` one at a time into the model's NCHW input batch.
 
+    ``headers`` is emptied as it goes: each image is dropped once decoded, with what its decoder holds (an
+    AVIF's keeps its whole frame, 0.4 GB for a 16384x16384 one whatever its header says).
+
     ``stage(name)``: a context manager timing the "decode" and "preprocess" work (a ``StageTimer``'s).
     ``signatures``: when given, each image's perceptual signature is appended to it, from the same decode.
     """
     stage = stage or (lambda _: nullcontext())
-    arrays = []
-    for position, header in enumerate(headers):
+    arrays, count = [], len(headers)
+    headers.reverse()
+    for position in range(count):
+        header = headers.pop()
         with stage("decode"):
-            image = _named(position, len(headers), load_rgb, header)
+            image = _named(position, count, load_rgb, header)
         with stage("preprocess"):
             arrays.append(to_array(image, preprocessing))
             if signatures is not None:
                 signatures.append(perceptual_signature(image))
-        del image  # before the next image is decoded: one full-size image at a time
         header.close()
+        del image, header  # before the next image is decoded: one full-size image at a time
     with stage("preprocess"):
         return np.stack(arrays)

@@ -24,6 +24,12 @@ MAX_IMAGE_PIXELS = 50_000_000
 # JPEGs (12 MP, decoded at 1/4 scale by the JPEG draft) takes ~48 MP; eight blank 49-MP PNGs (392 MP,
 # seconds of decoding from a 372 KB request) are refused before any is decoded.
 MAX_BATCH_PIXELS = 100_000_000
+# What decoding one image may cost (engine.decode_pool): CPU seconds, wall-clock seconds (on a CPU shared
+# with other requests) and memory above a decode process's own. Past any of them the image is refused,
+# 422 image_too_costly; the figures behind each: README, "Limits and memory".
+DECODE_CPU_SECONDS = 5.0
+DECODE_WALL_SECONDS = 30.0
+DECODE_MEMORY_BYTES = 1024 * 1024**2
 # Decode large JPEGs at reduced DCT scale (see engine.images.DRAFT_MARGIN for the measured cost).
 JPEG_DRAFT = True
 

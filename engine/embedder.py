@@ -12,6 +12,9 @@ from engine.model_card import ModelCard, check_fingerprint
 from engine.preprocess import to_tensor
 from index.protocol import normalize_rows
 
+# How onnxruntime's arena reports an allocation it could not make (bfc_arena.cc).
+ONNX_ALLOCATION_FAILED = "Failed to allocate memory"
+
 
 def _onnxruntime():
     try:
@@ -49,8 +52,15 @@ class Embedder:
         return to_tensor(images, self.card.preprocessing)
 
     def run_tensor(self, batch: np.ndarray) -> np.ndarray:
-        """The model's raw output for a preprocessed NCHW batch."""
-        (output,) = self.session.run(None, {self.input_name: np.ascontiguousarray(batch, dtype=np.float32)})
+        """The model's raw output for a preprocessed NCHW batch; ``MemoryError`` when onnxruntime could not
+        allocate (it raises its own ``Fail``, which the API would answer 500, not 503)."""
+        feed = {self.input_name: np.ascontiguousarray(batch, dtype=np.float32)}
+        try:
+            (output,) = self.session.run(None, feed)
+        except Exception as err:
+            if ONNX_ALLOCATION_FAILED in str(err):
+                raise MemoryError(f"the model could not allocate: {err}") from None
+            raise
         return output
 
     def embed_tensor(self, batch: np.ndarray, *, run_size: int | None = None) -> np.ndarray:

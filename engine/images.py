@@ -52,6 +52,9 @@ class ImageDecodeError(ValueError):
         self.code = code
         self.message = message
 
+    def __reduce__(self) -> tuple[type[ImageDecodeError], tuple[str, str]]:
+        return ImageDecodeError, (self.code, self.message)  # raised in a decode process, re-raised here
+
 
 def open_image(
     data: bytes,

@@ -23,10 +23,11 @@ from tqdm import tqdm
 from engine import stopping
 from engine.bundle import store_model
 from engine.capture_time import photo_time
+from engine.decode_pool import DecodePool
 from engine.defaults import BATCH_SIZE, DECODE_WORKERS
 from engine.embedder import Embedder
 from engine.images import list_images
-from engine.prefetch import DecodedFile, decode_file, prefetch
+from engine.prefetch import WORKER_NICENESS, DecodedFile, decode_file, prefetch
 from index.gallery import GalleryIndex, replace_directory
 from index.items import ItemStore
 from index.manifest import MANIFEST_NAME, Manifest
@@ -191,8 +192,9 @@ def embed_files(
     """Decode, embed and add ``files`` batch by batch; each batch is durable once added, and a stop signal
     (``engine.stopping``) ends the work there.
 
-    ``decode_workers`` threads decode and preprocess the next batches (and compute their perceptual
-    signatures) while the model embeds this one.
+    ``decode_workers`` processes (``engine.decode_pool``: a file over its time or memory limit is skipped,
+    with the reason) decode and preprocess the next batches (and compute their perceptual signatures)
+    while the model embeds this one.
     """
     preprocessing = embedder.card.preprocessing
     batch: list[tuple[GalleryFile, DecodedFile]] = []
@@ -207,14 +209,16 @@ def embed_files(
         batch.clear()
         stopping.checkpoint()  # a stop waits for the batch being committed: nothing embedded is lost
 
-    # Two batches in flight: the next one is complete when the model finishes this one.
+    # Two batches in flight: the next one is complete when the model finishes this one. One thread per
+    # decode process waits for it.
+    pool = DecodePool(max(decode_workers, 1), niceness=WORKER_NICENESS)
     loaded = prefetch(
         files,
-        lambda f: decode_file(f.path, preprocessing),
+        lambda f: pool.run(decode_file, f.path, preprocessing),
         workers=decode_workers,
         depth=2 * batch_size,
     )
-    with BatchCommitter(index, report) as committer:
+    with pool, BatchCommitter(index, report) as committer:
         for gallery_file, result in tqdm(
             loaded, total=len(files), desc="embedding", unit="img", disable=not progress
         ):

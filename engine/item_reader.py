@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
-from engine.images import thumbnail_jpeg
+from cachetools import LRUCache
+
+from engine.decode_pool import Decoder, InProcessDecoder
+from engine.images import ImageDecodeError, thumbnail_jpeg
 from engine.serving import CurrentBundle, LoadedBundle
 from index.protocol import Item
 
@@ -36,10 +40,21 @@ def image_path(bundle: LoadedBundle, item_id: int) -> Path:
     return path
 
 
+# Thumbnails kept, by (content hash, size): every size asked for of an item is decoded once (an item that
+# costs seconds to decode cost them again for each new ``size``). ~8 KB each at 256 px: ~4,000 of them.
+THUMBNAIL_CACHE_BYTES = 32 * 1024**2
+# Items whose image is over a decode limit, remembered (by content hash) so that no size decodes it again.
+COSTLY_ITEMS_KEPT = 10_000
+
+
 class ItemReader:
-    def __init__(self, current: CurrentBundle, *, max_pixels: int) -> None:
+    def __init__(self, current: CurrentBundle, *, max_pixels: int, decoder: Decoder | None = None) -> None:
         self.current = current
         self.max_pixels = max_pixels
+        self.decoder = decoder or InProcessDecoder()
+        self._thumbnails: LRUCache[tuple[str, int], bytes] = LRUCache(THUMBNAIL_CACHE_BYTES, getsizeof=len)
+        self._costly: LRUCache[str, ImageDecodeError] = LRUCache(COSTLY_ITEMS_KEPT)
+        self._cache_lock = threading.Lock()  # cachetools' caches are not thread-safe
 
     def item(self, item_id: int) -> Item:
         with self.current.reading() as bundle:  # not while a write is half done on the shared connection
@@ -51,8 +66,25 @@ class ItemReader:
             return image_path(bundle, item_id)
 
     def thumbnail(self, item_id: int, size: int) -> bytes:
-        """A JPEG of the item's image, at most ``size`` pixels on its longer side."""
-        return thumbnail_jpeg(self.image_path(item_id).read_bytes(), size, max_pixels=self.max_pixels)
+        """A JPEG of the item's image, at most ``size`` pixels on its longer side (decoded once per size;
+        an image over a decode limit is refused at once after its first try)."""
+        content = self.item(item_id).content_hash
+        with self._cache_lock:
+            if (refused := self._costly.get(content)) is not None:
+                raise refused
+            if (kept := self._thumbnails.get((content, size))) is not None:
+                return kept
+        data = self.image_path(item_id).read_bytes()
+        try:
+            thumbnail = self.decoder.run(thumbnail_jpeg, data, size, max_pixels=self.max_pixels)
+        except ImageDecodeError as err:
+            if err.code == "image_too_costly":
+                with self._cache_lock:
+                    self._costly[content] = err
+            raise
+        with self._cache_lock:
+            self._thumbnails[(content, size)] = thumbnail
+        return thumbnail
 
     def label_counts(self) -> dict[str, int]:
         """Every label with its number of items, by label."""

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.capture_time import capture_time, clock_now
-from engine.decoding import RUN_IMAGES, batch_tensor, open_uploads
+from engine.capture_time import clock_now
+from engine.decoding import RUN_IMAGES, decode_uploads
 from engine.images import FORMAT_SUFFIXES
 from engine.item_reader import find_item
 from engine.labels import InvalidLabelError, check_label
@@ -117,24 +117,31 @@ class ItemWriter:
     def _prepare(self, bundle: LoadedBundle, new_items: Sequence[NewItem]) -> _Prepared:
         """Check, decode and embed the new items for ``bundle``: where each file goes, and its vector."""
         root = _gallery_root(bundle)
-        headers = open_uploads([new.data for new in new_items], self.config.budget(bundle.embedder))
+        preprocessing = bundle.embedder.card.preprocessing
+        decoded = self.config.decoder.run(
+            decode_uploads,
+            [new.data for new in new_items],
+            self.config.budget(bundle.embedder),
+            preprocessing,
+            signatures=True,
+            capture_times=True,
+            images=len(new_items),
+        )
         files: list[_NewFile] = []
-        for position, (new, header) in enumerate(zip(new_items, headers, strict=True)):
+        for position, (new, image_format) in enumerate(zip(new_items, decoded.formats, strict=True)):
             label = _label_folder(bundle, root, new.label, position)
             digest = hashlib.sha256(new.data).hexdigest()
-            relative = Path(label or ".") / f"{digest[:20]}{FORMAT_SUFFIXES[header.format]}"
+            relative = Path(label or ".") / f"{digest[:20]}{FORMAT_SUFFIXES[image_format]}"
             target = root / relative
             if target.exists() and (not target.is_file() or target.read_bytes() != new.data):
                 raise InvalidItemError(f"image {position}: {relative} already holds another file")
             if any(relative.as_posix() == earlier.relative for earlier in files):
                 raise DuplicateItemError(f"image {position} repeats an earlier image of this request")
-            # The photo's capture time (before batch_tensor closes the header), else now: the file is new.
-            taken = capture_time(header) or clock_now()
+            # The photo's capture time (read from its header in the decode), else now: the file is new.
+            taken = decoded.capture_times[position] or clock_now()
             files.append(_NewFile(relative.as_posix(), label, digest, taken, target, new.data))
-        signatures: list[bytes] = []
-        tensor = batch_tensor(headers, bundle.embedder.card.preprocessing, signatures=signatures)
-        vectors = bundle.embedder.embed_tensor(tensor, run_size=RUN_IMAGES)
-        return _Prepared(files, vectors, signatures)
+        vectors = bundle.embedder.embed_tensor(decoded.tensor, run_size=RUN_IMAGES)
+        return _Prepared(files, vectors, decoded.signatures or [])
 
     def remove(self, item_id: int) -> Item:
         """Remove an item from the index (its gallery file stays on disk) and save the index."""

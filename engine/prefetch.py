@@ -1,14 +1,16 @@
-"""Decode and preprocess image files on worker threads while the model runs, so it never waits for pixels.
+"""Load items (decode and preprocess image files, hash them) on worker threads while the model runs, so it
+never waits for them.
 
-Threads, not processes: Pillow releases the GIL while it decodes and resizes, numpy while it converts and
-normalises, and onnxruntime while it runs, so threads overlap on every core without copying tensors
-between processes. At most ``depth`` files are in flight (decoded or being decoded, not yet consumed): a
-bounded queue, so memory stays flat however large the gallery and however slow the consumer.
+Threads: hashlib, Pillow, numpy and onnxruntime release the GIL, so threads overlap on every core. The
+build's decodes of gallery files go one step further, to the processes of ``engine.decode_pool`` (limits on
+time and memory; the thread waits for its process); only the model input comes back. At most ``depth``
+items are in flight (loaded or being loaded, not yet consumed): a bounded queue, so memory stays flat
+however large the gallery and however slow the consumer.
 
-The worker threads run at a lower priority than the rest of the process (``WORKER_NICENESS``): on as many
-cores as onnxruntime has intra-op threads, a decoding thread otherwise preempts one of them, and the
-model's parallel regions wait for it. Lowered, the workers take the time the model leaves: all of it while
-it waits for pixels (12-MP JPEGs), the gaps otherwise (224-px images).
+The workers (threads, and the decode processes) run at a lower priority than the rest of the process
+(``WORKER_NICENESS``): on as many cores as onnxruntime has intra-op threads, a decoding worker otherwise
+preempts one of them, and the model's parallel regions wait for it. Lowered, the workers take the time the
+model leaves: all of it while it waits for pixels (12-MP JPEGs), the gaps otherwise (224-px images).
 """
 
 from __future__ import annotations

@@ -6,9 +6,7 @@ when asked, ranked, voted on and cut to its page (``engine.ranking``).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -16,10 +14,11 @@ from pathlib import Path
 import numpy as np
 
 from engine import defaults
-from engine.decoding import RUN_IMAGES, batch_tensor, open_uploads
+from engine.decoding import RUN_IMAGES, decode_uploads
 from engine.item_reader import ItemReader, image_path
 from engine.ranking import QueryHits, rank_page, rerank_depth
 from engine.serving import CurrentBundle, LoadedBundle, ServingConfig
+from engine.timing import StageTimer
 from index.filters import ItemFilter
 from index.gallery import Hit
 
@@ -60,25 +59,6 @@ class BatchResponse:
 
 class RerankUnavailableError(ValueError):
     """A re-ranking was asked for that the served model cannot do."""
-
-
-class StageTimer:
-    """Wall-clock milliseconds per named stage of one request."""
-
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
-        self.ms: dict[str, float] = {}
-
-    @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - start) * 1000.0
-
-    def elapsed_ms(self) -> float:
-        return (time.perf_counter() - self.started) * 1000.0
 
 
 class QueryService:
@@ -132,10 +112,13 @@ class QueryService:
                 item_image(query.item_id).read_bytes() if isinstance(query, ItemQuery) else query
                 for query in queries
             ]
-            headers = open_uploads(images, self.config.budget(embedder))
-        tensor = batch_tensor(headers, embedder.card.preprocessing, stage=timer.stage)
+            budget, preprocessing = self.config.budget(embedder), embedder.card.preprocessing
+            decoded = self.config.decoder.run(
+                decode_uploads, images, budget, preprocessing, images=len(images)
+            )
+        timer.include(decoded.ms, within="decode")
         with timer.stage("embed"):
-            return embedder.embed_tensor(tensor, run_size=RUN_IMAGES)
+            return embedder.embed_tensor(decoded.tensor, run_size=RUN_IMAGES)
 
     def _check(self, options: SearchOptions, bundle: LoadedBundle) -> None:
         if options.k < 1 or options.offset < 0:

@@ -24,7 +24,7 @@ class SearchService:
     def __init__(self, bundle: LoadedBundle, config: ServingConfig | None = None) -> None:
         self.config = config or ServingConfig()
         self.current = CurrentBundle(bundle)
-        self.reader = ItemReader(self.current, max_pixels=self.config.max_pixels)
+        self.reader = ItemReader(self.current, max_pixels=self.config.max_pixels, decoder=self.config.decoder)
         self.queries = QueryService(self.current, self.reader, self.config)
         self.writer = ItemWriter(self.current, self.config)
         self.duplicates = DuplicateFinder(self.current)

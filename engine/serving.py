@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine import defaults
 from engine.bundle import resolve_model
+from engine.decode_pool import Decoder, InProcessDecoder
 from engine.decoding import PixelBudget
 from engine.embedder import Embedder
 from engine.locks import ReadWriteLock
@@ -120,6 +121,8 @@ class ServingConfig:
     jpeg_draft: bool = defaults.JPEG_DRAFT
     vote_sigma2: float = defaults.VOTE_SIGMA2
     rerank_pool: int = defaults.RERANK_POOL
+    # Where untrusted images are decoded: the server gives a DecodePool (limits on time and memory).
+    decoder: Decoder = field(default_factory=InProcessDecoder)
 
     def __post_init__(self) -> None:
         if self.rerank_pool < 1:

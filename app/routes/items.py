@@ -62,6 +62,7 @@ def item_image(item_id: ItemId, service: Service) -> FileResponse:
 
 @router.get("/v1/items/{item_id}/thumbnail", response_class=Response, responses=ERRORS)
 async def item_thumbnail(
+    request: Request,
     item_id: ItemId,
     service: Service,
     compute: Compute,
@@ -75,7 +76,7 @@ async def item_thumbnail(
     if if_none_match == etag:
         return Response(status_code=304, headers=headers)
     # Decoding a gallery image (up to the pixel limit) takes a compute slot like a query's does.
-    thumbnail, _ = await compute.run(service.reader.thumbnail, item_id, size)
+    thumbnail, _ = await compute.run_for(request, service.reader.thumbnail, item_id, size)
     return Response(thumbnail, media_type="image/jpeg", headers=headers)
 
 
@@ -107,7 +108,7 @@ async def add_items(
     new_items = [
         NewItem(data, labels[position] if labels else None) for position, data in enumerate(uploads.images)
     ]
-    added, _ = await compute.run(service.writer.add, new_items)
+    added, _ = await compute.run_for(request, service.writer.add, new_items)
     return AddedItemsOut(items=[ItemOut.of(item) for item in added], count=len(service.index))
 
 

@@ -40,7 +40,7 @@ async def search(
         request, field="image", json_model=ImageJsonIn, max_count=1, max_bytes=settings.max_upload_bytes
     )
     # Decoding and inference are CPU work: a worker thread keeps the event loop answering meanwhile.
-    response, queued_ms = await compute.run(service.queries.search, uploads.images, options)
+    response, queued_ms = await compute.run_for(request, service.queries.search, uploads.images, options)
     return _answer(SearchOut.of(response, {"upload": uploads.elapsed_ms, "queue": queued_ms}), metrics)
 
 
@@ -70,16 +70,22 @@ async def search_batch(
         max_count=settings.max_batch,
         max_bytes=settings.max_upload_bytes,
     )
-    response, queued_ms = await compute.run(service.queries.search, uploads.images, options)
+    response, queued_ms = await compute.run_for(request, service.queries.search, uploads.images, options)
     return _answer(BatchSearchOut.of(response, {"upload": uploads.elapsed_ms, "queue": queued_ms}), metrics)
 
 
 @router.get("/v1/items/{item_id}/similar", response_model=SearchOut, responses=ERRORS)
 async def similar(
-    item_id: ItemId, service: Service, options: Options, metrics: AppMetrics, compute: Compute
+    request: Request,
+    item_id: ItemId,
+    service: Service,
+    options: Options,
+    metrics: AppMetrics,
+    compute: Compute,
 ) -> SearchOut:
     """Search by an item already in the index (no upload); the item itself is left out of its results."""
-    response, queued_ms = await compute.run(service.queries.search, [ItemQuery(item_id)], options)
+    query = [ItemQuery(item_id)]
+    response, queued_ms = await compute.run_for(request, service.queries.search, query, options)
     return _answer(SearchOut.of(response, {"queue": queued_ms}), metrics)
 
 

@@ -142,9 +142,10 @@ def test_a_batch_over_the_pixel_budget_is_refused_before_decoding(capped: Server
 
 
 def test_running_out_of_memory_is_a_503_and_the_memory_comes_back(capped: ServerProcess) -> None:
-    """The cap is lowered to 150 MB above what the process maps, so that decoding a 49-MP RGBA image (a
-    few hundred MB) fails wherever it does: the answer is 503 with Retry-After, not a 400 blaming the image
-    or a 500, and the server goes on."""
+    """The cap is lowered to 8 MB above what the process maps, so that taking in a batch's model input (20
+    images, 12 MB, from its decode process: images are decoded in processes of their own, with their own
+    limits, see test_fault_decoding.py) fails wherever it does: the answer is 503 with Retry-After, not a
+    400 blaming the images or a 500, and the server goes on."""
     pid = capped.process.pid
     # Worker threads exist before the cap drops (starting a thread maps its stack).
     with httpx.Client(timeout=60) as http:
@@ -157,16 +158,19 @@ def test_running_out_of_memory_is_a_503_and_the_memory_comes_back(capped: Server
             thread.join()
         rss_before = capped.status("VmRSS")
         soft, hard = resource.prlimit(pid, resource.RLIMIT_AS)
-        resource.prlimit(pid, resource.RLIMIT_AS, (capped.status("VmSize") + 150 * MB, hard))
+        resource.prlimit(pid, resource.RLIMIT_AS, (capped.status("VmSize") + 8 * MB, hard))
+        batch = [("images", (f"{i}.png", image_bytes(make_image(i)))) for i in range(20)]
         try:
-            response = http.post(f"{capped.url}/v1/search", files={"image": ("big.png", big_png("RGBA"))})
+            response = http.post(f"{capped.url}/v1/search/batch", files=batch)
         finally:
             resource.prlimit(pid, resource.RLIMIT_AS, (soft, hard))
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "out_of_memory"
     assert int(response.headers["Retry-After"]) >= 1
     assert capped.status("VmRSS") - rss_before < 50 * MB
-    wait_until(lambda: "out of memory on POST /v1/search" in capped.log.read_text(), 10, "the logged reason")
+    wait_until(
+        lambda: "out of memory on POST /v1/search/batch" in capped.log.read_text(), 10, "the logged reason"
+    )
     assert search(capped, image_bytes(make_image(3))).status_code == 200
 
 
