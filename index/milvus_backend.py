@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 import secrets
 import threading
@@ -76,6 +77,9 @@ def _pymilvus():
         import pymilvus
     except ImportError as err:
         raise ImportError("pymilvus is not installed: pip install 'dmlsearch[milvus]'") from err
+    # pymilvus logs each failed request and reconnection with a traceback (its import sets up its loggers,
+    # hence here); those failures are raised as BackendUnavailableError and reported once by the caller.
+    logging.getLogger("pymilvus").setLevel(logging.CRITICAL)
     return pymilvus
 
 
