@@ -42,8 +42,12 @@ class ItemFilter:
                     raise ValueError(
                         f"{name} {when.isoformat()} is out of range once converted to UTC"
                     ) from None
-        if self.added_from and self.added_to and _utc(self.added_from) >= _utc(self.added_to):
-            raise ValueError("added_from must be earlier than added_to")
+
+    @property
+    def empty_range(self) -> bool:
+        """Whether the time range holds no time (``added_from`` at or after ``added_to``): it lets no item
+        through, as SQL's would."""
+        return bool(self.added_from and self.added_to and _utc(self.added_from) >= _utc(self.added_to))
 
     @property
     def empty(self) -> bool:
