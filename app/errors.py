@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import traceback
+from collections.abc import Iterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
+from starlette.routing import BaseRoute, Match
 
 from app.memory import release_memory
 from engine.images import ImageDecodeError
@@ -120,11 +121,21 @@ def install_error_handlers(app: FastAPI) -> None:
 def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
     """Every method some route answers on the request's path."""
     methods: set[str] = set()
-    for route in app.router.routes:
+    for route in _leaf_routes(app.router.routes):
         match, _ = route.matches(request.scope)
         if match != Match.NONE:
             methods.update(getattr(route, "methods", None) or ())
     return sorted(methods)
+
+
+def _leaf_routes(routes: Sequence[BaseRoute]) -> Iterator[BaseRoute]:
+    """The routes themselves, through the routers FastAPI wraps included routers in."""
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        if included is not None:
+            yield from _leaf_routes(included.routes)
+        else:
+            yield route
 
 
 # Seconds a client refused for load (too many connections or uploads) is told to wait before retrying.
