@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -68,6 +70,34 @@ anywhere else is 503 `out_of_memory` with `Retry-After`; a read-only or full ind
 """
 
 
+def _served_openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """The OpenAPI schema as this server answers it, so that it allows nothing the server refuses: a
+    search's ``k`` and ``offset`` go up to the settings' ``max_k`` and ``max_offset``, and ``rerank``
+    offers the re-rankers of the model served now (none: no ``rerank`` parameter)."""
+    static = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = copy.deepcopy(static())
+        service = app.state.engine.service
+        rerankers = service.rerankers if service is not None else []
+        settings: Settings = app.state.settings
+        for operation in (op for path in schema["paths"].values() for op in path.values()):
+            parameters = operation.get("parameters", [])
+            if any(p["name"] == "min_score" for p in parameters):  # a search: its limits are settings
+                for parameter in parameters:
+                    limit = {"k": settings.max_k, "offset": settings.max_offset}.get(parameter["name"])
+                    if limit is not None:
+                        parameter["schema"]["maximum"] = limit
+            for parameter in [p for p in parameters if p["name"] == "rerank"]:
+                if rerankers:
+                    parameter["schema"] = {"anyOf": [{"enum": rerankers, "type": "string"}, {"type": "null"}]}
+                else:
+                    parameters.remove(parameter)
+        return schema
+
+    return openapi
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The API over one model and one index, both loaded once at start-up and shared by all requests."""
     settings = settings or Settings()
@@ -127,4 +157,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
     install_error_handlers(app)
     app.include_router(router)
+    app.openapi = _served_openapi(app)  # type: ignore[method-assign]
     return app

@@ -11,6 +11,7 @@ import secrets
 from typing import Annotated, Literal
 
 from fastapi import Depends, Header, Path, Query, Request
+from pydantic import BeforeValidator
 
 from app.compute import ComputeSlots
 from app.errors import ApiError
@@ -23,6 +24,15 @@ from engine.search import SearchService
 from index.filters import ItemFilter
 
 INT64_MAX = 2**63 - 1
+
+
+def _iso_time(value: object) -> object:
+    """Only ISO 8601 text is a time (what the schema's date-time says): pydantic would also take a number
+    as seconds since 1970 (``added_to=0.5``)."""
+    return dt.datetime.fromisoformat(value) if isinstance(value, str) else value
+
+
+IsoTime = Annotated[dt.datetime, BeforeValidator(_iso_time)]
 ItemId = Annotated[int, Path(ge=0, le=INT64_MAX, description="The item's id in the index.")]
 
 
@@ -57,23 +67,25 @@ async def item_filter(
         ),
     ] = None,
     taken_from: Annotated[
-        dt.datetime | None,
+        IsoTime | None,
         Query(
             description="Only photos taken at or after this time on the camera's clock (EXIF capture time, "
             "else the file's time; ISO 8601 without a zone, e.g. 2024-06-01)."
         ),
     ] = None,
     taken_to: Annotated[
-        dt.datetime | None,
+        IsoTime | None,
         Query(description="Only photos taken before this time on the camera's clock (ISO 8601, no zone)."),
     ] = None,
     added_from: Annotated[
-        dt.datetime | None,
-        Query(description="Only items indexed at or after this time (ISO 8601; UTC if no zone)."),
+        IsoTime | None,
+        Query(
+            description="Only items indexed at or after this time (ISO 8601; UTC if no zone). At or after "
+            "added_to, the range is empty and so are the results."
+        ),
     ] = None,
     added_to: Annotated[
-        dt.datetime | None,
-        Query(description="Only items indexed before this time (ISO 8601; UTC if no zone)."),
+        IsoTime | None, Query(description="Only items indexed before this time (ISO 8601; UTC if no zone).")
     ] = None,
 ) -> ItemFilter | None:
     try:

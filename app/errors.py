@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import traceback
+from collections.abc import Iterator, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 
 from app.memory import release_memory
 from engine.decode_pool import DecodeCancelledError, DecodePoolClosedError
@@ -135,15 +137,38 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(422, "invalid_request", details)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         code = _HTTP_ERROR_CODES.get(err.status_code, "http_error")
-        return error_response(err.status_code, code, str(err.detail), err.headers)
+        headers = err.headers
+        if err.status_code == 405:  # Starlette names the methods of the first route on the path only
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(app, request))}
+        return error_response(err.status_code, code, str(err.detail), headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception) -> JSONResponse:
         # A bug, not bad input: log the traceback, tell the client only that it was our fault.
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=err)
         return error_response(500, "internal_error", "internal server error")
+
+
+def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """Every method some route answers on the request's path."""
+    methods: set[str] = set()
+    for route in _leaf_routes(app.router.routes):
+        match, _ = route.matches(request.scope)
+        if match != Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
+def _leaf_routes(routes: Sequence[BaseRoute]) -> Iterator[BaseRoute]:
+    """The routes themselves, through the routers FastAPI wraps included routers in."""
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        if included is not None:
+            yield from _leaf_routes(included.routes)
+        else:
+            yield route
 
 
 # Seconds a client refused for load (too many connections or uploads) is told to wait before retrying.

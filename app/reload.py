@@ -38,7 +38,16 @@ log = logging.getLogger("dmlsearch.app")
 
 
 class ReloadError(Exception):
-    """The new bundle could not be loaded or failed its probe: the served one stays."""
+    """The new bundle could not be loaded or failed its probe: the served one stays. ``missing``: the
+    index directory or model file named does not exist."""
+
+    def __init__(self, message: str, *, missing: bool = False) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+    @classmethod
+    def of(cls, err: Exception) -> ReloadError:
+        return cls(f"{type(err).__name__}: {err}", missing=isinstance(err, FileNotFoundError))
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,7 @@ class Reloader:
             try:
                 index = LoadedBundle.open_index(directory, backend="faiss")
             except Exception as err:  # a save in progress or a bad index: keep serving the one loaded
-                raise ReloadError(f"{type(err).__name__}: {err}") from err
+                raise ReloadError.of(err) from err
             try:
                 bundle = service.current.bundle.with_index(index)
             except IndexMismatchError:
@@ -109,7 +118,7 @@ class Reloader:
                 prove = partial(prove_bundle, output=output)
         except Exception as err:  # whatever is wrong with the new bundle, keep serving the old one
             log.error("reload of %s failed, still serving the loaded index: %s", where, err)
-            raise ReloadError(f"{type(err).__name__}: {err}") from err
+            raise ReloadError.of(err) from err
         return self._swap(bundle, where, started, prove)
 
     def _swap(
@@ -130,7 +139,7 @@ class Reloader:
         except Exception as err:  # whatever is wrong with the new bundle, keep serving the old one
             bundle.index.close()
             log.error("reload of %s failed, still serving the loaded index: %s", where, err)
-            raise ReloadError(f"{type(err).__name__}: {err}") from err
+            raise ReloadError.of(err) from err
         result = Reloaded(
             index_path=Path(where),
             model_fingerprint=served.embedder.fingerprint,

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
+from engine.labels import MAX_LABEL_CHARS
 from engine.model_card import ValidationCheck
 from engine.query import BatchResponse
 from engine.ranking import QueryHits
 from engine.voting import Prediction
 from index.protocol import Item
+
+# Every image the API sends: browsers must not sniff another type out of a gallery file's bytes.
+IMAGE_HEADERS = {"X-Content-Type-Options": "nosniff"}
+
+
+# An image as base64 text (checked and decoded by app.uploads, which also takes a data: URL prefix).
+Base64Image = Annotated[str, Field(json_schema_extra={"contentEncoding": "base64"})]
 
 
 class ResultOut(BaseModel):
@@ -192,20 +200,25 @@ class ReadyOut(BaseModel):
 class ImageJsonIn(BaseModel):
     """A query image as base64 (a ``data:image/...;base64,`` prefix is accepted)."""
 
-    image: str
+    model_config = ConfigDict(extra="forbid")
+    image: Base64Image
 
 
 class ImagesJsonIn(BaseModel):
     """Several images as base64."""
 
-    images: list[str] = Field(min_length=1)
+    model_config = ConfigDict(extra="forbid")
+    images: list[Base64Image] = Field(min_length=1)
 
 
 class NewItemsJsonIn(BaseModel):
     """Images to add as base64, with no label, one label for all, or one label per image."""
 
-    images: list[str] = Field(min_length=1)
-    labels: list[str | None] = Field(default_factory=list)
+    model_config = ConfigDict(extra="forbid")
+    images: list[Base64Image] = Field(min_length=1)
+    labels: list[Annotated[str, Field(min_length=1, max_length=MAX_LABEL_CHARS)] | None] = Field(
+        default_factory=list
+    )
 
 
 class ErrorBody(BaseModel):

@@ -11,6 +11,7 @@ import os
 import streamlit as st
 
 from app.client import ApiCallError, SearchClient
+from app.ui_display import plain, preview
 from app.ui_duplicates import render_duplicates
 from app.ui_model import render_model
 from engine import defaults
@@ -87,13 +88,13 @@ def render_index_stats(stats: dict | str) -> None:
     with st.sidebar:
         st.header("Index")
         if isinstance(stats, str):
-            st.error(f"The API at {API_URL} is not ready: {stats}")
+            st.error(f"The API at {plain(API_URL)} is not ready: {plain(stats)}")
             return
         st.metric("Images", stats["count"])
-        st.write(f"{stats['dim']}-d · {stats['backend']} {stats['index_type']} · {stats['metric']}")
+        st.write(plain(f"{stats['dim']}-d · {stats['backend']} {stats['index_type']} · {stats['metric']}"))
         if stats["achieved_recall"] is not None:
             st.write(f"index recall {stats['achieved_recall']:.3f}")
-        st.caption(f"model {stats['model']['backbone']} · {stats['model_fingerprint'][:12]}")
+        st.caption(plain(f"model {stats['model']['backbone']} · {stats['model_fingerprint'][:12]}"))
 
 
 def keep_search_settings() -> None:
@@ -154,7 +155,8 @@ def render_results(body: dict, *, filtered: bool) -> None:
         # Under a label filter only the allowed labels vote: say so, or a 100% vote looks like certainty.
         among = ", among the results within the filters" if filtered else ""
         st.success(
-            f"Predicted label: **{prediction['label']}** ({prediction['confidence']:.0%} of the vote{among})"
+            f"Predicted label: **{plain(prediction['label'])}** "
+            f"({prediction['confidence']:.0%} of the vote{among})"
         )
     if not results:
         within = " within the filters" if filtered else ""
@@ -167,7 +169,7 @@ def render_results(body: dict, *, filtered: bool) -> None:
                 if thumbnail is not None:
                     st.image(thumbnail, width="stretch")
                 st.markdown(f"**#{result['rank']} · score {result['score']:.3f}**")
-                st.caption(f"{result['label'] or '-'} · {result['path']}")
+                st.caption(plain(f"{result['label'] or '-'} · {result['path']}"))
                 st.button(
                     "Similar", key=f"similar-{result['id']}", on_click=search_by_item, args=(result["id"],)
                 )
@@ -186,9 +188,11 @@ def run_query(params: dict) -> dict | None:
         try:
             body = client.search(upload.name, data, **params)
         except ApiCallError as err:
-            st.error(f"This image could not be searched: {err}")
+            st.error(f"This image could not be searched: {plain(err)}")
             return None
-        st.image(data, caption="query", width=240)
+        shown = preview(data)
+        if shown is not None:
+            st.image(shown, caption="query", width=240)
         return body
     items = fetch_items(API_URL)
     options = sorted(items)
@@ -211,7 +215,7 @@ def run_query(params: dict) -> dict | None:
     try:
         return client.similar(item_id, **params)
     except ApiCallError as err:
-        st.error(f"Search by item {item_id} failed: {err}")
+        st.error(f"Search by item {item_id} failed: {plain(err)}")
         return None
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import streamlit as st
 
 from app.client import ApiCallError, SearchClient
+from app.ui_display import plain
 from index.duplicates import DEFAULT_THRESHOLD
 
 GROUPS_PER_PAGE = 10
@@ -30,11 +31,11 @@ def render_duplicates(client: SearchClient, thumbnail: Callable[[int, str], byte
     try:
         body = client.duplicates(threshold, offset=(page_number - 1) * GROUPS_PER_PAGE, limit=GROUPS_PER_PAGE)
     except ApiCallError as err:
-        st.error(f"Duplicates are unavailable: {err}")
+        st.error(f"Duplicates are unavailable: {plain(err)}")
         return
     st.caption(f"{body['total']} groups at {body['criteria']} (largest first)")
     if body["note"]:
-        st.warning(body["note"])
+        st.warning(plain(body["note"]))
     if not body["groups"]:
         st.info("No near-duplicates on this page.")
         return
@@ -47,4 +48,4 @@ def render_duplicates(client: SearchClient, thumbnail: Callable[[int, str], byte
                     image = thumbnail(item["id"], item["path"])
                     if image is not None:
                         st.image(image, width="stretch")
-                    st.caption(f"score {item['score']:.3f} · {item['label'] or '-'} · {item['path']}")
+                    st.caption(plain(f"score {item['score']:.3f} · {item['label'] or '-'} · {item['path']}"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import streamlit as st
 
 from app.client import ApiCallError, SearchClient
+from app.ui_display import plain
 
 VERDICT_BOX = {"better": st.success, "not distinguishable": st.info, "worse": st.error}
 # A field the model has no value for (a pretrained backbone has no run). Not "-": st.table renders cells
@@ -56,7 +57,7 @@ def render_model(client: SearchClient) -> None:
     try:
         card = client.model()
     except ApiCallError as err:
-        st.error(f"The model card is unavailable: {err}")
+        st.error(f"The model card is unavailable: {plain(err)}")
         return
     check = card.get("validation_check")
     if check is not None and not check["passed"]:
@@ -68,7 +69,7 @@ def render_model(client: SearchClient) -> None:
     st.table({"field": list(rows), "value": list(rows.values())})
     if card["validation"]:
         line = " · ".join(f"{name} {100 * value:.2f}" for name, value in card["validation"].items())
-        st.caption(f"validation: {line}")
+        st.caption(plain(f"validation: {line}"))
     if card["evaluation"] is not None:
         _show_evaluation(card["evaluation"])
     if not card["plots"]:
@@ -88,4 +89,4 @@ def render_model(client: SearchClient) -> None:
         try:
             st.image(client.plot(plot["url"]), caption=plot["caption"], width="content")  # natural size
         except ApiCallError as err:
-            st.warning(f"Plot {plot['name']} is unavailable: {err}")
+            st.warning(plain(f"Plot {plot['name']} is unavailable: {err}"))

@@ -17,6 +17,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from app.errors import ApiError
 from app.schemas import ImageJsonIn, ImagesJsonIn, NewItemsJsonIn
+from engine.labels import MAX_LABEL_CHARS
 
 _DATA_URL_PREFIX = re.compile(r"^data:[\w/+.-]*;base64,")
 _LABEL_FIELD = "label"
@@ -31,15 +32,21 @@ class Uploads:
 
 def request_body_spec(field: str, json_model: type[BaseModel], *, many: bool, labelled: bool = False) -> dict:
     """OpenAPI ``requestBody`` for a route that takes images as multipart uploads or as base64 JSON."""
-    file_schema: dict[str, Any] = {"type": "string", "format": "binary"}
-    properties: dict[str, Any] = {field: {"type": "array", "items": file_schema} if many else file_schema}
+    file_schema: dict[str, Any] = {"type": "string", "format": "binary", "minLength": 1}
+    files = {"type": "array", "items": file_schema, "minItems": 1}
+    properties: dict[str, Any] = {field: files if many else file_schema}
     if labelled:
         properties[_LABEL_FIELD] = {
             "type": "array",
-            "items": {"type": "string"},
+            "items": {"type": "string", "minLength": 1, "maxLength": MAX_LABEL_CHARS},
             "description": "no label, one label for every image, or one per image (in order)",
         }
-    multipart = {"type": "object", "properties": properties, "required": [field]}
+    multipart = {
+        "type": "object",
+        "properties": properties,
+        "required": [field],
+        "additionalProperties": False,
+    }
     return {
         "requestBody": {
             "required": True,
@@ -106,6 +113,11 @@ async def _read_multipart(
         except MultiPartException as err:
             raise ApiError(400, "bad_request", f"unreadable multipart body: {err.message}") from None
     try:
+        unknown = sorted(set(form.keys()) - {field, _LABEL_FIELD})
+        if unknown:
+            raise ApiError(
+                422, "invalid_request", f"unknown form fields {unknown[:5]}: send {field!r} (and label)"
+            )
         parts = form.getlist(field)
         elsewhere = sorted(
             {key for key, value in form.multi_items() if isinstance(value, UploadFile)} - {field}

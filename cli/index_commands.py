@@ -247,6 +247,8 @@ def query(
         raise fail(f"query image {image} does not exist")
     try:
         where = ItemFilter(tuple(label or ()), path_prefix, added_from, added_to, taken_from, taken_to)
+        if where.empty_range:  # on the command line, surely a slip
+            raise fail("--added-from/--taken-from must be earlier than --added-to/--taken-to")
         service = SearchService.open(model, index)
         options = SearchOptions(k=k, min_score=min_score, where=where)
         response = service.queries.search([image.read_bytes()], options)

@@ -61,8 +61,6 @@ class ItemFilter:
                     raise ValueError(
                         f"{name} {when.isoformat()} is out of range once converted to UTC"
                     ) from None
-        if self.added_from and self.added_to and _utc(self.added_from) >= _utc(self.added_to):
-            raise ValueError("added_from must be earlier than added_to")
         for name in ("taken_from", "taken_to"):
             bound = getattr(self, name)
             if bound is not None and bound.tzinfo is not None:
@@ -70,11 +68,16 @@ class ItemFilter:
                     f"{name} is a time on the camera's clock, compared with when each photo was taken "
                     f"there: give it without a zone, got {bound.isoformat()}"
                 )
-        if self.taken_from and self.taken_to and self.taken_from >= self.taken_to:
-            raise ValueError("taken_from must be earlier than taken_to")
 
     def with_labels(self, labels: tuple[str, ...]) -> ItemFilter:
         return dataclasses.replace(self, labels=labels)
+
+    @property
+    def empty_range(self) -> bool:
+        """Whether a time range holds no time (``added_from`` at or after ``added_to``, or ``taken_from``
+        at or after ``taken_to``): it lets no item through, as SQL's would."""
+        added = bool(self.added_from and self.added_to and _utc(self.added_from) >= _utc(self.added_to))
+        return added or bool(self.taken_from and self.taken_to and self.taken_from >= self.taken_to)
 
     @property
     def empty(self) -> bool:

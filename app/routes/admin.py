@@ -21,13 +21,14 @@ router = APIRouter()
     response_model=ReloadOut,
     tags=["admin"],
     dependencies=[Depends(require_api_key)],
-    responses={401: {"model": ErrorOut}, 403: {"model": ErrorOut}, 422: {"model": ErrorOut}},
+    responses={code: {"model": ErrorOut} for code in (400, 401, 403, 404, 422)},
 )
 async def reload(request: Request, body: Annotated[ReloadIn | None, Body()] = None) -> ReloadOut:
     """Load another index directory (default: the configured path again) and swap it in.
 
     Queries in flight finish on the old index; later ones use the new index and the model it carries.
-    If the new index cannot be loaded, the served one stays and the answer (422) says why.
+    If the new index cannot be loaded or fails its probe query, the served one stays and the answer says
+    why: 404 when the directory or model named does not exist, else 422.
     """
     body = body or ReloadIn()
     reloader: Reloader = request.app.state.reloader
@@ -36,7 +37,8 @@ async def reload(request: Request, body: Annotated[ReloadIn | None, Body()] = No
     try:
         result = await run_in_threadpool(reloader.reload, index_path, model_path)
     except ReloadError as err:
-        raise ApiError(422, "reload_failed", f"still serving the loaded index: {err}") from None
+        status = 404 if err.missing else 422
+        raise ApiError(status, "reload_failed", f"still serving the loaded index: {err}") from None
     return ReloadOut(
         status="reloaded",
         index_path=str(result.index_path),

@@ -10,6 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.deps import INT64_MAX, AppSettings, Compute, ItemId, Service, require_api_key
 from app.schemas import (
+    IMAGE_HEADERS,
     AddedItemsOut,
     DeletedItemOut,
     ErrorOut,
@@ -57,7 +58,7 @@ def get_item(item_id: ItemId, service: Service) -> ItemOut:
 @router.get("/v1/items/{item_id}/image", response_class=FileResponse, responses=ERRORS)
 def item_image(item_id: ItemId, service: Service) -> FileResponse:
     """The original gallery file of an item."""
-    return FileResponse(service.reader.image_path(item_id))
+    return FileResponse(service.reader.image_path(item_id), headers=IMAGE_HEADERS)
 
 
 @router.get("/v1/items/{item_id}/thumbnail", response_class=Response, responses=ERRORS)
@@ -72,7 +73,7 @@ async def item_thumbnail(
     """A JPEG thumbnail of the item's image (EXIF orientation applied)."""
     item = await run_in_threadpool(service.reader.item, item_id)  # waits for a running write: not on the loop
     etag = f'"{item.content_hash[:32]}-{size}"'
-    headers = {"ETag": etag, "Cache-Control": THUMBNAIL_CACHE}
+    headers = {"ETag": etag, "Cache-Control": THUMBNAIL_CACHE, **IMAGE_HEADERS}
     if if_none_match == etag:
         return Response(status_code=304, headers=headers)
     # Decoding a gallery image (up to the pixel limit) takes a compute slot like a query's does.

@@ -15,7 +15,7 @@ from fastapi.responses import FileResponse
 
 from app.deps import Service
 from app.errors import ApiError
-from app.schemas import ErrorOut, ModelCardOut, PlotOut
+from app.schemas import IMAGE_HEADERS, ErrorOut, ModelCardOut, PlotOut
 from engine.model_card import ModelCard
 from engine.run_proof import EVAL_FILE, PLOTS, REPORT_FILE, plot_path
 
@@ -79,4 +79,4 @@ def model_plot(name: str, service: Service) -> FileResponse:
     run_dir = _run_dir(service.embedder.card)
     if run_dir is None or not plot_path(run_dir, name).is_file():
         raise ApiError(404, "not_found", "the served model's training report is not on this server")
-    return FileResponse(plot_path(run_dir, name), media_type="image/png")
+    return FileResponse(plot_path(run_dir, name), media_type="image/png", headers=IMAGE_HEADERS)

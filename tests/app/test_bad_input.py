@@ -384,3 +384,18 @@ def test_writes_need_the_right_key_and_a_safe_label(server: tuple[str, Served]) 
     assert_error(
         httpx.post(f"{url}/v1/items", json=mismatched, headers=key, timeout=30), 422, "invalid_request"
     )
+
+
+def test_images_say_nosniff_and_405_names_every_method(server: tuple[str, Served]) -> None:
+    """Before: image responses had no X-Content-Type-Options, and PUT /v1/items answered 405 with
+    'Allow: GET' though POST is allowed too (Starlette named the first route of the path only)."""
+    url, _ = server
+    for suffix in ("/image", "/thumbnail"):
+        response = httpx.get(f"{url}/v1/items/3{suffix}", timeout=30)
+        assert response.status_code == 200 and response.headers["X-Content-Type-Options"] == "nosniff"
+    refused = assert_error(httpx.put(f"{url}/v1/items", timeout=30), 405, "method_not_allowed")
+    assert refused
+    allowed = httpx.put(f"{url}/v1/items", timeout=30).headers["Allow"]
+    assert {"GET", "POST"} <= {method.strip() for method in allowed.split(",")}
+    allowed = httpx.patch(f"{url}/v1/items/3", timeout=30).headers["Allow"]
+    assert {"GET", "DELETE"} <= {method.strip() for method in allowed.split(",")}

@@ -54,6 +54,13 @@ def test_dates_added(client: TestClient, served: Served) -> None:
     assert client.post("/v1/search", params=past, files=_upload(served)).json()["results"] == []
     since = {"added_from": added, "k": 3}
     assert len(client.post("/v1/search", params=since, files=_upload(served)).json()["results"]) == 3
+    # An empty range (what the OpenAPI schema cannot rule out) finds nothing; it was 422.
+    for empty in (
+        {"added_from": added, "added_to": added},
+        {"added_from": "2030-01-01", "added_to": "2020-01-01"},
+    ):
+        response = client.post("/v1/search", params=empty, files=_upload(served))
+        assert response.status_code == 200 and response.json()["results"] == []
 
 
 def test_batch_and_similar_take_the_same_filters(client: TestClient, served: Served) -> None:
@@ -92,7 +99,6 @@ def test_labels_match_whatever_their_case_and_unknown_ones_are_named(
 @pytest.mark.parametrize(
     "params",
     [
-        {"added_from": "2030-01-01", "added_to": "2020-01-01"},
         {"taken_from": "2024-06-01T00:00:00+02:00"},
         {"added_from": "yesterday"},
         {"path_prefix": "/etc"},

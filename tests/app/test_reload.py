@@ -24,6 +24,7 @@ from index.manifest import Manifest
 from tests.helpers import API_KEY, Served, app_clients, image_bytes, make_image, uvicorn_process
 
 PNG = image_bytes(make_image(3))
+MISSING = {"missing directory", "not an index", "its model is missing"}
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,8 @@ def test_reload_switches_index_and_model_together(
 
 
 def _broken_indexes(new_index: Path, exported_model: Path, root: Path) -> dict[str, tuple[dict, str]]:
-    """Reload bodies that must fail, with what the answer must say."""
+    """Reload bodies that must fail, with what the answer must say (404 where a directory or a model file
+    named is missing: MISSING, else 422)."""
     truncated = root / "truncated"
     shutil.copytree(new_index, truncated)
     faiss_file = truncated / "vectors.faiss"
@@ -155,7 +157,7 @@ def test_a_failed_reload_keeps_the_served_index_and_says_why(
         caplog.clear()
         with caplog.at_level(logging.ERROR, logger="dmlsearch.app"):
             response = client.post("/v1/admin/reload", headers={"X-API-Key": API_KEY}, json=body)
-        assert response.status_code == 422, (case, response.text)
+        assert response.status_code == (404 if case in MISSING else 422), (case, response.text)
         error = response.json()["error"]
         assert error["code"] == "reload_failed", case
         assert error["message"].startswith("still serving the loaded index"), case
@@ -319,7 +321,7 @@ def test_hot_swap_under_load_in_a_real_server(served_module: Served, new_index: 
             headers={"X-API-Key": API_KEY},
             json={"index_path": str(tmp_path / "nowhere")},
         )
-        assert failed.status_code == 422 and "still serving" in failed.json()["error"]["message"]
+        assert failed.status_code == 404 and "still serving" in failed.json()["error"]["message"]
         assert _stats_fingerprint(http, base) == new
         # 3. The API switches to a named directory (back to the old bundle).
         response = http.post(

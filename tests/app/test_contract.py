@@ -1,0 +1,58 @@
+"""The API keeps its own OpenAPI contract: schemathesis (``--checks all``) against a real server, with the
+write endpoints under a key, finds no failure. Bounded examples keep it to a couple of minutes in CI."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import API_KEY, Served, uvicorn_server
+
+SCHEMATHESIS = shutil.which("schemathesis", path=os.path.dirname(sys.executable))
+# Examples per operation, and a fixed seed: the same requests on every run.
+MAX_EXAMPLES = 25
+SEED = 24
+
+
+@pytest.mark.skipif(SCHEMATHESIS is None, reason="schemathesis is not installed (pip install -e '.[dev]')")
+@pytest.mark.xfail(
+    strict=True,
+    reason="open (issue 24.10): schemathesis still finds 5: multipart uploads of random bytes or a zip "
+    "(400 not_an_image: a JSON Schema cannot say 'decodes as an image'), the label count per image and "
+    "the label alphabet (422), and a label sent as an object accepted as text",
+)
+def test_the_api_keeps_its_openapi_contract(served_module: Served, tmp_path: Path) -> None:
+    args = ["--index", str(served_module.index), "--model", str(served_module.model), "--rate-limit", "0"]
+    env = {"DMLSEARCH_API_KEY": API_KEY}
+    with uvicorn_server(args, env) as url:
+        run = subprocess.run(
+            [
+                str(SCHEMATHESIS),
+                "run",
+                f"{url}/openapi.json",
+                "--checks",
+                "all",
+                "--header",
+                f"X-API-Key: {API_KEY}",
+                "--max-examples",
+                str(MAX_EXAMPLES),
+                "--seed",
+                str(SEED),
+                "--generation-deterministic",
+                "--request-timeout",
+                "60",
+                "--no-color",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=tmp_path,
+            env={**os.environ, "SCHEMATHESIS_HOOKS": "tests.app.schemathesis_hooks"},
+        )
+    (tmp_path / "report.txt").write_text(run.stdout)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
