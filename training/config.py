@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from training.precision import Precision
 
 Mode = Literal["frozen", "partial", "finetune"]
 
 # Fields that may change when a run is resumed (they do not change what the steps already taken computed).
 RESUMABLE_FIELDS = frozenset(
-    {"max_steps", "patience", "min_steps", "workers", "cache_dir", "eval_batch_size", "recipe"}
+    {"max_steps", "patience", "min_steps", "workers", "cache_dir", "eval_batch_size", "recipe", "compute"}
 )
 
 
@@ -59,12 +61,35 @@ class TrainConfig(BaseModel):
     seed: int = 0
     cache_dir: str | None = Field(None, description="feature cache (default: RUN_DIR/cache)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    amp: bool = Field(True, description="finetune on GPU: mixed precision")
+    precision: Precision = Field(
+        "auto",
+        description="partial/finetune: autocast of backbone and head (the loss stays float32); auto = "
+        "bfloat16 where the CPU or GPU has it natively, float16 on older GPUs, else float32; fp32 = off",
+    )
+    channels_last: bool = Field(True, description="partial/finetune: convolutions in channels-last format")
+    backbone_chunk: int = Field(
+        32,
+        ge=0,
+        description="finetune: images per backbone pass, activations recomputed in backward (bounds memory; "
+        "the loss still sees the whole batch); 0 = the whole batch at once",
+    )
     workers: int = Field(2, ge=0, description="finetune: image loading processes")
     eval_batch_size: int = Field(64, ge=1)
     recipe: dict[str, Any] | None = Field(
         None, description="where the settings came from (training/recipes.py): name, values, overrides"
     )
+    compute: dict[str, Any] | None = Field(
+        None, description="what the run used (set by the trainer): device, precision, channels_last, why"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_amp(cls, values: Any) -> Any:
+        """Runs saved before ``precision`` existed have ``amp`` (mixed precision on GPUs, on or off)."""
+        if isinstance(values, dict) and "amp" in values:
+            values = dict(values)
+            values.setdefault("precision", "auto" if values.pop("amp") else "fp32")
+        return values
 
     @property
     def effective_view_seed(self) -> int:
