@@ -16,7 +16,8 @@ Settings: ``fp32`` (contiguous, float32: the trainer before issue 25), ``channel
 ``channels_last+bf16`` (bfloat16 autocast, float32 weights and loss). Where the CPU has no native
 bfloat16 that row runs with it forced off (``bf16_used`` false), as a run there would, unless
 ``--force-bf16`` makes torch emulate it. ``speedup`` is against ``fp32`` at the same mode and batch in the
-same run. Figures are img/s over ``--steps`` timed steps after one warm-up step.
+same run. Figures are img/s over ``--steps`` timed steps after one warm-up step. On a machine shared
+with other work, compare ratios within one run only.
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         f"`{meta['command']}`",
         "",
-        f"CPU: {meta['cpu']}; native bfloat16: {meta['native_bf16']}; torch threads {meta['threads']}; "
+        f"CPU: {meta['cpu']}; native bfloat16: {meta['native_bf16']}; torch threads {meta['threads']} "
+        f"(OMP_WAIT_POLICY={meta['omp_wait_policy']}); "
         f"load average before the run {meta['load_before']}. img/s over {meta['steps']} steps after one "
         "warm-up step, random images; peak RSS of the row's own process.",
         "",
@@ -169,6 +171,12 @@ def main() -> None:
     parser.add_argument("--memory-batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--omp-wait-policy",
+        default="PASSIVE",
+        help="OpenMP wait policy of the rows' processes: on a shared, loaded machine ACTIVE threads spin on "
+        "cores others need (Lite0 forward at 2 threads, load 12: 0.8-1.2 img/s ACTIVE, 6-9 PASSIVE)",
+    )
     parser.add_argument("--force-bf16", action="store_true", help="emulate bfloat16 where it is not native")
     parser.add_argument("--out", type=Path, default=Path("bench/results/train_speed"))
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: one row as JSON, in a child process
@@ -183,6 +191,7 @@ def main() -> None:
         "cpu": _cpu_name(),
         "native_bf16": cpu_has_native_bf16(),
         "threads": args.threads,
+        "omp_wait_policy": args.omp_wait_policy,
         "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg()),
         "steps": args.steps,
         "torch": torch.__version__,
@@ -191,7 +200,8 @@ def main() -> None:
     for row in plan(args.batches, args.memory_batch):
         child = [sys.executable, __file__, "--row", json.dumps(row), "--steps", str(args.steps)]
         child += ["--threads", str(args.threads)] + (["--force-bf16"] if args.force_bf16 else [])
-        done = subprocess.run(child, check=True, capture_output=True, text=True)
+        env = {**os.environ, "OMP_WAIT_POLICY": args.omp_wait_policy}
+        done = subprocess.run(child, check=True, capture_output=True, text=True, env=env)
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
     meta["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())

@@ -12,7 +12,17 @@ Mode = Literal["frozen", "partial", "finetune"]
 
 # Fields that may change when a run is resumed (they do not change what the steps already taken computed).
 RESUMABLE_FIELDS = frozenset(
-    {"max_steps", "patience", "min_steps", "workers", "cache_dir", "eval_batch_size", "recipe", "compute"}
+    {
+        "max_steps",
+        "patience",
+        "min_steps",
+        "workers",
+        "cache_dir",
+        "eval_batch_size",
+        "recipe",
+        "compute",
+        "time_budget",
+    }
 )
 
 
@@ -38,6 +48,12 @@ class TrainConfig(BaseModel):
     )
     max_steps: int = Field(3000, ge=0)
     eval_every: int = Field(0, ge=0, description="steps between validations; 0 = one epoch")
+    time_budget: float | None = Field(
+        None,
+        gt=0,
+        description="seconds of training steps (validation excluded) after which the run validates, "
+        "keeps its best checkpoint and stops; none: max_steps decides",
+    )
     patience: int = Field(8, ge=1, description="validations without improvement before stopping")
     min_steps: int = Field(
         0, ge=0, description="early stopping never ends a run before this step (losses that start slowly)"

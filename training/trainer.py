@@ -331,13 +331,16 @@ class _Training:
             initial=state.step,
             total=config.max_steps,
             desc=f"training {config.loss}",
+            unit="step",
             disable=not self.progress,
         )
         self.objective.train()
         losses: list[float] = []
         nonfinite = 0
         started = time.perf_counter()
+        images, step_seconds = 0, 0.0  # this session's training steps, validation excluded: img/s
         while state.step < config.max_steps and not state.stopped:
+            step_started = time.perf_counter()
             if sampler.refresh_due(state.step):
                 sampler.refresh(self.workload.embed("train"))
             indices, inputs = next(batches)
@@ -357,14 +360,26 @@ class _Training:
                     raise FloatingPointError(f"{config.loss}: {nonfinite} consecutive non-finite losses")
             sampler.after_step(indices, self.objective.loss)
             state.step += 1
+            images, step_seconds = images + len(indices), step_seconds + time.perf_counter() - step_started
+            bar.set_postfix_str(f"{images / step_seconds:.1f} img/s", refresh=False)
             bar.update()
-            if state.step % eval_every == 0 or state.step == config.max_steps:
+            # The time budget counts training steps (as train_seconds does): past it, the run validates
+            # this step and stops, keeping the best validated checkpoint.
+            out_of_time = config.time_budget is not None and (
+                state.elapsed + time.perf_counter() - started >= config.time_budget
+            )
+            if state.step % eval_every == 0 or state.step == config.max_steps or out_of_time:
                 state.elapsed += time.perf_counter() - started
                 started = time.perf_counter()
                 train_loss = float(np.mean(losses)) if losses else None
                 self.records.append(self._validate(state.step, train_loss))
                 losses = []
-                bar.set_postfix(loss=train_loss, val_r1=self.records[-1]["val"][SELECTION_METRIC])
+                state.stopped = state.stopped or out_of_time
+                bar.set_postfix(
+                    loss=train_loss,
+                    val_r1=self.records[-1]["val"][SELECTION_METRIC],
+                    img_s=images / step_seconds,
+                )
                 self._save()
             # Ranks stop together (one collective per step under DDP), after saving last.pt: a rerun resumes.
             if not self.dist.all_true(not stopping.requested().is_set()):

@@ -74,10 +74,11 @@ def test_gpu_precision_takes_the_same_path(
     assert resolve_compute(setting, False, CUDA).autocast == expected  # type: ignore[arg-type]
 
 
-def test_a_precision_the_device_lacks_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_emulated_bf16_is_used_only_when_asked_for_and_then_said(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
-    with pytest.raises(ValueError, match="no native bfloat16"):
-        resolve_compute("bf16", True, CPU)
+    with pytest.warns(UserWarning, match="emulates bfloat16"):
+        compute = resolve_compute("bf16", True, CPU)
+    assert compute.autocast == torch.bfloat16 and "emulates" in compute.record()["reason"]
     with pytest.raises(ValueError, match="for GPUs"):
         resolve_compute("fp16", True, CPU)
 
