@@ -197,7 +197,7 @@ def train(config: TrainConfig, out: Path, *, progress: bool = True) -> dict[str,
         summary = run.read_summary()
         if last is not None and summary is not None and (last["stopped"] or last["step"] >= config.max_steps):
             return summary
-        compute = run_compute(config, device)  # an explicit precision the device lacks fails here
+        compute = run_compute(config, device)  # precision=fp16 on a CPU fails here, before any work
         config = config.model_copy(update={"compute": compute.record()})
         if dist.is_main:
             run.write_config(config)
