@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
 from cli.common import fail
 from engine import defaults
+
+if TYPE_CHECKING:
+    from training.recipes import Resolved
 
 commands = typer.Typer()
 
@@ -136,7 +139,17 @@ def train(
         typer.Option(
             help="frozen: train the head on cached features; partial: also the backbone's last stage, on "
             "cached maps entering it; finetune: the whole network "
-            "(default: finetune with a GPU, frozen without)."
+            "(default: finetune with a GPU; without one, finetune if enough steps fit --time-budget on "
+            "this CPU, measured, else frozen)."
+        ),
+    ] = None,
+    time_budget: Annotated[
+        float | None,
+        typer.Option(
+            min=0.1,
+            help="Minutes of training: picks the mode on a CPU (see --mode), sets the fine-tuning steps "
+            "and stops the run there with its best validated checkpoint (default: 60 for that choice, "
+            "none otherwise).",
         ),
     ] = None,
     hparam: Annotated[
@@ -205,6 +218,10 @@ def train(
                 typer.echo(f"race (validation recall@1): {scores}; kept {race['winner']}: {race['reason']}")
             else:
                 resolved = resolve(loss, recipe or DEFAULT_RECIPE, parse_assignments(loss, hparam or []))
+                if time_budget is not None:
+                    fields["time_budget"] = 60 * time_budget
+                if mode is None and not torch.cuda.is_available():
+                    fields.update(_plan_cpu_mode(resolved, loss, data, out, fields, time_budget))
                 summary = run_training(resolved.config(loss, str(data.resolve()), **fields), out)
     except ValidationError as err:
         raise fail(f"invalid training setting: {err}") from None
@@ -232,6 +249,28 @@ def train(
         )
     else:
         typer.echo(f"run in {out}; export it with: dmlsearch export {out}")
+
+
+def _plan_cpu_mode(
+    resolved: Resolved, loss: str, data: Path, out: Path, fields: dict[str, Any], minutes: float | None
+) -> dict[str, Any]:
+    """The mode (and fine-tuning steps) that fit the time budget on this CPU, said with the reason; a run
+    already in ``out`` keeps its own mode."""
+    from training.budget import plan_for
+    from training.recipes import DEFAULT_TIME_BUDGET_MINUTES
+    from training.run_dir import RunDirectory
+
+    saved = RunDirectory(out).read_config()
+    if saved is not None:
+        return {"mode": saved.mode, "time_budget": saved.time_budget, "max_steps": saved.max_steps}
+    budget_s = 60 * (minutes or DEFAULT_TIME_BUDGET_MINUTES)
+    typer.echo("no --mode and no GPU: measuring a fine-tuning step on this CPU to choose the mode ...")
+    config = resolved.config(loss, str(data.resolve()), **{**fields, "mode": "finetune"})
+    plan = plan_for(config, budget_s)
+    typer.echo(plan.reason)
+    if plan.mode == "finetune":
+        return {"mode": "finetune", "max_steps": plan.max_steps, "time_budget": budget_s}
+    return {"mode": plan.mode}
 
 
 @commands.command()

@@ -4,13 +4,25 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from training.precision import Precision
 
 Mode = Literal["frozen", "partial", "finetune"]
 
 # Fields that may change when a run is resumed (they do not change what the steps already taken computed).
 RESUMABLE_FIELDS = frozenset(
-    {"max_steps", "patience", "min_steps", "workers", "cache_dir", "eval_batch_size", "recipe"}
+    {
+        "max_steps",
+        "patience",
+        "min_steps",
+        "workers",
+        "cache_dir",
+        "eval_batch_size",
+        "recipe",
+        "compute",
+        "time_budget",
+    }
 )
 
 
@@ -36,6 +48,12 @@ class TrainConfig(BaseModel):
     )
     max_steps: int = Field(3000, ge=0)
     eval_every: int = Field(0, ge=0, description="steps between validations; 0 = one epoch")
+    time_budget: float | None = Field(
+        None,
+        gt=0,
+        description="seconds of training steps (validation excluded) after which the run validates, "
+        "keeps its best checkpoint and stops; none: max_steps decides",
+    )
     patience: int = Field(8, ge=1, description="validations without improvement before stopping")
     min_steps: int = Field(
         0, ge=0, description="early stopping never ends a run before this step (losses that start slowly)"
@@ -59,12 +77,35 @@ class TrainConfig(BaseModel):
     seed: int = 0
     cache_dir: str | None = Field(None, description="feature cache (default: RUN_DIR/cache)")
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    amp: bool = Field(True, description="finetune on GPU: mixed precision")
+    precision: Precision = Field(
+        "auto",
+        description="partial/finetune: autocast of backbone and head (the loss stays float32); auto = "
+        "bfloat16 where the CPU or GPU has it natively, float16 on older GPUs, else float32; fp32 = off",
+    )
+    channels_last: bool = Field(True, description="partial/finetune: convolutions in channels-last format")
+    backbone_chunk: int = Field(
+        32,
+        ge=0,
+        description="finetune: images per backbone pass, activations recomputed in backward (bounds memory; "
+        "the loss still sees the whole batch); 0 = the whole batch at once",
+    )
     workers: int = Field(2, ge=0, description="finetune: image loading processes")
     eval_batch_size: int = Field(64, ge=1)
     recipe: dict[str, Any] | None = Field(
         None, description="where the settings came from (training/recipes.py): name, values, overrides"
     )
+    compute: dict[str, Any] | None = Field(
+        None, description="what the run used (set by the trainer): device, precision, channels_last, why"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_amp(cls, values: Any) -> Any:
+        """Runs saved before ``precision`` existed have ``amp`` (mixed precision on GPUs, on or off)."""
+        if isinstance(values, dict) and "amp" in values:
+            values = dict(values)
+            values.setdefault("precision", "auto" if values.pop("amp") else "fp32")
+        return values
 
     @property
     def effective_view_seed(self) -> int:

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from training.backbone import create_backbone, split_backbone
 from training.config import TrainConfig
@@ -36,10 +37,25 @@ class TrainingObjective(nn.Module):
     with ``unit`` its L2-normalised direction, the one retrieval compares, times ``scale``: dot-product
     losses (N-pair, ALMN, Angular) see softmax logits that grow with the squared norm, and the
     PCA-initialised head starts with norms below 1, so ``scale`` sets their temperature.
+
+    With ``chunk``, a training forward runs the backbone on ``chunk`` images at a time with activation
+    checkpointing: only each chunk's inputs are kept, and its activations are recomputed in the backward,
+    one chunk at a time, so memory follows the chunk rather than the batch (a third more compute: one more
+    forward). The loss still sees the whole batch's embeddings, exactly as without chunks: batch norm is
+    frozen (:meth:`train`), so a chunk's output does not depend on the other images and running statistics
+    are not updated twice, and ``torch.utils.checkpoint`` replays the random state (dropout, drop-path) and
+    the autocast state of the first forward in the recomputation.
     """
 
     def __init__(
-        self, backbone: nn.Module, head: nn.Module, loss: nn.Module, *, scale: float = 1.0, unit: bool = False
+        self,
+        backbone: nn.Module,
+        head: nn.Module,
+        loss: nn.Module,
+        *,
+        scale: float = 1.0,
+        unit: bool = False,
+        chunk: int = 0,
     ) -> None:
         super().__init__()
         self.backbone = backbone
@@ -47,6 +63,7 @@ class TrainingObjective(nn.Module):
         self.loss = loss
         self.scale = scale
         self.unit = unit
+        self.chunk = chunk
 
     def train(self, mode: bool = True) -> TrainingObjective:
         """Batch-norm statistics of the backbone stay frozen: class-balanced batches of a few classes
@@ -58,6 +75,12 @@ class TrainingObjective(nn.Module):
         return self
 
     def embed(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.chunk and torch.is_grad_enabled() and len(inputs) > self.chunk:
+            parts = inputs.split(self.chunk)
+            return torch.cat([checkpoint(self._embed, part, use_reentrant=False) for part in parts])
+        return self._embed(inputs)
+
+    def _embed(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.head(self.backbone(inputs))
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor, **batch_info: torch.Tensor) -> torch.Tensor:
@@ -92,4 +115,7 @@ def build_objective(config: TrainConfig, feature_dim: int) -> TrainingObjective:
         backbone = split_backbone(config.backbone, backbone)[1]
     head = ResidualHead(feature_dim, config.embedding_dim, config.head_hidden)
     loss = build_loss(config.loss, **loss_hparams(config))
-    return TrainingObjective(backbone, head, loss, scale=config.embedding_scale, unit=config.unit_embeddings)
+    chunk = config.backbone_chunk if config.mode == "finetune" else 0  # partial: small 7x7 maps, no need
+    return TrainingObjective(
+        backbone, head, loss, scale=config.embedding_scale, unit=config.unit_embeddings, chunk=chunk
+    )

@@ -38,6 +38,7 @@ from training.features import FeatureExtractor
 from training.losses import LOSSES, LossSpec
 from training.metrics import evaluate, top_hits
 from training.model import build_objective
+from training.precision import Compute, resolve_compute
 from training.run_dir import RunDirectory, RunDirError
 from training.samplers import sampler_for
 from training.workloads import CachedWorkload, FinetuneWorkload
@@ -174,12 +175,12 @@ class TrainState:
         return cls(**{field.name: checkpoint[field.name] for field in fields(cls)})
 
 
-def mixed_precision(amp: bool, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype of a run, None for full precision: mixed precision is for GPUs (``amp``), in
-    bfloat16 where the GPU has it, else in float16, whose small range needs a gradient scaler."""
-    if not amp or device.type != "cuda":
-        return None
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+def run_compute(config: TrainConfig, device: torch.device) -> Compute:
+    """How the run computes: partial and finetune train a backbone, in the configured precision and
+    memory format; frozen trains the head alone on cached features, in float32 (there is nothing to win)."""
+    if config.mode == "frozen":
+        return Compute(device, None, False, "frozen: the head alone trains, in float32")
+    return resolve_compute(config.precision, config.channels_last, device)
 
 
 def train(config: TrainConfig, out: Path, *, progress: bool = True) -> dict[str, Any]:
@@ -196,11 +197,13 @@ def train(config: TrainConfig, out: Path, *, progress: bool = True) -> dict[str,
         summary = run.read_summary()
         if last is not None and summary is not None and (last["stopped"] or last["step"] >= config.max_steps):
             return summary
+        compute = run_compute(config, device)  # precision=fp16 on a CPU fails here, before any work
+        config = config.model_copy(update={"compute": compute.record()})
         if dist.is_main:
             run.write_config(config)
         progress = progress and dist.is_main
         data = prepare_data(config, cache_directory(config, run.path), dist, progress=progress)
-        return _Training(config, spec, run, dist, device, data, progress=progress).run(last)
+        return _Training(config, spec, run, dist, compute, data, progress=progress).run(last)
 
 
 class _Training:
@@ -213,7 +216,7 @@ class _Training:
         spec: LossSpec,
         run: RunDirectory,
         dist: Distributed,
-        device: torch.device,
+        compute: Compute,
         data: PreparedData,
         *,
         progress: bool,
@@ -222,12 +225,13 @@ class _Training:
         self.spec = spec
         self.run_dir = run
         self.dist = dist
-        self.device = device
+        self.compute = compute
+        self.device = compute.device
         self.data = data
         self.progress = progress
         self.objective = build_objective(config, data.features["train"].shape[1])
         self.objective.head.init_from_pca(data.features["train"], seed=config.seed)
-        self.objective.to(device)
+        compute.prepare_module(self.objective.to(self.device))
         self.workload = self._workload()
         self.sampler = sampler_for(
             spec.layout,
@@ -240,8 +244,7 @@ class _Training:
         )
         self.view_rng = np.random.default_rng([config.seed, dist.rank])
         self.optimizer = torch.optim.Adam(self._param_groups(), weight_decay=config.weight_decay)
-        self.amp_dtype = mixed_precision(config.amp, device)
-        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
+        self.scaler = torch.amp.GradScaler("cuda", enabled=compute.autocast == torch.float16)
         self.state = TrainState()
         self.records: list[dict[str, Any]] = []  # one per validation, as in metrics.jsonl
         self.best: dict[str, Any] | None = None  # best.pt: weights, step and validation metrics
@@ -295,7 +298,13 @@ class _Training:
         data = self.data
         if self.config.mode != "finetune":
             eval_inputs = {name: data.inputs[name] for name in ("val", "test")}
-            return CachedWorkload(self.objective, data.train_views, eval_inputs, self.device)
+            return CachedWorkload(
+                self.objective,
+                data.train_views,
+                eval_inputs,
+                self.device,
+                channels_last=self.compute.channels_last,
+            )
         files = {name: data.files(name) for name in ("train", "val", "test")}
         preprocessing = BACKBONES[self.config.backbone].preprocessing
         return FinetuneWorkload(
@@ -305,6 +314,7 @@ class _Training:
             self.device,
             workers=self.config.workers,
             batch_size=self.config.eval_batch_size,
+            channels_last=self.compute.channels_last,
         )
 
     def _param_groups(self) -> list[dict[str, Any]]:
@@ -322,24 +332,26 @@ class _Training:
         config, state, sampler = self.config, self.state, self.sampler
         labels = torch.as_tensor(self.data.labels("train"))
         eval_every = config.eval_every or max(1, math.ceil(len(labels) / sampler.batch_size))
-        autocast = torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
         batches = self.workload.batches(sampler, self.view_rng)
         bar = tqdm(
             initial=state.step,
             total=config.max_steps,
             desc=f"training {config.loss}",
+            unit="step",
             disable=not self.progress,
         )
         self.objective.train()
         losses: list[float] = []
         nonfinite = 0
         started = time.perf_counter()
+        images, step_seconds = 0, 0.0  # this session's training steps, validation excluded: img/s
         while state.step < config.max_steps and not state.stopped:
+            step_started = time.perf_counter()
             if sampler.refresh_due(state.step):
                 sampler.refresh(self.workload.embed("train"))
             indices, inputs = next(batches)
             batch_info = {key: value.to(self.device) for key, value in sampler.batch_info(indices).items()}
-            with autocast:
+            with self.compute.autocast_context():
                 value = model(inputs, labels[indices].to(self.device), **batch_info)
             self.optimizer.zero_grad(set_to_none=True)
             if self.dist.all_true(bool(torch.isfinite(value))):  # ranks skip a step together or not at all
@@ -354,14 +366,26 @@ class _Training:
                     raise FloatingPointError(f"{config.loss}: {nonfinite} consecutive non-finite losses")
             sampler.after_step(indices, self.objective.loss)
             state.step += 1
+            images, step_seconds = images + len(indices), step_seconds + time.perf_counter() - step_started
+            bar.set_postfix_str(f"{images / step_seconds:.1f} img/s", refresh=False)
             bar.update()
-            if state.step % eval_every == 0 or state.step == config.max_steps:
+            # The time budget counts training steps (as train_seconds does): past it, the run validates
+            # this step and stops, keeping the best validated checkpoint.
+            out_of_time = config.time_budget is not None and (
+                state.elapsed + time.perf_counter() - started >= config.time_budget
+            )
+            if state.step % eval_every == 0 or state.step == config.max_steps or out_of_time:
                 state.elapsed += time.perf_counter() - started
                 started = time.perf_counter()
                 train_loss = float(np.mean(losses)) if losses else None
                 self.records.append(self._validate(state.step, train_loss))
                 losses = []
-                bar.set_postfix(loss=train_loss, val_r1=self.records[-1]["val"][SELECTION_METRIC])
+                state.stopped = state.stopped or out_of_time
+                bar.set_postfix(
+                    loss=train_loss,
+                    val_r1=self.records[-1]["val"][SELECTION_METRIC],
+                    img_s=images / step_seconds,
+                )
                 self._save()
             # Ranks stop together (one collective per step under DDP), after saving last.pt: a rerun resumes.
             if not self.dist.all_true(not stopping.requested().is_set()):

@@ -21,6 +21,7 @@ from engine.model_card import Preprocessing
 from engine.preprocess import to_tensor
 from training.features import augment_transform
 from training.model import TrainingObjective
+from training.precision import model_inputs
 from training.samplers import ClassBalancedSampler
 
 Batch = tuple[np.ndarray, torch.Tensor]  # (indices into the training split, inputs)
@@ -51,25 +52,31 @@ class CachedWorkload:
         train_views: np.ndarray,
         eval_inputs: dict[str, np.ndarray],
         device: torch.device,
+        *,
+        channels_last: bool = False,
     ) -> None:
         self.objective = objective
         self.train_views = torch.from_numpy(train_views)
         self.eval_inputs = {"train": train_views[0], **eval_inputs}
         self.device = device
+        self.channels_last = channels_last
         self.batch_size = max(1, self.EVAL_BATCH_ELEMENTS // int(np.prod(train_views.shape[2:])))
 
     def batches(self, sampler: ClassBalancedSampler, rng: np.random.Generator) -> Iterator[Batch]:
         while True:
             indices = sampler.next_indices()
             views = rng.integers(0, len(self.train_views), size=len(indices))
-            yield indices, self.train_views[views, indices].to(self.device, torch.float32)
+            yield indices, self._inputs(self.train_views[views, indices])
+
+    def _inputs(self, inputs: torch.Tensor) -> torch.Tensor:
+        return model_inputs(inputs.to(self.device, torch.float32), self.channels_last)
 
     @torch.no_grad()
     def embed(self, split: str) -> np.ndarray:
         inputs = torch.from_numpy(self.eval_inputs[split])
         with eval_mode(self.objective):
             parts = [
-                self.objective.embed(chunk.to(self.device, torch.float32)).float().cpu()
+                self.objective.embed(self._inputs(chunk)).float().cpu()
                 for chunk in inputs.split(self.batch_size)
             ]
         return torch.cat(parts).numpy()
@@ -111,6 +118,7 @@ class FinetuneWorkload:
         *,
         workers: int = 2,
         batch_size: int = 64,
+        channels_last: bool = False,
     ) -> None:
         self.objective = objective
         self.files = files
@@ -118,6 +126,7 @@ class FinetuneWorkload:
         self.device = device
         self.workers = workers
         self.batch_size = batch_size
+        self.channels_last = channels_last
 
     def batches(self, sampler: ClassBalancedSampler, rng: np.random.Generator) -> Iterator[Batch]:
         loader = DataLoader(
@@ -128,7 +137,7 @@ class FinetuneWorkload:
             persistent_workers=False,
         )
         for indices, images in loader:
-            yield indices.numpy(), images.to(self.device, non_blocking=True)
+            yield indices.numpy(), model_inputs(images.to(self.device, non_blocking=True), self.channels_last)
 
     @torch.no_grad()
     def embed(self, split: str) -> np.ndarray:
@@ -141,5 +150,9 @@ class FinetuneWorkload:
         # Float32, not mixed precision: validation must rank with the embeddings the ONNX model serves.
         with eval_mode(self.objective):
             for _, images in loader:
-                parts.append(self.objective.embed(images.to(self.device)).float().cpu())
+                parts.append(
+                    self.objective.embed(model_inputs(images.to(self.device), self.channels_last))
+                    .float()
+                    .cpu()
+                )
         return torch.cat(parts).numpy()

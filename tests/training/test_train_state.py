@@ -1,14 +1,11 @@
-"""The trainer's pieces that need no run: its progress record and its mixed-precision decision."""
+"""The trainer's pieces that need no run: its progress record (its precision: test_precision.py)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict
 
-import pytest
-import torch
-
-from training.trainer import TrainState, mixed_precision
+from training.trainer import TrainState
 
 
 def test_train_state_round_trips_through_a_checkpoint_dict() -> None:
@@ -17,19 +14,3 @@ def test_train_state_round_trips_through_a_checkpoint_dict() -> None:
     assert TrainState.from_checkpoint(checkpoint) == state
     fresh = TrainState()
     assert (fresh.step, fresh.best_score, fresh.stopped) == (0, -math.inf, False)
-
-
-@pytest.mark.parametrize(
-    ("amp", "device", "bf16", "expected"),
-    [
-        (True, "cpu", True, None),  # mixed precision is for GPUs only
-        (False, "cuda", True, None),
-        (True, "cuda", True, torch.bfloat16),
-        (True, "cuda", False, torch.float16),  # older GPUs: float16, with a gradient scaler
-    ],
-)
-def test_mixed_precision_is_decided_once(
-    amp: bool, device: str, bf16: bool, expected: torch.dtype | None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: bf16)
-    assert mixed_precision(amp, torch.device(device)) == expected

@@ -44,7 +44,11 @@ def test_frozen_run_writes_a_complete_run_directory(
     assert gain["difference"] == pytest.approx(observed)
     assert summary["beats_backbone"] == (summary["best_step"] > 0 and gain["verdict"] == "better")
     assert set(summary["test"]) == {"recall@1", "recall@2", "recall@4", "recall@8", "map@r", "nmi", "f1"}
-    assert run.read_config() == _config(labelled_folder, feature_cache)
+    # The config as given, plus what the run computed with (frozen: the head alone, in float32).
+    compute = {"device": "cpu", "precision": "fp32", "channels_last": False}
+    saved = run.read_config()
+    assert saved.model_copy(update={"compute": None}) == _config(labelled_folder, feature_cache)
+    assert {key: saved.compute[key] for key in compute} == compute
     assert json.loads(run.summary_path.read_text()) == summary
     assert run.load_checkpoint("last")["step"] == 12
     assert not list(out.rglob("*.tmp")), "no temporary files left behind"

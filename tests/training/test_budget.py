@@ -1,0 +1,71 @@
+"""The time budget: which mode fits it on a CPU, how many steps, and a run that stops at it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from cli.main import app
+from tests.helpers import tiny_train_config
+from training.budget import MIN_FINETUNE_STEPS, finetune_seconds, plan_mode
+from training.run_dir import RunDirectory
+from training.trainer import train
+
+IMAGES = {"train": 4000, "val": 1000, "test": 4000}  # about half of Cars196
+
+
+def test_finetune_is_chosen_when_enough_steps_fit_and_its_steps_follow_the_budget() -> None:
+    hour = plan_mode(img_per_s=42.0, batch=128, images=IMAGES, budget_s=3600, max_steps=3000)
+    two = plan_mode(img_per_s=42.0, batch=128, images=IMAGES, budget_s=7200, max_steps=3000)
+    assert hour.mode == two.mode == "finetune"
+    assert MIN_FINETUNE_STEPS <= hour.max_steps < two.max_steps <= 3000
+    assert two.max_steps > 2 * hour.max_steps - 10  # the fixed cost (features, test) is paid once
+    assert finetune_seconds(hour.max_steps, img_per_s=42.0, batch=128, images=IMAGES) <= 3600
+    assert finetune_seconds(hour.max_steps + 1, img_per_s=42.0, batch=128, images=IMAGES) > 3600
+    assert "fit the 60-minute budget" in hour.reason and "42.0 img/s" in hour.reason
+    capped = plan_mode(img_per_s=42.0, batch=128, images=IMAGES, budget_s=10**6, max_steps=3000)
+    assert capped.max_steps == 3000
+
+
+def test_frozen_is_chosen_when_fine_tuning_would_not_fit() -> None:
+    slow = plan_mode(img_per_s=5.0, batch=128, images=IMAGES, budget_s=3600, max_steps=3000)
+    assert slow.mode == "frozen" and slow.max_steps == 3000
+    assert "over the 60-minute budget" in slow.reason and "--time-budget" in slow.reason
+    # A short run (max_steps below the threshold) is fine-tuned when it fits.
+    short = plan_mode(img_per_s=5.0, batch=16, images=IMAGES, budget_s=3600, max_steps=20)
+    assert (short.mode, short.max_steps) == ("finetune", 20)
+
+
+def test_a_run_stops_at_its_time_budget_with_its_best_checkpoint(
+    labelled_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    config = tiny_train_config(
+        labelled_folder, feature_cache, max_steps=500, eval_every=100, time_budget=1e-6
+    )
+    summary = train(config, tmp_path / "run", progress=False)
+    assert summary["steps"] == 1 and summary["stopped_early"]
+    run = RunDirectory(tmp_path / "run")
+    assert [record["step"] for record in run.read_metrics()] == [0, 1]  # validated where it stopped
+    assert run.load_checkpoint("best")["step"] == summary["best_step"]
+
+
+def test_cli_chooses_the_mode_by_the_measured_speed_and_says_why(
+    labelled_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    common = ["train", "--loss", "ms", "--data", str(labelled_folder), "--cache-dir", str(feature_cache)]
+    tiny = ["-p", "classes_per_batch=2", "-p", "samples_per_class=2", "-p", "eval_every=2"]
+    # 150 steps of 4 images in 6 seconds would take over 100 img/s: frozen, and the run stops at 6 s.
+    result = CliRunner().invoke(app, [*common, "--out", str(tmp_path / "f"), "--time-budget", "0.1", *tiny])
+    assert result.exit_code == 0, result.output
+    assert "measuring a fine-tuning step" in result.output
+    assert f"frozen: {MIN_FINETUNE_STEPS} fine-tuning steps would take" in result.output
+    assert json.loads((tmp_path / "f" / "config.json").read_text())["mode"] == "frozen"
+    result = CliRunner().invoke(
+        app, [*common, "--out", str(tmp_path / "t"), "--time-budget", "30", *tiny, "-p", "max_steps=2"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "finetune: 2 steps fit the 30-minute budget" in result.output
+    saved = json.loads((tmp_path / "t" / "config.json").read_text())
+    assert (saved["mode"], saved["max_steps"], saved["time_budget"]) == ("finetune", 2, 1800.0)

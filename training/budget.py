@@ -1,0 +1,115 @@
+"""Which mode fits a time budget on this machine, and how many steps: ``dmlsearch train`` on a CPU.
+
+Fine-tuning is the largest lever the project has (issue 25: +22.4 test Recall@1 in 150 steps, against
++9.1 for the frozen recipe on the same data), but on a CPU it costs minutes per epoch. So where no mode
+is given, the speed of one fine-tuning step is measured on this machine (random images at the run's batch
+and compute) and fine-tuning is chosen when at least :data:`MIN_FINETUNE_STEPS` steps, plus validating
+and testing, fit in the budget; otherwise the frozen mode. The steps then fill the budget, up to the
+recipe's ``max_steps``, and the run stops at the budget in any case (``TrainConfig.time_budget``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from training.backbone import BACKBONES
+from training.config import TrainConfig
+from training.data import load_labelled_images, split_classes
+from training.losses import LOSSES
+from training.model import build_objective
+from training.precision import model_inputs, resolve_compute
+
+# The fewest fine-tuning steps worth choosing over the frozen mode: the measured run of issue 25 (MS,
+# 150 steps of 128 images: +22.4 test Recall@1, still improving) took this many.
+MIN_FINETUNE_STEPS = 150
+# A forward pass costs about a third of a training step (forward + backward): what embedding the
+# validation and test images (twice: trained and untrained) is estimated at.
+FORWARD_SHARE = 1 / 3
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str
+    max_steps: int
+    reason: str
+
+
+def measure_finetune_speed(config: TrainConfig, batch: int, *, steps: int = 1) -> float:
+    """Images per second of ``config``'s fine-tuning step on this CPU (after a warm-up step): the run's
+    own objective, precision and memory format on random images."""
+    finetune = config.model_copy(update={"mode": "finetune"})
+    compute = resolve_compute(finetune.precision, finetune.channels_last, torch.device("cpu"))
+    objective = compute.prepare_module(build_objective(finetune, BACKBONES[config.backbone].feature_dim))
+    objective.train()
+    size = BACKBONES[config.backbone].preprocessing.input_size
+    images = model_inputs(torch.randn(batch, 3, size, size), compute.channels_last)
+    labels = torch.arange(batch) // 4  # classes of 4 images
+    optimizer = torch.optim.Adam(objective.parameters(), lr=1e-9)
+    elapsed = 0.0
+    for step in range(steps + 1):
+        started = time.perf_counter()
+        with compute.autocast_context():
+            value = objective(images, labels)
+        optimizer.zero_grad(set_to_none=True)
+        value.backward()
+        optimizer.step()
+        elapsed += (time.perf_counter() - started) if step else 0.0
+    return batch * steps / elapsed
+
+
+def finetune_seconds(steps: int, *, img_per_s: float, batch: int, images: dict[str, int]) -> float:
+    """Estimated seconds of a fine-tuning run: its steps, a validation per epoch of training images and
+    at the start and the end, the test images, and the backbone features of all images (cached once)."""
+    forward_per_s = img_per_s / FORWARD_SHARE
+    validations = 2 + steps * batch / max(1, images["train"])
+    evaluated = validations * images["val"] + images["test"] + sum(images.values())
+    return steps * batch / img_per_s + evaluated / forward_per_s
+
+
+def plan_mode(
+    *, img_per_s: float, batch: int, images: dict[str, int], budget_s: float, max_steps: int
+) -> Plan:
+    """Fine-tune when :data:`MIN_FINETUNE_STEPS` steps (or ``max_steps``, if fewer) fit in ``budget_s``,
+    with as many steps as fit, at most ``max_steps``; else the frozen mode. ``images``: train/val/test."""
+
+    def cost(steps: int) -> float:
+        return finetune_seconds(steps, img_per_s=img_per_s, batch=batch, images=images)
+
+    per_step = cost(1) - cost(0)
+    steps = min(max_steps, max(0, math.floor((budget_s - cost(0)) / per_step)))
+    speed = f"a fine-tuning step of {batch} images measured at {img_per_s:.1f} img/s on this CPU"
+    minutes = f"{budget_s / 60:.0f}-minute budget"
+    if steps >= min(MIN_FINETUNE_STEPS, max_steps):
+        reason = f"finetune: {steps} steps fit the {minutes} (about {cost(steps) / 60:.0f} minutes; {speed})"
+        return Plan("finetune", steps, reason)
+    reason = (
+        f"frozen: {MIN_FINETUNE_STEPS} fine-tuning steps would take about "
+        f"{cost(MIN_FINETUNE_STEPS) / 60:.0f} minutes, over the {minutes} ({speed}); "
+        "raise --time-budget to fine-tune"
+    )
+    return Plan("frozen", max_steps, reason)
+
+
+def plan_for(config: TrainConfig, budget_s: float) -> Plan:
+    """:func:`plan_mode` for ``config``'s data and batch, with the step speed measured here."""
+    layout = LOSSES[config.loss].layout
+    batch = (config.classes_per_batch or layout.classes) * (
+        config.samples_per_class or layout.samples_per_class
+    )
+    split = split_classes(
+        load_labelled_images(Path(config.data)),
+        train_classes=config.train_classes,
+        val_fraction=config.val_fraction,
+        fold=config.fold,
+        folds=config.folds,
+    )
+    images = {name: len(split[name]) for name in ("train", "val", "test")}
+    speed = measure_finetune_speed(config, batch)
+    return plan_mode(
+        img_per_s=speed, batch=batch, images=images, budget_s=budget_s, max_steps=config.max_steps
+    )
