@@ -118,11 +118,11 @@ def main() -> None:
                     nodes_to_exclude=excluded,
                     calibration_cache_path=cache,
                 )
-            except Exception as err:  # a variant onnxruntime cannot produce for this graph is a result too
+                session = onnx_session(out, threads=args.threads)
+            except Exception as err:  # a variant onnxruntime cannot produce or run is a result too
                 rows.append({"variant": name, "error": f"{type(err).__name__}: {err}"})
                 print(f"{name}: failed: {err}", flush=True)
                 continue
-            session = onnx_session(out, threads=args.threads)
             vectors = embed(session)
             cosines = (vectors * reference).sum(axis=1)
             overlap = np.mean(

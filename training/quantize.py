@@ -80,8 +80,9 @@ def quantize_int8(model_path: Path, calibration: Sequence[Path]) -> ModelCard:
 
     QDQ format (QOperator cannot rewrite this graph's run-time padding), per-channel symmetric int8 weights,
     uint8 activations (onnxruntime's fastest x86 kernels are u8 x s8; with AVX512-VNNI or AVX-VNNI they do
-    not saturate, so ``reduce_range`` stays off) with MinMax ranges over ``calibration``. The backbone's
-    ``float_under_int8`` layers stay in float (see ``training.backbone``).
+    not saturate, and without VNNI the engine's sessions ask for exact kernels (``engine.embedder``), so
+    ``reduce_range``, which cost precision everywhere, stays off) with MinMax ranges over ``calibration``.
+    The backbone's ``float_under_int8`` layers stay in float (see ``training.backbone``).
     """
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
