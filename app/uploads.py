@@ -113,11 +113,6 @@ async def _read_multipart(
         except MultiPartException as err:
             raise ApiError(400, "bad_request", f"unreadable multipart body: {err.message}") from None
     try:
-        unknown = sorted(set(form.keys()) - {field, _LABEL_FIELD})
-        if unknown:
-            raise ApiError(
-                422, "invalid_request", f"unknown form fields {unknown[:5]}: send {field!r} (and label)"
-            )
         parts = form.getlist(field)
         elsewhere = sorted(
             {key for key, value in form.multi_items() if isinstance(value, UploadFile)} - {field}
@@ -128,6 +123,11 @@ async def _read_multipart(
                 "invalid_request",
                 f"no image in the file field {field!r}, which this endpoint reads; the request's files are "
                 f"in {', '.join(map(repr, elsewhere))}: send each as {_curl(field)}",
+            )
+        unknown = sorted(set(form.keys()) - {field, _LABEL_FIELD})
+        if unknown:
+            raise ApiError(
+                422, "invalid_request", f"unknown form fields {unknown[:5]}: send {field!r} (and label)"
             )
         if any(not isinstance(part, UploadFile) for part in parts):
             raise ApiError(422, "invalid_request", f"the field {field!r} must be a file upload")
