@@ -95,7 +95,13 @@ def test_every_command_of_using_it_runs(tmp_path: Path) -> None:
         make_image(seed, size=(120, 90)).save(tmp_path / name)
     (tmp_path / ".venv").symlink_to(sys.prefix)  # `source .venv/bin/activate`: the venv running the tests
     (tmp_path / ".curlrc").write_text("fail-with-body\nsilent\nshow-error\n")
-    env = {**os.environ, "CURL_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    # Each command runs in a shell of its own: the README's `source .venv/bin/activate` lasts for the
+    # reader's whole session, so every command gets what it sets (the tests may run without it, as `make`).
+    activated = {
+        "VIRTUAL_ENV": sys.prefix,
+        "PATH": f"{Path(sys.prefix) / 'bin'}{os.pathsep}{os.environ['PATH']}",
+    }
+    env = {**os.environ, **activated, "CURL_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
     ports = {"api": free_port(), "ui": free_port()}
     servers: list[tuple[str, subprocess.Popen]] = []
     try:

@@ -76,7 +76,19 @@ def test_cli_and_benches_build_the_same_config(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr("training.trainer.train", fake_train)
     data = tmp_path / "images"
     data.mkdir()
-    runner.invoke(app, ["train", "--loss", "almn", "--data", str(data), "--out", str(tmp_path / "r")])
+    # --mode frozen: without it, a CPU's mode follows a measured step and the time budget.
+    command = [
+        "train",
+        "--loss",
+        "almn",
+        "--mode",
+        "frozen",
+        "--data",
+        str(data),
+        "--out",
+        str(tmp_path / "r"),
+    ]
+    runner.invoke(app, command)
 
     train_all = bench_module("train_all", monkeypatch)
     monkeypatch.setattr(train_all, "train", fake_train)
