@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,10 +10,9 @@ import pytest
 
 from tests.helpers import (
     MilvusServerProcess,
-    MilvusServerUnavailable,
     export_small_model,
-    free_port,
     make_image,
+    running_milvus_server,
 )
 
 # Set before pymilvus loads gRPC: its fork handlers restart pollers in a forked child, which can then abort
@@ -84,15 +81,5 @@ def milvus_server() -> Iterator[MilvusServerProcess]:
     """The real Milvus standalone server (``milvus`` package), started once per session in a temporary data
     folder on a free port; stopped (its process group killed if need be) and its folder removed at the end.
     Tests that need it skip, saying why, only where it cannot start on this machine."""
-    pytest.importorskip("pymilvus")
-    server = MilvusServerProcess(Path(tempfile.mkdtemp(prefix="dmlsearch-milvus-")), free_port())
-    try:
-        server.start()
-    except MilvusServerUnavailable as err:
-        shutil.rmtree(server.data, ignore_errors=True)
-        pytest.skip(f"the real Milvus server cannot start here: {err}")
-    try:
+    with running_milvus_server("dmlsearch-milvus-") as server:
         yield server
-    finally:
-        server.stop()
-        shutil.rmtree(server.data, ignore_errors=True)

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -502,3 +503,21 @@ def milvus_target(backend: str, request: pytest.FixtureRequest, directory: Path)
 
     request.addfinalizer(drop)
     return {"backend": "milvus", "milvus_uri": server.uri, "milvus_collection": collection}
+
+
+@contextmanager
+def running_milvus_server(prefix: str) -> Iterator[MilvusServerProcess]:
+    """A real Milvus server in a temporary data folder on a free port, stopped (its process group killed if
+    need be) and its folder removed at the end; the test skips, saying why, only where it cannot start."""
+    pytest.importorskip("pymilvus")
+    server = MilvusServerProcess(Path(tempfile.mkdtemp(prefix=prefix)), free_port())
+    try:
+        server.start()
+    except MilvusServerUnavailable as err:
+        shutil.rmtree(server.data, ignore_errors=True)
+        pytest.skip(f"the real Milvus server cannot start here: {err}")
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(server.data, ignore_errors=True)

@@ -4,8 +4,6 @@ an API started while Milvus is down loads the index once it is back."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,9 +14,8 @@ import pytest
 from index.milvus_backend import REQUEST_TIMEOUT_S
 from tests.helpers import (
     MilvusServerProcess,
-    MilvusServerUnavailable,
-    free_port,
     make_image,
+    running_milvus_server,
     serving,
 )
 
@@ -29,18 +26,8 @@ RECOVERY_S = 120
 @pytest.fixture
 def own_milvus_server() -> Iterator[MilvusServerProcess]:
     """A Milvus server of this test's own, to stop and start again (the session's server stays up)."""
-    pytest.importorskip("pymilvus")
-    server = MilvusServerProcess(Path(tempfile.mkdtemp(prefix="dmlsearch-milvus-outage-")), free_port())
-    try:
-        server.start()
-    except MilvusServerUnavailable as err:
-        shutil.rmtree(server.data, ignore_errors=True)
-        pytest.skip(f"the real Milvus server cannot start here: {err}")
-    try:
+    with running_milvus_server("dmlsearch-milvus-outage-") as server:
         yield server
-    finally:
-        server.stop()
-        shutil.rmtree(server.data, ignore_errors=True)
 
 
 def _search(base: str, image: bytes) -> httpx.Response:
