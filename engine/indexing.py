@@ -131,8 +131,10 @@ def plan_sync(
     An item is kept when its path still holds the same content; a changed file is removed and embedded
     again. An item whose path is not among ``files`` and whose file is ``gone`` has moved when one of
     ``files`` holds its content (it keeps its id and vector under the new path), and is removed otherwise.
-    Content already indexed (kept, or earlier in sorted path order) is reported as a duplicate instead of
-    being embedded twice. Kept items indexed before capture times were kept are listed to be dated.
+    Content already indexed is reported as a duplicate instead of being embedded twice; among new files of
+    one content, a file in a label folder is indexed before one without a label (a stray `IMG_3 copy.jpg`
+    beside the folders must not take the labelled photo's place), then the first in path order. Kept items
+    indexed before capture times were kept are listed to be dated.
     """
     plan = SyncPlan()
     current = {f.relative: f.content_hash for f in files}
@@ -153,7 +155,7 @@ def plan_sync(
             moved_away.setdefault(item.content_hash, []).append(item)
         else:  # not part of this sync and still on disk
             first_path.setdefault(item.content_hash, item.path)
-    for gallery_file in files:
+    for gallery_file in sorted(files, key=lambda f: (f.label is None, f.relative)):
         content_hash = gallery_file.content_hash
         if gallery_file.relative in kept:
             plan.unchanged += 1
@@ -170,6 +172,7 @@ def plan_sync(
             first_path[content_hash] = gallery_file.relative
             plan.embed.append(gallery_file)
     plan.remove.extend(item.id for items in moved_away.values() for item in items)
+    plan.embed.sort(key=lambda f: f.relative)  # ids follow path order, whatever the preference above
     return plan
 
 

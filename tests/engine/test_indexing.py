@@ -43,6 +43,20 @@ def _items(index_dir: Path) -> dict[str, tuple[int, str]]:
     return items
 
 
+def test_a_copy_outside_the_label_folders_does_not_take_the_labelled_photos_place(
+    embedder: Embedder, gallery: Path, tmp_path: Path
+) -> None:
+    # "IMG_3 copy.jpg" beside the folders sorts before "alpha/…": the labelled photo is still the one indexed.
+    shutil.copy(gallery / "beta" / "beta_1.png", gallery / "beta_1 copy.png")
+    out = tmp_path / "index"
+    report = build_index(gallery, embedder, out, progress=False)
+    assert report.duplicates == [("beta_1 copy.png", "beta/beta_1.png")]
+    items = _items(out)
+    assert "beta/beta_1.png" in items and "beta_1 copy.png" not in items
+    ids_in_path_order = [items[path][0] for path in sorted(items)]
+    assert ids_in_path_order == sorted(ids_in_path_order)
+
+
 def test_rerunning_embeds_only_new_or_changed_files(
     embedder: Embedder, gallery: Path, tmp_path: Path
 ) -> None:
