@@ -185,7 +185,7 @@ def score_groups(groups: list, source_of: dict[int, int]) -> dict:
 def pair_quality(index: GalleryIndex, source_of: dict[int, int]) -> dict:
     """Pair precision and recall at every threshold and signature distance (``None``: the embedding
     alone), each from the pairs find_duplicates would keep, found once at the loosest settings."""
-    signatures = SignatureTable(index.backend.signatures())
+    signatures = SignatureTable(index.signatures())
     firsts, seconds, bits = signature_pairs(signatures, max(DISTANCES))
     cosines = pair_cosines(index, firsts, seconds)
     rows = {}
@@ -247,8 +247,8 @@ def speed(real: np.ndarray, count: int, seed: int, work: Path) -> dict:
     result = {
         "items": len(vectors),
         "dim": dim,
-        "index": index.manifest.index_spec,
-        "search_params": index.manifest.search_params,
+        "index": index.manifest.built.index_spec,
+        "search_params": index.manifest.built.search_params,
         "build_s": round(built_s, 1),
         "find_duplicates_s": round(seconds, 2),
         "groups": len(found.groups),

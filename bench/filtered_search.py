@@ -97,8 +97,8 @@ def main() -> None:
         meta = {
             "items": args.items,
             "dim": args.dim,
-            "index": index.manifest.index_spec,
-            "search_params": index.manifest.search_params,
+            "index": index.manifest.built.index_spec,
+            "search_params": index.manifest.built.search_params,
             "build_s": round(build_s, 1),
             "command": "python bench/filtered_search.py "
             f"--items {args.items} --dim {args.dim} --queries {args.queries}",

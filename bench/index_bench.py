@@ -216,7 +216,7 @@ def bench_milvus(
         tuned_recall = tune_milvus_ef(search, backend, *tuning, args.target_recall)
         row = measure("milvus-lite", search, queries, truth, args.latency_budget)
         row.update(
-            spec=f"{manifest.index_type} (COSINE)",
+            spec=f"{backend.built_index().index_type} (COSINE)",
             build_s=build_s,
             index_bytes=sum(p.stat().st_size for p in Path(workdir).rglob("*") if p.is_file()),
             search_params=backend.search_params,

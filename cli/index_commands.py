@@ -115,16 +115,17 @@ def _print_build_summary(out: Path, report: BuildReport) -> None:
             "dmlsearch index merge)"
         )
         return
-    params = ", ".join(f"{name}={value}" for name, value in manifest.search_params.items())
-    recall = "" if manifest.achieved_recall is None else f", recall@10 {manifest.achieved_recall:.3f}"
-    target = "" if manifest.achieved_recall is None else f" (target {manifest.target_recall:.2f})"
+    built, wanted = manifest.built, manifest.requested.target_recall
+    params = ", ".join(f"{name}={value}" for name, value in built.search_params.items())
+    recall = "" if built.achieved_recall is None else f", recall@10 {built.achieved_recall:.3f}"
+    target = "" if built.achieved_recall is None else f" (target {wanted:.2f})"
     typer.echo(
-        f"{manifest.backend} index {manifest.index_type}"
-        f"{f' [{manifest.index_spec}]' if manifest.index_spec else ''}"
+        f"{manifest.backend} index {built.index_type}"
+        f"{f' [{built.index_spec}]' if built.index_spec else ''}"
         f"{f' {params}' if params else ''}{recall}{target}, {manifest.count} items"
         f"{', rebuilt' if report.rebuilt else ''}"
     )
-    if manifest.achieved_recall is not None and manifest.achieved_recall < manifest.target_recall:
+    if built.achieved_recall is not None and built.achieved_recall < wanted:
         typer.secho(
             "the target recall is out of reach for this index type (its codes are too coarse): raise "
             "--memory-budget or choose --index-type ivf",
@@ -189,7 +190,7 @@ def build_index(
                 replace=replace,
                 batch_size=batch_size,
                 progress=progress,
-                options=_index_changes(index_type, memory_budget, target_recall),
+                changes=_index_changes(index_type, memory_budget, target_recall),
                 backend=backend.value if backend else None,
                 milvus_uri=milvus_uri,
                 milvus_collection=milvus_collection,
@@ -409,23 +410,27 @@ def merge(
     progress: ProgressOption = True,
 ) -> None:
     """Merge the FAISS shard directories of one gallery into one index (faiss's IVF merge)."""
-    from engine.bundle import store_model, stored_model
+    from engine.bundle import model_writer, stored_model
     from index.manifest import Manifest
     from index.merge import merge_shards
 
     try:
         first = Manifest.load(shards[0])
         options = first.options.with_changes(_index_changes(index_type, memory_budget, target_recall))
-        merged = merge_shards(shards, out, options=options, progress=progress)
-        model = stored_model(shards[0], first)
-        if model is not None:  # the merged index carries the shards' model too
-            merged.manifest.model_file = store_model(out, model)
-            merged.save()
+        model = stored_model(shards[0], first)  # the merged index carries the shards' model too
+        merged = merge_shards(
+            shards,
+            out,
+            options=options,
+            model=model_writer(model) if model is not None else None,
+            progress=progress,
+        )
     except EXPECTED_ERRORS as err:
         raise fail(str(err)) from None
     manifest = merged.manifest
     merged.close()
+    built = manifest.built
     typer.echo(
-        f"merged {len(shards)} shards into {out}: {manifest.count} items, {manifest.index_type} "
-        f"[{manifest.index_spec}] recall@10 {manifest.achieved_recall:.3f}"
+        f"merged {len(shards)} shards into {out}: {manifest.count} items, {built.index_type} "
+        f"[{built.index_spec}] recall@10 {built.achieved_recall:.3f}"
     )

@@ -9,11 +9,12 @@ carry none and are served with the model path given.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from engine.model_card import ModelCard
 from index.atomic import atomic_link_or_copy, atomic_write_bytes
-from index.gallery import IndexMismatchError
+from index.gallery import IndexMismatchError, ModelWriter
 from index.manifest import Manifest
 
 STORED_MODEL = "model.onnx"
@@ -39,6 +40,11 @@ def store_model(directory: Path, model_path: Path) -> str:
     atomic_link_or_copy(model_path, target)
     atomic_write_bytes(ModelCard.path_for(target), ModelCard.path_for(model_path).read_bytes())
     return STORED_MODEL
+
+
+def model_writer(model_path: Path) -> ModelWriter:
+    """The model at ``model_path``, as a staged write stores it in the new index (``index.staging``)."""
+    return functools.partial(store_model, model_path=model_path)
 
 
 def stored_model(directory: Path, manifest: Manifest) -> Path | None:

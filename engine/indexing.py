@@ -21,19 +21,19 @@ import numpy as np
 from tqdm import tqdm
 
 from engine import stopping
-from engine.bundle import store_model
+from engine.bundle import model_writer
 from engine.capture_time import photo_time
 from engine.decode_pool import DecodePool
 from engine.defaults import BATCH_SIZE, DECODE_WORKERS
 from engine.embedder import Embedder
 from engine.images import list_images
 from engine.prefetch import WORKER_NICENESS, DecodedFile, decode_file, prefetch
-from index.gallery import GalleryIndex, replace_directory
-from index.items import ItemStore
+from index.gallery import GalleryIndex
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item, Move
 from index.selection import IndexChanges, IndexOptions
 from index.sharding import Shard
+from index.staging import staged_write
 
 
 @dataclass(frozen=True)
@@ -316,17 +316,8 @@ def sync_files(
     return plan
 
 
-def _reopen(
-    directory: Path,
-    gallery_root: Path,
-    *,
-    options: IndexOptions | None,
-    backend: str | None,
-    milvus_uri: str | None,
-    shard: Shard | None,
-) -> GalleryIndex:
-    """Open an index built from this gallery earlier (or an interrupted build) to bring it up to date."""
-    manifest = Manifest.load(directory)
+def _check_kind(directory: Path, manifest: Manifest, backend: str | None, shard: Shard | None) -> None:
+    """Refuse to bring an index up to date as another backend or another shard than it holds."""
     if backend is not None and backend != manifest.backend:
         raise ValueError(
             f"{directory} is a {manifest.backend} index: build a {backend} index into another directory"
@@ -336,11 +327,6 @@ def _reopen(
             f"{directory} holds shard {manifest.shard or 'none (a whole gallery)'}, "
             f"not {shard or 'the whole gallery'}"
         )
-    index = GalleryIndex.open(directory, milvus_uri=milvus_uri)
-    index.manifest.gallery_root = str(gallery_root.resolve())
-    if options is not None:
-        index.manifest.set_options(options)
-    return index
 
 
 class GalleryMismatchError(ValueError):
@@ -355,11 +341,11 @@ def _check_gallery(out_dir: Path, manifest: Manifest, gallery_root: Path, files:
         return
     if manifest.backend == "faiss":
         listed = {path.relative_to(gallery_root).as_posix() for path in files}
-        store = ItemStore(out_dir, manifest.dim, read_only=True)
+        stored = GalleryIndex.open(out_dir, read_only=True)
         try:
-            paths = [item.path for item in store.scan()]
+            paths = [item.path for item in stored.items.scan()]
         finally:
-            store.close()
+            stored.close()
         lost = sum(path not in listed for path in paths)
         what = f"{lost} of its {len(paths)} items are not at the same paths under {new} and would be removed"
     else:
@@ -370,6 +356,47 @@ def _check_gallery(out_dir: Path, manifest: Manifest, gallery_root: Path, files:
     )
 
 
+@dataclass(frozen=True)
+class _Gallery:
+    """What one ``build-index`` run brings an index up to date with, and how."""
+
+    root: Path
+    files: list[Path]
+    embedder: Embedder
+    shard: Shard | None
+    batch_size: int
+    progress: bool
+    decode_workers: int
+
+    def sync(self, index: GalleryIndex, report: BuildReport) -> bool:
+        """Bring ``index`` up to date with the folder (not built or saved); returns whether items changed.
+
+        Raises when nothing could be indexed: from what this run did, not from the index's count (a
+        server's count may lag its writes, and a server's failure is raised as what it is, never taken
+        for undecodable files)."""
+        plan = sync_files(
+            index,
+            self.root,
+            self.files,
+            self.embedder,
+            report,
+            gone=lambda _: True,  # every file of the gallery was listed: the others are gone
+            shard=self.shard,
+            batch_size=self.batch_size,
+            progress=self.progress,
+            decode_workers=self.decode_workers,
+        )
+        if report.indexed + plan.unchanged + len(plan.moves) == 0:
+            raise NothingDecodedError(
+                f"none of the {len(self.files)} files under {self.root} could be decoded"
+            )
+        return bool(plan.remove or report.indexed)
+
+
+class NothingDecodedError(ValueError):
+    """Not one file of the gallery could be read and decoded."""
+
+
 def build_index(
     gallery_root: Path,
     embedder: Embedder,
@@ -378,7 +405,7 @@ def build_index(
     replace: bool = False,
     batch_size: int = BATCH_SIZE,
     progress: bool = True,
-    options: IndexChanges = IndexChanges(),
+    changes: IndexChanges = IndexChanges(),
     backend: str | None = None,
     milvus_uri: str | None = None,
     milvus_collection: str | None = None,
@@ -387,13 +414,13 @@ def build_index(
 ) -> BuildReport:
     """Make the index at ``out_dir`` match the images below ``gallery_root`` (or its shard of them).
 
-    Index options and backend not given keep what an existing index was built with (a new index starts
-    from ``IndexOptions()``'s defaults and the faiss backend). The index stores the embedder's model
-    (``engine.bundle``). An index built from another folder is refused (:class:`GalleryMismatchError`)
-    unless ``replace``.
-    An index built with another model is rebuilt aside and swapped in when complete: a FAISS index's items
-    are re-embedded under their ids first (``engine.rebuild``), then brought up to date with the folder.
-    Unreadable files are skipped and listed in the report.
+    ``changes`` to the index options, and a backend not given, keep what an existing index was built
+    with (a new index starts from ``IndexOptions()``'s defaults and the faiss backend). The index stores
+    the embedder's model (``engine.bundle``). An index built from another folder is refused
+    (:class:`GalleryMismatchError`) unless ``replace``.
+    An index built with another model is rebuilt aside and swapped in when complete (``index.staging``):
+    a FAISS index's items are re-embedded under their ids first (``engine.rebuild``), then brought up to
+    date with the folder. Unreadable files are skipped and listed in the report.
     """
     files = list_images(gallery_root)
     if shard is not None:
@@ -402,125 +429,120 @@ def build_index(
         where = f"in shard {shard} of" if shard else "under"
         raise ValueError(f"no images {where} {gallery_root}")
     out_dir = out_dir.resolve()
-    target = out_dir
-    changes, options = options, None  # options: what to build with, None = what the index has
+    gallery = _Gallery(gallery_root, files, embedder, shard, batch_size, progress, decode_workers)
     report = BuildReport()
-    if (out_dir / MANIFEST_NAME).exists():
-        manifest = Manifest.load(out_dir)
-        if not replace:
-            _check_gallery(out_dir, manifest, gallery_root, files)
-        options = manifest.options.with_changes(changes) if changes else None
-        if (manifest.model_fingerprint, manifest.dim) != (embedder.fingerprint, embedder.dim):
-            if manifest.backend == "milvus":
-                raise ValueError(
-                    f"{out_dir} was built with another model and its Milvus collection holds those vectors: "
-                    "build into a new directory and collection"
-                )
-            target = out_dir.parent / f".{out_dir.name}.rebuild"  # swapped in when complete
-            report.previous_model = manifest.model_fingerprint
-            _reembed_aside(
-                out_dir, target, manifest, embedder, gallery_root, files, report, batch_size, progress
-            )
-            if not (target / MANIFEST_NAME).exists():  # nothing to re-embed (a shard, no items)
-                options = options or manifest.options
-    else:
+    if not (out_dir / MANIFEST_NAME).exists():
         if out_dir.exists() and any(out_dir.iterdir()):
             raise ValueError(f"refusing to write into {out_dir}: it is not empty and not an index directory")
-        options = IndexOptions().with_changes(changes)
-
-    created = not (target / MANIFEST_NAME).exists()
-    if not created:
-        index = _reopen(
-            target, gallery_root, options=options, backend=backend, milvus_uri=milvus_uri, shard=shard
-        )
-    else:
         index = GalleryIndex.create(
-            target,
+            out_dir,
             dim=embedder.dim,
             model_fingerprint=embedder.fingerprint,
             gallery_root=gallery_root,
-            options=options,
+            options=IndexOptions().with_changes(changes),
             backend=backend or "faiss",
             milvus_uri=milvus_uri,
             milvus_collection=milvus_collection,
             shard=str(shard) if shard else None,
         )
-    discard = False
+        _build_new(index, gallery, report)
+        return report
+    manifest = Manifest.load(out_dir)
+    if not replace:
+        _check_gallery(out_dir, manifest, gallery_root, files)
+    _check_kind(out_dir, manifest, backend, shard)
+    options = manifest.options.with_changes(changes) if changes else None  # None: what the index has
+    if (manifest.model_fingerprint, manifest.dim) != (embedder.fingerprint, embedder.dim):
+        _build_for_new_model(out_dir, manifest, gallery, report, options)
+        return report
+    index = GalleryIndex.open(out_dir, milvus_uri=milvus_uri)
     try:
-        plan = sync_files(
-            index,
-            gallery_root,
-            files,
-            embedder,
-            report,
-            gone=lambda _: True,  # every file of the gallery was listed: the others are gone
-            shard=shard,
-            batch_size=batch_size,
-            progress=progress,
-            decode_workers=decode_workers,
-        )
-        # From what this run did, not from the index's count: a server's count may lag its writes, and a
-        # server's failure is raised as what it is, never taken for undecodable files.
-        if report.indexed + plan.unchanged + len(plan.moves) == 0:
-            discard = created  # leave no empty index behind
-            raise ValueError(f"none of the {len(files)} files under {gallery_root} could be decoded")
-        changed = bool(plan.remove or report.indexed) or options is not None
-        report.rebuilt = index.build(retune=changed, progress=progress)
-        index.manifest.model_file = store_model(target, embedder.model_path)
+        index.set_gallery_root(gallery_root)
+        changed = gallery.sync(index, report) or options is not None
+        report.rebuilt = index.build(options, retune=changed, progress=progress)
+        index.store_model(model_writer(embedder.model_path))
         index.save()
     finally:
         index.close()
-        if discard:
-            shutil.rmtree(target)
-    if target != out_dir:
-        replace_directory(target, out_dir)
     return report
 
 
-def _reembed_aside(
-    out_dir: Path,
-    aside: Path,
-    manifest: Manifest,
-    embedder: Embedder,
-    gallery_root: Path,
-    files: Sequence[Path],
-    report: BuildReport,
-    batch_size: int,
-    progress: bool,
-) -> None:
-    """Re-embed the items of ``out_dir`` (built with another model) into ``aside`` under their ids, labels
-    and times added, as ``dmlsearch index rebuild`` does, so that ids held by clients stay valid; files
-    renamed or moved since (among ``files``, the gallery's) keep theirs too. Resumes an interrupted
-    re-embedding. A shard or an empty index is built afresh instead."""
-    from engine.rebuild import rebuild_index  # engine.rebuild builds on this module's embedding
-
-    afresh = manifest.shard is not None or manifest.count == 0
-    if (aside / MANIFEST_NAME).exists():
-        done = Manifest.load(aside)
-        if done.model_fingerprint == embedder.fingerprint:  # an interrupted run's: the sync is left to do
-            report.reembedded = 0 if afresh else done.count
-            return
-        shutil.rmtree(aside)  # an abandoned rebuild for yet another model
-    if afresh:
-        return
-    store = ItemStore(out_dir, manifest.dim, read_only=True)
+def _build_new(index: GalleryIndex, gallery: _Gallery, report: BuildReport) -> None:
+    """Fill a new index in place (an interrupted build resumes in it; it carries no model until done, and
+    has no search structure either: ``IndexNotBuiltError``)."""
+    discard = False
     try:
-        stored = list(store.scan())
+        gallery.sync(index, report)
+        report.rebuilt = index.build(retune=True, progress=gallery.progress)
+        index.store_model(model_writer(gallery.embedder.model_path))
+        index.save()
+    except NothingDecodedError:
+        discard = True  # leave no empty index behind
+        raise
     finally:
-        store.close()
-    plan = plan_sync(hash_files(gallery_root, files, BuildReport(), progress), stored, gone=lambda _: True)
-    # Files gone or unreadable are not re-embedded here; the sync that follows lists what it skips.
-    rebuilt = rebuild_index(
-        out_dir,
-        embedder,
-        aside,
-        gallery_root=gallery_root,
-        moves=plan.moves,
-        batch_size=batch_size,
-        progress=progress,
-    )
-    report.reembedded = rebuilt.indexed + rebuilt.unchanged
-    report.moved, report.moves = len(plan.moves), plan.moved_files
+        index.close()
+        if discard:
+            shutil.rmtree(index.directory)
+
+
+def _build_for_new_model(
+    out_dir: Path, manifest: Manifest, gallery: _Gallery, report: BuildReport, options: IndexOptions | None
+) -> None:
+    """Write the index for ``gallery.embedder`` aside and swap it in with its model (``index.staging``).
+
+    The items of ``out_dir`` (built with another model) are re-embedded first under their ids, labels and
+    times added, as ``dmlsearch index rebuild`` does, so that ids held by clients stay valid; files renamed
+    or moved since keep theirs too. A shard or an empty index is built afresh instead. The staging copy is
+    saved once re-embedded (its count says so), so a killed run re-embeds nothing again. ``options``:
+    changed index options (None: the old index's)."""
+    from engine.rebuild import read_source, reembed  # engine.rebuild builds on this module's embedding
+
+    if manifest.backend == "milvus":
+        raise ValueError(
+            f"{out_dir} was built with another model and its Milvus collection holds those vectors: "
+            "build into a new directory and collection"
+        )
+    embedder = gallery.embedder
+    report.previous_model = manifest.model_fingerprint
+    afresh = manifest.shard is not None or manifest.count == 0
+
+    def create(staging: Path) -> GalleryIndex:
+        return GalleryIndex.create(
+            staging,
+            dim=embedder.dim,
+            model_fingerprint=embedder.fingerprint,
+            gallery_root=gallery.root,
+            options=options or manifest.options,
+            shard=manifest.shard,
+        )
+
+    with staged_write(out_dir, fingerprint=embedder.fingerprint, create=create) as staged:
+        staged.index.set_gallery_root(gallery.root)
+        if afresh or staged.index.manifest.count:  # nothing to re-embed, or an interrupted run did it
+            report.reembedded = 0 if afresh else staged.index.manifest.count
+        else:
+            source = read_source(out_dir, gallery.root)
+            plan = plan_sync(
+                hash_files(gallery.root, gallery.files, BuildReport(), gallery.progress),
+                source.items,
+                gone=lambda _: True,
+            )
+            # Files gone or unreadable are not re-embedded here; the sync that follows lists what it skips.
+            rebuilt = reembed(
+                staged.index,
+                source,
+                embedder,
+                moves=plan.moves,
+                batch_size=gallery.batch_size,
+                progress=gallery.progress,
+            )
+            report.reembedded = rebuilt.indexed + rebuilt.unchanged
+            report.moved, report.moves = len(plan.moves), plan.moved_files
+            staged.index.save()  # the checkpoint a killed run continues from
+        changed = gallery.sync(staged.index, report) or options is not None
+        report.rebuilt = staged.commit(
+            model_writer(embedder.model_path), options=options, retune=changed, progress=gallery.progress
+        )
 
 
 def add_images(

@@ -127,9 +127,10 @@ def _all_vectors(index: GalleryIndex) -> Iterator[tuple[np.ndarray, np.ndarray]]
 
 def _exact_scores(manifest: Manifest) -> bool:
     """Whether the gallery's index scores with the stored vectors themselves (not through codes)."""
-    if manifest.index_spec is not None:  # FAISS: its index_factory string says
-        return IndexSpec(manifest.index_type, manifest.index_spec, manifest.dim).exact_scores
-    return manifest.index_type not in MILVUS_QUANTISED
+    built = manifest.built
+    if built.index_spec is not None:  # FAISS: its index_factory string says
+        return IndexSpec(built.index_type, built.index_spec, manifest.dim).exact_scores
+    return built.index_type not in MILVUS_QUANTISED
 
 
 def candidate_pairs(
@@ -146,7 +147,7 @@ def candidate_pairs(
     firsts, seconds, cosines = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.float32)]
     with tqdm(total=total, desc="duplicates", unit="item", disable=not progress) as bar:
         for ids, vectors in _all_vectors(index):
-            found, scores = index.backend.search(vectors, min(neighbours + 1, total))
+            found, scores = index.nearest(vectors, min(neighbours + 1, total))
             rows, columns = np.nonzero((scores >= cut) & (found > ids[:, None]))  # each pair once
             first, second, score = ids[rows], found[rows, columns], scores[rows, columns]
             if not exact and len(second):
@@ -273,7 +274,7 @@ def find_duplicates(
     signature, else :data:`EMBEDDING_ONLY_THRESHOLD`.
     """
     check_max_distance(max_distance)
-    signatures = SignatureTable(index.backend.signatures())
+    signatures = SignatureTable(index.signatures())
     unsigned = len(index) - len(signatures)
     if threshold is None:
         threshold = DEFAULT_THRESHOLD if unsigned == 0 else EMBEDDING_ONLY_THRESHOLD

@@ -21,11 +21,11 @@ from index.faiss_build import retune as retune_index
 from index.faiss_index import FaissIndex
 from index.filters import ItemFilter
 from index.items import ItemStore
-from index.manifest import Manifest
-from index.protocol import Entry, IndexNotBuiltError, Move, normalize_rows
+from index.manifest import BuiltIndex, Manifest
+from index.protocol import Capabilities, Entry, IndexNotBuiltError, Move, normalize_rows
 from index.selection import IndexOptions, IndexSpec, choose_index
 from index.sources import StoreSource
-from index.tuning import Tuning
+from index.tuning import Tuning, tuning_parameter
 
 log = logging.getLogger("dmlsearch.index")
 # Adds and removals (a watcher, `index add`) keep the tuned nprobe/efSearch; once the item count has moved
@@ -41,13 +41,14 @@ HNSW_MAX_REMOVED = 0.1
 
 class FaissBackend:
     FILE_NAME = "vectors.faiss"
-    builds_locally = True
 
     def __init__(
         self, directory: Path, manifest: Manifest, store: ItemStore, index: FaissIndex | None
     ) -> None:
         self.directory = directory
-        self.manifest = manifest  # shared with the GalleryIndex: this backend records what it built
+        self.shard = manifest.shard
+        self.options = manifest.options  # what builds aim for until ``build`` is told otherwise
+        self._built = manifest.built  # what was built, as this backend reports it (``built_index``)
         self.dim = manifest.dim
         self.store = store
         self.index = index
@@ -58,9 +59,14 @@ class FaissBackend:
         return cls(directory, manifest, ItemStore(directory, manifest.dim), None)
 
     @classmethod
-    def open(cls, directory: Path, manifest: Manifest, *, mapped: bool = True) -> FaissBackend:
+    def open(
+        cls, directory: Path, manifest: Manifest, *, mapped: bool = True, read_only: bool = False
+    ) -> FaissBackend:
         """Open (memory-mapped unless not ``mapped``); reconcile the FAISS index with the store if a crash
-        left them apart."""
+        left them apart. ``read_only``: the items and their vectors only, without the right to change
+        them and without the FAISS index (reading an index another process may serve)."""
+        if read_only:
+            return cls(directory, manifest, ItemStore(directory, manifest.dim, read_only=True), None)
         items = directory / ItemStore.FILE_NAME
         if manifest.count and (not items.exists() or items.stat().st_size == 0):
             # SQLite would start an empty store, and reconciling would then empty the index too.
@@ -73,8 +79,9 @@ class FaissBackend:
         except sqlite3.DatabaseError as err:
             raise ValueError(f"{items} cannot be read (truncated or corrupt?): {err}") from err
         index = None
-        if manifest.index_spec is not None and (directory / cls.FILE_NAME).exists():
-            spec = IndexSpec(manifest.index_type, manifest.index_spec, manifest.dim)
+        built = manifest.built
+        if built.index_spec is not None and (directory / cls.FILE_NAME).exists():
+            spec = IndexSpec(built.index_type, built.index_spec, manifest.dim)
             try:
                 index = FaissIndex.load(directory / cls.FILE_NAME, spec, mmap=mapped)
             except RuntimeError as err:  # faiss reports a short or garbled file as RuntimeError
@@ -83,12 +90,23 @@ class FaissBackend:
                     f"{directory / cls.FILE_NAME} cannot be read (truncated or corrupt?): delete it and run "
                     f"dmlsearch build-index, which rebuilds it from items.sqlite ({err})"
                 ) from err
-            if manifest.search_params:
-                index.set_search_params(manifest.search_params)
+            if built.search_params:
+                index.set_search_params(built.search_params)
         backend = cls(directory, manifest, store, index)
         if index is not None and len(index) != len(store):
             backend._reconcile()
         return backend
+
+    @property
+    def capabilities(self) -> Capabilities:
+        spec = self.index.spec if self.index is not None else None
+        return Capabilities(
+            local_build=True,
+            removes_in_place=True,  # an HNSW graph keeps tombstones, rebuilt past HNSW_MAX_REMOVED
+            mergeable=True,
+            gpu_capable=True,  # with faiss-gpu and a GPU, not HNSW (index.faiss_index)
+            tuning_parameter=tuning_parameter(spec) if spec is not None else None,
+        )
 
     @property
     def items(self) -> ItemStore:
@@ -97,6 +115,9 @@ class FaissBackend:
     @property
     def built(self) -> bool:
         return self.index is not None
+
+    def built_index(self) -> BuiltIndex:
+        return self._built
 
     def __len__(self) -> int:
         # The FAISS count is kept in step with the store (and is free; SQLite's COUNT(*) scans the table).
@@ -123,12 +144,34 @@ class FaissBackend:
             self._compact_graph()
         return removed
 
+    def copy_in(
+        self,
+        vectors: np.ndarray,
+        entries: Sequence[Entry],
+        signatures: Sequence[bytes | None],
+        *,
+        added: Sequence[str],
+        ids: Sequence[int] | None = None,
+    ) -> list[int]:
+        vectors = normalize_rows(vectors)
+        new_ids = self.store.add(vectors, entries, added=added, ids=ids, signatures=signatures)
+        if self.index is not None:
+            self.index.add(np.asarray(new_ids, dtype=np.int64), vectors)
+            self._dirty = True
+        return new_ids
+
+    def reserve_ids(self, last_id: int) -> None:
+        self.store.reserve_ids(last_id)
+
+    def last_id(self) -> int:
+        return self.store.last_id()
+
     def vectors(self, ids: Sequence[int]) -> np.ndarray:
         """From the item store, which keeps every vector exactly (whatever the FAISS index compresses)."""
         return self.store.vectors(np.asarray(ids, dtype=np.int64))
 
-    def signatures(self) -> dict[int, bytes]:
-        return self.store.signatures()
+    def signatures(self, ids: Sequence[int] | None = None) -> dict[int, bytes]:
+        return self.store.signatures(ids)
 
     def stats(self) -> dict[str, object]:
         return {"indexed_vectors": len(self.index) if self.index is not None else 0}
@@ -147,9 +190,9 @@ class FaissBackend:
         it keeps (through the label, path and time indexes) and FAISS searches with an ``IDSelector`` of
         them, falling back to every inverted list when a very selective filter leaves the probed ones short.
         """
-        if self.index is None and self.manifest.shard is not None:
+        if self.index is None and self.shard is not None:
             raise IndexNotBuiltError(
-                f"{self.directory} is shard {self.manifest.shard} of a gallery: it stores vectors only; "
+                f"{self.directory} is shard {self.shard} of a gallery: it stores vectors only; "
                 "combine the shards with dmlsearch index merge, then search the merged index"
             )
         if self.index is None:
@@ -177,6 +220,7 @@ class FaissBackend:
         """
         if len(self.store) == 0:
             raise ValueError("cannot build a search index over an empty gallery")
+        self.options = options
         spec = choose_index(len(self.store), self.dim, options)
         if self.index is None or self.index.spec != spec or partitions is not None:
             self._build(spec, partitions, progress=progress)
@@ -186,16 +230,12 @@ class FaissBackend:
         if spec.index_type == "hnsw":
             # A graph is tuned while it is built (minutes at a million items): built again only once its
             # size has moved RETUNE_AFTER_CHANGE, or when its recall is below a target raised since.
-            achieved = self.manifest.achieved_recall
-            if (
-                not self._tuning_outdated()
-                and achieved is not None
-                and achieved >= self.manifest.target_recall
-            ):
+            achieved = self._built.achieved_recall
+            if not self._tuning_outdated() and achieved is not None and achieved >= options.target_recall:
                 return False
             self._build(spec, progress=progress)
             return True
-        target = self.manifest.target_recall
+        target = options.target_recall
         self._record(
             retune_index(self.index, [StoreSource(self.store)], target_recall=target, progress=progress)
         )
@@ -210,23 +250,26 @@ class FaissBackend:
         else:
             sources = [StoreSource(self.store)]
         self.index, tuning = build_faiss_index(
-            spec, sources, target_recall=self.manifest.target_recall, progress=progress
+            spec, sources, target_recall=self.options.target_recall, progress=progress
         )
-        self.manifest.index_type = spec.index_type
-        self.manifest.index_spec = spec.factory
+        self._built = BuiltIndex(index_type=spec.index_type, index_spec=spec.factory)
         self._record(tuning)
         self._dirty = True
 
     def _tuning_outdated(self) -> bool:
-        tuned = self.manifest.tuned_count
+        tuned = self._built.tuned_count
         return tuned is None or abs(len(self.store) - tuned) >= RETUNE_AFTER_CHANGE * tuned
 
     def _record(self, tuning: Tuning) -> None:
         """Search parameters live in the manifest (applied at load): tuning alone rewrites no FAISS file."""
-        self.manifest.search_params = dict(tuning.params)
-        self.manifest.achieved_recall = tuning.recall
-        self.manifest.recall_queries = tuning.queries
-        self.manifest.tuned_count = len(self.store)
+        self._built = self._built.model_copy(
+            update={
+                "search_params": dict(tuning.params),
+                "achieved_recall": tuning.recall,
+                "recall_queries": tuning.queries,
+                "tuned_count": len(self.store),
+            }
+        )
 
     def _compact_graph(self) -> None:
         if self.index.spec.index_type == "hnsw" and self.index.removed_fraction > HNSW_MAX_REMOVED:

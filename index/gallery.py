@@ -1,12 +1,13 @@
-"""An index directory: ``manifest.json`` plus a backend (FAISS files or a Milvus collection), used as one."""
+"""An index directory: ``manifest.json`` plus a backend (FAISS files or a Milvus collection), used as one.
+
+``GalleryIndex`` is the only way into an index directory: nothing else holds its backend, and nothing
+else writes its manifest, which it fills from what the backend returns (``VectorIndex.built_index``).
+"""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,11 +16,13 @@ from index.atomic import remove_abandoned
 from index.faiss_backend import FaissBackend
 from index.filters import ItemFilter, UnknownLabelError, match_labels
 from index.items import now_utc
-from index.manifest import MANIFEST_NAME, Manifest
-from index.protocol import Entry, Item, ItemCatalog, Move, VectorIndex
+from index.manifest import FLAT_REQUESTED, MANIFEST_NAME, Manifest
+from index.protocol import Capabilities, CapabilityError, Entry, Item, ItemCatalog, Move, VectorIndex
 from index.selection import IndexOptions, IndexSpec
 
 BACKENDS = ("faiss", "milvus")
+# Writes the model into an index directory (with its card) and returns the model file's name there.
+ModelWriter = Callable[[Path], str]
 
 
 class IndexMismatchError(ValueError):
@@ -34,7 +37,13 @@ class Hit:
 
 
 def _connect(
-    directory: Path, manifest: Manifest, *, create: bool, milvus_uri: str | None = None, mapped: bool = True
+    directory: Path,
+    manifest: Manifest,
+    *,
+    create: bool,
+    milvus_uri: str | None = None,
+    mapped: bool = True,
+    read_only: bool = False,
 ) -> VectorIndex:
     if manifest.backend == "milvus":
         from index.milvus_backend import MilvusBackend  # pymilvus is an optional extra
@@ -42,7 +51,7 @@ def _connect(
         return MilvusBackend.connect(directory, manifest, uri=milvus_uri)
     if create:
         return FaissBackend.create(directory, manifest)
-    return FaissBackend.open(directory, manifest, mapped=mapped)
+    return FaissBackend.open(directory, manifest, mapped=mapped, read_only=read_only)
 
 
 class GalleryIndex:
@@ -51,7 +60,8 @@ class GalleryIndex:
     def __init__(self, directory: Path, manifest: Manifest, backend: VectorIndex) -> None:
         self.directory = directory
         self.manifest = manifest
-        self.backend = backend
+        self._backend = backend
+        manifest.built = backend.built_index()  # a server's index type is read when connecting
         self.stamp = self._disk_stamp()  # the manifest as this object last read or wrote it
         self._labels: frozenset[str] | None = None  # the stored labels, as last read (see _match_labels)
 
@@ -101,24 +111,38 @@ class GalleryIndex:
         backend: str | None = None,
         milvus_uri: str | None = None,
         mapped: bool = True,
+        read_only: bool = False,
     ) -> GalleryIndex:
         """Open an index directory; a FAISS index is memory-mapped until its first change.
 
         ``backend``: refuse an index of another backend; ``milvus_uri``: reach its Milvus collection at
         another address than the one recorded when it was built; ``mapped`` False: read the FAISS file
         into memory instead (a server: a file truncated under a mapping, ``cp new.faiss vectors.faiss``,
-        kills the process with SIGBUS at its next search).
+        kills the process with SIGBUS at its next search); ``read_only``: its items and vectors only,
+        nothing written (the source of a merge or rebuild, which a server may be serving).
         """
-        remove_abandoned(directory)  # before loading: a killed writer's half-written copies are litter
+        if not read_only:
+            remove_abandoned(directory)  # before loading: a killed writer's half-written copies are litter
         manifest = Manifest.load(directory)
         if backend is not None and backend != manifest.backend:
             raise ValueError(f"{directory} is a {manifest.backend} index, not {backend}")
-        connection = _connect(directory, manifest, create=False, milvus_uri=milvus_uri, mapped=mapped)
+        connection = _connect(
+            directory, manifest, create=False, milvus_uri=milvus_uri, mapped=mapped, read_only=read_only
+        )
         return cls(directory, manifest, connection)
 
     @property
     def items(self) -> ItemCatalog:
-        return self.backend.items
+        return self._backend.items
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._backend.capabilities
+
+    def _require(self, granted: bool, refusal: str) -> None:
+        """Go on only where the backend declares the capability (``granted``), else refuse, saying why."""
+        if not granted:
+            raise CapabilityError(f"{self.directory} is a {self.manifest.backend} index: {refusal}")
 
     def check_model(self, fingerprint: str, dim: int) -> None:
         if dim != self.manifest.dim:
@@ -136,34 +160,79 @@ class GalleryIndex:
     ) -> list[int]:
         """Add vectors with their ``(path, label, content_hash)`` metadata and perceptual signatures;
         returns the new ids."""
-        return self.backend.add(vectors, entries, signatures)
+        return self._backend.add(vectors, entries, signatures)
+
+    def copy_in(
+        self,
+        vectors: np.ndarray,
+        entries: Sequence[Entry],
+        signatures: Sequence[bytes | None],
+        *,
+        added: Sequence[str],
+        ids: Sequence[int] | None = None,
+    ) -> list[int]:
+        """Add items copied from another index, keeping their times added (and ``ids``, if given)."""
+        self._require(self.capabilities.mergeable, "it takes no items copied in under their ids and times")
+        return self._backend.copy_in(vectors, entries, signatures, added=added, ids=ids)
+
+    def reserve_ids(self, last_id: int) -> None:
+        """New items get ids above ``last_id``: those of the index these items were copied from."""
+        self._require(self.capabilities.mergeable, "its ids cannot be reserved")
+        self._backend.reserve_ids(last_id)
+
+    def last_id(self) -> int:
+        """The highest id this index ever handed out, removed items' included."""
+        self._require(self.capabilities.mergeable, "it does not record the highest id it handed out")
+        return self._backend.last_id()
 
     def remove(self, ids: Sequence[int]) -> int:
         """Remove items by id; returns how many existed. Ids are never reused."""
-        return self.backend.remove(ids)
+        return self._backend.remove(ids)
 
     def move(self, moves: Sequence[Move]) -> int:
         """New paths and labels for renamed or moved files; returns how many items existed."""
-        return self.backend.move(moves)
+        return self._backend.move(moves)
 
     def set_taken(self, taken: Mapping[int, str]) -> int:
         """Record when items' photos were taken, by id (items indexed before it was kept)."""
-        return self.backend.set_taken(taken)
+        return self._backend.set_taken(taken)
+
+    def signatures(self, ids: Sequence[int] | None = None) -> dict[int, bytes]:
+        """The stored perceptual signatures of ``ids`` (default: every item's), by item id."""
+        return self._backend.signatures(ids)
+
+    def set_gallery_root(self, gallery_root: Path) -> None:
+        """Where the gallery's files are now (recorded at the next save)."""
+        self.manifest.gallery_root = str(gallery_root.resolve())
+
+    def store_model(self, model: ModelWriter) -> None:
+        """Put the model the vectors were embedded with into the directory; the manifest names it."""
+        self.manifest.model_file = model(self.directory)
 
     def build(
-        self, options: IndexOptions | None = None, *, retune: bool = True, progress: bool = False
+        self,
+        options: IndexOptions | None = None,
+        *,
+        retune: bool = True,
+        partitions: Sequence[np.ndarray] | None = None,
+        progress: bool = False,
     ) -> bool:
-        """Build or rebuild the search structure for the current size (FAISS; Milvus indexes itself).
+        """Build or rebuild the search structure for the current size (where the backend builds locally).
 
         Rebuilds from the stored vectors, without re-embedding, when ``options`` (default: the manifest's)
-        pick another index than the one built; otherwise re-tunes when ``retune``. Returns whether it
-        rebuilt. A FAISS shard directory only stores vectors: ``index.merge`` builds the index.
+        pick another index than the one built; otherwise re-tunes when ``retune``. ``partitions``: ids
+        per shard, built as parts and merged (``index.merge``). Returns whether it rebuilt. A shard
+        directory only stores vectors: ``index.merge`` builds the index.
         """
         if options is not None:
             self.manifest.set_options(options)
-        if not self._builds_faiss:
+        if not self._builds_here:
             return False
-        return self.backend.build(self.manifest.options, retune=retune, progress=progress)
+        rebuilt = self._backend.build(
+            self.manifest.options, retune=retune, partitions=partitions, progress=progress
+        )
+        self.manifest.built = self._backend.built_index()
+        return rebuilt
 
     def search(self, queries: np.ndarray, k: int, where: ItemFilter | None = None) -> list[list[Hit]]:
         """The top-``k`` hits of each query, best first (fewer when the gallery is smaller); ``where``
@@ -172,7 +241,7 @@ class GalleryIndex:
             raise ValueError(f"k must be at least 1, got {k}")
         if where is not None and where.labels:
             where = where.with_labels(self._match_labels(where.labels))
-        ids, scores = self.backend.search(queries, k, where)
+        ids, scores = self.nearest(queries, k, where)
         # Quantised (PQ) and float-rounded inner products can stray past +-1: report true cosine bounds.
         scores = np.clip(scores, -1.0, 1.0)
         items = self.items.get_many(sorted({int(i) for i in ids.ravel() if i >= 0}))
@@ -184,6 +253,12 @@ class GalleryIndex:
             ]
             for row_ids, row_scores in zip(ids, scores, strict=True)
         ]
+
+    def nearest(
+        self, queries: np.ndarray, k: int, where: ItemFilter | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The backend's raw answer: ``(ids, scores)``, both (n, k), id -1 where fewer than k items exist."""
+        return self._backend.search(queries, k, where)
 
     def _match_labels(self, wanted: tuple[str, ...]) -> tuple[str, ...]:
         """The stored labels ``wanted`` names, ignoring case (``index.filters.match_labels``).
@@ -202,32 +277,40 @@ class GalleryIndex:
 
     def vectors(self, ids: Sequence[int]) -> np.ndarray:
         """The stored vectors of ``ids``, in that order (exact, whatever the search structure compresses)."""
-        return self.backend.vectors(ids)
+        return self._backend.vectors(ids)
 
     def __len__(self) -> int:
-        return len(self.backend)
+        return len(self._backend)
 
     def describe(self) -> dict[str, object]:
-        """The manifest plus live facts: item count, vectors in the FAISS index, files and their sizes."""
-        info: dict[str, object] = self.manifest.model_dump()
+        """The manifest plus live facts: item count, vectors in the FAISS index, files and their sizes,
+        the backend's capabilities. What was requested and built is given flat, as ``index stats`` always
+        printed it."""
+        info: dict[str, object] = self.manifest.model_dump(exclude={"requested", "built"})
+        built = self.manifest.built
+        info.update(built.model_dump())
+        requested = dict(self.manifest.requested)
+        info.update({flat: requested[name] for flat, name in FLAT_REQUESTED.items()})
         info["count"] = len(self)
         info["files"] = {p.name: p.stat().st_size for p in sorted(self.directory.iterdir()) if p.is_file()}
-        info.update(self.backend.stats())
-        if self.manifest.index_spec is not None:
-            spec = IndexSpec(self.manifest.index_type, self.manifest.index_spec, self.manifest.dim)
+        info.update(self._backend.stats())
+        info["capabilities"] = asdict(self.capabilities)
+        if built.index_spec is not None:
+            spec = IndexSpec(built.index_type, built.index_spec, self.manifest.dim)
             info["estimated_memory_bytes"] = spec.memory_bytes(len(self))
         return info
 
     @property
-    def _builds_faiss(self) -> bool:
-        """A FAISS index is built here; Milvus indexes itself and FAISS shards only store vectors."""
-        return self.backend.builds_locally and self.manifest.shard is None
+    def _builds_here(self) -> bool:
+        """The backend builds locally (FAISS) and this is not a shard, which only stores vectors."""
+        return self.capabilities.local_build and self.manifest.shard is None
 
     def save(self) -> None:
-        """Make every change durable: a fresh FAISS index is built first; then files, then the manifest."""
-        if self._builds_faiss and not self.backend.built and len(self) > 0:
-            self.backend.build(self.manifest.options, retune=True)
-        self.backend.save()
+        """Make every change durable: a fresh local index is built first; then files, then the manifest."""
+        if self._builds_here and not self._backend.built and len(self) > 0:
+            self._backend.build(self.manifest.options, retune=True)
+        self._backend.save()
+        self.manifest.built = self._backend.built_index()
         self.manifest.count = len(self)
         self.manifest.updated = now_utc()
         self.manifest.save(self.directory)
@@ -247,7 +330,7 @@ class GalleryIndex:
         return stamp is not None and stamp != self.stamp
 
     def close(self) -> None:
-        self.backend.close()
+        self._backend.close()
 
 
 def _absolute_local(uri: str | None) -> str | None:
@@ -255,14 +338,3 @@ def _absolute_local(uri: str | None) -> str | None:
     if uri is None or "://" in uri:
         return uri
     return str(Path(uri).resolve())
-
-
-def replace_directory(source: Path, target: Path) -> None:
-    """Move a fully written ``source`` directory onto ``target``, keeping the old one until the swap."""
-    backup = None
-    if target.exists():
-        backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
-        os.replace(target, backup / target.name)
-    os.replace(source, target)
-    if backup is not None:
-        shutil.rmtree(backup)

@@ -10,32 +10,59 @@ the model, ``None`` for indexes built before). Copying the directory copies a se
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from index.atomic import atomic_write_text
 from index.selection import IndexOptions
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, FORMAT_VERSION)  # 2: what was requested and built as flat fields, moved on load
 MANIFEST_NAME = "manifest.json"
 MILVUS_COLLECTION = "dmlsearch"  # the collection a Milvus index uses unless told otherwise
 _OPTIONS = IndexOptions()  # the defaults of what is asked for
 
 
-class Manifest(BaseModel):
-    format_version: int = FORMAT_VERSION
-    backend: str = "faiss"  # "faiss" or "milvus"
-    # What was built: "flat" | "hnsw" | "ivf" | "ivfpq" (FAISS), the Milvus index type, or "none" yet.
+class Requested(BaseModel):
+    """What was asked for: kept so a re-run of build-index without options builds the same kind of index."""
+
+    model_config = ConfigDict(frozen=True)
+
+    index_type: str = _OPTIONS.index_type
+    memory_budget: int | None = _OPTIONS.memory_budget
+    target_recall: float = _OPTIONS.target_recall
+
+
+class BuiltIndex(BaseModel):
+    """What was built, as the backend returns it (``VectorIndex.built_index``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    # "flat" | "hnsw" | "ivf" | "ivfpq" (FAISS), the Milvus index type, or "none" yet.
     index_type: str = "none"
     index_spec: str | None = None  # the faiss index_factory string
     search_params: dict[str, int] = Field(default_factory=dict)  # nprobe / efSearch chosen by tuning
     achieved_recall: float | None = None  # recall@10 vs exact search measured when tuning
     recall_queries: int = 0
     tuned_count: int | None = None  # items when the search parameters were tuned (None: not recorded)
-    # What was asked for: kept so a re-run of build-index without options builds the same kind of index.
-    requested_index_type: str = _OPTIONS.index_type
-    memory_budget: int | None = _OPTIONS.memory_budget
-    target_recall: float = _OPTIONS.target_recall
+
+
+# Format 2's top-level names of the requested options (``index stats`` still prints them so).
+FLAT_REQUESTED = {
+    "requested_index_type": "index_type",
+    "memory_budget": "memory_budget",
+    "target_recall": "target_recall",
+}
+
+
+class Manifest(BaseModel):
+    """Written only by ``index.gallery.GalleryIndex``."""
+
+    format_version: int = FORMAT_VERSION
+    backend: str = "faiss"  # "faiss" or "milvus"
+    requested: Requested = Field(default_factory=Requested)
+    built: BuiltIndex = Field(default_factory=BuiltIndex)
     dim: int
     metric: str = "cosine"
     count: int = 0
@@ -48,14 +75,29 @@ class Manifest(BaseModel):
     created: str
     updated: str
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_format_2(cls, data: Any) -> Any:
+        """A format-2 manifest kept what was requested and built as top-level fields: nest them."""
+        if not isinstance(data, dict) or data.get("format_version") != 2:
+            return data
+        data = dict(data)
+        data["requested"] = {new: data.pop(old) for old, new in FLAT_REQUESTED.items() if old in data}
+        data["built"] = {name: data.pop(name) for name in BuiltIndex.model_fields if name in data}
+        data["format_version"] = FORMAT_VERSION
+        return data
+
     @property
     def options(self) -> IndexOptions:
-        return IndexOptions(self.requested_index_type, self.memory_budget, self.target_recall)
+        requested = self.requested
+        return IndexOptions(requested.index_type, requested.memory_budget, requested.target_recall)
 
     def set_options(self, options: IndexOptions) -> None:
-        self.requested_index_type = options.index_type
-        self.memory_budget = options.memory_budget
-        self.target_recall = options.target_recall
+        self.requested = Requested(
+            index_type=options.index_type,
+            memory_budget=options.memory_budget,
+            target_recall=options.target_recall,
+        )
 
     @classmethod
     def load(cls, directory: Path) -> Manifest:
@@ -65,7 +107,8 @@ class Manifest(BaseModel):
         manifest = cls.model_validate_json(path.read_text())
         if manifest.format_version != FORMAT_VERSION:
             raise ValueError(
-                f"index format {manifest.format_version} is not supported (expected {FORMAT_VERSION}): "
+                f"index format {manifest.format_version} is not supported (expected "
+                f"{' or '.join(map(str, READABLE_VERSIONS))}): "
                 "rebuild the index with dmlsearch build-index"
             )
         return manifest

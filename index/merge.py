@@ -8,20 +8,19 @@ merged with faiss's IVF merge (``faiss.merge_into``), as faiss's recipe for buil
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Sequence
+from contextlib import ExitStack, closing
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from index.gallery import GalleryIndex, replace_directory
-from index.items import ItemStore
+from index.gallery import GalleryIndex, ModelWriter
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item
 from index.selection import IndexOptions
 from index.sharding import Shard
+from index.staging import staged_write
 
 COPY_CHUNK = 4096
 
@@ -45,43 +44,50 @@ def _check_shards(manifests: Sequence[Manifest], directories: Sequence[Path]) ->
 
 
 def merge_shards(
-    shard_dirs: Sequence[Path], out_dir: Path, *, options: IndexOptions | None = None, progress: bool = True
+    shard_dirs: Sequence[Path],
+    out_dir: Path,
+    *,
+    options: IndexOptions | None = None,
+    model: ModelWriter | None = None,
+    progress: bool = True,
 ) -> GalleryIndex:
-    """Write the merged index to ``out_dir`` (aside first, then swapped in) and return it opened."""
+    """Write the merged index to ``out_dir`` (one staged write: ``index.staging``), storing ``model`` in
+    it (None: the shards carry none), and return it opened."""
     if not shard_dirs:
         raise ValueError("no shard directories to merge")
     manifests = [Manifest.load(directory) for directory in shard_dirs]
     _check_shards(manifests, shard_dirs)
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / MANIFEST_NAME).exists():
         raise ValueError(f"refusing to write into {out_dir}: it is not empty and not an index directory")
-    stores = [ItemStore(directory, manifests[0].dim) for directory in shard_dirs]
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.merging.", dir=out_dir.parent))
-    try:
-        merged = GalleryIndex.create(
+    first = manifests[0]
+
+    def create(staging: Path) -> GalleryIndex:
+        return GalleryIndex.create(
             staging,
-            dim=manifests[0].dim,
-            model_fingerprint=manifests[0].model_fingerprint,
-            gallery_root=Path(manifests[0].gallery_root) if manifests[0].gallery_root else None,
-            options=options or manifests[0].options,
+            dim=first.dim,
+            model_fingerprint=first.model_fingerprint,
+            gallery_root=Path(first.gallery_root) if first.gallery_root else None,
+            options=options or first.options,
         )
-        partitions = _copy_items(stores, merged.backend.store, progress)
-        merged.backend.build(merged.manifest.options, retune=True, partitions=partitions, progress=progress)
-        merged.save()
-        merged.close()
-        replace_directory(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        for store in stores:
-            store.close()
+
+    with ExitStack() as sources:
+        shards = [
+            sources.enter_context(closing(GalleryIndex.open(directory, read_only=True)))
+            for directory in shard_dirs
+        ]
+        # A merge starts afresh each time: copying the shards again is the cheap part of it.
+        fingerprint = first.model_fingerprint
+        with staged_write(out_dir, fingerprint=fingerprint, create=create, resume=False) as staged:
+            partitions = _copy_items(shards, staged.index, progress)
+            staged.commit(model, retune=True, partitions=partitions, progress=progress)
     return GalleryIndex.open(out_dir)
 
 
-def _copy_items(stores: Sequence[ItemStore], target: ItemStore, progress: bool) -> list[np.ndarray]:
+def _copy_items(stores: Sequence[GalleryIndex], target: GalleryIndex, progress: bool) -> list[np.ndarray]:
     """Copy every shard's items and vectors in path order; return the new ids that came from each shard."""
     first_by_content: dict[str, tuple[int, Item]] = {}
     for number, store in enumerate(stores):
-        for item in store.scan():
+        for item in store.items.scan():
             kept = first_by_content.get(item.content_hash)
             if kept is None or item.path < kept[1].path:
                 first_by_content[item.content_hash] = (number, item)
@@ -90,21 +96,21 @@ def _copy_items(stores: Sequence[ItemStore], target: ItemStore, progress: bool) 
     bar = tqdm(total=len(ordered), desc="copying shard items", unit="item", disable=not progress)
     for start in range(0, len(ordered), COPY_CHUNK):
         chunk = ordered[start : start + COPY_CHUNK]
-        vectors = np.zeros((len(chunk), target.dim), dtype=np.float32)
+        vectors = np.zeros((len(chunk), target.manifest.dim), dtype=np.float32)
         signatures: list[bytes | None] = [None] * len(chunk)
         for number, store in enumerate(stores):
             positions = [i for i, (owner, _) in enumerate(chunk) if owner == number]
             if positions:
                 shard_ids = [chunk[i][1].id for i in positions]
-                vectors[positions] = store.vectors(np.array(shard_ids, np.int64))
+                vectors[positions] = store.vectors(shard_ids)
                 kept = store.signatures(shard_ids)
                 for position, shard_id in zip(positions, shard_ids, strict=True):
                     signatures[position] = kept.get(shard_id)
-        ids = target.add(
+        ids = target.copy_in(
             vectors,
             [Entry(item.path, item.label, item.content_hash, item.taken) for _, item in chunk],
+            signatures,
             added=[item.added for _, item in chunk],
-            signatures=signatures,
         )
         for (number, _), new_id in zip(chunk, ids, strict=True):
             new_ids[number].append(new_id)

@@ -35,8 +35,17 @@ import numpy as np
 
 from index.filters import ItemFilter
 from index.items import now_utc
-from index.manifest import MILVUS_COLLECTION, Manifest
-from index.protocol import BackendUnavailableError, Entry, Item, Move, check_dim, normalize_rows
+from index.manifest import MILVUS_COLLECTION, BuiltIndex, Manifest
+from index.protocol import (
+    BackendUnavailableError,
+    Capabilities,
+    CapabilityError,
+    Entry,
+    Item,
+    Move,
+    check_dim,
+    normalize_rows,
+)
 from index.selection import IndexOptions
 
 MODEL_PROPERTY = "dmlsearch.model_fingerprint"
@@ -170,14 +179,15 @@ def _open_client(uri: str) -> _Server:
 
 
 class MilvusBackend:
-    builds_locally = False  # the Milvus server indexes its collection itself
+    built = True  # the Milvus server indexes its collection itself
 
     def __init__(self, client: _Server, manifest: Manifest) -> None:
         self.client = client
-        self.manifest = manifest
+        self.model_fingerprint = manifest.model_fingerprint
         self.collection = manifest.milvus_collection or MILVUS_COLLECTION
         self.dim = manifest.dim
-        _, _, self.search_params = MILVUS_INDEXES[manifest.requested_index_type]
+        _, _, self.search_params = MILVUS_INDEXES[manifest.requested.index_type]
+        self.index_type = "none"  # the collection's, read from the server
         # The collection's layout (see the module's docstring), read from its schema.
         self.auto_id = True
         self.nullable = True
@@ -215,16 +225,16 @@ class MilvusBackend:
             self.collection,
             schema=schema,
             index_params=index_params,
-            properties={MODEL_PROPERTY: self.manifest.model_fingerprint},
+            properties={MODEL_PROPERTY: self.model_fingerprint},
         )
 
     def _check_collection(self) -> None:
         description = self.client.describe_collection(self.collection)
         fingerprint = (description.get("properties") or {}).get(MODEL_PROPERTY)
-        if fingerprint != self.manifest.model_fingerprint:
+        if fingerprint != self.model_fingerprint:
             raise ValueError(
                 f"Milvus collection {self.collection!r} holds vectors of model {str(fingerprint)[:12]}, "
-                f"not {self.manifest.model_fingerprint[:12]}: use another --milvus-collection"
+                f"not {self.model_fingerprint[:12]}: use another --milvus-collection"
             )
         fields = {field["name"]: field for field in description["fields"]}
         if int(fields["vector"]["params"]["dim"]) != self.dim:
@@ -233,7 +243,7 @@ class MilvusBackend:
             )
         self.auto_id = bool(description["auto_id"])
         self.nullable = bool(fields["label"].get("nullable", False))
-        self.manifest.index_type = self.client.describe_index(self.collection, "vector")["index_type"]
+        self.index_type = self.client.describe_index(self.collection, "vector")["index_type"]
         # An existing collection keeps the schema it was made with (changing it is the operator's call on a
         # shared server): one from before capture times were kept has no `taken`, and its date filters use
         # the time indexed (index.filters).
@@ -242,6 +252,47 @@ class MilvusBackend:
     @property
     def _metadata_fields(self) -> list[str]:
         return [*METADATA_FIELDS, TAKEN] if self.has_taken else METADATA_FIELDS
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            local_build=False,
+            removes_in_place=True,
+            mergeable=False,  # ids and times added are the server's (auto_id) or this process's clock
+            gpu_capable=False,  # a GPU index is the server's business
+            tuning_parameter=None,  # the search parameters are fixed per index type (MILVUS_INDEXES)
+        )
+
+    def built_index(self) -> BuiltIndex:
+        return BuiltIndex(index_type=self.index_type)
+
+    def build(
+        self,
+        options: IndexOptions,
+        *,
+        retune: bool,
+        partitions: Sequence[np.ndarray] | None = None,
+        progress: bool = False,
+    ) -> bool:
+        """Nothing to do: the server indexes the collection as it fills."""
+        return False
+
+    def copy_in(
+        self,
+        vectors: np.ndarray,
+        entries: Sequence[Entry],
+        signatures: Sequence[bytes | None],
+        *,
+        added: Sequence[str],
+        ids: Sequence[int] | None = None,
+    ) -> list[int]:
+        raise CapabilityError("a Milvus collection takes no items copied in under their ids and times")
+
+    def reserve_ids(self, last_id: int) -> None:
+        raise CapabilityError("a Milvus collection's ids are not reserved ahead")
+
+    def last_id(self) -> int:
+        raise CapabilityError("a Milvus collection does not record the highest id it handed out")
 
     @property
     def items(self) -> MilvusBackend:
@@ -353,7 +404,7 @@ class MilvusBackend:
             raise KeyError(f"no stored vector for ids {missing[:5]}")
         return np.array([by_id[int(i)] for i in ids], dtype=np.float32)
 
-    def signatures(self) -> dict[int, bytes]:
+    def signatures(self, ids: Sequence[int] | None = None) -> dict[int, bytes]:
         """None: a collection has no field for them, and adding one would break existing collections."""
         return {}
 

@@ -10,6 +10,8 @@ import numpy as np
 
 if TYPE_CHECKING:
     from index.filters import ItemFilter
+    from index.manifest import BuiltIndex
+    from index.selection import IndexOptions
 
 UNIT_TOLERANCE = 1e-6  # a few float32 ulps around 1.0
 
@@ -53,6 +55,19 @@ class BackendUnavailableError(RuntimeError):
     Not the caller's input: the API answers 503, the command line names the server and its message."""
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, declared by the backend and checked by ``GalleryIndex`` and its callers."""
+
+    local_build: bool  # this process builds the search structure (``build``); else its server indexes itself
+    removes_in_place: bool  # a removed item leaves the search structure without a rebuild
+    # Items copy in under given ids and times (``copy_in``: index merge, index rebuild) and a build can
+    # take them in partitions, one per shard.
+    mergeable: bool
+    gpu_capable: bool  # the search structure can run on a GPU in this process
+    tuning_parameter: str | None  # the search-time knob tuned to the target recall (None: none here)
+
+
 class ItemCatalog(Protocol):
     """Item metadata by stable int64 id."""
 
@@ -80,24 +95,68 @@ class ItemCatalog(Protocol):
 class VectorIndex(Protocol):
     """A backend: top-k cosine search over stored vectors, with stable int64 ids and item metadata.
 
-    ``add`` stores vectors with their metadata (and each item's perceptual signature, where given and the
-    backend keeps them: ``signatures`` gives them back) and returns the ids it gave them; ``move`` changes
-    items' paths and labels only; ``search`` returns
+    Only ``index.gallery.GalleryIndex`` holds one. ``add`` stores vectors with their metadata (and each
+    item's perceptual signature, where given and the backend keeps them: ``signatures`` gives them back)
+    and returns the ids it gave them; ``move`` changes items' paths and labels only; ``search`` returns
     ``(ids, scores)``, both (n, k), with id -1 and score -inf where fewer than k items exist; ``vectors``
     gives back stored vectors (exact, as added after normalising); ``save`` makes everything durable; a
-    backend is loaded again by its ``open`` class method. ``builds_locally``: whether this process
-    builds the search structure (``build``, ``built``) or the backend's server indexes by itself.
+    backend is loaded again by its ``open`` or ``connect`` class method. ``capabilities`` says which of
+    ``build``, ``copy_in`` and ``reserve_ids`` do anything: the others refuse (``CapabilityError``).
+    A backend reads the manifest it was opened with but never writes it: ``built_index`` returns what it
+    built, and the ``GalleryIndex`` records it.
     """
 
     dim: int
-    builds_locally: bool
+
+    @property
+    def capabilities(self) -> Capabilities: ...
 
     @property
     def items(self) -> ItemCatalog: ...
 
+    @property
+    def built(self) -> bool:
+        """Whether the search structure exists (a server-indexed backend: always)."""
+        ...
+
+    def built_index(self) -> BuiltIndex:
+        """What the search structure is and how it was tuned, for the manifest."""
+        ...
+
     def add(
         self, vectors: np.ndarray, entries: Sequence[Entry], signatures: Sequence[bytes | None] | None = None
     ) -> list[int]: ...
+
+    def copy_in(
+        self,
+        vectors: np.ndarray,
+        entries: Sequence[Entry],
+        signatures: Sequence[bytes | None],
+        *,
+        added: Sequence[str],
+        ids: Sequence[int] | None = None,
+    ) -> list[int]:
+        """Add items copied from another index, keeping when they were added (and ``ids``, if given)."""
+        ...
+
+    def reserve_ids(self, last_id: int) -> None:
+        """Hand out new ids above ``last_id`` (the highest id of the index items were copied from)."""
+        ...
+
+    def last_id(self) -> int:
+        """The highest id ever handed out, removed items' included."""
+        ...
+
+    def build(
+        self,
+        options: IndexOptions,
+        *,
+        retune: bool,
+        partitions: Sequence[np.ndarray] | None = None,
+        progress: bool = False,
+    ) -> bool:
+        """(Re)build or re-tune the search structure for ``options``; returns whether it was rebuilt."""
+        ...
 
     def search(
         self, queries: np.ndarray, k: int, where: ItemFilter | None = None
@@ -111,8 +170,9 @@ class VectorIndex(Protocol):
         """The stored vectors of ``ids``, (len(ids), dim), in that order; KeyError for an unknown id."""
         ...
 
-    def signatures(self) -> dict[int, bytes]:
-        """Every stored perceptual signature by item id (empty where the backend keeps none)."""
+    def signatures(self, ids: Sequence[int] | None = None) -> dict[int, bytes]:
+        """The stored perceptual signatures of ``ids`` (default: every item's) by item id (empty where
+        the backend keeps none)."""
         ...
 
     def stats(self) -> dict[str, object]:
@@ -133,6 +193,10 @@ class VectorIndex(Protocol):
     def save(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+class CapabilityError(ValueError):
+    """Asked a backend for something its capabilities do not include (merging Milvus collections)."""
 
 
 def normalize_rows(vectors: np.ndarray) -> np.ndarray:

@@ -41,6 +41,7 @@ import numpy as np
 from tqdm import tqdm
 
 from index.faiss_index import FaissIndex, faiss_module
+from index.selection import IndexSpec
 from index.sources import VectorSource
 
 RECALL_K = 10
@@ -141,6 +142,13 @@ def _ladder(low: int, high: int) -> list[int]:
         values.append(value)
         value *= 2
     return [*values, high]
+
+
+def tuning_parameter(spec: IndexSpec) -> str | None:
+    """The search-time knob tuning turns for ``spec``'s index (None: exact search, nothing to tune)."""
+    if spec.index_type == "flat":
+        return None
+    return "efSearch" if spec.index_type == "hnsw" else "nprobe"
 
 
 def _parameters(index: FaissIndex, k: int) -> tuple[list[int], Callable[[int], dict[str, int]]]:

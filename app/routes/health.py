@@ -31,10 +31,10 @@ def stats(service: Service, settings: AppSettings) -> StatsOut:
         count=len(service.index),
         dim=manifest.dim,
         backend=manifest.backend,
-        index_type=manifest.index_type,
+        index_type=manifest.built.index_type,
         metric=manifest.metric,
         model_fingerprint=manifest.model_fingerprint,
-        achieved_recall=manifest.achieved_recall,
+        achieved_recall=manifest.built.achieved_recall,
         model=ModelOut(
             fingerprint=card.fingerprint,
             backbone=card.backbone,

@@ -77,7 +77,7 @@ def test_added_items_are_stored_searchable_and_persisted(
     reopened = GalleryIndex.open(served.index)  # what a restarted server would load
     assert len(reopened) == reopened.manifest.count == 81
     assert reopened.items.get(added[0]["id"]).label == "fresh"
-    signatures = reopened.backend.signatures()  # from the upload's own decode, like a build's
+    signatures = reopened.signatures()  # from the upload's own decode, like a build's
     reopened.close()
     assert signatures[added[1]["id"]] == perceptual_signature(decode_image(new[1]))
 

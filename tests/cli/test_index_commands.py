@@ -134,7 +134,11 @@ def test_two_shards_merge_into_what_one_process_builds(
             whole, exported_model, synthetic_gallery / image
         )
     a, b = (Manifest.load(d) for d in (merged, whole))
-    assert (a.count, a.index_spec, a.search_params) == (b.count, b.index_spec, b.search_params)
+    assert (a.count, a.built.index_spec, a.built.search_params) == (
+        b.count,
+        b.built.index_spec,
+        b.built.search_params,
+    )
     assert a.model_file == "model.onnx"  # the merged index carries the shards' model
     image = synthetic_gallery / "beta" / "beta_0.png"
     no_model = json.loads(_run("query", image, "--index", merged, "-k", "5", "--json"))["results"]

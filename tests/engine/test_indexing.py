@@ -285,26 +285,29 @@ def test_options_change_rebuilds_from_stored_vectors(
     out = tmp_path / "index"
     build_index(gallery, embedder, out, progress=False)
     changes = IndexChanges(index_type="hnsw", target_recall=0.9)
-    report = build_index(gallery, embedder, out, progress=False, options=changes)
+    report = build_index(gallery, embedder, out, progress=False, changes=changes)
     assert (report.indexed, report.rebuilt) == (0, True)  # no image embedded again
     manifest = Manifest.load(out)
-    assert (manifest.index_type, manifest.requested_index_type, manifest.target_recall) == (
+    assert (manifest.built.index_type, manifest.requested.index_type, manifest.requested.target_recall) == (
         "hnsw",
         "hnsw",
         0.9,
     )
     assert build_index(gallery, embedder, out, progress=False).rebuilt is False  # options are remembered
-    assert Manifest.load(out).index_type == "hnsw"
+    assert Manifest.load(out).built.index_type == "hnsw"
 
 
 def test_a_memory_budget_can_be_lifted_again(embedder: Embedder, gallery: Path, tmp_path: Path) -> None:
     out = tmp_path / "index"
-    build_index(gallery, embedder, out, progress=False, options=IndexChanges(memory_budget=1 << 30))
-    assert Manifest.load(out).memory_budget == 1 << 30
-    build_index(gallery, embedder, out, progress=False, options=IndexChanges(target_recall=0.9))
-    assert Manifest.load(out).memory_budget == 1 << 30  # an option not named is kept
-    build_index(gallery, embedder, out, progress=False, options=IndexChanges(memory_budget=None))
-    assert (Manifest.load(out).memory_budget, Manifest.load(out).target_recall) == (None, 0.9)
+    build_index(gallery, embedder, out, progress=False, changes=IndexChanges(memory_budget=1 << 30))
+    assert Manifest.load(out).requested.memory_budget == 1 << 30
+    build_index(gallery, embedder, out, progress=False, changes=IndexChanges(target_recall=0.9))
+    assert Manifest.load(out).requested.memory_budget == 1 << 30  # an option not named is kept
+    build_index(gallery, embedder, out, progress=False, changes=IndexChanges(memory_budget=None))
+    assert (Manifest.load(out).requested.memory_budget, Manifest.load(out).requested.target_recall) == (
+        None,
+        0.9,
+    )
 
 
 def test_index_add_embeds_files_inside_the_gallery(embedder: Embedder, gallery: Path, tmp_path: Path) -> None:

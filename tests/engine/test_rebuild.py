@@ -72,10 +72,10 @@ def test_rebuild_re_embeds_the_same_items_with_the_new_model(
     assert manifest.model_fingerprint == Embedder(small_model).fingerprint != old_manifest.model_fingerprint
     assert (manifest.dim, manifest.model_file, manifest.count) == (24, "model.onnx", len(before_items) - 1)
     assert manifest.gallery_root == old_manifest.gallery_root
-    assert manifest.requested_index_type == old_manifest.requested_index_type
+    assert manifest.requested == old_manifest.requested
     assert _items(new) == before_items[1:]  # ids, paths, labels and times added
     new_index = GalleryIndex.open(new)  # each re-embedded item carries its new perceptual signature
-    assert sorted(new_index.backend.signatures()) == [item[0] for item in before_items[1:]]
+    assert sorted(new_index.signatures()) == [item[0] for item in before_items[1:]]
     new_index.close()
     assert not list(tmp_path.glob(".new.*")), "staging directory left behind"
 

@@ -82,7 +82,7 @@ def test_build_index_stores_each_items_signature(
         (gallery / path.name).write_bytes(path.read_bytes())
     build_index(gallery, Embedder(exported_model, threads=1), tmp_path / "index", progress=False)
     index = GalleryIndex.open(tmp_path / "index")
-    stored = index.backend.signatures()
+    stored = index.signatures()
     items = list(index.items.scan())
     index.close()
     assert sorted(stored) == sorted(item.id for item in items)

@@ -211,7 +211,7 @@ def test_a_milvus_collection_from_before_capture_times_keeps_working(tmp_path: P
         directory, dim=DIM, model_fingerprint="model-a", gallery_root=None, backend="milvus"
     )
     try:
-        assert index.backend.has_taken is False
+        assert index._backend.has_taken is False
         vectors = clustered_vectors(20, DIM)
         ids = index.add(vectors, [Entry(*entry, "2001-01-01T00:00:00") for entry in entries(20)])
         index.save()

@@ -159,7 +159,7 @@ def test_an_index_from_before_signatures_still_opens_and_falls_back(tmp_path: Pa
     assert "300 of 300 items have no perceptual signature" in result.note
     new_ids = index.add(vectors[:2], entries(2, prefix="new"), [b"\x01" * 32, b"\x01" * 32])
     index.save()
-    assert sorted(index.backend.signatures()) == sorted(new_ids)
+    assert sorted(index.signatures()) == sorted(new_ids)
     assert find_duplicates(index).unsigned == 300
     index.close()
 

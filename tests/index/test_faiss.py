@@ -206,12 +206,12 @@ def test_a_gallery_keeps_hnsw_tombstones_across_reopening_and_rebuilds_past_the_
     assert (tmp_path / "g" / "vectors.faiss").read_bytes() == saved, "tombstones alone rewrite nothing"
     gallery.close()
     reopened = GalleryIndex.open(tmp_path / "g")
-    index = reopened.backend.index
+    index = reopened._backend.index
     assert len(index) == len(reopened) == 500 - few and index.removed_fraction > 0  # marked again
     assert not {h.item.id for row in reopened.search(vectors[:few], 5) for h in row} & set(ids[:few])
     # Past HNSW_MAX_REMOVED of the graph, it is rebuilt without them.
     assert reopened.remove(ids[few : 2 * few + 1]) == few + 1
-    index = reopened.backend.index
+    index = reopened._backend.index
     assert index.removed_fraction == 0 and len(index) == len(reopened) == 500 - 2 * few - 1
     assert not {h.item.id for row in reopened.search(vectors[: 2 * few + 1], 5) for h in row} & set(
         ids[: 2 * few + 1]
@@ -231,7 +231,7 @@ def test_a_crash_between_store_and_index_is_repaired_on_open(tmp_path: Path) -> 
     store.remove(ids[:10])
     store.close()
     reopened = GalleryIndex.open(tmp_path / "g")
-    assert len(reopened.backend.index) == len(reopened) == 390
+    assert len(reopened._backend.index) == len(reopened) == 390
     assert reopened.search(vectors[350:351], 1)[0][0].item.id == late[50]
     assert not {h.item.id for h in reopened.search(vectors[:10], 20)[0]} & set(ids[:10])
     reopened.close()
@@ -258,10 +258,10 @@ def test_the_manifest_records_what_was_built(tmp_path: Path) -> None:
     gallery.add(clustered_vectors(2000, DIM), entries(2000))
     gallery.save()
     manifest = GalleryIndex.open(tmp_path / "g").manifest
-    assert manifest.index_type == "ivf" and manifest.index_spec.startswith("IVF")
-    assert manifest.achieved_recall >= 0.9 and manifest.recall_queries == 200
-    assert set(manifest.search_params) == {"nprobe"}
-    assert manifest.count == 2000 and manifest.target_recall == 0.9
+    assert manifest.built.index_type == "ivf" and manifest.built.index_spec.startswith("IVF")
+    assert manifest.built.achieved_recall >= 0.9 and manifest.built.recall_queries == 200
+    assert set(manifest.built.search_params) == {"nprobe"}
+    assert manifest.count == 2000 and manifest.requested.target_recall == 0.9
 
 
 @pytest.mark.parametrize("factory", ["IVF16,PQ12x8np", "OPQ6,IVF16,PQ6x8np"])
@@ -316,20 +316,20 @@ def test_adds_that_move_the_count_a_quarter_retune_the_search_parameters(tmp_pat
     )
     gallery.add(clustered_vectors(start, dim), entries(start))
     gallery.save()
-    assert gallery.manifest.tuned_count == start
-    tuned_first = dict(gallery.manifest.search_params)
+    assert gallery.manifest.built.tuned_count == start
+    tuned_first = dict(gallery.manifest.built.search_params)
     gallery.add(clustered_vectors(200, dim, seed=1), entries(200, prefix="few"))
     assert not gallery.build(retune=False)
-    assert gallery.manifest.tuned_count == start  # 1% more: the tuning stands
+    assert gallery.manifest.built.tuned_count == start  # 1% more: the tuning stands
 
     new_kind = np.random.default_rng(2).standard_normal((5_000, dim)).astype(np.float32)
     new_kind /= np.linalg.norm(new_kind, axis=1, keepdims=True)
     gallery.add(new_kind, entries(5_000, prefix="new"))
     assert not gallery.build(retune=False)
-    assert gallery.manifest.index_spec == "IVF512,Flat"
-    assert gallery.manifest.tuned_count == len(gallery) == 25_200
-    assert gallery.manifest.achieved_recall >= 0.9  # measured again, over the grown gallery
-    retuned = dict(gallery.manifest.search_params)
+    assert gallery.manifest.built.index_spec == "IVF512,Flat"
+    assert gallery.manifest.built.tuned_count == len(gallery) == 25_200
+    assert gallery.manifest.built.achieved_recall >= 0.9  # measured again, over the grown gallery
+    retuned = dict(gallery.manifest.built.search_params)
     assert retuned["nprobe"] > tuned_first["nprobe"]
 
     # Queries of the new kind, against exact search over every item: the re-tuned nprobe finds more.
@@ -339,7 +339,7 @@ def test_adds_that_move_the_count_a_quarter_retune_the_search_parameters(tmp_pat
     truth = ids[np.argsort(-(queries @ gallery.vectors(ids).T), axis=1)[:, :10]]
 
     def recall_with(params: dict[str, int]) -> float:
-        gallery.backend.index.set_search_params(params)
+        gallery._backend.index.set_search_params(params)
         return recall_at_k(
             np.array([[hit.item.id for hit in row] for row in gallery.search(queries, 10)]), truth
         )
