@@ -28,6 +28,7 @@ from engine.defaults import BATCH_SIZE, DECODE_WORKERS
 from engine.embedder import Embedder
 from engine.images import list_images
 from engine.prefetch import WORKER_NICENESS, DecodedFile, decode_file, prefetch
+from index.errors import DmlsearchError, ErrorKind, InvalidInputError
 from index.gallery import GalleryIndex, replace_directory
 from index.items import ItemStore
 from index.manifest import MANIFEST_NAME, Manifest
@@ -325,11 +326,11 @@ def _reopen(
     """Open an index built from this gallery earlier (or an interrupted build) to bring it up to date."""
     manifest = Manifest.load(directory)
     if backend is not None and backend != manifest.backend:
-        raise ValueError(
+        raise InvalidInputError(
             f"{directory} is a {manifest.backend} index: build a {backend} index into another directory"
         )
     if manifest.shard != (str(shard) if shard else None):
-        raise ValueError(
+        raise InvalidInputError(
             f"{directory} holds shard {manifest.shard or 'none (a whole gallery)'}, "
             f"not {shard or 'the whole gallery'}"
         )
@@ -340,8 +341,11 @@ def _reopen(
     return index
 
 
-class GalleryMismatchError(ValueError):
+class GalleryMismatchError(DmlsearchError, ValueError):
     """The index was built from another gallery folder, and taking it over was not asked for."""
+
+    kind = ErrorKind.CONFLICT
+    code = "gallery_mismatch"
 
 
 def _check_gallery(out_dir: Path, manifest: Manifest, gallery_root: Path, files: Sequence[Path]) -> None:
@@ -397,7 +401,7 @@ def build_index(
         files = [p for p in files if shard.owns(p.relative_to(gallery_root).as_posix())]
     if not files:
         where = f"in shard {shard} of" if shard else "under"
-        raise ValueError(f"no images {where} {gallery_root}")
+        raise InvalidInputError(f"no images {where} {gallery_root}")
     out_dir = out_dir.resolve()
     target = out_dir
     changes, options = options, None  # options: what to build with, None = what the index has
@@ -409,7 +413,7 @@ def build_index(
         options = manifest.options.with_changes(changes) if changes else None
         if (manifest.model_fingerprint, manifest.dim) != (embedder.fingerprint, embedder.dim):
             if manifest.backend == "milvus":
-                raise ValueError(
+                raise InvalidInputError(
                     f"{out_dir} was built with another model and its Milvus collection holds those vectors: "
                     "build into a new directory and collection"
                 )
@@ -422,7 +426,9 @@ def build_index(
                 options = options or manifest.options
     else:
         if out_dir.exists() and any(out_dir.iterdir()):
-            raise ValueError(f"refusing to write into {out_dir}: it is not empty and not an index directory")
+            raise InvalidInputError(
+                f"refusing to write into {out_dir}: it is not empty and not an index directory"
+            )
         options = IndexOptions().with_changes(changes)
 
     created = not (target / MANIFEST_NAME).exists()
@@ -460,7 +466,7 @@ def build_index(
         # server's failure is raised as what it is, never taken for undecodable files.
         if report.indexed + plan.unchanged + len(plan.moves) == 0:
             discard = created  # leave no empty index behind
-            raise ValueError(f"none of the {len(files)} files under {gallery_root} could be decoded")
+            raise InvalidInputError(f"none of the {len(files)} files under {gallery_root} could be decoded")
         changed = bool(plan.remove or report.indexed) or options is not None
         report.rebuilt = index.build(retune=changed, progress=progress)
         index.manifest.model_file = store_model(target, embedder.model_path)
@@ -538,13 +544,15 @@ def add_images(
     try:
         index.check_model(embedder.fingerprint, embedder.dim)
         if index.manifest.gallery_root is None:
-            raise ValueError(f"{index_dir} records no gallery folder to add images from")
+            raise InvalidInputError(f"{index_dir} records no gallery folder to add images from")
         root = Path(index.manifest.gallery_root)
         files: list[Path] = []
         for path in paths:
             resolved = path.resolve()
             if not resolved.is_relative_to(root):
-                raise ValueError(f"{path} is outside the index's gallery folder {root}: copy it there first")
+                raise InvalidInputError(
+                    f"{path} is outside the index's gallery folder {root}: copy it there first"
+                )
             files.extend(list_images(resolved) if resolved.is_dir() else [resolved])
         report = BuildReport()
         sync_files(

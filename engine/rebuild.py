@@ -21,6 +21,7 @@ from engine.bundle import store_model
 from engine.defaults import BATCH_SIZE
 from engine.embedder import Embedder
 from engine.indexing import BuildReport, embed_files, hash_files
+from index.errors import ConflictError, InvalidInputError, NotFoundError
 from index.gallery import GalleryIndex
 from index.items import ItemStore
 from index.manifest import MANIFEST_NAME, Manifest
@@ -49,29 +50,27 @@ def _source(index_dir: Path, gallery_root: Path | None) -> tuple[Manifest, Path,
     """The old index's manifest, gallery folder, items and the highest id it ever handed out."""
     manifest = Manifest.load(index_dir)
     if manifest.backend != "faiss":
-        raise ValueError(
+        raise InvalidInputError(
             f"{index_dir} is a {manifest.backend} index: rebuild rebuilds FAISS indexes (build a new "
             "Milvus collection with dmlsearch build-index)"
         )
     if manifest.shard is not None:
-        raise ValueError(
+        raise InvalidInputError(
             f"{index_dir} is shard {manifest.shard}: merge the shards first (dmlsearch index merge)"
         )
     if gallery_root is None:
         if manifest.gallery_root is None:
-            raise ValueError(f"{index_dir} records no gallery folder: name it (the gallery root)")
+            raise InvalidInputError(f"{index_dir} records no gallery folder: name it (the gallery root)")
         gallery_root = Path(manifest.gallery_root)
     if not gallery_root.is_dir():
-        raise FileNotFoundError(
-            f"gallery folder {gallery_root} does not exist: name where the gallery is now"
-        )
+        raise NotFoundError(f"gallery folder {gallery_root} does not exist: name where the gallery is now")
     store = ItemStore(index_dir, manifest.dim, read_only=True)
     try:
         items, last_id = list(store.scan()), store.last_id()
     finally:
         store.close()
     if not items:
-        raise ValueError(f"{index_dir} holds no items to re-embed")
+        raise InvalidInputError(f"{index_dir} holds no items to re-embed")
     return manifest, gallery_root.resolve(), items, last_id
 
 
@@ -113,9 +112,9 @@ def rebuild_index(
     """
     index_dir, out_dir = index_dir.resolve(), out_dir.resolve()
     if out_dir == index_dir:
-        raise ValueError("the new index needs its own directory (--out): the old one is never changed")
+        raise InvalidInputError("the new index needs its own directory (--out): the old one is never changed")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise FileExistsError(f"{out_dir} already exists and is not empty: choose a new directory")
+        raise ConflictError(f"{out_dir} already exists and is not empty: choose a new directory")
     manifest, root, items, last_id = _source(index_dir, gallery_root)
     moved = {move.id: move for move in moves}
     items = [
@@ -146,7 +145,7 @@ def rebuild_index(
         )
         if len(store) == 0:
             shutil.rmtree(index.directory)  # nothing worth resuming
-            raise ValueError(f"none of the {len(items)} gallery files of {index_dir} could be read")
+            raise InvalidInputError(f"none of the {len(items)} gallery files of {index_dir} could be read")
         report.rebuilt = index.build(retune=True, progress=progress)
         index.manifest.model_file = store_model(index.directory, embedder.model_path)
         index.save()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from index.errors import InvalidInputError
 from index.faiss_build import build_faiss_index
 from index.faiss_build import retune as retune_index
 from index.faiss_index import FaissIndex
@@ -64,14 +65,14 @@ class FaissBackend:
         items = directory / ItemStore.FILE_NAME
         if manifest.count and (not items.exists() or items.stat().st_size == 0):
             # SQLite would start an empty store, and reconciling would then empty the index too.
-            raise ValueError(
+            raise InvalidInputError(
                 f"{items} is missing or empty but the manifest records {manifest.count} items: restore it "
                 "from a backup or rebuild the index with dmlsearch build-index"
             )
         try:
             store = ItemStore(directory, manifest.dim)
         except sqlite3.DatabaseError as err:
-            raise ValueError(f"{items} cannot be read (truncated or corrupt?): {err}") from err
+            raise InvalidInputError(f"{items} cannot be read (truncated or corrupt?): {err}") from err
         index = None
         if manifest.index_spec is not None and (directory / cls.FILE_NAME).exists():
             spec = IndexSpec(manifest.index_type, manifest.index_spec, manifest.dim)
@@ -79,7 +80,7 @@ class FaissBackend:
                 index = FaissIndex.load(directory / cls.FILE_NAME, spec, mmap=mapped)
             except RuntimeError as err:  # faiss reports a short or garbled file as RuntimeError
                 store.close()
-                raise ValueError(
+                raise InvalidInputError(
                     f"{directory / cls.FILE_NAME} cannot be read (truncated or corrupt?): delete it and run "
                     f"dmlsearch build-index, which rebuilds it from items.sqlite ({err})"
                 ) from err
@@ -176,7 +177,7 @@ class FaissBackend:
         separate parts and merged. Returns whether the index was rebuilt.
         """
         if len(self.store) == 0:
-            raise ValueError("cannot build a search index over an empty gallery")
+            raise InvalidInputError("cannot build a search index over an empty gallery")
         spec = choose_index(len(self.store), self.dim, options)
         if self.index is None or self.index.spec != spec or partitions is not None:
             self._build(spec, partitions, progress=progress)

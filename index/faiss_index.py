@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from index.atomic import atomic_path
+from index.errors import DamagedFileError, InvalidInputError, MissingDependencyError
 from index.protocol import check_dim, normalize_rows
 from index.selection import IndexSpec
 
@@ -51,7 +52,7 @@ def faiss_module():
     try:
         import faiss
     except ImportError as err:
-        raise ImportError(
+        raise MissingDependencyError(
             "faiss is not installed: pip install 'dmlsearch[cpu]' (or 'dmlsearch[gpu]')"
         ) from err
     return faiss
@@ -68,7 +69,7 @@ def _gpu_resources() -> object | None:
 class FaissIndex:
     def __init__(self, index: object, spec: IndexSpec, *, source: Path | None = None) -> None:
         if index.d != spec.dim:
-            raise ValueError(f"FAISS index has dimension {index.d}, expected {spec.dim}")
+            raise InvalidInputError(f"FAISS index has dimension {index.d}, expected {spec.dim}")
         self.index = index
         self.spec = spec
         self.search_params: dict[str, int] = {}
@@ -330,7 +331,9 @@ class FaissIndex:
     def merge_from(self, other: FaissIndex) -> None:
         """Move ``other``'s vectors into this index (same training); faiss's own IVF / IDMap merge."""
         if self.spec.index_type == "hnsw":
-            raise ValueError("faiss cannot merge HNSW graphs; build one graph from all vectors instead")
+            raise InvalidInputError(
+                "faiss cannot merge HNSW graphs; build one graph from all vectors instead"
+            )
         self._make_writable()
         if self.spec.index_type == "flat":
             self.index.merge_from(other.index)
@@ -353,7 +356,7 @@ class FaissIndex:
         try:
             index = faiss.read_index(str(path), flag) if mmap else faiss.read_index(str(path))
         except RuntimeError as err:  # faiss's message names neither the file nor what is wrong with it
-            raise RuntimeError(f"{path} is damaged or truncated ({str(err).splitlines()[-1]})") from err
+            raise DamagedFileError(f"{path} is damaged or truncated ({str(err).splitlines()[-1]})") from err
         return cls(index, spec, source=path if mmap else None)
 
     def _make_writable(self) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from index.atomic import remove_abandoned
+from index.errors import DmlsearchError, ErrorKind
 from index.faiss_backend import FaissBackend
 from index.filters import ItemFilter, UnknownLabelError, match_labels
 from index.items import now_utc
@@ -22,8 +23,11 @@ from index.selection import IndexOptions, IndexSpec
 BACKENDS = ("faiss", "milvus")
 
 
-class IndexMismatchError(ValueError):
+class IndexMismatchError(DmlsearchError, ValueError):
     """The index was built with a different model (fingerprint or dimension) than the one in use."""
+
+    kind = ErrorKind.CONFLICT
+    code = "index_mismatch"
 
 
 @dataclass(frozen=True)

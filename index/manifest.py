@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from index.atomic import atomic_write_text
+from index.errors import InvalidInputError, NotFoundError
 from index.selection import IndexOptions
 
 FORMAT_VERSION = 2
@@ -61,10 +62,13 @@ class Manifest(BaseModel):
     def load(cls, directory: Path) -> Manifest:
         path = directory / MANIFEST_NAME
         if not path.exists():
-            raise FileNotFoundError(f"{directory} is not an index directory (no manifest.json)")
-        manifest = cls.model_validate_json(path.read_text())
+            raise NotFoundError(f"{directory} is not an index directory (no manifest.json)")
+        try:
+            manifest = cls.model_validate_json(path.read_text())
+        except ValidationError as err:  # not the JSON of a manifest: a damaged file, not a bug
+            raise InvalidInputError(str(err)) from err
         if manifest.format_version != FORMAT_VERSION:
-            raise ValueError(
+            raise InvalidInputError(
                 f"index format {manifest.format_version} is not supported (expected {FORMAT_VERSION}): "
                 "rebuild the index with dmlsearch build-index"
             )

@@ -51,6 +51,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from index.errors import InvalidInputError
+
 INDEX_TYPES = ("flat", "hnsw", "ivf", "ivfsq", "ivfpq")
 INDEX_CHOICES = ("auto", *INDEX_TYPES)
 FLAT_LIMIT = 10_000
@@ -79,13 +81,13 @@ class IndexOptions:
 
     def __post_init__(self) -> None:
         if self.index_type not in INDEX_CHOICES:
-            raise ValueError(
+            raise InvalidInputError(
                 f"unknown index type {self.index_type!r}; choose one of {', '.join(INDEX_CHOICES)}"
             )
         if self.memory_budget is not None and self.memory_budget <= 0:
-            raise ValueError("the memory budget must be positive")
+            raise InvalidInputError("the memory budget must be positive")
         if not 0.0 < self.target_recall <= 1.0:
-            raise ValueError(f"target recall must be in (0, 1], got {self.target_recall}")
+            raise InvalidInputError(f"target recall must be in (0, 1], got {self.target_recall}")
 
     def with_changes(self, changes: IndexChanges) -> IndexOptions:
         """These options with the fields that ``changes`` sets replaced (and checked again)."""
@@ -239,7 +241,7 @@ def choose_index(count: int, dim: int, options: IndexOptions) -> IndexSpec:
     """
     budget = options.memory_budget
     if options.index_type == "ivfpq" and count < PQ_CENTROIDS:
-        raise ValueError(
+        raise InvalidInputError(
             f"ivfpq needs at least {PQ_CENTROIDS} vectors to train its 8-bit codebooks; there are {count}"
         )
     if options.index_type != "auto":
@@ -254,7 +256,7 @@ def choose_index(count: int, dim: int, options: IndexOptions) -> IndexSpec:
         if budget is None or spec.memory_bytes(count) <= budget:
             return spec
     smallest = min(candidates, key=lambda s: s.memory_bytes(count))
-    raise ValueError(
+    raise InvalidInputError(
         f"a memory budget of {format_bytes(budget or 0)} is too small for {count} vectors of dimension "
         f"{dim}: the smallest {options.index_type} choice ({smallest.factory}) needs about "
         f"{format_bytes(smallest.memory_bytes(count))}"
@@ -268,11 +270,11 @@ def parse_size(text: str) -> int:
     """``"512MB"``, ``"1.5G"``, ``"64k"`` or a plain byte count; K/M/G/T are powers of 1024."""
     match = _SIZE.match(text)
     if not match:
-        raise ValueError(f"cannot read {text!r} as a size: write e.g. 512MB, 2G or 1048576")
+        raise InvalidInputError(f"cannot read {text!r} as a size: write e.g. 512MB, 2G or 1048576")
     number, unit = float(match.group(1)), match.group(2).lower()
     size = int(number * 1024 ** " kmgt".index(unit or " "))
     if size <= 0:
-        raise ValueError(f"size {text!r} must be positive")
+        raise InvalidInputError(f"size {text!r} must be positive")
     return size
 
 
