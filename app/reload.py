@@ -33,6 +33,7 @@ from engine.probe import probe_output, prove_bundle, prove_index
 from engine.search import SearchService
 from engine.serving import LoadedBundle
 from index.errors import DmlsearchError, ErrorKind
+from index.families import Backend
 from index.gallery import IndexMismatchError
 
 log = logging.getLogger("dmlsearch.app")
@@ -88,7 +89,7 @@ class Reloader:
             directory = service.index.directory
             started = time.perf_counter()
             try:
-                index = LoadedBundle.open_index(directory, backend="faiss")
+                index = LoadedBundle.open_index(directory, backend=Backend.FAISS)
             except Exception as err:  # a save in progress or a bad index: keep serving the one loaded
                 raise ReloadError.of(err) from err
             try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -12,6 +11,7 @@ import typer
 
 from cli.common import echo_duplicate_files, echo_moves, fail, model_for_index, moves_heading, reports_errors
 from engine import defaults
+from index.families import Backend, IndexType
 from index.manifest import MILVUS_COLLECTION
 from index.selection import KEEP, IndexChanges
 
@@ -23,20 +23,6 @@ index_app = typer.Typer(
     help="Change and inspect an index: add, remove, stats, merge, rebuild.", no_args_is_help=True
 )
 commands.add_typer(index_app, name="index")
-
-
-class IndexType(StrEnum):
-    auto = "auto"
-    flat = "flat"
-    hnsw = "hnsw"
-    ivf = "ivf"
-    ivfsq = "ivfsq"
-    ivfpq = "ivfpq"
-
-
-class Backend(StrEnum):
-    faiss = "faiss"
-    milvus = "milvus"
 
 
 StoredModelOption = Annotated[
@@ -72,9 +58,7 @@ def _index_changes(
     budget = KEEP
     if memory_budget is not None:
         budget = None if memory_budget.strip().lower() == "none" else parse_size(memory_budget)
-    return IndexChanges(
-        index_type.value if index_type else KEEP, budget, KEEP if target_recall is None else target_recall
-    )
+    return IndexChanges(index_type or KEEP, budget, KEEP if target_recall is None else target_recall)
 
 
 def _print_build_summary(out: Path, report: BuildReport) -> None:
@@ -185,7 +169,7 @@ def build_index(
                 batch_size=batch_size,
                 progress=progress,
                 options=_index_changes(index_type, memory_budget, target_recall),
-                backend=backend.value if backend else None,
+                backend=backend,
                 milvus_uri=milvus_uri,
                 milvus_collection=milvus_collection,
                 shard=Shard.parse(shard) if shard else None,

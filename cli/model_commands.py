@@ -35,7 +35,7 @@ def export(
             help=f"Where to write model.onnx (default: RUN_DIR/model.onnx, else {defaults.MODEL_PATH})."
         ),
     ] = None,
-    backbone: Annotated[str, typer.Option(help="Backbone name (without RUN_DIR).")] = "efficientnet_lite0",
+    backbone: Annotated[str, typer.Option(help="Backbone name (without RUN_DIR).")] = defaults.BACKBONE,
     force: Annotated[
         bool, typer.Option(help="Export a run even if it did not beat the untrained model on validation.")
     ] = False,

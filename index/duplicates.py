@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from index.errors import InvalidInputError
 from index.faiss_index import faiss_module
+from index.families import IndexType
 from index.selection import IndexSpec
 
 if TYPE_CHECKING:  # the CLI imports this module for its defaults: keep that import light
@@ -129,7 +130,7 @@ def _all_vectors(index: GalleryIndex) -> Iterator[tuple[np.ndarray, np.ndarray]]
 def _exact_scores(manifest: Manifest) -> bool:
     """Whether the gallery's index scores with the stored vectors themselves (not through codes)."""
     if manifest.index_spec is not None:  # FAISS: its index_factory string says
-        return IndexSpec(manifest.index_type, manifest.index_spec, manifest.dim).exact_scores
+        return IndexSpec(IndexType(manifest.index_type), manifest.index_spec, manifest.dim).exact_scores
     return manifest.index_type not in MILVUS_QUANTISED
 
 

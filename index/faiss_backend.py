@@ -20,6 +20,7 @@ from index.errors import InvalidInputError
 from index.faiss_build import build_faiss_index
 from index.faiss_build import retune as retune_index
 from index.faiss_index import FaissIndex
+from index.families import IndexType
 from index.filters import ItemFilter
 from index.items import ItemStore
 from index.manifest import Manifest
@@ -120,7 +121,7 @@ class FaissBackend:
         if self.index is not None and len(present):
             self.index.remove(present)
             # Tombstones are not saved (open marks them again from the store): only other indexes change.
-            self._dirty = self._dirty or self.index.spec.index_type != "hnsw"
+            self._dirty = self._dirty or self.index.spec.index_type is not IndexType.HNSW
             self._compact_graph()
         return removed
 
@@ -182,9 +183,11 @@ class FaissBackend:
         if self.index is None or self.index.spec != spec or partitions is not None:
             self._build(spec, partitions, progress=progress)
             return True
-        if spec.index_type == "flat" or not (retune or self._tuning_outdated()):  # exact: nothing to tune
+        if spec.index_type is IndexType.FLAT or not (
+            retune or self._tuning_outdated()
+        ):  # exact: nothing to tune
             return False
-        if spec.index_type == "hnsw":
+        if spec.index_type is IndexType.HNSW:
             # A graph is tuned while it is built (minutes at a million items): built again only once its
             # size has moved RETUNE_AFTER_CHANGE, or when its recall is below a target raised since.
             achieved = self.manifest.achieved_recall
@@ -230,7 +233,7 @@ class FaissBackend:
         self.manifest.tuned_count = len(self.store)
 
     def _compact_graph(self) -> None:
-        if self.index.spec.index_type == "hnsw" and self.index.removed_fraction > HNSW_MAX_REMOVED:
+        if self.index.spec.index_type is IndexType.HNSW and self.index.removed_fraction > HNSW_MAX_REMOVED:
             log.info(
                 "%.0f%% of the HNSW graph are removed items: rebuilding it from %d stored vectors",
                 100 * self.index.removed_fraction,
@@ -242,7 +245,7 @@ class FaissBackend:
         stored, indexed = self.store.ids(), self.index.ids()
         missing = np.setdiff1d(stored, indexed)
         extra = np.setdiff1d(indexed, stored)
-        graph = self.index.spec.index_type == "hnsw"
+        graph = self.index.spec.index_type is IndexType.HNSW
         if len(missing) or not graph:  # an HNSW graph's removed items are expected: its tombstones
             log.warning(
                 "%s: FAISS index out of step with items.sqlite (an interrupted update): adding %d, "

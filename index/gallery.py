@@ -14,13 +14,14 @@ import numpy as np
 from index.atomic import remove_abandoned
 from index.errors import DmlsearchError, ErrorKind
 from index.faiss_backend import FaissBackend
+from index.families import Backend
 from index.filters import ItemFilter, UnknownLabelError, match_labels
 from index.items import now_utc
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item, ItemCatalog, Move, VectorIndex
 from index.selection import IndexOptions, IndexSpec
 
-BACKENDS = ("faiss", "milvus")
+BACKENDS = tuple(Backend)
 
 
 class IndexMismatchError(DmlsearchError, ValueError):

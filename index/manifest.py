@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from index.atomic import atomic_write_text
 from index.errors import InvalidInputError, NotFoundError
+from index.families import Backend, IndexType
 from index.selection import IndexOptions
 
 FORMAT_VERSION = 2
@@ -25,7 +26,7 @@ _OPTIONS = IndexOptions()  # the defaults of what is asked for
 
 class Manifest(BaseModel):
     format_version: int = FORMAT_VERSION
-    backend: str = "faiss"  # "faiss" or "milvus"
+    backend: Backend = Backend.FAISS
     # What was built: "flat" | "hnsw" | "ivf" | "ivfpq" (FAISS), the Milvus index type, or "none" yet.
     index_type: str = "none"
     index_spec: str | None = None  # the faiss index_factory string
@@ -34,7 +35,7 @@ class Manifest(BaseModel):
     recall_queries: int = 0
     tuned_count: int | None = None  # items when the search parameters were tuned (None: not recorded)
     # What was asked for: kept so a re-run of build-index without options builds the same kind of index.
-    requested_index_type: str = _OPTIONS.index_type
+    requested_index_type: IndexType = _OPTIONS.index_type
     memory_budget: int | None = _OPTIONS.memory_budget
     target_recall: float = _OPTIONS.target_recall
     dim: int

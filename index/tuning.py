@@ -41,6 +41,7 @@ import numpy as np
 from tqdm import tqdm
 
 from index.faiss_index import FaissIndex, faiss_module
+from index.families import IndexType
 from index.sources import VectorSource
 
 RECALL_K = 10
@@ -95,7 +96,7 @@ def held_out_ids(ids: np.ndarray, *, graph: bool = False) -> np.ndarray:
 
 
 def needs_tuning(index: FaissIndex) -> bool:
-    return index.spec.index_type != "flat"
+    return index.spec.index_type is not IndexType.FLAT
 
 
 def exact_neighbours(queries: np.ndarray, sources: Sequence[VectorSource], k: int) -> np.ndarray:
@@ -145,7 +146,7 @@ def _ladder(low: int, high: int) -> list[int]:
 
 def _parameters(index: FaissIndex, k: int) -> tuple[list[int], Callable[[int], dict[str, int]]]:
     spec = index.spec
-    if spec.index_type == "hnsw":
+    if spec.index_type is IndexType.HNSW:
         return _ladder(max(16, k), 4096), lambda ef: {"efSearch": ef}
     if spec.hnsw_quantizer:
         return _ladder(1, spec.nlist), lambda n: {"nprobe": n, "quantizer_efSearch": max(16, 2 * n)}
