@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+# mypy over index, engine and app ([tool.mypy] in pyproject.toml). Not yet part of `lint`: it still
+# reports errors, and lint must pass.
+typecheck: setup
+	$(BIN)/mypy
 
 clean:  # the demo's files only: artifacts/model and artifacts/index are the user's
 	rm -rf artifacts/demo .pytest_cache

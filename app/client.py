@@ -6,6 +6,8 @@ from typing import Any
 
 import httpx
 
+from engine import defaults
+
 
 class ApiCallError(Exception):
     """The API answered with an error, or could not be reached; ``str()`` is a message for people."""
@@ -54,7 +56,7 @@ class SearchClient:
         """A plot of the model's report, by the ``url`` that :meth:`model` lists."""
         return self._call("GET", url).content
 
-    def thumbnail(self, item_id: int, size: int = 256) -> bytes:
+    def thumbnail(self, item_id: int, size: int = defaults.THUMBNAIL_SIZE) -> bytes:
         return self._call("GET", f"/v1/items/{item_id}/thumbnail", params={"size": size}).content
 
 

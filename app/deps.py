@@ -21,6 +21,7 @@ from app.state import EngineState
 from engine import defaults
 from engine.query import SearchOptions
 from engine.search import SearchService
+from index.errors import ErrorKind
 from index.filters import ItemFilter
 
 INT64_MAX = 2**63 - 1
@@ -51,7 +52,9 @@ async def get_compute(request: Request) -> ComputeSlots:
 async def ready_service(request: Request) -> SearchService:
     state: EngineState = request.app.state.engine
     if state.service is None:
-        raise ApiError(503, "not_ready", f"the search engine is not ready: {state.not_ready_reason}")
+        raise ApiError(
+            ErrorKind.UNAVAILABLE, "not_ready", f"the search engine is not ready: {state.not_ready_reason}"
+        )
     return state.service
 
 
@@ -91,7 +94,7 @@ async def item_filter(
     try:
         where = ItemFilter(tuple(label or ()), path_prefix, added_from, added_to, taken_from, taken_to)
     except ValueError as err:
-        raise ApiError(422, "invalid_request", str(err)) from None
+        raise ApiError(ErrorKind.INVALID, "invalid_request", str(err)) from None
     return None if where.empty else where
 
 
@@ -131,9 +134,9 @@ async def search_options(
     ] = None,
 ) -> SearchOptions:
     if k > settings.max_k:
-        raise ApiError(422, "invalid_request", f"k must be at most {settings.max_k}")
+        raise ApiError(ErrorKind.INVALID, "invalid_request", f"k must be at most {settings.max_k}")
     if offset > settings.max_offset:
-        raise ApiError(422, "invalid_request", f"offset must be at most {settings.max_offset}")
+        raise ApiError(ErrorKind.INVALID, "invalid_request", f"offset must be at most {settings.max_offset}")
     return SearchOptions(k=k, min_score=min_score, offset=offset, predict=predict, rerank=rerank, where=where)
 
 
@@ -143,11 +146,15 @@ async def require_api_key(
 ) -> None:
     """Writes need the configured key; with no key configured, writes are off altogether."""
     if not settings.writes_enabled:
-        raise ApiError(403, "writes_disabled", "this server accepts no writes (no API key is configured)")
+        raise ApiError(
+            ErrorKind.FORBIDDEN, "writes_disabled", "this server accepts no writes (no API key is configured)"
+        )
     if x_api_key is None:
-        raise ApiError(401, "missing_api_key", "send the API key in the X-API-Key header")
+        raise ApiError(ErrorKind.UNAUTHORIZED, "missing_api_key", "send the API key in the X-API-Key header")
     if not secrets.compare_digest(x_api_key.encode(), settings.api_key.get_secret_value().encode()):
-        raise ApiError(401, "invalid_api_key", "the X-API-Key header does not match the server's key")
+        raise ApiError(
+            ErrorKind.UNAUTHORIZED, "invalid_api_key", "the X-API-Key header does not match the server's key"
+        )
 
 
 Service = Annotated[SearchService, Depends(ready_service)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+import uuid
 from collections.abc import Iterator, Sequence
 
 from fastapi import FastAPI, Request
@@ -13,30 +14,39 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
 from app.memory import release_memory
-from engine.decode_pool import DecodeCancelledError, DecodePoolClosedError
-from engine.images import ImageDecodeError
-from engine.item_reader import ItemNotFoundError
-from engine.item_writer import DuplicateItemError, InvalidItemError, StorageError
-from engine.query import RerankUnavailableError
-from index.filters import UnknownLabelError
-from index.protocol import BackendUnavailableError
+from index.errors import DmlsearchError, ErrorKind
 
 log = logging.getLogger("dmlsearch.app")
 
-# Image problems the client can fix: a format we do not take is 415, an oversized image 413, one whose
-# decode goes over its time or memory limit 422, the rest 400.
-_IMAGE_ERROR_STATUS = {
-    "unsupported_format": 415,
-    "image_too_large": 413,
-    "batch_too_large": 413,
-    "image_too_costly": 422,
-}
 # Seconds a client is told to wait when the index's server (Milvus) failed its request.
 INDEX_UNAVAILABLE_RETRY_AFTER = 5
 # nginx's code for a request whose client closed the connection: nobody reads it, the access log does.
 CLIENT_CLOSED_REQUEST = 499
 # Seconds a client is told to wait after the server ran out of memory on its request.
 OUT_OF_MEMORY_RETRY_AFTER = 5
+# The HTTP status of each kind of error (index/errors.py).
+KIND_STATUS = {
+    ErrorKind.INVALID: 422,
+    ErrorKind.MALFORMED: 400,
+    ErrorKind.UNSUPPORTED: 415,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.CONFLICT: 409,
+    ErrorKind.TOO_LARGE: 413,
+    ErrorKind.UNAUTHORIZED: 401,
+    ErrorKind.FORBIDDEN: 403,
+    ErrorKind.CANCELLED: CLIENT_CLOSED_REQUEST,
+    ErrorKind.UNAVAILABLE: 503,
+}
+# Headers some errors answer with: when to come back, or that this connection ends (the server stops).
+_ERROR_HEADERS = {
+    "index_unavailable": {"Retry-After": str(INDEX_UNAVAILABLE_RETRY_AFTER)},
+    "shutting_down": {"Connection": "close"},
+}
+# Errors that are the server's trouble, not the client's: logged, with what failed.
+_LOGGED_ERRORS = {
+    "storage_unavailable": "write refused",
+    "index_unavailable": "index server failed",  # the index's server (Milvus), not a bug here
+}
 # Codes for errors Starlette raises itself (unknown route, wrong method, unreadable multipart body).
 _HTTP_ERROR_CODES = {
     400: "bad_request",
@@ -46,13 +56,12 @@ _HTTP_ERROR_CODES = {
 }
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.headers = headers
+class ApiError(DmlsearchError):
+    """An error found by the API layer itself (limits, keys, request shape), with its own kind."""
+
+    def __init__(self, kind: ErrorKind, code: str, message: str) -> None:
+        super().__init__(message, code=code)
+        self.kind = kind
 
 
 def error_response(
@@ -64,33 +73,12 @@ def error_response(
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(_: Request, err: ApiError) -> JSONResponse:
-        return error_response(err.status, err.code, err.message, err.headers)
-
-    @app.exception_handler(ImageDecodeError)
-    async def bad_image(_: Request, err: ImageDecodeError) -> JSONResponse:
-        return error_response(_IMAGE_ERROR_STATUS.get(err.code, 400), err.code, err.message)
-
-    @app.exception_handler(ItemNotFoundError)
-    async def not_found(_: Request, err: ItemNotFoundError) -> JSONResponse:
-        return error_response(404, "item_not_found", str(err))
-
-    @app.exception_handler(RerankUnavailableError)
-    async def rerank_unavailable(_: Request, err: RerankUnavailableError) -> JSONResponse:
-        return error_response(422, "rerank_unavailable", str(err))
-
-    @app.exception_handler(UnknownLabelError)
-    async def unknown_label(_: Request, err: UnknownLabelError) -> JSONResponse:
-        return error_response(422, "unknown_label", str(err))
-
-    @app.exception_handler(InvalidItemError)
-    async def invalid_item(_: Request, err: InvalidItemError) -> JSONResponse:
-        return error_response(422, "invalid_item", str(err))
-
-    @app.exception_handler(DuplicateItemError)
-    async def duplicate_item(_: Request, err: DuplicateItemError) -> JSONResponse:
-        return error_response(409, "duplicate_item", str(err))
+    @app.exception_handler(DmlsearchError)
+    async def domain_error(request: Request, err: DmlsearchError) -> JSONResponse:
+        # The one answer to every error the user can act on: the status of its kind, its code, its message.
+        if err.code in _LOGGED_ERRORS:
+            log.error("%s on %s %s: %s", _LOGGED_ERRORS[err.code], request.method, request.url.path, err)
+        return error_response(KIND_STATUS[err.kind], err.code, err.message, _ERROR_HEADERS.get(err.code))
 
     @app.exception_handler(MemoryError)
     async def out_of_memory(request: Request, err: MemoryError) -> JSONResponse:
@@ -106,27 +94,6 @@ def install_error_handlers(app: FastAPI) -> None:
             "out_of_memory",
             "the server does not have the memory for this request now: retry later, or send smaller images",
             headers={"Retry-After": str(OUT_OF_MEMORY_RETRY_AFTER)},
-        )
-
-    @app.exception_handler(DecodeCancelledError)
-    async def client_gone(_: Request, err: DecodeCancelledError) -> JSONResponse:
-        return error_response(CLIENT_CLOSED_REQUEST, "client_closed_request", str(err))
-
-    @app.exception_handler(DecodePoolClosedError)
-    async def shutting_down(_: Request, err: DecodePoolClosedError) -> JSONResponse:
-        return error_response(503, "shutting_down", str(err), headers={"Connection": "close"})
-
-    @app.exception_handler(StorageError)
-    async def storage_unavailable(request: Request, err: StorageError) -> JSONResponse:
-        log.error("write refused on %s %s: %s", request.method, request.url.path, err)
-        return error_response(503, "storage_unavailable", str(err))
-
-    @app.exception_handler(BackendUnavailableError)
-    async def index_unavailable(request: Request, err: BackendUnavailableError) -> JSONResponse:
-        # The index's server (Milvus) failed or is down: not the client's fault, and not a bug here.
-        log.error("index server failed on %s %s: %s", request.method, request.url.path, err)
-        return error_response(
-            503, "index_unavailable", str(err), headers={"Retry-After": str(INDEX_UNAVAILABLE_RETRY_AFTER)}
         )
 
     @app.exception_handler(RequestValidationError)
@@ -147,8 +114,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception) -> JSONResponse:
         # A bug, not bad input: log the traceback, tell the client only that it was our fault.
-        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=err)
-        return error_response(500, "internal_error", "internal server error")
+        error_id = uuid.uuid4().hex[:12]
+        log.exception("unhandled error %s on %s %s", error_id, request.method, request.url.path, exc_info=err)
+        return error_response(500, "internal_error", f"internal server error (error id {error_id})")
 
 
 def _allowed_methods(app: FastAPI, request: Request) -> list[str]:

@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.errors import ApiError, busy_response, error_response
 from app.metrics import Metrics
 from app.ratelimit import TokenBucketLimiter
+from index.errors import ErrorKind
 
 # Metric labels take only known methods: a client inventing methods must not invent time series.
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
@@ -126,7 +127,11 @@ class BodySizeLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:  # a chunked body that lied by omission
-                    raise ApiError(413, "request_too_large", f"the request body is over {self.limit} bytes")
+                    raise ApiError(
+                        ErrorKind.TOO_LARGE,
+                        "request_too_large",
+                        f"the request body is over {self.limit} bytes",
+                    )
             return message
 
         await self.app(scope, receive=limited_receive, send=send)

@@ -32,22 +32,25 @@ from engine.model_card import ModelCard
 from engine.probe import probe_output, prove_bundle, prove_index
 from engine.search import SearchService
 from engine.serving import LoadedBundle
+from index.errors import DmlsearchError, ErrorKind
+from index.families import Backend
 from index.gallery import IndexMismatchError
 
 log = logging.getLogger("dmlsearch.app")
 
 
-class ReloadError(Exception):
-    """The new bundle could not be loaded or failed its probe: the served one stays. ``missing``: the
-    index directory or model file named does not exist."""
+class ReloadError(DmlsearchError):
+    """The new bundle could not be loaded or failed its probe: the served one stays. Of kind not found
+    when the index directory or model file named does not exist."""
 
-    def __init__(self, message: str, *, missing: bool = False) -> None:
-        super().__init__(message)
-        self.missing = missing
+    code = "reload_failed"
 
     @classmethod
     def of(cls, err: Exception) -> ReloadError:
-        return cls(f"{type(err).__name__}: {err}", missing=isinstance(err, FileNotFoundError))
+        error = cls(f"{type(err).__name__}: {err}")
+        if isinstance(err, FileNotFoundError):
+            error.kind = ErrorKind.NOT_FOUND
+        return error
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ class Reloader:
             directory = service.index.directory
             started = time.perf_counter()
             try:
-                index = LoadedBundle.open_index(directory, backend="faiss")
+                index = LoadedBundle.open_index(directory, backend=Backend.FAISS)
             except Exception as err:  # a save in progress or a bad index: keep serving the one loaded
                 raise ReloadError.of(err) from err
             try:

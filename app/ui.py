@@ -19,7 +19,6 @@ from engine.images import IMAGE_SUFFIXES  # importing it also lets st.image show
 
 API_URL = os.environ.get("DMLSEARCH_API_URL", defaults.API_URL).rstrip("/")
 COLUMNS = 4
-THUMBNAIL_SIZE = 256
 # The sidebar's date filter: by when photos were taken (what a photo library is browsed by) or indexed.
 DATE_FILTERS = {"Taken": "taken", "Indexed": "added"}
 UPLOAD, GALLERY = "Upload an image", "Pick a gallery item"
@@ -73,7 +72,7 @@ def fetch_labels(api_url: str) -> list[str]:
 def fetch_thumbnail(api_url: str, item_id: int, path: str) -> bytes | None:
     """``path`` is part of the cache key: an id reused after a delete must not show the old picture."""
     try:
-        return api_client(api_url).thumbnail(item_id, THUMBNAIL_SIZE)
+        return api_client(api_url).thumbnail(item_id, defaults.THUMBNAIL_SIZE)
     except ApiCallError:
         return None
 

@@ -18,6 +18,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from app.errors import ApiError
 from app.schemas import ImageJsonIn, ImagesJsonIn, NewItemsJsonIn
 from engine.labels import MAX_LABEL_CHARS
+from index.errors import ErrorKind
 
 _DATA_URL_PREFIX = re.compile(r"^data:[\w/+.-]*;base64,")
 _LABEL_FIELD = "label"
@@ -70,20 +71,20 @@ async def read_uploads(
         images, labels = _read_json(await request.body(), json_model, max_count, max_bytes)
     else:
         raise ApiError(
-            415,
+            ErrorKind.UNSUPPORTED,
             "unsupported_media_type",
             f"send multipart/form-data with the file field {field!r}, or application/json with base64 images",
         )
     if not images:
         raise ApiError(
-            422,
+            ErrorKind.INVALID,
             "invalid_request",
             f"no image in the request: send each in the file field {field!r} ({_curl(field)})",
         )
     _check_count(len(images), max_count)
     if labels and len(labels) not in (1, len(images)):
         raise ApiError(
-            422,
+            ErrorKind.INVALID,
             "invalid_request",
             f"{len(labels)} labels for {len(images)} images: give none, one, or one each",
         )
@@ -96,7 +97,9 @@ def _curl(field: str) -> str:
 
 def _check_count(count: int, max_count: int) -> None:
     if count > max_count:
-        raise ApiError(422, "too_many_images", f"at most {max_count} image(s) per request, got {count}")
+        raise ApiError(
+            ErrorKind.INVALID, "too_many_images", f"at most {max_count} image(s) per request, got {count}"
+        )
 
 
 async def _read_multipart(
@@ -111,7 +114,9 @@ async def _read_multipart(
         try:
             form = await parser.parse()
         except MultiPartException as err:
-            raise ApiError(400, "bad_request", f"unreadable multipart body: {err.message}") from None
+            raise ApiError(
+                ErrorKind.MALFORMED, "bad_request", f"unreadable multipart body: {err.message}"
+            ) from None
     try:
         parts = form.getlist(field)
         elsewhere = sorted(
@@ -119,7 +124,7 @@ async def _read_multipart(
         )
         if not parts and elsewhere:  # e.g. -F image=@a.jpg sent to the batch endpoint, which reads "images"
             raise ApiError(
-                422,
+                ErrorKind.INVALID,
                 "invalid_request",
                 f"no image in the file field {field!r}, which this endpoint reads; the request's files are "
                 f"in {', '.join(map(repr, elsewhere))}: send each as {_curl(field)}",
@@ -127,16 +132,22 @@ async def _read_multipart(
         unknown = sorted(set(form.keys()) - {field, _LABEL_FIELD})
         if unknown:
             raise ApiError(
-                422, "invalid_request", f"unknown form fields {unknown[:5]}: send {field!r} (and label)"
+                ErrorKind.INVALID,
+                "invalid_request",
+                f"unknown form fields {unknown[:5]}: send {field!r} (and label)",
             )
         if any(not isinstance(part, UploadFile) for part in parts):
-            raise ApiError(422, "invalid_request", f"the field {field!r} must be a file upload")
+            raise ApiError(ErrorKind.INVALID, "invalid_request", f"the field {field!r} must be a file upload")
         _check_count(len(parts), max_count)  # before reading any of them
         images = []
         for part in parts:
             data = await part.read(max_bytes + 1)
             if len(data) > max_bytes:
-                raise ApiError(413, "upload_too_large", f"{part.filename or field} is over {max_bytes} bytes")
+                raise ApiError(
+                    ErrorKind.TOO_LARGE,
+                    "upload_too_large",
+                    f"{part.filename or field} is over {max_bytes} bytes",
+                )
             images.append(data)
         labels = [value if isinstance(value, str) else None for value in form.getlist(_LABEL_FIELD)]
     finally:
@@ -151,7 +162,7 @@ def _read_json(
         payload = json_model.model_validate_json(body)
     except ValidationError as err:
         details = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in err.errors())
-        raise ApiError(422, "invalid_request", details) from None
+        raise ApiError(ErrorKind.INVALID, "invalid_request", details) from None
     if isinstance(payload, ImageJsonIn):
         encoded, labels = [payload.image], []
     elif isinstance(payload, NewItemsJsonIn):
@@ -167,11 +178,13 @@ def _read_json(
 def _decode_base64(text: str, position: int, max_bytes: int) -> bytes:
     text = _DATA_URL_PREFIX.sub("", text, count=1)
     if len(text) * 3 // 4 > max_bytes + 2:  # refuse before allocating the decoded bytes
-        raise ApiError(413, "upload_too_large", f"image {position} is over {max_bytes} bytes")
+        raise ApiError(ErrorKind.TOO_LARGE, "upload_too_large", f"image {position} is over {max_bytes} bytes")
     try:
         data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as err:
-        raise ApiError(400, "invalid_base64", f"image {position} is not valid base64: {err}") from None
+        raise ApiError(
+            ErrorKind.MALFORMED, "invalid_base64", f"image {position} is not valid base64: {err}"
+        ) from None
     if len(data) > max_bytes:
-        raise ApiError(413, "upload_too_large", f"image {position} is over {max_bytes} bytes")
+        raise ApiError(ErrorKind.TOO_LARGE, "upload_too_large", f"image {position} is over {max_bytes} bytes")
     return data

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import typer
 
 from engine import defaults
+from index.errors import DmlsearchError
 
 if TYPE_CHECKING:
     from engine.indexing import MovedFile
@@ -32,6 +35,25 @@ def fail(message: str) -> typer.Exit:
     """Print ``error: message`` in red on stderr; raise the returned exit (code 2)."""
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     return typer.Exit(code=2)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def reports_errors(command: Callable[P, R]) -> Callable[P, R]:
+    """Print the errors a user can act on as ``error: message`` and exit 2: a :class:`DmlsearchError`, or
+    the operating system refusing a file (missing, no permission, disk full). Anything else is a bug and
+    keeps its traceback (exit 1)."""
+
+    @functools.wraps(command)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return command(*args, **kwargs)
+        except (DmlsearchError, OSError) as err:
+            raise fail(str(err)) from None
+
+    return run
 
 
 def echo_duplicate_files(duplicates: list[tuple[str, str]]) -> None:

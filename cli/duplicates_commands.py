@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from cli.common import fail
+from cli.common import fail, reports_errors
 from index.duplicates import (
     DEFAULT_MAX_DISTANCE,
     DEFAULT_NEIGHBOURS,
@@ -23,6 +23,7 @@ commands = typer.Typer()
 
 
 @commands.command()
+@reports_errors
 def duplicates(
     index: Annotated[Path, typer.Option(help="Index directory.")],
     threshold: Annotated[
@@ -59,17 +60,12 @@ def duplicates(
 
     if as_json and as_csv:
         raise fail("choose one of --json and --csv")
-    try:
-        gallery = GalleryIndex.open(index)
-    except (FileNotFoundError, ValueError, ImportError) as err:
-        raise fail(str(err)) from None
+    gallery = GalleryIndex.open(index)
     try:
         found = find_duplicates(
             gallery, threshold, max_distance=max_distance, neighbours=neighbours, progress=progress
         )
         items = gallery.items.get_many([int(i) for group in found.groups for i in group.ids])
-    except (ValueError, RuntimeError) as err:
-        raise fail(str(err)) from None
     finally:
         gallery.close()
     rows = [

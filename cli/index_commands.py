@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from cli.common import echo_duplicate_files, echo_moves, fail, model_for_index, moves_heading
+from cli.common import echo_duplicate_files, echo_moves, fail, model_for_index, moves_heading, reports_errors
 from engine import defaults
+from index.families import Backend, IndexType
 from index.manifest import MILVUS_COLLECTION
 from index.selection import KEEP, IndexChanges
 
@@ -23,20 +23,6 @@ index_app = typer.Typer(
     help="Change and inspect an index: add, remove, stats, merge, rebuild.", no_args_is_help=True
 )
 commands.add_typer(index_app, name="index")
-
-
-class IndexType(StrEnum):
-    auto = "auto"
-    flat = "flat"
-    hnsw = "hnsw"
-    ivf = "ivf"
-    ivfsq = "ivfsq"
-    ivfpq = "ivfpq"
-
-
-class Backend(StrEnum):
-    faiss = "faiss"
-    milvus = "milvus"
 
 
 StoredModelOption = Annotated[
@@ -62,9 +48,6 @@ RecallOption = Annotated[
 ]
 ProgressOption = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
 
-# Errors a command turns into "error: ..." with exit code 2 instead of a traceback.
-EXPECTED_ERRORS = (FileNotFoundError, FileExistsError, ValueError, ImportError, RuntimeError)
-
 
 def _index_changes(
     index_type: IndexType | None, memory_budget: str | None, target_recall: float | None
@@ -74,13 +57,8 @@ def _index_changes(
 
     budget = KEEP
     if memory_budget is not None:
-        try:
-            budget = None if memory_budget.strip().lower() == "none" else parse_size(memory_budget)
-        except ValueError as err:
-            raise fail(str(err)) from None
-    return IndexChanges(
-        index_type.value if index_type else KEEP, budget, KEEP if target_recall is None else target_recall
-    )
+        budget = None if memory_budget.strip().lower() == "none" else parse_size(memory_budget)
+    return IndexChanges(index_type or KEEP, budget, KEEP if target_recall is None else target_recall)
 
 
 def _print_build_summary(out: Path, report: BuildReport) -> None:
@@ -139,6 +117,7 @@ def _print_build_summary(out: Path, report: BuildReport) -> None:
 
 
 @commands.command("build-index")
+@reports_errors
 def build_index(
     gallery: Annotated[Path, typer.Argument(help="Folder of images; sub-folder names become labels.")],
     out: Annotated[Path, typer.Option(help="Index directory to write or bring up to date.")],
@@ -191,14 +170,12 @@ def build_index(
                 batch_size=batch_size,
                 progress=progress,
                 changes=_index_changes(index_type, memory_budget, target_recall),
-                backend=backend.value if backend else None,
+                backend=backend,
                 milvus_uri=milvus_uri,
                 milvus_collection=milvus_collection,
                 shard=Shard.parse(shard) if shard else None,
                 decode_workers=decode_workers,
             )
-    except EXPECTED_ERRORS as err:
-        raise fail(str(err)) from None
     except StopRequested as stop:
         typer.echo(f"{stop}: the images embedded so far are saved; run the same command again to continue")
         raise typer.Exit(stop.exit_code) from None
@@ -206,6 +183,7 @@ def build_index(
 
 
 @commands.command()
+@reports_errors
 def query(
     image: Annotated[Path, typer.Argument(help="Query image file.")],
     index: Annotated[Path, typer.Option(help="Index directory.")],
@@ -242,7 +220,6 @@ def query(
     from engine.query import SearchOptions
     from engine.search import SearchService
     from index.filters import ItemFilter
-    from index.gallery import IndexMismatchError
 
     if not image.is_file():
         raise fail(f"query image {image} does not exist")
@@ -253,10 +230,8 @@ def query(
         service = SearchService.open(model, index)
         options = SearchOptions(k=k, min_score=min_score, where=where)
         response = service.queries.search([image.read_bytes()], options)
-    except ImageDecodeError as err:
+    except ImageDecodeError as err:  # named by its file
         raise fail(f"{image}: {err.message}") from None
-    except (IndexMismatchError, *EXPECTED_ERRORS) as err:
-        raise fail(str(err)) from None
     (hits,) = response.queries
     if as_json:
         payload = {
@@ -277,6 +252,7 @@ def query(
 
 
 @index_app.command("add")
+@reports_errors
 def add(
     index: Annotated[Path, typer.Argument(help="Index directory.")],
     paths: Annotated[
@@ -290,20 +266,17 @@ def add(
     from engine.bundle import resolve_model
     from engine.embedder import Embedder
     from engine.indexing import add_images
-    from index.gallery import IndexMismatchError
 
     missing = [path for path in paths if not path.exists()]
     if missing:
         raise fail(f"{missing[0]} does not exist")
-    try:
-        embedder = Embedder(resolve_model(index, model))
-        report = add_images(index, embedder, paths, batch_size=batch_size, progress=progress)
-    except (IndexMismatchError, *EXPECTED_ERRORS) as err:
-        raise fail(str(err)) from None
+    embedder = Embedder(resolve_model(index, model))
+    report = add_images(index, embedder, paths, batch_size=batch_size, progress=progress)
     _print_build_summary(index, report)
 
 
 @index_app.command("remove")
+@reports_errors
 def remove(
     index: Annotated[Path, typer.Argument(help="Index directory.")],
     paths: Annotated[
@@ -317,10 +290,7 @@ def remove(
 
     if not paths and not ids:
         raise fail("name the items to remove: gallery-relative paths and/or --id")
-    try:
-        gallery = GalleryIndex.open(index)
-    except EXPECTED_ERRORS as err:
-        raise fail(str(err)) from None
+    gallery = GalleryIndex.open(index)
     try:
         wanted = list(ids or [])
         for path in paths or []:
@@ -339,6 +309,7 @@ def remove(
 
 
 @index_app.command("stats")
+@reports_errors
 def stats(
     index: Annotated[Path, typer.Argument(help="Index directory.")],
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
@@ -347,12 +318,9 @@ def stats(
     from index.gallery import GalleryIndex
     from index.selection import format_bytes
 
-    try:
-        gallery = GalleryIndex.open(index)
-        info = gallery.describe()
-        gallery.close()
-    except EXPECTED_ERRORS as err:
-        raise fail(str(err)) from None
+    gallery = GalleryIndex.open(index)
+    info = gallery.describe()
+    gallery.close()
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
@@ -365,6 +333,7 @@ def stats(
 
 
 @index_app.command("rebuild")
+@reports_errors
 def rebuild(
     index: Annotated[Path, typer.Argument(help="Index directory to re-embed (only read).")],
     model: Annotated[Path, typer.Option(help="The new exported model.onnx.")],
@@ -384,23 +353,21 @@ def rebuild(
     from engine.embedder import Embedder
     from engine.rebuild import rebuild_index
 
-    try:
-        report = rebuild_index(
-            index,
-            Embedder(model, threads=threads),
-            out,
-            gallery_root=gallery,
-            batch_size=batch_size,
-            progress=progress,
-        )
-    except EXPECTED_ERRORS as err:
-        raise fail(str(err)) from None
+    report = rebuild_index(
+        index,
+        Embedder(model, threads=threads),
+        out,
+        gallery_root=gallery,
+        batch_size=batch_size,
+        progress=progress,
+    )
     if report.unchanged:
         typer.echo(f"continued an interrupted rebuild: {report.unchanged} items were already re-embedded")
     _print_build_summary(out, report)
 
 
 @index_app.command("merge")
+@reports_errors
 def merge(
     shards: Annotated[list[Path], typer.Argument(help="Shard index directories (build-index --shard I/N).")],
     out: Annotated[Path, typer.Option(help="Merged index directory to write.")],
@@ -414,19 +381,16 @@ def merge(
     from index.manifest import Manifest
     from index.merge import merge_shards
 
-    try:
-        first = Manifest.load(shards[0])
-        options = first.options.with_changes(_index_changes(index_type, memory_budget, target_recall))
-        model = stored_model(shards[0], first)  # the merged index carries the shards' model too
-        merged = merge_shards(
-            shards,
-            out,
-            options=options,
-            model=model_writer(model) if model is not None else None,
-            progress=progress,
-        )
-    except EXPECTED_ERRORS as err:
-        raise fail(str(err)) from None
+    first = Manifest.load(shards[0])
+    options = first.options.with_changes(_index_changes(index_type, memory_budget, target_recall))
+    model = stored_model(shards[0], first)  # the merged index carries the shards' model too
+    merged = merge_shards(
+        shards,
+        out,
+        options=options,
+        model=model_writer(model) if model is not None else None,
+        progress=progress,
+    )
     manifest = merged.manifest
     merged.close()
     built = manifest.built

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from cli.common import fail
+from cli.common import fail, reports_errors
 from engine import defaults
 
 if TYPE_CHECKING:
@@ -24,6 +24,7 @@ def _metrics_line(metrics: dict[str, float]) -> str:
 
 
 @commands.command()
+@reports_errors
 def export(
     run_dir: Annotated[
         Path | None, typer.Argument(help="Training run to export (default: the pretrained backbone only).")
@@ -34,7 +35,7 @@ def export(
             help=f"Where to write model.onnx (default: RUN_DIR/model.onnx, else {defaults.MODEL_PATH})."
         ),
     ] = None,
-    backbone: Annotated[str, typer.Option(help="Backbone name (without RUN_DIR).")] = "efficientnet_lite0",
+    backbone: Annotated[str, typer.Option(help="Backbone name (without RUN_DIR).")] = defaults.BACKBONE,
     force: Annotated[
         bool, typer.Option(help="Export a run even if it did not beat the untrained model on validation.")
     ] = False,
@@ -60,45 +61,32 @@ def export(
     from training.comparison import validation_gain
     from training.export import export_onnx, export_run
     from training.model import EmbeddingModel
-    from training.run_dir import RunDirError
 
     if int8:
         from training.quantize import calibration_files, quantize_int8
 
         if calibration is None or not calibration.is_dir():
             raise fail("--int8 needs --calibration DIR, a folder of gallery or training images")
-        try:  # checked before the export, which takes a while
-            calibration_set = calibration_files(calibration, calibration_count)
-        except ValueError as err:
-            raise fail(str(err)) from None
+        calibration_set = calibration_files(calibration, calibration_count)  # before the long export
 
     if run_dir is not None:
         out = out or run_dir / "model.onnx"
-        try:
-            gain = validation_gain(run_dir)
-            if not gain.improved and not force:
-                raise fail(
-                    f"{run_dir} is not better than the untrained model on validation ({gain.describe()}): "
-                    "serving it is not shown to improve search. Train with more labelled images or another "
-                    "recipe, or export anyway with --force"
-                )
-            check = ValidationCheck(passed=gain.improved, detail=gain.describe())
-            card = export_run(run_dir, out, check=check)
-        except RunDirError as err:
-            raise fail(str(err)) from None
+        gain = validation_gain(run_dir)
+        if not gain.improved and not force:
+            raise fail(
+                f"{run_dir} is not better than the untrained model on validation ({gain.describe()}): "
+                "serving it is not shown to improve search. Train with more labelled images or another "
+                "recipe, or export anyway with --force"
+            )
+        check = ValidationCheck(passed=gain.improved, detail=gain.describe())
+        card = export_run(run_dir, out, check=check)
     else:
         out = out or defaults.MODEL_PATH
-        try:
-            spec = BACKBONES[backbone]
-        except ValueError as err:  # unknown backbone: the registry's message lists the known ones
-            raise fail(str(err)) from None
+        spec = BACKBONES[backbone]  # an unknown backbone: the registry's error lists the known ones
         model = EmbeddingModel(create_backbone(backbone))
         card = export_onnx(model, out, preprocessing=spec.preprocessing, backbone=backbone)
     if int8:
-        try:
-            card = quantize_int8(out, calibration_set)
-        except ValueError as err:
-            raise fail(str(err)) from None
+        card = quantize_int8(out, calibration_set)
     precision = f", int8 calibrated on {card.calibration_images} images" if card.precision == "int8" else ""
     typer.echo(f"wrote {out} ({card.embedding_dim}-d{precision}, fingerprint {card.fingerprint[:12]})")
     if card.validation_check is not None and not card.validation_check.passed:
@@ -117,6 +105,7 @@ def export(
 
 
 @commands.command()
+@reports_errors
 def train(
     loss: Annotated[
         str,
@@ -184,9 +173,7 @@ def train(
     from engine.stopping import StopRequested, stop_on_signals
     from training.auto import train_auto
     from training.comparison import validation_gain
-    from training.data import DataError
     from training.recipes import AUTO_CANDIDATES, AUTO_RACE_STEPS, DEFAULT_RECIPE, parse_assignments, resolve
-    from training.run_dir import RunDirError
     from training.trainer import NoGainWarning
     from training.trainer import train as run_training
 
@@ -225,8 +212,6 @@ def train(
                 summary = run_training(resolved.config(loss, str(data.resolve()), **fields), out)
     except ValidationError as err:
         raise fail(f"invalid training setting: {err}") from None
-    except (DataError, RunDirError, ValueError) as err:
-        raise fail(str(err)) from None
     except StopRequested as stop:
         # A stop during feature extraction comes before any checkpoint: the finished shards are what is kept.
         saved = "checkpoints/last.pt is saved"

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from cli.common import fail
+from cli.common import fail, reports_errors
 from cli.model_commands import METRIC_ORDER, _metrics_line
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ def _comparison_text(comparison: Comparison) -> str:
 
 
 @commands.command("eval")
+@reports_errors
 def evaluate(
     target: Annotated[Path, typer.Argument(help="A training run directory or an exported model.onnx.")],
     data: DataOption = None,
@@ -68,32 +69,27 @@ def evaluate(
     kNC accuracy for Magnet runs; saved as RUN/eval.json.
     """
     from training.comparison import compare_run, save_comparison
-    from training.data import DataError
     from training.evaluation import evaluate_onnx
-    from training.run_dir import RunDirError
 
-    try:
-        if target.is_dir():
-            comparison, _ = compare_run(target, data, split=split, resamples=resamples, seed=seed)
-            saved = save_comparison(target, comparison)
-            if as_json:
-                typer.echo(json.dumps(comparison.to_dict(), indent=2))
-            else:
-                typer.echo(_comparison_text(comparison))
-                typer.echo(f"saved {saved}")
-            return
-        if target.is_file() and target.suffix == ".onnx":
-            if data is None:
-                raise fail("--data is required to evaluate a model.onnx")
-            metrics = evaluate_onnx(target, data, split=split, train_classes=train_classes)
+    if target.is_dir():
+        comparison, _ = compare_run(target, data, split=split, resamples=resamples, seed=seed)
+        saved = save_comparison(target, comparison)
+        if as_json:
+            typer.echo(json.dumps(comparison.to_dict(), indent=2))
         else:
-            raise fail(f"{target} is neither a run directory nor a .onnx model")
-    except (DataError, RunDirError, FileNotFoundError, ValueError) as err:
-        raise fail(str(err)) from None
+            typer.echo(_comparison_text(comparison))
+            typer.echo(f"saved {saved}")
+        return
+    if not (target.is_file() and target.suffix == ".onnx"):
+        raise fail(f"{target} is neither a run directory nor a .onnx model")
+    if data is None:
+        raise fail("--data is required to evaluate a model.onnx")
+    metrics = evaluate_onnx(target, data, split=split, train_classes=train_classes)
     typer.echo(json.dumps(metrics, indent=2) if as_json else _metrics_line(metrics))
 
 
 @commands.command()
+@reports_errors
 def report(
     run_dir: Annotated[Path, typer.Argument(help="A training run directory.")],
     data: DataOption = None,
@@ -109,15 +105,10 @@ def report(
     RUN/eval.json; the plots are kept as PNGs under RUN/report/ for the API's Model page.
     """
     from training.comparison import compare_run, save_comparison
-    from training.data import DataError
     from training.report import write_report
-    from training.run_dir import RunDirError
 
-    try:
-        comparison, embedded = compare_run(run_dir, data, resamples=resamples, seed=seed)
-        save_comparison(run_dir, comparison)
-        written = write_report(run_dir, comparison, embedded, seed=seed)
-    except (DataError, RunDirError, FileNotFoundError, ValueError) as err:
-        raise fail(str(err)) from None
+    comparison, embedded = compare_run(run_dir, data, resamples=resamples, seed=seed)
+    save_comparison(run_dir, comparison)
+    written = write_report(run_dir, comparison, embedded, seed=seed)
     typer.echo(_comparison_text(comparison))
     typer.echo(f"wrote {written.html_path} ({len(written.plots)} plots; open it in a browser)")

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from cli.common import echo_duplicate_files, echo_moves, fail, model_for_index
+from cli.common import echo_duplicate_files, echo_moves, fail, model_for_index, reports_errors
 from engine import defaults
 from engine.changes import DEFAULT_MAX_BATCH, DEFAULT_SETTLE_SECONDS
 
@@ -15,6 +15,7 @@ commands = typer.Typer()
 
 
 @commands.command()
+@reports_errors
 def watch(
     gallery: Annotated[Path, typer.Argument(help="Folder of images; sub-folder names become labels.")],
     index: Annotated[Path, typer.Option(help="Index directory to keep in sync (built first if absent).")],
@@ -45,7 +46,6 @@ def watch(
     from engine.indexing import BuildReport
     from engine.stopping import StopRequested, stop_on_signals
     from engine.watching import GalleryWatcher
-    from index.gallery import IndexMismatchError
 
     if not gallery.is_dir():
         raise fail(f"gallery folder {gallery} does not exist")
@@ -89,5 +89,3 @@ def watch(
         typer.echo("stopped")
     except StopRequested as stop:
         typer.echo(f"{stop}: the batch in progress is finished at the next start")
-    except (IndexMismatchError, FileNotFoundError, ValueError, RuntimeError, OSError) as err:
-        raise fail(str(err)) from None

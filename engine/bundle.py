@@ -14,6 +14,7 @@ from pathlib import Path
 
 from engine.model_card import ModelCard
 from index.atomic import atomic_link_or_copy, atomic_write_bytes
+from index.errors import InvalidInputError, NotFoundError
 from index.gallery import IndexMismatchError, ModelWriter
 from index.manifest import Manifest
 
@@ -33,7 +34,7 @@ def store_model(directory: Path, model_path: Path) -> str:
         return STORED_MODEL  # already stored (or being served from here)
     if card.reranker is not None:
         if card.reranker.file == STORED_MODEL:
-            raise ValueError(
+            raise InvalidInputError(
                 f"{ModelCard.path_for(model_path)} names its PDDM unit {STORED_MODEL}: re-export it"
             )
         atomic_link_or_copy(card.reranker.path_beside(model_path), card.reranker.path_beside(target))
@@ -53,7 +54,7 @@ def stored_model(directory: Path, manifest: Manifest) -> Path | None:
         return None
     path = directory / manifest.model_file
     if not path.is_file() or not ModelCard.path_for(path).is_file():
-        raise FileNotFoundError(
+        raise NotFoundError(
             f"{directory} should hold its model {manifest.model_file} and {ModelCard.path_for(path).name}, "
             "but they are missing: copy the whole index directory"
         )
@@ -67,13 +68,13 @@ def resolve_model(index_dir: Path, model_path: Path | None = None) -> Path:
     if model_path is None:
         stored = stored_model(index_dir, manifest)
         if stored is None:
-            raise FileNotFoundError(
+            raise NotFoundError(
                 f"{index_dir} carries no model (it was built before indexes stored theirs): give the "
                 "model.onnx it was built with, or rebuild it with dmlsearch index rebuild"
             )
         return stored
     if not model_path.is_file():
-        raise FileNotFoundError(f"model file {model_path} does not exist")
+        raise NotFoundError(f"model file {model_path} does not exist")
     fingerprint = ModelCard.load(model_path).fingerprint
     if fingerprint != manifest.model_fingerprint:
         carried = "leave the model path out to use the one it carries, or " if manifest.model_file else ""

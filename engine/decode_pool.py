@@ -49,6 +49,7 @@ from typing import Any, Protocol, TypeVar
 
 from engine import defaults
 from engine.images import ImageDecodeError
+from index.errors import DmlsearchError, ErrorKind
 
 T = TypeVar("T")
 
@@ -74,12 +75,18 @@ _main_swap = threading.Lock()
 _cancel: ContextVar[threading.Event | None] = ContextVar("decode_cancel", default=None)
 
 
-class DecodeCancelledError(RuntimeError):
+class DecodeCancelledError(DmlsearchError, RuntimeError):
     """The decode was stopped because its client went away."""
 
+    kind = ErrorKind.CANCELLED
+    code = "client_closed_request"
 
-class DecodePoolClosedError(RuntimeError):
+
+class DecodePoolClosedError(DmlsearchError, RuntimeError):
     """The decode pool was closed (the process is stopping) while a decode waited or ran."""
+
+    kind = ErrorKind.UNAVAILABLE
+    code = "shutting_down"
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,11 @@ RERANK_POOL = 100
 # sigma^2 of the predict=true vote: each neighbour weighs exp(-|q - x|^2 / 2 sigma^2) (engine.voting).
 VOTE_SIGMA2 = 0.05
 
+# The pretrained backbone a model is exported or trained from unless another is named (training.backbone).
+BACKBONE = "efficientnet_lite0"
+# Longest side of the thumbnails the UI shows and the API makes unless told another size.
+THUMBNAIL_SIZE = 256
+
 # Images embedded per model call when indexing a folder.
 BATCH_SIZE = 32
 # Threads decoding and preprocessing images while the model embeds (engine.prefetch); why two:

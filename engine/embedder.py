@@ -10,6 +10,7 @@ from PIL import Image
 
 from engine.model_card import ModelCard, check_fingerprint
 from engine.preprocess import to_tensor
+from index.errors import MissingDependencyError, NotFoundError, UnavailableError
 from index.protocol import normalize_rows
 
 # How onnxruntime's arena reports an allocation it could not make (bfc_arena.cc).
@@ -20,7 +21,7 @@ def _onnxruntime():
     try:
         import onnxruntime
     except ImportError as err:  # neither flavour installed
-        raise ImportError(
+        raise MissingDependencyError(
             "onnxruntime is not installed: pip install 'dmlsearch[cpu]' (or 'dmlsearch[gpu]' for CUDA)"
         ) from err
     return onnxruntime
@@ -34,7 +35,7 @@ class Embedder:
     ) -> None:
         self.model_path = Path(model_path)
         if not self.model_path.exists():
-            raise FileNotFoundError(f"model file {self.model_path} does not exist")
+            raise NotFoundError(f"model file {self.model_path} does not exist")
         self.card = ModelCard.load(self.model_path)
         check_fingerprint(self.model_path, self.card.fingerprint, self.model_path)
         self.session = onnx_session(self.model_path, threads=threads, device=device, spinning=spinning)
@@ -118,7 +119,7 @@ def select_providers(device: str = "auto") -> list[str]:
     if device == "cpu":
         return ["CPUExecutionProvider"]
     if device == "cuda" and "CUDAExecutionProvider" not in available:
-        raise RuntimeError("device='cuda' requested but onnxruntime has no CUDAExecutionProvider")
+        raise UnavailableError("device='cuda' requested but onnxruntime has no CUDAExecutionProvider")
     if "CUDAExecutionProvider" in available and device in ("auto", "cuda"):
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
     return ["CPUExecutionProvider"]

@@ -12,6 +12,7 @@ import pillow_heif
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from engine.defaults import MAX_IMAGE_PIXELS
+from index.errors import DmlsearchError, ErrorKind
 
 # HEIC/HEIF (phones' default) through pillow-heif's Pillow plugin; AVIF is built into Pillow >= 11.
 # libheif applies the HEIF rotation boxes and resets the EXIF orientation, so exif_transpose below never
@@ -41,16 +42,24 @@ IMAGE_SUFFIXES = frozenset({*FORMAT_SUFFIXES.values(), ".jpeg", ".tiff", ".heif"
 DRAFT_MARGIN = 2
 
 
-class ImageDecodeError(ValueError):
+# The kind of each decode failure whose kind is not "malformed" (an image that cannot be read).
+_DECODE_ERROR_KINDS = {
+    "unsupported_format": ErrorKind.UNSUPPORTED,
+    "image_too_large": ErrorKind.TOO_LARGE,
+    "batch_too_large": ErrorKind.TOO_LARGE,
+    "image_too_costly": ErrorKind.INVALID,  # its decode went over its time or memory limit
+}
+
+
+class ImageDecodeError(DmlsearchError, ValueError):
     """An input that is not a decodable, supported, reasonably sized image.
 
     ``code`` is a stable machine-readable reason used by the API's JSON errors.
     """
 
     def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+        super().__init__(message, code=code)
+        self.kind = _DECODE_ERROR_KINDS.get(code, ErrorKind.MALFORMED)
 
     def __reduce__(self) -> tuple[type[ImageDecodeError], tuple[str, str]]:
         return ImageDecodeError, (self.code, self.message)  # raised in a decode process, re-raised here

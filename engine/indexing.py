@@ -28,6 +28,7 @@ from engine.defaults import BATCH_SIZE, DECODE_WORKERS
 from engine.embedder import Embedder
 from engine.images import list_images
 from engine.prefetch import WORKER_NICENESS, DecodedFile, decode_file, prefetch
+from index.errors import DmlsearchError, ErrorKind, InvalidInputError
 from index.gallery import GalleryIndex
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item, Move
@@ -319,18 +320,21 @@ def sync_files(
 def _check_kind(directory: Path, manifest: Manifest, backend: str | None, shard: Shard | None) -> None:
     """Refuse to bring an index up to date as another backend or another shard than it holds."""
     if backend is not None and backend != manifest.backend:
-        raise ValueError(
+        raise InvalidInputError(
             f"{directory} is a {manifest.backend} index: build a {backend} index into another directory"
         )
     if manifest.shard != (str(shard) if shard else None):
-        raise ValueError(
+        raise InvalidInputError(
             f"{directory} holds shard {manifest.shard or 'none (a whole gallery)'}, "
             f"not {shard or 'the whole gallery'}"
         )
 
 
-class GalleryMismatchError(ValueError):
+class GalleryMismatchError(DmlsearchError, ValueError):
     """The index was built from another gallery folder, and taking it over was not asked for."""
+
+    kind = ErrorKind.CONFLICT
+    code = "gallery_mismatch"
 
 
 def _check_gallery(out_dir: Path, manifest: Manifest, gallery_root: Path, files: Sequence[Path]) -> None:
@@ -393,8 +397,10 @@ class _Gallery:
         return bool(plan.remove or report.indexed)
 
 
-class NothingDecodedError(ValueError):
+class NothingDecodedError(DmlsearchError, ValueError):
     """Not one file of the gallery could be read and decoded."""
+
+    code = "nothing_decoded"
 
 
 def build_index(
@@ -427,13 +433,15 @@ def build_index(
         files = [p for p in files if shard.owns(p.relative_to(gallery_root).as_posix())]
     if not files:
         where = f"in shard {shard} of" if shard else "under"
-        raise ValueError(f"no images {where} {gallery_root}")
+        raise InvalidInputError(f"no images {where} {gallery_root}")
     out_dir = out_dir.resolve()
     gallery = _Gallery(gallery_root, files, embedder, shard, batch_size, progress, decode_workers)
     report = BuildReport()
     if not (out_dir / MANIFEST_NAME).exists():
         if out_dir.exists() and any(out_dir.iterdir()):
-            raise ValueError(f"refusing to write into {out_dir}: it is not empty and not an index directory")
+            raise InvalidInputError(
+                f"refusing to write into {out_dir}: it is not empty and not an index directory"
+            )
         index = GalleryIndex.create(
             out_dir,
             dim=embedder.dim,
@@ -498,7 +506,7 @@ def _build_for_new_model(
     from engine.rebuild import read_source, reembed  # engine.rebuild builds on this module's embedding
 
     if manifest.backend == "milvus":
-        raise ValueError(
+        raise InvalidInputError(
             f"{out_dir} was built with another model and its Milvus collection holds those vectors: "
             "build into a new directory and collection"
         )
@@ -563,13 +571,15 @@ def add_images(
     try:
         index.check_model(embedder.fingerprint, embedder.dim)
         if index.manifest.gallery_root is None:
-            raise ValueError(f"{index_dir} records no gallery folder to add images from")
+            raise InvalidInputError(f"{index_dir} records no gallery folder to add images from")
         root = Path(index.manifest.gallery_root)
         files: list[Path] = []
         for path in paths:
             resolved = path.resolve()
             if not resolved.is_relative_to(root):
-                raise ValueError(f"{path} is outside the index's gallery folder {root}: copy it there first")
+                raise InvalidInputError(
+                    f"{path} is outside the index's gallery folder {root}: copy it there first"
+                )
             files.extend(list_images(resolved) if resolved.is_dir() else [resolved])
         report = BuildReport()
         sync_files(

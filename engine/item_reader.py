@@ -10,11 +10,15 @@ from cachetools import LRUCache
 from engine.decode_pool import Decoder, InProcessDecoder
 from engine.images import ImageDecodeError, thumbnail_jpeg
 from engine.serving import CurrentBundle, LoadedBundle
+from index.errors import DmlsearchError, ErrorKind
 from index.protocol import Item
 
 
-class ItemNotFoundError(LookupError):
+class ItemNotFoundError(DmlsearchError, LookupError):
     """No indexed item has this id."""
+
+    kind = ErrorKind.NOT_FOUND
+    code = "item_not_found"
 
 
 def find_item(bundle: LoadedBundle, item_id: int) -> Item:

@@ -18,20 +18,29 @@ from engine.item_reader import find_item
 from engine.labels import InvalidLabelError, check_label
 from engine.serving import CurrentBundle, LoadedBundle, ServingConfig
 from index.atomic import atomic_write_bytes
+from index.errors import DmlsearchError, ErrorKind, InvalidInputError
 from index.protocol import Entry, Item
 
 
-class InvalidItemError(ValueError):
+class InvalidItemError(InvalidInputError):
     """An item to add is unacceptable (a bad label, no gallery folder to store it in)."""
 
+    code = "invalid_item"
 
-class DuplicateItemError(ValueError):
+
+class DuplicateItemError(DmlsearchError, ValueError):
     """An item with the same content and label is already indexed."""
 
+    kind = ErrorKind.CONFLICT
+    code = "duplicate_item"
 
-class StorageError(RuntimeError):
+
+class StorageError(DmlsearchError, RuntimeError):
     """The gallery or index folder cannot be written (read-only, full): the server's problem, not the
     client's. Searches go on; the message says what was and was not written."""
+
+    kind = ErrorKind.UNAVAILABLE
+    code = "storage_unavailable"
 
 
 @contextmanager

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import unicodedata
 
+from index.errors import InvalidInputError
+
 MAX_LABEL_CHARS = 100
 MAX_LABEL_BYTES = 200  # in UTF-8; file systems allow 255 bytes per name, and the API says so up front
 # Besides letters, combining marks and digits of any script: spaces inside, and this punctuation.
 LABEL_PUNCTUATION = " -_.,()&'+"
 
 
-class InvalidLabelError(ValueError):
+class InvalidLabelError(InvalidInputError):
     """A label that cannot safely be a folder name."""
 
 

@@ -6,9 +6,10 @@ import hashlib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from index.atomic import atomic_write_text
+from index.errors import InvalidInputError, NotFoundError
 
 
 class Preprocessing(BaseModel):
@@ -73,8 +74,11 @@ class ModelCard(BaseModel):
     def load(cls, model_path: Path) -> ModelCard:
         card_path = cls.path_for(model_path)
         if not card_path.exists():
-            raise FileNotFoundError(f"{card_path} is missing: every model.onnx needs its model.json")
-        return cls.model_validate_json(card_path.read_text())
+            raise NotFoundError(f"{card_path} is missing: every model.onnx needs its model.json")
+        try:
+            return cls.model_validate_json(card_path.read_text())
+        except ValidationError as err:  # not the JSON of a model card: a damaged file, not a bug
+            raise InvalidInputError(str(err)) from err
 
     def save(self, model_path: Path) -> None:
         atomic_write_text(self.path_for(model_path), self.model_dump_json(indent=2))
@@ -84,7 +88,7 @@ def check_fingerprint(path: Path, expected: str, model_path: Path) -> None:
     """Refuse a file that is not the one the model's card describes (edited, truncated, another export)."""
     actual = file_fingerprint(path)
     if actual != expected:
-        raise ValueError(
+        raise InvalidInputError(
             f"{path} does not match its {ModelCard.path_for(model_path).name} (fingerprint {actual[:12]} "
             f"vs {expected[:12]}): re-export the model"
         )

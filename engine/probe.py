@@ -22,6 +22,7 @@ from PIL import Image
 
 from engine.embedder import Embedder
 from engine.serving import LoadedBundle
+from index.errors import InvalidInputError
 from index.items import ItemStore
 from index.protocol import normalize_rows
 
@@ -31,8 +32,10 @@ _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 _STDERR_TAIL = 400
 
 
-class ProbeError(ValueError):
+class ProbeError(InvalidInputError):
     """The bundle failed its probe query: serving it would fail or hang searches."""
+
+    code = "probe_failed"
 
 
 def probe_image() -> Image.Image:

@@ -19,6 +19,7 @@ from engine.item_reader import ItemReader, image_path
 from engine.ranking import QueryHits, rank_page, rerank_depth
 from engine.serving import CurrentBundle, LoadedBundle, ServingConfig
 from engine.timing import StageTimer
+from index.errors import InvalidInputError
 from index.filters import ItemFilter
 from index.gallery import Hit
 
@@ -57,8 +58,10 @@ class BatchResponse:
     timings_ms: dict[str, float]
 
 
-class RerankUnavailableError(ValueError):
+class RerankUnavailableError(InvalidInputError):
     """A re-ranking was asked for that the served model cannot do."""
+
+    code = "rerank_unavailable"
 
 
 class QueryService:

@@ -22,6 +22,7 @@ from engine.bundle import model_writer
 from engine.defaults import BATCH_SIZE
 from engine.embedder import Embedder
 from engine.indexing import BuildReport, embed_files, hash_files
+from index.errors import ConflictError, InvalidInputError, NotFoundError
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
 from index.protocol import CapabilityError, Entry, Item, Move
@@ -62,17 +63,15 @@ def read_source(index_dir: Path, gallery_root: Path | None) -> Source:
     """Read the items of ``index_dir`` without writing to it (a server may be serving it)."""
     manifest = Manifest.load(index_dir)
     if manifest.shard is not None:
-        raise ValueError(
+        raise InvalidInputError(
             f"{index_dir} is shard {manifest.shard}: merge the shards first (dmlsearch index merge)"
         )
     if gallery_root is None:
         if manifest.gallery_root is None:
-            raise ValueError(f"{index_dir} records no gallery folder: name it (the gallery root)")
+            raise InvalidInputError(f"{index_dir} records no gallery folder: name it (the gallery root)")
         gallery_root = Path(manifest.gallery_root)
     if not gallery_root.is_dir():
-        raise FileNotFoundError(
-            f"gallery folder {gallery_root} does not exist: name where the gallery is now"
-        )
+        raise NotFoundError(f"gallery folder {gallery_root} does not exist: name where the gallery is now")
     index = GalleryIndex.open(index_dir, read_only=True)
     try:
         if not index.capabilities.mergeable:
@@ -84,7 +83,7 @@ def read_source(index_dir: Path, gallery_root: Path | None) -> Source:
     finally:
         index.close()
     if not items:
-        raise ValueError(f"{index_dir} holds no items to re-embed")
+        raise InvalidInputError(f"{index_dir} holds no items to re-embed")
     return Source(index_dir, manifest, gallery_root.resolve(), items, last_id)
 
 
@@ -144,9 +143,9 @@ def rebuild_index(
     """
     index_dir, out_dir = index_dir.resolve(), out_dir.resolve()
     if out_dir == index_dir:
-        raise ValueError("the new index needs its own directory (--out): the old one is never changed")
+        raise InvalidInputError("the new index needs its own directory (--out): the old one is never changed")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise FileExistsError(f"{out_dir} already exists and is not empty: choose a new directory")
+        raise ConflictError(f"{out_dir} already exists and is not empty: choose a new directory")
     source = read_source(index_dir, gallery_root)
 
     def create(staging: Path) -> GalleryIndex:
@@ -165,6 +164,8 @@ def rebuild_index(
         )
         if len(staged.index) == 0:
             staged.discard()  # nothing worth resuming
-            raise ValueError(f"none of the {len(source.items)} gallery files of {index_dir} could be read")
+            raise InvalidInputError(
+                f"none of the {len(source.items)} gallery files of {index_dir} could be read"
+            )
         report.rebuilt = staged.commit(model_writer(embedder.model_path), retune=True, progress=progress)
     return report

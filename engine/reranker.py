@@ -14,6 +14,7 @@ import numpy as np
 
 from engine.embedder import onnx_session
 from engine.model_card import RERANKER_INPUTS, ModelCard, check_fingerprint
+from index.errors import NotFoundError
 
 
 class PDDMReranker:
@@ -31,7 +32,7 @@ class PDDMReranker:
             return None
         path = card.reranker.path_beside(model_path)
         if not path.is_file():
-            raise FileNotFoundError(f"{ModelCard.path_for(model_path)} names {path}, which does not exist")
+            raise NotFoundError(f"{ModelCard.path_for(model_path)} names {path}, which does not exist")
         check_fingerprint(path, card.reranker.fingerprint, model_path)
         return cls(path, threads=threads, device=device)
 

@@ -17,6 +17,7 @@ from engine.item_reader import ItemReader
 from engine.item_writer import ItemWriter
 from engine.query import QueryService
 from engine.serving import CurrentBundle, LoadedBundle, ServingConfig
+from index.families import Backend
 from index.gallery import GalleryIndex
 
 
@@ -67,7 +68,7 @@ class SearchService:
         ``build-index``, ``index add``). Milvus collections are live: their changes are seen without a
         reload."""
         index = self.index
-        return index.manifest.backend == "faiss" and index.saved_elsewhere()
+        return index.manifest.backend is Backend.FAISS and index.saved_elsewhere()
 
     def swap(self, bundle: LoadedBundle) -> LoadedBundle:
         """Serve ``bundle`` from now on (``CurrentBundle.swap``: after the writes under way, with every

@@ -16,6 +16,7 @@ from engine.decoding import PixelBudget
 from engine.embedder import Embedder
 from engine.locks import ReadWriteLock
 from engine.reranker import PDDMReranker
+from index.families import Backend
 from index.gallery import GalleryIndex
 
 
@@ -97,8 +98,8 @@ class CurrentBundle:
         the same lock: every write acknowledged before the swap is in the index served after it.
         """
         with self.lock.write():
-            if bundle.index.manifest.backend == "faiss" and bundle.index.saved_elsewhere():
-                reopened = LoadedBundle.open_index(bundle.index.directory, backend="faiss")
+            if bundle.index.manifest.backend is Backend.FAISS and bundle.index.saved_elsewhere():
+                reopened = LoadedBundle.open_index(bundle.index.directory, backend=Backend.FAISS)
                 try:
                     fresh = bundle.with_index(reopened)  # rebuilt with another model meanwhile: refused
                 except ValueError:

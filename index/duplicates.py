@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm import tqdm
 
+from index.errors import InvalidInputError
 from index.faiss_index import faiss_module
 from index.selection import IndexSpec
 
@@ -94,12 +95,12 @@ class Duplicates:
 
 def check_threshold(threshold: float) -> None:
     if not -1.0 <= threshold <= 1.0:
-        raise ValueError(f"threshold must be a cosine in [-1, 1], got {threshold}")
+        raise InvalidInputError(f"threshold must be a cosine in [-1, 1], got {threshold}")
 
 
 def check_max_distance(max_distance: int) -> None:
     if not 0 <= max_distance <= MAX_DISTANCE_LIMIT:
-        raise ValueError(f"max_distance must be in [0, {MAX_DISTANCE_LIMIT}] bits, got {max_distance}")
+        raise InvalidInputError(f"max_distance must be in [0, {MAX_DISTANCE_LIMIT}] bits, got {max_distance}")
 
 
 def signature_distance(first: np.ndarray, second: np.ndarray) -> np.ndarray:
@@ -140,7 +141,7 @@ def candidate_pairs(
     item's ``neighbours`` nearest neighbours (first id < second id)."""
     check_threshold(threshold)
     if neighbours < 1:
-        raise ValueError(f"neighbours must be at least 1, got {neighbours}")
+        raise InvalidInputError(f"neighbours must be at least 1, got {neighbours}")
     total = len(index)
     exact = _exact_scores(index.manifest)
     cut = threshold if exact else threshold - QUANTISED_MARGIN
@@ -168,7 +169,7 @@ class SignatureTable:
         self.ids = np.array(sorted(stored), dtype=np.int64)
         blobs = [stored[int(i)] for i in self.ids]
         if len({len(blob) for blob in blobs}) > 1:
-            raise ValueError("the index holds perceptual signatures of different lengths")
+            raise InvalidInputError("the index holds perceptual signatures of different lengths")
         views = len(blobs[0]) * 8 // SIGNATURE_VIEW_BITS if blobs else 1
         self.rows = np.frombuffer(b"".join(blobs), dtype=np.uint64).reshape(len(blobs), views)
 

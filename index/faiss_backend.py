@@ -16,9 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
+from index.errors import InvalidInputError
 from index.faiss_build import build_faiss_index
 from index.faiss_build import retune as retune_index
 from index.faiss_index import FaissIndex
+from index.families import IndexType
 from index.filters import ItemFilter
 from index.items import ItemStore
 from index.manifest import BuiltIndex, Manifest
@@ -70,14 +72,14 @@ class FaissBackend:
         items = directory / ItemStore.FILE_NAME
         if manifest.count and (not items.exists() or items.stat().st_size == 0):
             # SQLite would start an empty store, and reconciling would then empty the index too.
-            raise ValueError(
+            raise InvalidInputError(
                 f"{items} is missing or empty but the manifest records {manifest.count} items: restore it "
                 "from a backup or rebuild the index with dmlsearch build-index"
             )
         try:
             store = ItemStore(directory, manifest.dim)
         except sqlite3.DatabaseError as err:
-            raise ValueError(f"{items} cannot be read (truncated or corrupt?): {err}") from err
+            raise InvalidInputError(f"{items} cannot be read (truncated or corrupt?): {err}") from err
         index = None
         built = manifest.built
         if built.index_spec is not None and (directory / cls.FILE_NAME).exists():
@@ -86,7 +88,7 @@ class FaissBackend:
                 index = FaissIndex.load(directory / cls.FILE_NAME, spec, mmap=mapped)
             except RuntimeError as err:  # faiss reports a short or garbled file as RuntimeError
                 store.close()
-                raise ValueError(
+                raise InvalidInputError(
                     f"{directory / cls.FILE_NAME} cannot be read (truncated or corrupt?): delete it and run "
                     f"dmlsearch build-index, which rebuilds it from items.sqlite ({err})"
                 ) from err
@@ -140,7 +142,7 @@ class FaissBackend:
         if self.index is not None and len(present):
             self.index.remove(present)
             # Tombstones are not saved (open marks them again from the store): only other indexes change.
-            self._dirty = self._dirty or self.index.spec.index_type != "hnsw"
+            self._dirty = self._dirty or self.index.spec.index_type is not IndexType.HNSW
             self._compact_graph()
         return removed
 
@@ -219,15 +221,17 @@ class FaissBackend:
         separate parts and merged. Returns whether the index was rebuilt.
         """
         if len(self.store) == 0:
-            raise ValueError("cannot build a search index over an empty gallery")
+            raise InvalidInputError("cannot build a search index over an empty gallery")
         self.options = options
         spec = choose_index(len(self.store), self.dim, options)
         if self.index is None or self.index.spec != spec or partitions is not None:
             self._build(spec, partitions, progress=progress)
             return True
-        if spec.index_type == "flat" or not (retune or self._tuning_outdated()):  # exact: nothing to tune
+        if spec.index_type is IndexType.FLAT or not (
+            retune or self._tuning_outdated()
+        ):  # exact: nothing to tune
             return False
-        if spec.index_type == "hnsw":
+        if spec.index_type is IndexType.HNSW:
             # A graph is tuned while it is built (minutes at a million items): built again only once its
             # size has moved RETUNE_AFTER_CHANGE, or when its recall is below a target raised since.
             achieved = self._built.achieved_recall
@@ -272,7 +276,7 @@ class FaissBackend:
         )
 
     def _compact_graph(self) -> None:
-        if self.index.spec.index_type == "hnsw" and self.index.removed_fraction > HNSW_MAX_REMOVED:
+        if self.index.spec.index_type is IndexType.HNSW and self.index.removed_fraction > HNSW_MAX_REMOVED:
             log.info(
                 "%.0f%% of the HNSW graph are removed items: rebuilding it from %d stored vectors",
                 100 * self.index.removed_fraction,
@@ -284,7 +288,7 @@ class FaissBackend:
         stored, indexed = self.store.ids(), self.index.ids()
         missing = np.setdiff1d(stored, indexed)
         extra = np.setdiff1d(indexed, stored)
-        graph = self.index.spec.index_type == "hnsw"
+        graph = self.index.spec.index_type is IndexType.HNSW
         if len(missing) or not graph:  # an HNSW graph's removed items are expected: its tombstones
             log.warning(
                 "%s: FAISS index out of step with items.sqlite (an interrupted update): adding %d, "

@@ -14,6 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from index.faiss_index import PQ_POINTS_PER_CENTROID, FaissIndex
+from index.families import IndexType
 from index.selection import PQ_BITS, IndexSpec
 from index.sources import ExcludingSource, VectorSource, all_ids, fetch_vectors
 from index.tuning import Tuning, graph_set_aside, held_out_ids, needs_tuning, sample_ids, tune
@@ -27,7 +28,7 @@ def training_size(spec: IndexSpec, count: int) -> int:
     if spec.nlist is None:
         return 0
     needed = spec.nlist * TRAIN_POINTS_PER_LIST
-    if spec.index_type == "ivfpq":
+    if spec.index_type is IndexType.IVFPQ:
         needed = max(needed, PQ_POINTS_PER_CENTROID * 2 ** (spec.pq_bits or PQ_BITS))  # what PQ trains on
     return min(count, needed)
 
@@ -43,7 +44,7 @@ def tuning_set_aside(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The tuning queries' vectors, and the ids kept out of the index until it is tuned: the queries, and
     for an HNSW graph their neighbourhoods too (index/tuning.py)."""
-    graph = spec.index_type == "hnsw"
+    graph = spec.index_type is IndexType.HNSW
     held_out = held_out_ids(ids, graph=graph)
     queries = fetch_vectors(sources, held_out, spec.dim)
     if not graph or not len(held_out):
@@ -73,7 +74,7 @@ def build_faiss_index(
         queries, aside = np.zeros((0, spec.dim), dtype=np.float32), np.zeros(0, dtype=np.int64)
     rest = [ExcludingSource(source, aside) for source in sources]
     with tqdm(total=len(ids), desc=f"adding to {spec.index_type}", unit="vec", disable=not progress) as bar:
-        if len(rest) == 1 or spec.index_type == "hnsw":  # faiss cannot merge HNSW graphs
+        if len(rest) == 1 or spec.index_type is IndexType.HNSW:  # faiss cannot merge HNSW graphs
             for source in rest:
                 _fill(index, source, bar)
         else:

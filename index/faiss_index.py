@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from index.atomic import atomic_path
+from index.errors import DamagedFileError, InvalidInputError, MissingDependencyError
+from index.families import IndexType
 from index.protocol import check_dim, normalize_rows
 from index.selection import IndexSpec
 
@@ -51,7 +53,7 @@ def faiss_module():
     try:
         import faiss
     except ImportError as err:
-        raise ImportError(
+        raise MissingDependencyError(
             "faiss is not installed: pip install 'dmlsearch[cpu]' (or 'dmlsearch[gpu]')"
         ) from err
     return faiss
@@ -68,12 +70,13 @@ def _gpu_resources() -> object | None:
 class FaissIndex:
     def __init__(self, index: object, spec: IndexSpec, *, source: Path | None = None) -> None:
         if index.d != spec.dim:
-            raise ValueError(f"FAISS index has dimension {index.d}, expected {spec.dim}")
+            raise InvalidInputError(f"FAISS index has dimension {index.d}, expected {spec.dim}")
         self.index = index
         self.spec = spec
         self.search_params: dict[str, int] = {}
         self._source = source  # the file a memory-mapped (read-only) index was mapped from
-        self._gpu_index: object | bool | None = None  # the GPU copy; False once the GPU refused it
+        self._gpu_index: object | None = None  # the copy searched on the GPU, made at the first search
+        self._gpu_refused = False  # the GPU could not take this index as it is: search on the CPU
         self._removed = np.zeros(0, dtype=np.int64)  # HNSW tombstones, sorted
         self._live: object | None = None  # HNSW: the selector that skips the tombstones, built once
         self._id_order: tuple[np.ndarray, np.ndarray] | None = None  # HNSW: sorted ids, their positions
@@ -86,7 +89,7 @@ class FaissIndex:
         if spec.opq:
             opq = faiss.downcast_VectorTransform(index.chain.at(0))
             opq.niter, opq.niter_pq_0, opq.max_train_points = OPQ_ITERATIONS, OPQ_ITERATIONS, OPQ_TRAIN_POINTS
-        if spec.index_type == "ivfpq":
+        if spec.index_type is IndexType.IVFPQ:
             pq = faiss.downcast_index(faiss.extract_index_ivf(index)).pq
             pq.cp.niter, pq.cp.max_points_per_centroid = PQ_ITERATIONS, PQ_POINTS_PER_CENTROID
         return cls(index, spec)
@@ -134,7 +137,7 @@ class FaissIndex:
 
     def remove(self, ids: np.ndarray) -> int:
         """Remove ``ids``; returns how many were in the index. An HNSW graph marks them as tombstones."""
-        if self.spec.index_type == "hnsw":
+        if self.spec.index_type is IndexType.HNSW:
             present = np.intersect1d(ids, self.ids())
             self._removed = np.union1d(self._removed, present)
             self._live = None
@@ -237,7 +240,7 @@ class FaissIndex:
         self, queries: np.ndarray, k: int, selector: object | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         faiss = faiss_module()
-        if self.spec.index_type == "hnsw":  # brute force over the graph's storage
+        if self.spec.index_type is IndexType.HNSW:  # brute force over the graph's storage
             storage = self._graph_storage()
             id_map = faiss.vector_to_array(self.index.id_map)
             params = None
@@ -260,9 +263,9 @@ class FaissIndex:
         """
         faiss = faiss_module()
         tuned = self.search_params
-        if self.spec.index_type == "flat":
+        if self.spec.index_type is IndexType.FLAT:
             params = faiss.SearchParameters()
-        elif self.spec.index_type == "hnsw":
+        elif self.spec.index_type is IndexType.HNSW:
             params = faiss.SearchParametersHNSW()
             params.efSearch = tuned.get("efSearch", params.efSearch)
         else:
@@ -301,7 +304,7 @@ class FaissIndex:
         for name, value in params.items():
             space.set_index_parameter(self.index, name, value)
         self.search_params = dict(params)
-        self._gpu_index = None
+        self._forget_gpu_copy()
 
     def ids(self) -> np.ndarray:
         """Every id in the index (not an HNSW graph's tombstones), sorted."""
@@ -329,10 +332,12 @@ class FaissIndex:
 
     def merge_from(self, other: FaissIndex) -> None:
         """Move ``other``'s vectors into this index (same training); faiss's own IVF / IDMap merge."""
-        if self.spec.index_type == "hnsw":
-            raise ValueError("faiss cannot merge HNSW graphs; build one graph from all vectors instead")
+        if self.spec.index_type is IndexType.HNSW:
+            raise InvalidInputError(
+                "faiss cannot merge HNSW graphs; build one graph from all vectors instead"
+            )
         self._make_writable()
-        if self.spec.index_type == "flat":
+        if self.spec.index_type is IndexType.FLAT:
             self.index.merge_from(other.index)
         else:
             faiss_module().merge_into(self.index, other.index, False)
@@ -353,7 +358,7 @@ class FaissIndex:
         try:
             index = faiss.read_index(str(path), flag) if mmap else faiss.read_index(str(path))
         except RuntimeError as err:  # faiss's message names neither the file nor what is wrong with it
-            raise RuntimeError(f"{path} is damaged or truncated ({str(err).splitlines()[-1]})") from err
+            raise DamagedFileError(f"{path} is damaged or truncated ({str(err).splitlines()[-1]})") from err
         return cls(index, spec, source=path if mmap else None)
 
     def _make_writable(self) -> None:
@@ -364,11 +369,16 @@ class FaissIndex:
             self._source = None
             if params:
                 self.set_search_params(params)
+        self._forget_gpu_copy()
+
+    def _forget_gpu_copy(self) -> None:
+        """The index changed: a GPU copy is stale, and the GPU may take it now."""
         self._gpu_index = None
+        self._gpu_refused = False
 
     def _searcher(self) -> object:
         resources = _gpu_resources()
-        if resources is None or self.spec.index_type == "hnsw" or self._gpu_index is False:
+        if resources is None or self.spec.index_type is IndexType.HNSW or self._gpu_refused:
             return self.index
         if self._gpu_index is None:
             faiss = faiss_module()
@@ -379,6 +389,6 @@ class FaissIndex:
                 log.info("searching %s on the GPU", self.spec.factory)
             except RuntimeError as err:  # e.g. a PQ code size or nprobe faiss's GPU kernels do not support
                 log.warning("searching %s on the CPU: the GPU cannot take it (%s)", self.spec.factory, err)
-                self._gpu_index = False
+                self._gpu_refused = True
                 return self.index
         return self._gpu_index

@@ -24,6 +24,8 @@ import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from index.errors import InvalidInputError
+
 # When the photo was taken, or for items indexed before that was kept, when it was indexed.
 TAKEN_OR_ADDED = "COALESCE(taken, added)"
 LABELS_SHOWN = 30  # known labels an unknown-label error lists
@@ -50,7 +52,9 @@ class ItemFilter:
                 prefix = prefix[2:]
             if not prefix or prefix.startswith("/") or ".." in prefix.split("/"):
                 given = self.path_prefix
-                raise ValueError(f"path_prefix must be a non-empty path in the gallery folder, got {given!r}")
+                raise InvalidInputError(
+                    f"path_prefix must be a non-empty path in the gallery folder, got {given!r}"
+                )
             object.__setattr__(self, "path_prefix", prefix)
         for name in ("added_from", "added_to"):
             when = getattr(self, name)
@@ -58,13 +62,13 @@ class ItemFilter:
                 try:
                     _utc(when)
                 except OverflowError:  # 0001-01-01T00:00:00+14:00 is before year 1 in UTC
-                    raise ValueError(
+                    raise InvalidInputError(
                         f"{name} {when.isoformat()} is out of range once converted to UTC"
                     ) from None
         for name in ("taken_from", "taken_to"):
             bound = getattr(self, name)
             if bound is not None and bound.tzinfo is not None:
-                raise ValueError(
+                raise InvalidInputError(
                     f"{name} is a time on the camera's clock, compared with when each photo was taken "
                     f"there: give it without a zone, got {bound.isoformat()}"
                 )
@@ -143,8 +147,10 @@ def stored_time(time: dt.datetime) -> str:
     return _utc(time).isoformat(timespec="seconds")
 
 
-class UnknownLabelError(ValueError):
+class UnknownLabelError(InvalidInputError):
     """A label filter names a label no item has (ignoring case)."""
+
+    code = "unknown_label"
 
 
 def label_key(label: str) -> str:

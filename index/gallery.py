@@ -13,20 +13,25 @@ from pathlib import Path
 import numpy as np
 
 from index.atomic import remove_abandoned
+from index.errors import DmlsearchError, ErrorKind
 from index.faiss_backend import FaissBackend
+from index.families import Backend
 from index.filters import ItemFilter, UnknownLabelError, match_labels
 from index.items import now_utc
 from index.manifest import FLAT_REQUESTED, MANIFEST_NAME, Manifest
 from index.protocol import Capabilities, CapabilityError, Entry, Item, ItemCatalog, Move, VectorIndex
 from index.selection import IndexOptions, IndexSpec
 
-BACKENDS = ("faiss", "milvus")
+BACKENDS = tuple(Backend)
 # Writes the model into an index directory (with its card) and returns the model file's name there.
 ModelWriter = Callable[[Path], str]
 
 
-class IndexMismatchError(ValueError):
+class IndexMismatchError(DmlsearchError, ValueError):
     """The index was built with a different model (fingerprint or dimension) than the one in use."""
+
+    kind = ErrorKind.CONFLICT
+    code = "index_mismatch"
 
 
 @dataclass(frozen=True)

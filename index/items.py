@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from index.errors import NotFoundError
 from index.filters import TAKEN_OR_ADDED, ItemFilter
 from index.protocol import Entry, Item, Move, check_dim, normalize_rows
 
@@ -44,7 +45,7 @@ class ItemStore:
         path = directory / self.FILE_NAME
         if read_only:
             if not path.is_file():
-                raise FileNotFoundError(f"{directory} has no {self.FILE_NAME}")
+                raise NotFoundError(f"{directory} has no {self.FILE_NAME}")
             self.connection = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
             self._columns = _COLUMNS if self._has_taken() else _COLUMNS_BEFORE_TAKEN
             return

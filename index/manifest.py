@@ -12,9 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from index.atomic import atomic_write_text
+from index.errors import InvalidInputError, NotFoundError
+from index.families import Backend, IndexType
 from index.selection import IndexOptions
 
 FORMAT_VERSION = 3
@@ -29,7 +31,7 @@ class Requested(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    index_type: str = _OPTIONS.index_type
+    index_type: IndexType = _OPTIONS.index_type
     memory_budget: int | None = _OPTIONS.memory_budget
     target_recall: float = _OPTIONS.target_recall
 
@@ -60,7 +62,7 @@ class Manifest(BaseModel):
     """Written only by ``index.gallery.GalleryIndex``."""
 
     format_version: int = FORMAT_VERSION
-    backend: str = "faiss"  # "faiss" or "milvus"
+    backend: Backend = Backend.FAISS
     requested: Requested = Field(default_factory=Requested)
     built: BuiltIndex = Field(default_factory=BuiltIndex)
     dim: int
@@ -103,10 +105,13 @@ class Manifest(BaseModel):
     def load(cls, directory: Path) -> Manifest:
         path = directory / MANIFEST_NAME
         if not path.exists():
-            raise FileNotFoundError(f"{directory} is not an index directory (no manifest.json)")
-        manifest = cls.model_validate_json(path.read_text())
+            raise NotFoundError(f"{directory} is not an index directory (no manifest.json)")
+        try:
+            manifest = cls.model_validate_json(path.read_text())
+        except ValidationError as err:  # not the JSON of a manifest: a damaged file, not a bug
+            raise InvalidInputError(str(err)) from err
         if manifest.format_version != FORMAT_VERSION:
-            raise ValueError(
+            raise InvalidInputError(
                 f"index format {manifest.format_version} is not supported (expected "
                 f"{' or '.join(map(str, READABLE_VERSIONS))}): "
                 "rebuild the index with dmlsearch build-index"

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from index.errors import InvalidInputError
 from index.gallery import GalleryIndex, ModelWriter
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item
@@ -29,18 +30,20 @@ def _check_shards(manifests: Sequence[Manifest], directories: Sequence[Path]) ->
     first = manifests[0]
     for manifest, directory in zip(manifests, directories, strict=True):
         if manifest.backend != "faiss":
-            raise ValueError(f"{directory} is a {manifest.backend} index: only FAISS shard directories merge")
+            raise InvalidInputError(
+                f"{directory} is a {manifest.backend} index: only FAISS shard directories merge"
+            )
         if manifest.shard is None:
-            raise ValueError(f"{directory} is not a shard (build it with --shard I/N)")
+            raise InvalidInputError(f"{directory} is not a shard (build it with --shard I/N)")
         if (manifest.model_fingerprint, manifest.dim) != (first.model_fingerprint, first.dim):
-            raise ValueError(f"{directory} was built with another model than {directories[0]}")
+            raise InvalidInputError(f"{directory} was built with another model than {directories[0]}")
         if manifest.gallery_root != first.gallery_root:
-            raise ValueError(f"{directory} indexes {manifest.gallery_root}, not {first.gallery_root}")
+            raise InvalidInputError(f"{directory} indexes {manifest.gallery_root}, not {first.gallery_root}")
     shards = [Shard.parse(manifest.shard) for manifest in manifests]
     count = shards[0].count
     if sorted(shard.index for shard in shards) != list(range(count)) or any(s.count != count for s in shards):
         got = ", ".join(str(shard) for shard in shards)
-        raise ValueError(f"need each shard I/{count} for I = 0 .. {count - 1} exactly once, got {got}")
+        raise InvalidInputError(f"need each shard I/{count} for I = 0 .. {count - 1} exactly once, got {got}")
 
 
 def merge_shards(
@@ -54,11 +57,13 @@ def merge_shards(
     """Write the merged index to ``out_dir`` (one staged write: ``index.staging``), storing ``model`` in
     it (None: the shards carry none), and return it opened."""
     if not shard_dirs:
-        raise ValueError("no shard directories to merge")
+        raise InvalidInputError("no shard directories to merge")
     manifests = [Manifest.load(directory) for directory in shard_dirs]
     _check_shards(manifests, shard_dirs)
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / MANIFEST_NAME).exists():
-        raise ValueError(f"refusing to write into {out_dir}: it is not empty and not an index directory")
+        raise InvalidInputError(
+            f"refusing to write into {out_dir}: it is not empty and not an index directory"
+        )
     first = manifests[0]
 
     def create(staging: Path) -> GalleryIndex:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from index.errors import InvalidInputError, MissingDependencyError
 from index.filters import ItemFilter
 from index.items import now_utc
 from index.manifest import MILVUS_COLLECTION, BuiltIndex, Manifest
@@ -85,7 +86,7 @@ def _pymilvus():
     try:
         import pymilvus
     except ImportError as err:
-        raise ImportError("pymilvus is not installed: pip install 'dmlsearch[milvus]'") from err
+        raise MissingDependencyError("pymilvus is not installed: pip install 'dmlsearch[milvus]'") from err
     # pymilvus logs each failed request and reconnection with a traceback (its import sets up its loggers,
     # hence here); those failures are raised as BackendUnavailableError and reported once by the caller.
     logging.getLogger("pymilvus").setLevel(logging.CRITICAL)
@@ -232,13 +233,13 @@ class MilvusBackend:
         description = self.client.describe_collection(self.collection)
         fingerprint = (description.get("properties") or {}).get(MODEL_PROPERTY)
         if fingerprint != self.model_fingerprint:
-            raise ValueError(
+            raise InvalidInputError(
                 f"Milvus collection {self.collection!r} holds vectors of model {str(fingerprint)[:12]}, "
                 f"not {self.model_fingerprint[:12]}: use another --milvus-collection"
             )
         fields = {field["name"]: field for field in description["fields"]}
         if int(fields["vector"]["params"]["dim"]) != self.dim:
-            raise ValueError(
+            raise InvalidInputError(
                 f"Milvus collection {self.collection!r} has dimension {fields['vector']['params']['dim']}"
             )
         self.auto_id = bool(description["auto_id"])
@@ -311,7 +312,7 @@ class MilvusBackend:
         for vector, entry in zip(vectors, entries, strict=True):
             path, label, content_hash, taken = Entry(*entry)
             if len(path.encode()) > MAX_PATH:
-                raise ValueError(f"path {path[:60]}... is longer than Milvus's {MAX_PATH} bytes")
+                raise InvalidInputError(f"path {path[:60]}... is longer than Milvus's {MAX_PATH} bytes")
             rows.append(self._row(vector, path, label, content_hash, added, taken))
         if not rows:
             return []
@@ -340,7 +341,7 @@ class MilvusBackend:
         queries = normalize_rows(queries)
         check_dim(queries, self.dim, "queries")
         if k > MAX_TOP_K:
-            raise ValueError(f"Milvus returns at most {MAX_TOP_K} neighbours a query, not {k}")
+            raise InvalidInputError(f"Milvus returns at most {MAX_TOP_K} neighbours a query, not {k}")
         ids = np.full((len(queries), k), -1, dtype=np.int64)
         scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
         if len(queries) == 0:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
+from index.errors import DmlsearchError, ErrorKind
+
 if TYPE_CHECKING:
     from index.filters import ItemFilter
     from index.manifest import BuiltIndex
@@ -46,13 +48,19 @@ class Move(NamedTuple):
     label: str | None
 
 
-class IndexNotBuiltError(RuntimeError):
+class IndexNotBuiltError(DmlsearchError, RuntimeError):
     """Vectors were stored but the search structure has not been built yet (an interrupted build)."""
 
+    kind = ErrorKind.CONFLICT
+    code = "index_not_built"
 
-class BackendUnavailableError(RuntimeError):
+
+class BackendUnavailableError(DmlsearchError, RuntimeError):
     """The index's server (Milvus) failed a request or cannot be reached; the message is the server's.
     Not the caller's input: the API answers 503, the command line names the server and its message."""
+
+    kind = ErrorKind.UNAVAILABLE
+    code = "index_unavailable"
 
 
 @dataclass(frozen=True)
@@ -195,8 +203,10 @@ class VectorIndex(Protocol):
     def close(self) -> None: ...
 
 
-class CapabilityError(ValueError):
+class CapabilityError(DmlsearchError, ValueError):
     """Asked a backend for something its capabilities do not include (merging Milvus collections)."""
+
+    code = "not_supported_by_backend"
 
 
 def normalize_rows(vectors: np.ndarray) -> np.ndarray:

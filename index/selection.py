@@ -49,10 +49,12 @@ import dataclasses
 import enum
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-INDEX_TYPES = ("flat", "hnsw", "ivf", "ivfsq", "ivfpq")
-INDEX_CHOICES = ("auto", *INDEX_TYPES)
+from index.errors import InvalidInputError
+from index.families import IndexType
+
+INDEX_TYPES = tuple(kind for kind in IndexType if kind is not IndexType.AUTO)  # the concrete families
 FLAT_LIMIT = 10_000
 MIN_POINTS_PER_CENTROID = 39
 HNSW_QUANTIZER_FROM = 16_384
@@ -73,23 +75,35 @@ IDMAP2_BYTES_PER_ID = 48  # IndexIDMap2 keeps the id array and a hash map back f
 class IndexOptions:
     """What the user asked for; ``choose_index`` turns it into an :class:`IndexSpec` for a gallery size."""
 
-    index_type: str = "auto"
+    index_type: IndexType = IndexType.AUTO
     memory_budget: int | None = None  # bytes the index may use in RAM; None = no limit
     target_recall: float = 0.95  # recall@10 against exact search that tuning aims for
 
     def __post_init__(self) -> None:
-        if self.index_type not in INDEX_CHOICES:
-            raise ValueError(
-                f"unknown index type {self.index_type!r}; choose one of {', '.join(INDEX_CHOICES)}"
-            )
+        object.__setattr__(self, "index_type", _index_type(self.index_type))
         if self.memory_budget is not None and self.memory_budget <= 0:
-            raise ValueError("the memory budget must be positive")
+            raise InvalidInputError("the memory budget must be positive")
         if not 0.0 < self.target_recall <= 1.0:
-            raise ValueError(f"target recall must be in (0, 1], got {self.target_recall}")
+            raise InvalidInputError(f"target recall must be in (0, 1], got {self.target_recall}")
 
     def with_changes(self, changes: IndexChanges) -> IndexOptions:
         """These options with the fields that ``changes`` sets replaced (and checked again)."""
         return dataclasses.replace(self, **changes.set_fields())
+
+
+def _index_type(name: str) -> IndexType:
+    """``name`` as an index family; a clear error for one that is not."""
+    try:
+        return IndexType(name)
+    except ValueError:
+        raise InvalidInputError(
+            f"unknown index type {name!r}; choose one of {', '.join(IndexType)}"
+        ) from None
+
+
+def _number(pattern: str, factory: str) -> int | None:
+    match = re.search(pattern, factory)
+    return int(match.group(1)) if match else None
 
 
 class Keep(enum.Enum):
@@ -107,7 +121,7 @@ class IndexChanges:
     lifts a budget set earlier.
     """
 
-    index_type: str | Keep = KEEP
+    index_type: IndexType | Keep = KEEP
     memory_budget: int | Keep | None = KEEP
     target_recall: float | Keep = KEEP
 
@@ -122,59 +136,49 @@ class IndexChanges:
 
 @dataclass(frozen=True)
 class IndexSpec:
-    """A concrete FAISS index: its family, faiss ``index_factory`` string and dimension."""
+    """A concrete FAISS index: its family, faiss ``index_factory`` string and dimension. The factory
+    string is read once, into the facts the build, search and tuning go by."""
 
-    index_type: str
+    index_type: IndexType
     factory: str
     dim: int
+    nlist: int | None = field(init=False, repr=False, compare=False)  # IVF lists
+    hnsw_quantizer: bool = field(init=False, repr=False, compare=False)  # an HNSW graph over the IVF lists
+    pq_subquantizers: int | None = field(init=False, repr=False, compare=False)
+    pq_bits: int | None = field(init=False, repr=False, compare=False)
+    # Whether an OPQ rotation precedes the index (faiss wraps it in an IndexPreTransform).
+    opq: bool = field(init=False, repr=False, compare=False)
+    hnsw_m: int | None = field(init=False, repr=False, compare=False)
+    # Whether searches score with the vectors as added (not through SQ or PQ codes).
+    exact_scores: bool = field(init=False, repr=False, compare=False)
 
-    @property
-    def nlist(self) -> int | None:
-        match = re.search(r"IVF(\d+)", self.factory)
-        return int(match.group(1)) if match else None
-
-    @property
-    def hnsw_quantizer(self) -> bool:
-        return "_HNSW" in self.factory
-
-    @property
-    def pq_subquantizers(self) -> int | None:
-        match = re.search(r",PQ(\d+)", self.factory)
-        return int(match.group(1)) if match else None
-
-    @property
-    def pq_bits(self) -> int | None:
-        match = re.search(r",PQ\d+x(\d+)", self.factory)
-        return int(match.group(1)) if match else None
-
-    @property
-    def opq(self) -> bool:
-        """Whether an OPQ rotation precedes the index (faiss wraps it in an IndexPreTransform)."""
-        return self.factory.startswith("OPQ")
-
-    @property
-    def hnsw_m(self) -> int | None:
-        match = re.match(r"IDMap2,HNSW(\d+)", self.factory)
-        return int(match.group(1)) if match else None
-
-    @property
-    def exact_scores(self) -> bool:
-        """Whether searches score with the vectors as added (not through SQ or PQ codes)."""
-        return re.search(r"SQ|PQ", self.factory) is None
+    def __post_init__(self) -> None:
+        facts = {
+            "index_type": _index_type(self.index_type),
+            "nlist": _number(r"IVF(\d+)", self.factory),
+            "hnsw_quantizer": "_HNSW" in self.factory,
+            "pq_subquantizers": _number(r",PQ(\d+)", self.factory),
+            "pq_bits": _number(r",PQ\d+x(\d+)", self.factory),
+            "opq": self.factory.startswith("OPQ"),
+            "hnsw_m": _number(r"^IDMap2,HNSW(\d+)", self.factory),
+            "exact_scores": re.search(r"SQ|PQ", self.factory) is None,
+        }
+        for name, value in facts.items():
+            object.__setattr__(self, name, value)
 
     def memory_bytes(self, count: int) -> int:
         """Estimated RAM of this index holding ``count`` vectors (autofaiss-style arithmetic)."""
         d = self.dim
-        if self.index_type == "flat":
+        if self.index_type is IndexType.FLAT:
             return count * (4 * d + IDMAP2_BYTES_PER_ID)
-        if self.index_type == "ivfsq":
+        if self.index_type is IndexType.IVFSQ:
             return count * (d + ID_BYTES) + (self.nlist or 1) * d * 4 + 2 * d * 4
-        if self.index_type == "hnsw":
+        if self.index_type is IndexType.HNSW:
             # Graphs built before fp16 storage keep 4-byte floats.
             per_dim = HNSW_BYTES_PER_DIM if self.factory.endswith(f"_{HNSW_STORAGE}") else 4
             return count * (per_dim * d + 2 * 4 * (self.hnsw_m or HNSW_M) + IDMAP2_BYTES_PER_ID)
         centroids = (self.nlist or 1) * d * 4
-        if self.index_type == "ivf":
+        if self.index_type is IndexType.IVF:
             return count * (4 * d + ID_BYTES) + centroids
         m, bits = self.pq_subquantizers or 1, self.pq_bits or PQ_BITS
         rotated = m * math.ceil(d / m) if self.opq else d
@@ -198,9 +202,9 @@ def _ivfpq(count: int, dim: int, subquantizers: int, bits: int, *, rotate: bool)
     ivf = _ivf_prefix(count)
     rotated = subquantizers * math.ceil(dim / subquantizers)
     if not rotate and rotated == dim:
-        return IndexSpec("ivfpq", f"{ivf},PQ{subquantizers}x{bits}np", dim)
+        return IndexSpec(IndexType.IVFPQ, f"{ivf},PQ{subquantizers}x{bits}np", dim)
     opq = f"OPQ{subquantizers}" if rotated == dim else f"OPQ{subquantizers}_{rotated}"
-    return IndexSpec("ivfpq", f"{opq},{ivf},PQ{subquantizers}x{bits}np", dim)
+    return IndexSpec(IndexType.IVFPQ, f"{opq},{ivf},PQ{subquantizers}x{bits}np", dim)
 
 
 def _pq_candidates(count: int, dim: int) -> list[IndexSpec]:
@@ -214,20 +218,20 @@ def _pq_candidates(count: int, dim: int) -> list[IndexSpec]:
     return fine + coarse
 
 
-def _spec(index_type: str, count: int, dim: int, budget: int | None) -> IndexSpec:
-    if index_type == "flat":
-        return IndexSpec("flat", "IDMap2,Flat", dim)
-    if index_type == "ivf":
-        return IndexSpec("ivf", f"{_ivf_prefix(count)},Flat", dim)
-    if index_type == "ivfsq":
-        return IndexSpec("ivfsq", f"{_ivf_prefix(count)},SQ8", dim)
-    if index_type == "hnsw":
+def _spec(index_type: IndexType, count: int, dim: int, budget: int | None) -> IndexSpec:
+    if index_type is IndexType.FLAT:
+        return IndexSpec(IndexType.FLAT, "IDMap2,Flat", dim)
+    if index_type is IndexType.IVF:
+        return IndexSpec(IndexType.IVF, f"{_ivf_prefix(count)},Flat", dim)
+    if index_type is IndexType.IVFSQ:
+        return IndexSpec(IndexType.IVFSQ, f"{_ivf_prefix(count)},SQ8", dim)
+    if index_type is IndexType.HNSW:
         m = HNSW_M
         if budget is not None:
             # autofaiss: the largest M whose graph (2*M neighbours of 4 bytes) fits beside the vectors.
             per_vector = HNSW_BYTES_PER_DIM * dim + IDMAP2_BYTES_PER_ID
             m = min(HNSW_M, int(((budget / max(count, 1)) - per_vector) // 8))
-        return IndexSpec("hnsw", f"IDMap2,HNSW{max(m, 8)}_{HNSW_STORAGE}", dim)
+        return IndexSpec(IndexType.HNSW, f"IDMap2,HNSW{max(m, 8)}_{HNSW_STORAGE}", dim)
     fitting = [s for s in _pq_candidates(count, dim) if budget is None or s.memory_bytes(count) <= budget]
     return fitting[0] if fitting else _pq_candidates(count, dim)[-1]
 
@@ -238,23 +242,27 @@ def choose_index(count: int, dim: int, options: IndexOptions) -> IndexSpec:
     Raises ``ValueError`` when nothing fits the memory budget.
     """
     budget = options.memory_budget
-    if options.index_type == "ivfpq" and count < PQ_CENTROIDS:
-        raise ValueError(
+    if options.index_type is IndexType.IVFPQ and count < PQ_CENTROIDS:
+        raise InvalidInputError(
             f"ivfpq needs at least {PQ_CENTROIDS} vectors to train its 8-bit codebooks; there are {count}"
         )
-    if options.index_type != "auto":
+    if options.index_type is not IndexType.AUTO:
         candidates = [_spec(options.index_type, count, dim, budget)]
     elif count < FLAT_LIMIT:
-        candidates = [_spec("flat", count, dim, budget)]
+        candidates = [_spec(IndexType.FLAT, count, dim, budget)]
     else:
-        kinds = ("hnsw", "ivf", "ivfsq") if count >= HNSW_FROM else ("ivf", "ivfsq")
+        kinds = (
+            (IndexType.HNSW, IndexType.IVF, IndexType.IVFSQ)
+            if count >= HNSW_FROM
+            else (IndexType.IVF, IndexType.IVFSQ)
+        )
         candidates = [_spec(kind, count, dim, budget) for kind in kinds]
         candidates += _pq_candidates(count, dim)
     for spec in candidates:
         if budget is None or spec.memory_bytes(count) <= budget:
             return spec
     smallest = min(candidates, key=lambda s: s.memory_bytes(count))
-    raise ValueError(
+    raise InvalidInputError(
         f"a memory budget of {format_bytes(budget or 0)} is too small for {count} vectors of dimension "
         f"{dim}: the smallest {options.index_type} choice ({smallest.factory}) needs about "
         f"{format_bytes(smallest.memory_bytes(count))}"
@@ -268,11 +276,11 @@ def parse_size(text: str) -> int:
     """``"512MB"``, ``"1.5G"``, ``"64k"`` or a plain byte count; K/M/G/T are powers of 1024."""
     match = _SIZE.match(text)
     if not match:
-        raise ValueError(f"cannot read {text!r} as a size: write e.g. 512MB, 2G or 1048576")
+        raise InvalidInputError(f"cannot read {text!r} as a size: write e.g. 512MB, 2G or 1048576")
     number, unit = float(match.group(1)), match.group(2).lower()
     size = int(number * 1024 ** " kmgt".index(unit or " "))
     if size <= 0:
-        raise ValueError(f"size {text!r} must be positive")
+        raise InvalidInputError(f"size {text!r} must be positive")
     return size
 
 

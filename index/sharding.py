@@ -10,6 +10,8 @@ import hashlib
 import re
 from dataclasses import dataclass
 
+from index.errors import InvalidInputError
+
 _SHARD = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 
 
@@ -20,13 +22,13 @@ class Shard:
 
     def __post_init__(self) -> None:
         if self.count < 1 or not 0 <= self.index < self.count:
-            raise ValueError(f"shard {self.index}/{self.count} does not exist: I/N needs 0 <= I < N")
+            raise InvalidInputError(f"shard {self.index}/{self.count} does not exist: I/N needs 0 <= I < N")
 
     @classmethod
     def parse(cls, text: str) -> Shard:
         match = _SHARD.match(text)
         if not match:
-            raise ValueError(f"cannot read shard {text!r}: write I/N, e.g. 0/4 for the first of four")
+            raise InvalidInputError(f"cannot read shard {text!r}: write I/N, e.g. 0/4 for the first of four")
         return cls(int(match.group(1)), int(match.group(2)))
 
     def owns(self, relative_path: str) -> bool:

@@ -41,6 +41,7 @@ import numpy as np
 from tqdm import tqdm
 
 from index.faiss_index import FaissIndex, faiss_module
+from index.families import IndexType
 from index.selection import IndexSpec
 from index.sources import VectorSource
 
@@ -96,7 +97,7 @@ def held_out_ids(ids: np.ndarray, *, graph: bool = False) -> np.ndarray:
 
 
 def needs_tuning(index: FaissIndex) -> bool:
-    return index.spec.index_type != "flat"
+    return index.spec.index_type is not IndexType.FLAT
 
 
 def exact_neighbours(queries: np.ndarray, sources: Sequence[VectorSource], k: int) -> np.ndarray:
@@ -146,14 +147,14 @@ def _ladder(low: int, high: int) -> list[int]:
 
 def tuning_parameter(spec: IndexSpec) -> str | None:
     """The search-time knob tuning turns for ``spec``'s index (None: exact search, nothing to tune)."""
-    if spec.index_type == "flat":
+    if spec.index_type is IndexType.FLAT:
         return None
-    return "efSearch" if spec.index_type == "hnsw" else "nprobe"
+    return "efSearch" if spec.index_type is IndexType.HNSW else "nprobe"
 
 
 def _parameters(index: FaissIndex, k: int) -> tuple[list[int], Callable[[int], dict[str, int]]]:
     spec = index.spec
-    if spec.index_type == "hnsw":
+    if spec.index_type is IndexType.HNSW:
         return _ladder(max(16, k), 4096), lambda ef: {"efSearch": ef}
     if spec.hnsw_quantizer:
         return _ladder(1, spec.nlist), lambda n: {"nprobe": n, "quantizer_efSearch": max(16, 2 * n)}

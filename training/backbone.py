@@ -16,6 +16,7 @@ import timm.data
 import torch
 from torch import nn
 
+from engine import defaults
 from engine.model_card import Preprocessing
 from training.registry import Registry
 
@@ -126,7 +127,7 @@ register_backbone(
 
 
 def create_backbone(
-    name: str = "efficientnet_lite0", *, pretrained: bool = True, with_classifier: bool = False
+    name: str = defaults.BACKBONE, *, pretrained: bool = True, with_classifier: bool = False
 ) -> nn.Module:
     return BACKBONES[name].factory(pretrained, with_classifier)
 

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine import defaults
 from training.precision import Precision
 
 Mode = Literal["frozen", "partial", "finetune"]
@@ -36,7 +37,7 @@ class TrainConfig(BaseModel):
     data: str
     mode: Mode = "frozen"
     loss_hparams: dict[str, Any] = Field(default_factory=dict)
-    backbone: str = "efficientnet_lite0"
+    backbone: str = defaults.BACKBONE
     embedding_dim: int = Field(512, ge=1)
     head_hidden: int = Field(1024, ge=1)
     embedding_scale: float = Field(1.0, gt=0, description="the loss sees the head output times this")

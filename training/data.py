@@ -21,13 +21,14 @@ from pathlib import Path
 import numpy as np
 
 from engine.images import list_images
+from index.errors import InvalidInputError
 
 SPLITS = ("train", "val", "test")
 MIN_VAL_CLASSES = 2  # Recall@1 over a single class is trivially 100%
 MIN_TRAIN_CLASSES = 2  # pair/triplet losses need negatives
 
 
-class DataError(ValueError):
+class DataError(InvalidInputError):
     """The data source is missing, malformed or too small for the requested split."""
 
 

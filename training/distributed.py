@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from index.errors import UnavailableError
+
 
 @dataclass(frozen=True)
 class Distributed:
@@ -46,7 +48,7 @@ class Distributed:
         if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
             return torch.device("cpu")
         if not torch.cuda.is_available():
-            raise RuntimeError("device 'cuda' requested but torch sees no GPU")
+            raise UnavailableError("device 'cuda' requested but torch sees no GPU")
         return torch.device("cuda", self.local_rank)
 
 

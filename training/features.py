@@ -32,7 +32,7 @@ from PIL import Image
 from torchvision.transforms import v2
 from tqdm import tqdm
 
-from engine import stopping
+from engine import defaults, stopping
 from engine.embedder import Embedder
 from engine.images import ImageDecodeError, load_image_file
 from engine.indexing import file_hash
@@ -115,7 +115,7 @@ class FeatureExtractor:
     def __init__(
         self,
         cache_dir: Path,
-        backbone: str = "efficientnet_lite0",
+        backbone: str = defaults.BACKBONE,
         *,
         stage: Stage = "pooled",
         batch_size: int = 32,

@@ -21,6 +21,8 @@ import numpy as np
 from sklearn.metrics import normalized_mutual_info_score
 from sklearn.metrics.cluster import pair_confusion_matrix
 
+from index.errors import InvalidInputError
+
 DEFAULT_KS = (1, 2, 4, 8)
 
 
@@ -73,7 +75,7 @@ def retrieval_metrics(
     relevant_count = counts[inverse] - 1  # R per query
     answerable = relevant_count > 0
     if not answerable.any():
-        raise ValueError("no class has two items: retrieval metrics are undefined")
+        raise InvalidInputError("no class has two items: retrieval metrics are undefined")
     depth = max(max(ks), int(relevant_count.max()))
     neighbours = nearest_neighbours(embeddings, depth)
     hits = labels[neighbours] == labels[:, None]  # (n, depth)

@@ -24,6 +24,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from index.errors import InvalidInputError
+
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}
 
@@ -96,7 +98,9 @@ def resolve_compute(precision: Precision, channels_last: bool, device: torch.dev
     if precision == "bf16" or (precision == "auto" and bf16):
         return Compute(device, torch.bfloat16, channels_last, f"the {where} computes bfloat16 natively")
     if precision == "fp16" and device.type != "cuda":
-        raise ValueError("precision=fp16 is for GPUs; on a CPU use precision=auto (bfloat16 where native)")
+        raise InvalidInputError(
+            "precision=fp16 is for GPUs; on a CPU use precision=auto (bfloat16 where native)"
+        )
     if device.type == "cuda":
         why = "precision=fp16" if precision == "fp16" else "the GPU has float16 but no bfloat16"
         return Compute(device, torch.float16, channels_last, why)

@@ -14,6 +14,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from index.errors import InvalidInputError
+
 if TYPE_CHECKING:  # heavy imports stay inside the functions: the CLI imports this module for its default
     import numpy as np
 
@@ -31,7 +33,7 @@ def calibration_files(folder: Path, count: int, seed: int = 0) -> list[Path]:
 
     files = list_images(folder)
     if not files:
-        raise ValueError(f"no images under {folder} to calibrate the int8 model on")
+        raise InvalidInputError(f"no images under {folder} to calibrate the int8 model on")
     rng = np.random.default_rng(seed)
     chosen = rng.choice(len(files), size=min(count, len(files)), replace=False)
     return [files[i] for i in sorted(chosen)]
@@ -94,7 +96,7 @@ def quantize_int8(model_path: Path, calibration: Sequence[Path]) -> ModelCard:
 
     card = ModelCard.load(model_path)
     if card.precision != "fp32":
-        raise ValueError(f"{model_path} is already {card.precision}")
+        raise InvalidInputError(f"{model_path} is already {card.precision}")
     with tempfile.TemporaryDirectory() as workdir:
         # Shape inference and graph fusions first, as onnxruntime recommends before quantising.
         prepared = Path(workdir) / "prepared.onnx"
@@ -127,7 +129,7 @@ def quantize_int8(model_path: Path, calibration: Sequence[Path]) -> ModelCard:
         finally:
             logging.disable(logging.NOTSET)
     if reader.used == 0:
-        raise ValueError("none of the calibration images could be read")
+        raise InvalidInputError("none of the calibration images could be read")
     card = card.model_copy(
         update={"fingerprint": fingerprint, "precision": "int8", "calibration_images": reader.used}
     )

@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from index.errors import InvalidInputError
 from training.config import TrainConfig
 from training.losses import LOSSES
 
@@ -128,7 +129,7 @@ def recipe(loss: str, name: RecipeName = DEFAULT_RECIPE) -> dict[str, Choice]:
     """The choices ``name`` makes for ``loss`` (empty for ``paper``: the printed defaults apply)."""
     LOSSES[loss]  # an unknown loss fails here, with the known names
     if name not in RECIPE_NAMES:
-        raise ValueError(f"unknown recipe {name!r}; choose one of {list(RECIPE_NAMES)}")
+        raise InvalidInputError(f"unknown recipe {name!r}; choose one of {list(RECIPE_NAMES)}")
     if name == "paper":
         return {}
     return {**COMMON, **RECIPES.get(loss, {})}
@@ -147,7 +148,7 @@ def split_values(loss: str, values: dict[str, Any]) -> tuple[dict[str, Any], dic
         elif key in TrainConfig.model_fields and key not in FIXED_KEYS:
             settings[key] = value
         else:
-            raise ValueError(
+            raise InvalidInputError(
                 f"unknown hyperparameter {key!r}: loss {loss!r} takes {sorted(loss_keys)}; training takes "
                 f"{sorted(set(TrainConfig.model_fields) - FIXED_KEYS)}"
             )
@@ -163,7 +164,7 @@ def parse_assignments(loss: str, assignments: list[str]) -> dict[str, Any]:
         key, sep, raw = assignment.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise ValueError(f"hyperparameters are key=value, got {assignment!r}")
+            raise InvalidInputError(f"hyperparameters are key=value, got {assignment!r}")
         if key not in loss_keys:
             key = key.replace("-", "_")
         try:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+from index.errors import InvalidInputError
+
 Spec = TypeVar("Spec")
 
 
@@ -19,7 +21,7 @@ class Registry(dict[str, Spec]):
         self.kind = kind
 
     def __missing__(self, name: str) -> Spec:
-        raise ValueError(f"unknown {self.kind} {name!r}; choose one of {sorted(self)}")
+        raise InvalidInputError(f"unknown {self.kind} {name!r}; choose one of {sorted(self)}")
 
     def add(self, name: str, spec: Spec) -> Spec:
         if name in self:

@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from index.atomic import atomic_path, atomic_write_text
+from index.errors import InvalidInputError
 from training.config import TrainConfig
 
 
-class RunDirError(ValueError):
+class RunDirError(InvalidInputError):
     """The directory is not a training run, or holds a run that cannot be continued as asked."""
 
 
@@ -31,7 +33,10 @@ class RunDirectory:
     def read_config(self) -> TrainConfig | None:
         if not self.config_path.exists():
             return None
-        return TrainConfig.model_validate_json(self.config_path.read_text())
+        try:
+            return TrainConfig.model_validate_json(self.config_path.read_text())
+        except ValidationError as err:  # not a run's config.json: a damaged file, not a bug
+            raise RunDirError(str(err)) from err
 
     def require_config(self) -> TrainConfig:
         config = self.read_config()

@@ -37,8 +37,7 @@ async def reload(request: Request, body: Annotated[ReloadIn | None, Body()] = No
     try:
         result = await run_in_threadpool(reloader.reload, index_path, model_path)
     except ReloadError as err:
-        status = 404 if err.missing else 422
-        raise ApiError(status, "reload_failed", f"still serving the loaded index: {err}") from None
+        raise ApiError(err.kind, err.code, f"still serving the loaded index: {err}") from None
     return ReloadOut(
         status="reloaded",
         index_path=str(result.index_path),

@@ -21,6 +21,7 @@ from app.schemas import (
     NewItemsJsonIn,
 )
 from app.uploads import read_uploads, request_body_spec
+from engine import defaults
 from engine.item_writer import NewItem
 
 router = APIRouter(tags=["items"])
@@ -67,7 +68,9 @@ async def item_thumbnail(
     item_id: ItemId,
     service: Service,
     compute: Compute,
-    size: Annotated[int, Query(ge=16, le=1024, description="Longest side in pixels.")] = 256,
+    size: Annotated[
+        int, Query(ge=16, le=1024, description="Longest side in pixels.")
+    ] = defaults.THUMBNAIL_SIZE,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
     """A JPEG thumbnail of the item's image (EXIF orientation applied)."""

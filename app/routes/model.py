@@ -18,6 +18,7 @@ from app.errors import ApiError
 from app.schemas import IMAGE_HEADERS, ErrorOut, ModelCardOut, PlotOut
 from engine.model_card import ModelCard
 from engine.run_proof import EVAL_FILE, PLOTS, REPORT_FILE, plot_path
+from index.errors import ErrorKind
 
 router = APIRouter(tags=["model"])
 ERRORS = {code: {"model": ErrorOut} for code in (404, 429, 503)}
@@ -75,8 +76,12 @@ def model_card(service: Service) -> ModelCardOut:
 def model_plot(name: str, service: Service) -> FileResponse:
     """One plot of the served model's training report, as PNG (404 without a report)."""
     if name not in PLOTS:
-        raise ApiError(404, "not_found", f"no plot {name!r}; the report has {', '.join(PLOTS)}")
+        raise ApiError(
+            ErrorKind.NOT_FOUND, "not_found", f"no plot {name!r}; the report has {', '.join(PLOTS)}"
+        )
     run_dir = _run_dir(service.embedder.card)
     if run_dir is None or not plot_path(run_dir, name).is_file():
-        raise ApiError(404, "not_found", "the served model's training report is not on this server")
+        raise ApiError(
+            ErrorKind.NOT_FOUND, "not_found", "the served model's training report is not on this server"
+        )
     return FileResponse(plot_path(run_dir, name), media_type="image/png", headers=IMAGE_HEADERS)

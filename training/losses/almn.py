@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from index.errors import InvalidInputError
 from training.losses.base import MetricLoss
 from training.losses.npair import l2_term, log1p_sum_exp
 from training.losses.registry import BatchLayout, register_loss
@@ -81,7 +82,7 @@ class ALMNLoss(MetricLoss):
     def __init__(self, beta: float = 3.0, l2_reg: float = 0.0005, center_lr: float = 0.5) -> None:
         super().__init__()
         if beta < 0:
-            raise ValueError(f"beta must be >= 0, got {beta}")
+            raise InvalidInputError(f"beta must be >= 0, got {beta}")
         self.beta = beta
         self.l2_reg = l2_reg
         self.center_lr = center_lr

@@ -22,6 +22,7 @@ from typing import Literal
 
 import torch
 
+from index.errors import InvalidInputError
 from training.losses.base import MetricLoss
 from training.losses.npair import NPairLoss, log1p_sum_exp, positive_pairs
 from training.losses.pairs import gram_matrix
@@ -50,9 +51,9 @@ class AngularLoss(MetricLoss):
     def __init__(self, alpha: float = 45.0, form: Form = "npair") -> None:
         super().__init__()
         if form not in ("npair", "triplet"):
-            raise ValueError(f"form must be 'npair' or 'triplet', got {form!r}")
+            raise InvalidInputError(f"form must be 'npair' or 'triplet', got {form!r}")
         if not 0.0 < alpha < 90.0:
-            raise ValueError(f"alpha is an angle in degrees in (0, 90), got {alpha}")
+            raise InvalidInputError(f"alpha is an angle in degrees in (0, 90), got {alpha}")
         self.alpha = alpha
         self.form = form
         self.sq_tan_alpha = math.tan(math.radians(alpha)) ** 2

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from index.errors import InvalidInputError
 from training.losses.pairs import PairLoss
 from training.losses.registry import BatchLayout, register_loss
 
@@ -214,7 +215,9 @@ class ContrastiveLoss(PairLoss):
     ) -> None:
         super().__init__(normalize)
         if power < 1:
-            raise ValueError(f"power must be >= 1 (the hinge's gradient is unbounded below 1), got {power}")
+            raise InvalidInputError(
+                f"power must be >= 1 (the hinge's gradient is unbounded below 1), got {power}"
+            )
         self.pos_margin, self.neg_margin, self.power = pos_margin, neg_margin, power
 
     def pair_loss(self, geometry: Tensor, pos_mask: Tensor, neg_mask: Tensor) -> Tensor:

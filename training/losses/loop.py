@@ -58,6 +58,7 @@ from typing import Any, Literal
 import torch
 from torch.autograd.function import once_differentiable
 
+from index.errors import InvalidInputError
 from training.losses.baselines import multi_similarity_loss, multi_similarity_mining
 from training.losses.loop_geometry import Geometry, pair_of_pair_distances
 from training.losses.pairs import PairLoss, pairwise_distances
@@ -151,7 +152,9 @@ class _LoOpLoss(PairLoss):
     def __init__(self, hard_negatives: HardNegatives, normalize: bool) -> None:
         super().__init__(normalize)
         if hard_negatives not in ("loop", "endpoints"):
-            raise ValueError(f"unknown hard_negatives {hard_negatives!r}; choose 'loop' or 'endpoints'")
+            raise InvalidInputError(
+                f"unknown hard_negatives {hard_negatives!r}; choose 'loop' or 'endpoints'"
+            )
         self.hard_negatives = hard_negatives
 
     def check_labels(self, labels: torch.Tensor) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from index.errors import InvalidInputError
 from training.losses.base import MetricLoss
 from training.losses.registry import BatchLayout, register_loss
 
@@ -113,9 +114,9 @@ class MagnetLoss(MetricLoss):
     ) -> None:
         super().__init__()
         if not 0.0 < variance_momentum <= 1.0:
-            raise ValueError(f"variance_momentum must be in (0, 1], got {variance_momentum}")
+            raise InvalidInputError(f"variance_momentum must be in (0, 1], got {variance_momentum}")
         if not global_scaling > 0.0:
-            raise ValueError(f"global_scaling must be positive, got {global_scaling}")
+            raise InvalidInputError(f"global_scaling must be positive, got {global_scaling}")
         self.global_scaling = global_scaling
         self.alpha = alpha
         self.variance_momentum = variance_momentum
@@ -191,13 +192,13 @@ class KNCClassifier:
         self.centres = _as_tensor(centres)
         labels = _as_tensor(centre_labels)
         if self.centres.ndim != 2 or len(self.centres) != len(labels) or len(labels) == 0:
-            raise ValueError(
+            raise InvalidInputError(
                 f"expected (K, d) centres and K labels, got {tuple(self.centres.shape)}, {len(labels)}"
             )
         if not float(variance) > 0.0:
-            raise ValueError(f"variance must be positive, got {variance}")
+            raise InvalidInputError(f"variance must be positive, got {variance}")
         if num_nearest < 1 or chunk_size < 1:
-            raise ValueError("num_nearest and chunk_size must be positive")
+            raise InvalidInputError("num_nearest and chunk_size must be positive")
         self.classes, self._centre_class = torch.unique(labels, return_inverse=True)
         self.variance = float(variance)
         self.num_nearest = min(num_nearest, len(labels))

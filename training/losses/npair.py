@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 from torch.nn import functional as F
 
+from index.errors import InvalidInputError
 from training.losses.base import MetricLoss
 from training.losses.pairs import gram_matrix, label_masks
 from training.losses.registry import BatchLayout, register_loss
@@ -86,7 +87,7 @@ class NPairLoss(MetricLoss):
     def __init__(self, l2_reg: float = 0.0005, tuples: Tuples = "sohn") -> None:
         super().__init__()
         if tuples not in ("sohn", "all_pairs"):
-            raise ValueError(f"tuples must be 'sohn' or 'all_pairs', got {tuples!r}")
+            raise InvalidInputError(f"tuples must be 'sohn' or 'all_pairs', got {tuples!r}")
         self.l2_reg = l2_reg
         self.tuples = tuples
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from index.errors import InvalidInputError
 from training.losses.base import MetricLoss
 from training.losses.pairs import label_masks
 from training.losses.registry import BatchLayout, register_loss
@@ -62,9 +63,9 @@ class PDDMUnit(nn.Module):
     def __init__(self, dim: int, hidden: int = 128, dropout: float = 0.0) -> None:
         super().__init__()
         if dim < 1 or hidden < 1:
-            raise ValueError(f"dim and hidden must be positive, got {dim}, {hidden}")
+            raise InvalidInputError(f"dim and hidden must be positive, got {dim}, {hidden}")
         if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+            raise InvalidInputError(f"dropout must be in [0, 1), got {dropout}")
         self.dim, self.hidden, self.dropout = dim, hidden, dropout
         self.fc_u = nn.Linear(dim, hidden)
         self.fc_v = nn.Linear(dim, hidden)
@@ -229,7 +230,9 @@ class PDDMLoss(MetricLoss):
     ) -> None:
         super().__init__()
         if quadruplets not in get_args(Quadruplets):
-            raise ValueError(f"quadruplets must be one of {get_args(Quadruplets)}, got {quadruplets!r}")
+            raise InvalidInputError(
+                f"quadruplets must be one of {get_args(Quadruplets)}, got {quadruplets!r}"
+            )
         self.unit = PDDMUnit(embedding_dim, hidden, dropout)
         self.alpha, self.beta, self.lam = alpha, beta, lam
         self.quadruplets = quadruplets

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from index.errors import InvalidInputError
 from training.losses.base import MetricLoss
 from training.registry import Registry
 
@@ -70,7 +71,7 @@ class LossSpec:
     def build(self, **hparams: Any) -> MetricLoss:
         unknown = set(hparams) - set(self.defaults)
         if unknown:
-            raise ValueError(
+            raise InvalidInputError(
                 f"loss {self.name!r} has no hyperparameter(s) {sorted(unknown)}; "
                 f"known: {sorted(self.defaults)}"
             )
