@@ -14,6 +14,7 @@ from starlette.routing import BaseRoute, Match
 
 from app.memory import release_memory
 from engine.decode_pool import DecodeCancelledError, DecodePoolClosedError
+from engine.embedder import EmbedTimeoutError
 from engine.images import ImageDecodeError
 from engine.item_reader import ItemNotFoundError
 from engine.item_writer import DuplicateItemError, InvalidItemError, StorageError
@@ -106,6 +107,15 @@ def install_error_handlers(app: FastAPI) -> None:
             "out_of_memory",
             "the server does not have the memory for this request now: retry later, or send smaller images",
             headers={"Retry-After": str(OUT_OF_MEMORY_RETRY_AFTER)},
+        )
+
+    @app.exception_handler(EmbedTimeoutError)
+    async def embed_timeout(request: Request, err: EmbedTimeoutError) -> JSONResponse:
+        # Images reach the model at its input size and runs are bounded in images, so an overrun is the
+        # server's state (load, a slow model), not the request's: 503, the run stopped and its slot free.
+        log.error("embedding stopped on %s %s: %s", request.method, request.url.path, err)
+        return error_response(
+            503, "embed_timeout", str(err), headers={"Retry-After": str(OUT_OF_MEMORY_RETRY_AFTER)}
         )
 
     @app.exception_handler(DecodeCancelledError)
