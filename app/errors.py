@@ -83,7 +83,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(UnknownLabelError)
     async def unknown_label(_: Request, err: UnknownLabelError) -> JSONResponse:
-        return error_response(422, "unknown_label", str(err))
+        # A well-formed filter naming a label no item has (now: an add can make it one), as an unknown
+        # item id is: not found. The labels change with every write, so no schema can list them.
+        return error_response(404, "unknown_label", str(err))
 
     @app.exception_handler(InvalidItemError)
     async def invalid_item(_: Request, err: InvalidItemError) -> JSONResponse:
