@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -25,6 +23,7 @@ from app.middleware import (
     RequestMetricsMiddleware,
     UploadLimitMiddleware,
 )
+from app.openapi import served_openapi
 from app.ratelimit import TokenBucketLimiter
 from app.reload import Reloader, ReloadError, reload_on_sighup
 from app.routes import router
@@ -68,34 +67,6 @@ past one, 422 `image_too_costly`. A client that disconnects ends its decode. Run
 anywhere else is 503 `out_of_memory` with `Retry-After`; a read-only or full index folder makes writes 503
 `storage_unavailable`, searches go on.
 """
-
-
-def _served_openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
-    """The OpenAPI schema as this server answers it, so that it allows nothing the server refuses: a
-    search's ``k`` and ``offset`` go up to the settings' ``max_k`` and ``max_offset``, and ``rerank``
-    offers the re-rankers of the model served now (none: no ``rerank`` parameter)."""
-    static = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        schema = copy.deepcopy(static())
-        service = app.state.engine.service
-        rerankers = service.rerankers if service is not None else []
-        settings: Settings = app.state.settings
-        for operation in (op for path in schema["paths"].values() for op in path.values()):
-            parameters = operation.get("parameters", [])
-            if any(p["name"] == "min_score" for p in parameters):  # a search: its limits are settings
-                for parameter in parameters:
-                    limit = {"k": settings.max_k, "offset": settings.max_offset}.get(parameter["name"])
-                    if limit is not None:
-                        parameter["schema"]["maximum"] = limit
-            for parameter in [p for p in parameters if p["name"] == "rerank"]:
-                if rerankers:
-                    parameter["schema"] = {"anyOf": [{"enum": rerankers, "type": "string"}, {"type": "null"}]}
-                else:
-                    parameters.remove(parameter)
-        return schema
-
-    return openapi
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -157,5 +128,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
     install_error_handlers(app)
     app.include_router(router)
-    app.openapi = _served_openapi(app)  # type: ignore[method-assign]
+    app.openapi = served_openapi(app)  # type: ignore[method-assign]
     return app

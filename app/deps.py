@@ -7,11 +7,12 @@ thread pool, one hop each, which cost milliseconds per request on a busy CPU.
 from __future__ import annotations
 
 import datetime as dt
+import re
 import secrets
 from typing import Annotated, Literal
 
 from fastapi import Depends, Header, Path, Query, Request
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, WithJsonSchema
 
 from app.compute import ComputeSlots
 from app.errors import ApiError
@@ -34,6 +35,30 @@ def _iso_time(value: object) -> object:
 
 
 IsoTime = Annotated[dt.datetime, BeforeValidator(_iso_time)]
+
+# A calendar date, or a date and a time of day, with no zone: valid dates only (leap years included), so
+# that what the pattern allows always parses. [0-9], not \d: Python's \d takes any script's digits.
+_YEAR = "(?:000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = (
+    f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+    f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)"
+)
+LOCAL_TIME_PATTERN = f"^{_DATE}(?:T(?:[01][0-9]|2[0-3]):[0-5][0-9](?::[0-5][0-9](?:\\.[0-9]{{1,6}})?)?)?$"
+
+
+def _local_time(value: object) -> object:
+    """A time on the camera's clock: the pattern's text only (no zone: those photos have none)."""
+    if isinstance(value, str) and re.fullmatch(LOCAL_TIME_PATTERN, value):
+        return dt.datetime.fromisoformat(value)
+    raise ValueError(f"give a date or a date and time without a zone (2024-06-01T12:30), got {value!r}")
+
+
+LocalTime = Annotated[
+    dt.datetime,
+    BeforeValidator(_local_time),
+    WithJsonSchema({"type": "string", "pattern": LOCAL_TIME_PATTERN}),
+]
 ItemId = Annotated[int, Path(ge=0, le=INT64_MAX, description="The item's id in the index.")]
 
 
@@ -70,14 +95,14 @@ async def item_filter(
         ),
     ] = None,
     taken_from: Annotated[
-        IsoTime | None,
+        LocalTime | None,
         Query(
             description="Only photos taken at or after this time on the camera's clock (EXIF capture time, "
             "else the file's time; ISO 8601 without a zone, e.g. 2024-06-01)."
         ),
     ] = None,
     taken_to: Annotated[
-        IsoTime | None,
+        LocalTime | None,
         Query(description="Only photos taken before this time on the camera's clock (ISO 8601, no zone)."),
     ] = None,
     added_from: Annotated[

@@ -41,11 +41,15 @@ KIND_STATUS = {
 _ERROR_HEADERS = {
     "index_unavailable": {"Retry-After": str(INDEX_UNAVAILABLE_RETRY_AFTER)},
     "shutting_down": {"Connection": "close"},
+    # Images reach the model at its input size and runs are bounded in images, so an overrun is the
+    # server's state (load, a slow model), not the request's: the run stopped, its slot free.
+    "embed_timeout": {"Retry-After": str(OUT_OF_MEMORY_RETRY_AFTER)},
 }
 # Errors that are the server's trouble, not the client's: logged, with what failed.
 _LOGGED_ERRORS = {
     "storage_unavailable": "write refused",
     "index_unavailable": "index server failed",  # the index's server (Milvus), not a bug here
+    "embed_timeout": "embedding stopped",
 }
 # Codes for errors Starlette raises itself (unknown route, wrong method, unreadable multipart body).
 _HTTP_ERROR_CODES = {

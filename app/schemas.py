@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.labels import MAX_LABEL_CHARS
+from engine.labels import LABEL_PATTERN, MAX_LABEL_CHARS
 from engine.model_card import ValidationCheck
 from engine.query import BatchResponse
 from engine.ranking import QueryHits
@@ -216,9 +216,9 @@ class NewItemsJsonIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     images: list[Base64Image] = Field(min_length=1)
-    labels: list[Annotated[str, Field(min_length=1, max_length=MAX_LABEL_CHARS)] | None] = Field(
-        default_factory=list
-    )
+    labels: list[
+        Annotated[str, Field(min_length=1, max_length=MAX_LABEL_CHARS, pattern=LABEL_PATTERN)] | None
+    ] = Field(default_factory=list)
 
 
 class ErrorBody(BaseModel):

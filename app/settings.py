@@ -65,6 +65,13 @@ class Settings(BaseSettings):
         gt=0,
         description="wall-clock time decoding one image may take (its CPU is shared); past it, 422 as well",
     )
+    embed_run_seconds: float = Field(
+        defaults.EMBED_RUN_SECONDS,
+        gt=0,
+        description="wall-clock time one model run (a few images, already at the model's input size) may "
+        "take before it is stopped: 503 embed_timeout, the server's state (load, a slow model), not the "
+        "request's",
+    )
     decode_memory_mb: int = Field(
         defaults.DECODE_MEMORY_BYTES // 1024**2,
         ge=64,

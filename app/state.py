@@ -9,6 +9,7 @@ from pathlib import Path
 from app.settings import Settings
 from engine.bundle import resolve_model
 from engine.decode_pool import Decoder
+from engine.probe import prove_index
 from engine.search import SearchService
 from engine.serving import LoadedBundle, ServingConfig
 from index.atomic import remove_abandoned
@@ -63,12 +64,20 @@ class EngineState:
             threads=settings.threads,
             backend=settings.backend,
             milvus_uri=settings.milvus_uri,
+            run_seconds=settings.embed_run_seconds,
         )
 
     @classmethod
     def open(cls, settings: Settings, *, decoder: Decoder) -> EngineState:
-        """A ready engine over the configured bundle, or an exception saying why not."""
+        """A ready engine over the configured bundle, or an exception saying why not. The bundle first
+        passes the probe a reload's does (engine.probe), here in this process, where nothing is served yet:
+        the model's run deadline (``embed_run_seconds``) stops a model that never returns."""
         bundle = cls.open_bundle(settings, *cls.locate(settings))
+        try:
+            prove_index(bundle, stored_vectors=True)
+        except Exception:
+            bundle.index.close()
+            raise
         return cls(SearchService(bundle, cls.config(settings, decoder)), None)
 
     @classmethod

@@ -13,15 +13,24 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.formparsers import MultiPartException, MultiPartParser, parse_options_header
 
 from app.errors import ApiError
 from app.schemas import ImageJsonIn, ImagesJsonIn, NewItemsJsonIn
-from engine.labels import MAX_LABEL_CHARS
+from engine.images import IMAGE_MEDIA_TYPES
+from engine.labels import LABEL_PATTERN, MAX_LABEL_BYTES, MAX_LABEL_CHARS
 from index.errors import ErrorKind
 
 _DATA_URL_PREFIX = re.compile(r"^data:[\w/+.-]*;base64,")
 _LABEL_FIELD = "label"
+# The image fields of the upload bodies, multipart and JSON.
+_IMAGE_FIELDS = ("images", "image")
+_LABEL_RULE = (
+    f"each 1-{MAX_LABEL_CHARS} characters and at most {MAX_LABEL_BYTES} bytes in UTF-8 (after Unicode NFC)"
+)
+# A file part: an image of a format the server decodes (by its content; the part's type is not read).
+_FILE_PART_ENCODING = {"contentType": ", ".join(IMAGE_MEDIA_TYPES)}
+_LABEL_SCHEMA = {"type": "string", "minLength": 1, "maxLength": MAX_LABEL_CHARS, "pattern": LABEL_PATTERN}
 
 
 @dataclass(frozen=True)
@@ -32,15 +41,19 @@ class Uploads:
 
 
 def request_body_spec(field: str, json_model: type[BaseModel], *, many: bool, labelled: bool = False) -> dict:
-    """OpenAPI ``requestBody`` for a route that takes images as multipart uploads or as base64 JSON."""
+    """OpenAPI ``requestBody`` for a route that takes images as multipart uploads or as base64 JSON.
+
+    A multipart field sent once reads as one value, so a field that may repeat takes one value or an
+    array of them; each file part is an image of a format the server decodes (``encoding``: a JSON Schema
+    cannot say "decodes as an image", a media type can). The counts that depend on the settings are
+    added by :func:`bound_upload_counts`.
+    """
     file_schema: dict[str, Any] = {"type": "string", "format": "binary", "minLength": 1}
-    files = {"type": "array", "items": file_schema, "minItems": 1}
-    properties: dict[str, Any] = {field: files if many else file_schema}
+    properties: dict[str, Any] = {field: _one_or_many(file_schema) if many else file_schema}
     if labelled:
         properties[_LABEL_FIELD] = {
-            "type": "array",
-            "items": {"type": "string", "minLength": 1, "maxLength": MAX_LABEL_CHARS},
-            "description": "no label, one label for every image, or one per image (in order)",
+            **_one_or_many(_LABEL_SCHEMA),
+            "description": f"no label, one label for every image, or one per image (in order); {_LABEL_RULE}",
         }
     multipart = {
         "type": "object",
@@ -52,11 +65,29 @@ def request_body_spec(field: str, json_model: type[BaseModel], *, many: bool, la
         "requestBody": {
             "required": True,
             "content": {
-                "multipart/form-data": {"schema": multipart},
+                "multipart/form-data": {
+                    "schema": multipart,
+                    "encoding": {field: _FILE_PART_ENCODING},
+                },
                 "application/json": {"schema": json_model.model_json_schema()},
             },
         }
     }
+
+
+def _one_or_many(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "array", "items": schema, "minItems": 1}]}
+
+
+def bound_upload_counts(body: dict[str, Any], max_batch: int) -> None:
+    """Complete an upload body's schema (multipart or JSON) with what the settings bound: at most
+    ``max_batch`` images. (That labels number none, one or one per image is in words: a JSON Schema
+    cannot tie one array's length to another's, and one branch per count is more than generators take.)"""
+    properties = body.get("properties", {})
+    images = next((properties[name] for name in _IMAGE_FIELDS if name in properties), {})
+    for schema in [images, *images.get("anyOf", [])]:
+        if schema.get("type") == "array":
+            schema["maxItems"] = max_batch
 
 
 async def read_uploads(
@@ -102,12 +133,29 @@ def _check_count(count: int, max_count: int) -> None:
         )
 
 
+class _ImagePartsParser(MultiPartParser):
+    """Parts of the image field are files, with or without a filename: RFC 7578 (4.2) makes it optional,
+    and Starlette would read a part without one as text (and its bytes as UTF-8 or Latin-1)."""
+
+    def __init__(self, field: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.image_field = field.encode()
+
+    def on_headers_finished(self) -> None:
+        _, options = parse_options_header(self._current_part.content_disposition)
+        if options.get(b"name") == self.image_field and b"filename" not in options:
+            self._current_part.content_disposition += b'; filename=""'
+        super().on_headers_finished()
+
+
 async def _read_multipart(
     request: Request, field: str, max_count: int, max_bytes: int
 ) -> tuple[list[bytes], list[str | None]]:
     async with aclosing(request.stream()) as stream:
         # max_files bounds the parts the parser will hold; one more than allowed lets us say "too many".
-        parser = MultiPartParser(request.headers, stream, max_files=max_count + 1, max_fields=max_count + 16)
+        parser = _ImagePartsParser(
+            field, request.headers, stream, max_files=max_count + 1, max_fields=max_count + 16
+        )
         # Keep file parts in memory up to the size accepted anyway: spilling them to a temporary file
         # costs a thread-pool hop per 64 KiB chunk, which under load made a 12-MP upload take ~0.5 s.
         parser.spool_max_size = max_bytes + 1
@@ -149,7 +197,11 @@ async def _read_multipart(
                     f"{part.filename or field} is over {max_bytes} bytes",
                 )
             images.append(data)
-        labels = [value if isinstance(value, str) else None for value in form.getlist(_LABEL_FIELD)]
+        labels = form.getlist(_LABEL_FIELD)
+        if any(not isinstance(label, str) for label in labels):
+            raise ApiError(
+                ErrorKind.INVALID, "invalid_request", f"the field {_LABEL_FIELD!r} must be text, not a file"
+            )
     finally:
         await form.close()
     return images, labels

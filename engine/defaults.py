@@ -29,6 +29,9 @@ MAX_BATCH_PIXELS = 100_000_000
 # 422 image_too_costly; the figures behind each: README, "Limits and memory".
 DECODE_CPU_SECONDS = 5.0
 DECODE_WALL_SECONDS = 30.0
+# Wall-clock seconds one model run (at most RUN_IMAGES images, already resized to the model's input) may
+# take in the server before onnxruntime is told to stop it: minutes of a loaded CPU, never a normal run.
+EMBED_RUN_SECONDS = 60.0
 DECODE_MEMORY_BYTES = 1024 * 1024**2
 # Decode large JPEGs at reduced DCT scale (see engine.images.DRAFT_MARGIN for the measured cost).
 JPEG_DRAFT = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -10,11 +11,18 @@ from PIL import Image
 
 from engine.model_card import ModelCard, check_fingerprint
 from engine.preprocess import to_tensor
-from index.errors import MissingDependencyError, NotFoundError, UnavailableError
+from index.errors import DmlsearchError, ErrorKind, MissingDependencyError, NotFoundError, UnavailableError
 from index.protocol import normalize_rows
 
 # How onnxruntime's arena reports an allocation it could not make (bfc_arena.cc).
 ONNX_ALLOCATION_FAILED = "Failed to allocate memory"
+
+
+class EmbedTimeoutError(DmlsearchError, RuntimeError):
+    """A model run overran its deadline and was stopped (its thread and compute slot are free again)."""
+
+    kind = ErrorKind.UNAVAILABLE
+    code = "embed_timeout"
 
 
 def _onnxruntime():
@@ -31,9 +39,18 @@ class Embedder:
     """An ONNX embedding model plus its ``model.json``: images in, L2-normalised float32 vectors out."""
 
     def __init__(
-        self, model_path: Path | str, *, threads: int = 0, device: str = "auto", spinning: bool = False
+        self,
+        model_path: Path | str,
+        *,
+        threads: int = 0,
+        device: str = "auto",
+        spinning: bool = False,
+        run_seconds: float | None = None,
     ) -> None:
+        """``run_seconds``: stop a model run that takes longer (:class:`EmbedTimeoutError`); None: no
+        deadline (offline jobs, where a run's length is the job's)."""
         self.model_path = Path(model_path)
+        self.run_seconds = run_seconds
         if not self.model_path.exists():
             raise NotFoundError(f"model file {self.model_path} does not exist")
         self.card = ModelCard.load(self.model_path)
@@ -56,12 +73,23 @@ class Embedder:
         """The model's raw output for a preprocessed NCHW batch; ``MemoryError`` when onnxruntime could not
         allocate (it raises its own ``Fail``, which the API would answer 500, not 503)."""
         feed = {self.input_name: np.ascontiguousarray(batch, dtype=np.float32)}
+        options = _onnxruntime().RunOptions()
+        # onnxruntime checks the flag between kernels and stops the run: the only way to end one early.
+        deadline = threading.Timer(self.run_seconds or 0.0, setattr, (options, "terminate", True))
+        if self.run_seconds is not None:
+            deadline.start()
         try:
-            (output,) = self.session.run(None, feed)
+            (output,) = self.session.run(None, feed, options)
         except Exception as err:
+            if options.terminate:
+                raise EmbedTimeoutError(
+                    f"the model did not embed {len(batch)} image(s) within {self.run_seconds:g} s"
+                ) from None
             if ONNX_ALLOCATION_FAILED in str(err):
                 raise MemoryError(f"the model could not allocate: {err}") from None
             raise
+        finally:
+            deadline.cancel()
         return output
 
     def embed_tensor(self, batch: np.ndarray, *, run_size: int | None = None) -> np.ndarray:

@@ -32,6 +32,18 @@ FORMAT_SUFFIXES = {
     "AVIF": ".avif",
 }
 ALLOWED_FORMATS = frozenset(FORMAT_SUFFIXES)
+# The media types of those formats, for the API's schema (MPO is a JPEG to anyone but Pillow).
+IMAGE_MEDIA_TYPES = (
+    "image/jpeg",
+    "image/png",
+    "image/webp",
+    "image/bmp",
+    "image/gif",
+    "image/tiff",
+    "image/heic",
+    "image/heif",
+    "image/avif",
+)
 # Files with these suffixes are taken as images without looking inside; any other file is recognised by
 # its content (see is_image_file). Either way decoding goes by content, never by the name.
 IMAGE_SUFFIXES = frozenset({*FORMAT_SUFFIXES.values(), ".jpeg", ".tiff", ".heif", ".hif"})

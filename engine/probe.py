@@ -23,10 +23,13 @@ from PIL import Image
 from engine.embedder import Embedder
 from engine.serving import LoadedBundle
 from index.errors import InvalidInputError
+from index.gallery import GalleryIndex
 from index.items import ItemStore
-from index.protocol import normalize_rows
+from index.protocol import normalize_rows, not_unit_rows
 
 _PROBE_SIZE = 64
+# Stored vectors read back from an index server (Milvus) by the probe.
+_SAMPLED_VECTORS = 64
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 # The child's stderr kept for the error message: onnxruntime's last words, not a whole log.
 _STDERR_TAIL = 400
@@ -92,6 +95,28 @@ def check_index(bundle: LoadedBundle, vector: np.ndarray, *, stored_vectors: boo
         problem = index.items.vector_problem()
         if problem is not None:
             raise ProbeError(f"{index.directory / ItemStore.FILE_NAME}: {problem}")
+    elif stored_vectors:
+        check_sampled_vectors(index, bundle.embedder.dim)
+
+
+def check_sampled_vectors(index: GalleryIndex, dim: int) -> None:
+    """An index whose vectors live in its server (Milvus), where reading them all would take minutes at
+    scale: as many vectors as items, and the vectors of the first items in id order are ``dim`` float32s,
+    finite and of unit length; :class:`ProbeError` when not."""
+    items, vectors = len(index.items), len(index)
+    if items != vectors:
+        raise ProbeError(f"the index holds {vectors} vectors for {items} items")
+    ids = [item.id for item in index.items.page(0, _SAMPLED_VECTORS)]
+    try:
+        sample = index.vectors(ids)
+    except KeyError as err:
+        raise ProbeError(f"the index lost stored vectors: {err}") from None
+    if sample.shape != (len(ids), dim):
+        raise ProbeError(f"the stored vectors have shape {sample.shape[1:]}, the model {dim} dimensions")
+    bad = not_unit_rows(sample)
+    if bad.any():
+        some = np.asarray(ids)[bad][:5].tolist()
+        raise ProbeError(f"stored vectors of ids {some} are not finite unit vectors")
 
 
 def prove_bundle(bundle: LoadedBundle, output: np.ndarray) -> None:
@@ -101,10 +126,12 @@ def prove_bundle(bundle: LoadedBundle, output: np.ndarray) -> None:
 
 
 def prove_index(bundle: LoadedBundle, *, stored_vectors: bool) -> None:
-    """The probe of another index about to be served with the model already served (already answering
-    queries): the probe query runs in this process."""
-    vector = bundle.embedder.embed([probe_image()])
-    check_index(bundle, check_output(vector, bundle.embedder.dim), stored_vectors=stored_vectors)
+    """The probe of a bundle whose model is trusted to run in this process: the model served already,
+    with another index, or the bundle a server starts with (nothing served yet; the model's run deadline
+    stops one that never returns)."""
+    embedder = bundle.embedder
+    output = embedder.run_tensor(embedder.preprocess([probe_image()]))  # raw, as the child's: checked below
+    check_index(bundle, check_output(np.asarray(output), embedder.dim), stored_vectors=stored_vectors)
 
 
 def main() -> None:

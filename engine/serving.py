@@ -44,11 +44,13 @@ class LoadedBundle:
         threads: int = 0,
         backend: str | None = None,
         milvus_uri: str | None = None,
+        run_seconds: float | None = None,
     ) -> LoadedBundle:
         """``model_path``: None serves the model the index carries; ``backend``: refuse an index of another
         backend; ``milvus_uri``: where its Milvus collection is. The model's PDDM unit is loaded too when
-        its card names one (a model exported from a pddm run)."""
-        embedder = Embedder(resolve_model(index_dir, model_path), threads=threads)
+        its card names one (a model exported from a pddm run). ``run_seconds``: the deadline of each model
+        run (:class:`engine.embedder.EmbedTimeoutError`)."""
+        embedder = Embedder(resolve_model(index_dir, model_path), threads=threads, run_seconds=run_seconds)
         index = cls.open_index(index_dir, backend=backend, milvus_uri=milvus_uri)
         reranker = PDDMReranker.for_model(embedder.model_path, embedder.card, threads=threads)
         return cls(embedder, index, reranker)

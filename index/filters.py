@@ -24,7 +24,7 @@ import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from index.errors import InvalidInputError
+from index.errors import ErrorKind, InvalidInputError
 
 # When the photo was taken, or for items indexed before that was kept, when it was indexed.
 TAKEN_OR_ADDED = "COALESCE(taken, added)"
@@ -148,8 +148,10 @@ def stored_time(time: dt.datetime) -> str:
 
 
 class UnknownLabelError(InvalidInputError):
-    """A label filter names a label no item has (ignoring case)."""
+    """A label filter names a label no item has (ignoring case). Not found, as an unknown item id is: the
+    labels change with every write, so no schema can list them."""
 
+    kind = ErrorKind.NOT_FOUND
     code = "unknown_label"
 
 

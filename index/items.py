@@ -23,13 +23,11 @@ import numpy as np
 
 from index.errors import NotFoundError
 from index.filters import TAKEN_OR_ADDED, ItemFilter
-from index.protocol import Entry, Item, Move, check_dim, normalize_rows
+from index.protocol import Entry, Item, Move, check_dim, normalize_rows, not_unit_rows
 
 _COLUMNS = "id, path, label, content_hash, added, taken"
 _COLUMNS_BEFORE_TAKEN = "id, path, label, content_hash, added, NULL"  # an old store, opened read-only
 _SQL_CHUNK = 10_000  # ids per "IN (...)" query, below SQLite's variable limit
-# How far a stored vector's length may be from 1 (float32 rounding of a normalised vector is ~1e-7).
-_UNIT_TOLERANCE = 1e-3
 
 
 def now_utc() -> str:
@@ -249,8 +247,7 @@ class ItemStore:
         if unpaired:
             return f"{unpaired} items have no stored vector or vectors no item"
         for ids, vectors in self.iter_vectors(chunk_size):
-            norms = np.linalg.norm(vectors, axis=1)
-            bad = ~np.isfinite(norms) | ((np.abs(norms - 1.0) > _UNIT_TOLERANCE) & (norms != 0))
+            bad = not_unit_rows(vectors)
             if bad.any():
                 some = ids[bad][:5].tolist()
                 return f"stored vectors of ids {some} are not finite unit vectors (corrupt blobs)"

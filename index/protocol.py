@@ -225,6 +225,17 @@ def normalize_rows(vectors: np.ndarray) -> np.ndarray:
     return vectors / np.maximum(norms, 1e-12)
 
 
+# How far a stored vector's length may be from 1 (float32 rounding of a normalised vector is ~1e-7).
+STORED_UNIT_TOLERANCE = 1e-3
+
+
+def not_unit_rows(vectors: np.ndarray) -> np.ndarray:
+    """Which stored vectors are damaged: not finite, or neither of unit length nor zero (vectors are
+    stored normalised)."""
+    norms = np.linalg.norm(vectors, axis=1)
+    return ~np.isfinite(norms) | ((np.abs(norms - 1.0) > STORED_UNIT_TOLERANCE) & (norms != 0))
+
+
 def check_dim(vectors: np.ndarray, dim: int, what: str = "vectors") -> None:
     if vectors.shape[1] != dim:
         raise ValueError(f"{what} have dimension {vectors.shape[1]}, the index holds {dim}")

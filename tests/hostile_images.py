@@ -187,6 +187,53 @@ def animated(image_format: str, count: int, side: int, **options: object) -> byt
     return encode(frames[0], image_format, save_all=True, append_images=frames[1:], **options)
 
 
+def gif_declaring(side: int) -> bytes:
+    """An 8x8 GIF whose screen and frame descriptors declare ``side`` x ``side`` (54 bytes)."""
+    data = bytearray(encode(Image.new("L", (8, 8)), "GIF"))
+    data[6:10] = struct.pack("<HH", side, side)
+    frame = data.index(b"\x2c", 13)  # the image descriptor
+    data[frame + 5 : frame + 9] = struct.pack("<HH", side, side)
+    return bytes(data)
+
+
+def _png(header: bytes, stream: bytes) -> bytes:
+    """A PNG of one IHDR and one IDAT chunk."""
+    chunks = png_chunk(b"IHDR", header) + png_chunk(b"IDAT", stream) + png_chunk(b"IEND", b"")
+    return b"\x89PNG\r\n\x1a\n" + chunks
+
+
+def png_zlib_bomb(megabytes: int) -> bytes:
+    """A 1x1 grey PNG whose IDAT stream inflates to ``megabytes`` MB beyond its one pixel (~1 KB per MB)."""
+    header = struct.pack(">IIBBBBB", 1, 1, 8, 0, 0, 0, 0)
+    stream = zlib.compress(b"\x00\x80" + bytes(megabytes * 1024**2), 9)
+    return _png(header, stream)
+
+
+def png_palette_without_plte(side: int = 16) -> bytes:
+    """A palette PNG with no PLTE chunk: indexes into a palette that is not there."""
+    header = struct.pack(">IIBBBBB", side, side, 8, 3, 0, 0, 0)
+    stream = zlib.compress(b"".join(b"\x00" + bytes(side) for _ in range(side)))
+    return _png(header, stream)
+
+
+def tiff_strip_past_the_end() -> bytes:
+    """A 64x64 TIFF whose strip offset points 2 GB past the end of its 4 KB file."""
+    data = bytearray(encode(Image.new("L", (64, 64)), "TIFF"))
+    directory = struct.unpack("<I", data[4:8])[0]
+    for entry in range(struct.unpack("<H", data[directory : directory + 2])[0]):
+        at = directory + 2 + 12 * entry
+        if struct.unpack("<H", data[at : at + 2])[0] == 273:  # StripOffsets
+            data[at + 8 : at + 12] = struct.pack("<I", 0x7FFFFFF0)
+    return bytes(data)
+
+
+def webp_riff_size_lies() -> bytes:
+    """A 64x64 WebP whose RIFF header says the file is 4 GB."""
+    data = bytearray(encode(Image.new("RGB", (64, 64)), "WEBP"))
+    data[4:8] = struct.pack("<I", 0xFFFFFFF0)
+    return bytes(data)
+
+
 HOSTILE: dict[str, Maker] = {
     # the attacks of issue 24
     "jpeg-progressive-1k-scans": lambda: jpeg_repeated_scan(1000),
@@ -211,4 +258,9 @@ HOSTILE: dict[str, Maker] = {
     "tiff-LAB-49mp": lambda: encode(Image.new("LAB", (SIDE, SIDE)), "TIFF", compression="tiff_adobe_deflate"),
     "webp-over-limit-16383x4000": lambda: encode(Image.new("RGB", (16383, 4000)), "WEBP", quality=10),
     "jpeg-truncated-progressive-49mp": lambda: jpeg_repeated_scan(1)[:5000],
+    "gif-declares-65535x65535": lambda: gif_declaring(65535),
+    "png-1x1-idat-inflates-to-200mb": lambda: png_zlib_bomb(200),
+    "png-palette-without-plte": png_palette_without_plte,
+    "tiff-strip-offset-past-the-end": tiff_strip_past_the_end,
+    "webp-riff-size-4gb": webp_riff_size_lies,
 }

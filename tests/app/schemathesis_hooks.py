@@ -1,10 +1,12 @@
-"""Schemathesis hooks for the contract test (``SCHEMATHESIS_HOOKS``): the base64 images of JSON bodies are
-real images.
+"""Schemathesis hooks for the contract test (``SCHEMATHESIS_HOOKS``): the images it sends are real images.
 
-A JSON Schema can say that a string is base64 (``contentEncoding``) but not that it decodes to an image,
-so schemathesis fills it with base64 of random text, which the server rightly refuses (400
-``corrupt_image``). For multipart uploads (``format: binary``) schemathesis sends real image files of its
-own; this gives JSON bodies the same, leaving every other part of the generated request as it was.
+The schema says what an upload is as far as OpenAPI can: multipart file parts carry the image media types
+the server decodes (``encoding.contentType``), and JSON images are base64 (``contentEncoding``). Neither
+says "decodes as an image", so schemathesis would send random bytes (or a zip) under ``image/png``, which
+the server rightly refuses (400 ``not_an_image``). These hooks give it what the media types name: images
+of each format made here with Pillow, of drawn sizes and colours, in multipart parts and in JSON bodies.
+The other rule stated only in words, the number of labels, is kept the same way. Everything else of the
+generated requests (every other field, every negative case) is left as generated.
 """
 
 from __future__ import annotations
@@ -13,18 +15,60 @@ import base64
 import io
 
 import schemathesis
+from hypothesis import strategies as st
 from PIL import Image
 
-_buffer = io.BytesIO()
-Image.new("RGB", (8, 8), (200, 40, 40)).save(_buffer, "PNG")
-IMAGE = base64.b64encode(_buffer.getvalue()).decode("ascii")
+# Media type -> the Pillow format that writes it (those the server decodes and Pillow writes here).
+WRITERS = {
+    "image/jpeg": "JPEG",
+    "image/png": "PNG",
+    "image/webp": "WEBP",
+    "image/bmp": "BMP",
+    "image/gif": "GIF",
+    "image/tiff": "TIFF",
+}
+
+
+def _encode(fmt: str, size: tuple[int, int], colour: tuple[int, int, int]) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def images(fmt: str) -> st.SearchStrategy[bytes]:
+    sides = st.integers(min_value=1, max_value=64)
+    channel = st.integers(min_value=0, max_value=255)
+    return st.builds(_encode, st.just(fmt), st.tuples(sides, sides), st.tuples(channel, channel, channel))
+
+
+for media_type, pillow_format in WRITERS.items():
+    schemathesis.openapi.media_type(media_type, images(pillow_format))
+
+IMAGE = base64.b64encode(_encode("PNG", (8, 8), (200, 40, 40))).decode("ascii")
+
+
+def _count(value: object) -> int:
+    """How many values a body field carries (a multipart field sent once is one value)."""
+    return len(value) if isinstance(value, list) else int(value is not None)
+
+
+def _one_label_per_image_or_one(body: dict) -> None:
+    """Labels number none, one, or one per image: the rule the schema states in words only (a JSON Schema
+    cannot tie one array's length to another's). A generated body with another count keeps its first."""
+    for images, labels in (("images", "label"), ("images", "labels")):
+        given = body.get(labels)
+        if isinstance(given, list) and _count(given) not in (0, 1, _count(body.get(images))):
+            body[labels] = given[:1]
 
 
 @schemathesis.hook
 def map_case(context: schemathesis.HookContext, case: schemathesis.Case) -> schemathesis.Case:
-    body = case.body
     positive = case.meta is not None and case.meta.generation.mode.is_positive
-    if positive and case.media_type == "application/json" and isinstance(body, dict):
+    body = getattr(case.body, "body", case.body)  # a multipart body with its parts' media types
+    if not positive or not isinstance(body, dict):
+        return case
+    _one_label_per_image_or_one(body)
+    if case.media_type == "application/json":
         if isinstance(body.get("image"), str):
             body["image"] = IMAGE
         if isinstance(body.get("images"), list):

@@ -17,15 +17,10 @@ SCHEMATHESIS = shutil.which("schemathesis", path=os.path.dirname(sys.executable)
 # Examples per operation, and a fixed seed: the same requests on every run.
 MAX_EXAMPLES = 25
 SEED = 24
+REQUEST_SECONDS = 60
 
 
 @pytest.mark.skipif(SCHEMATHESIS is None, reason="schemathesis is not installed (pip install -e '.[dev]')")
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (issue 24.10): schemathesis still finds 5: multipart uploads of random bytes or a zip "
-    "(400 not_an_image: a JSON Schema cannot say 'decodes as an image'), the label count per image and "
-    "the label alphabet (422), and a label sent as an object accepted as text",
-)
 def test_the_api_keeps_its_openapi_contract(served_module: Served, tmp_path: Path) -> None:
     args = ["--index", str(served_module.index), "--model", str(served_module.model), "--rate-limit", "0"]
     env = {"DMLSEARCH_API_KEY": API_KEY}
@@ -45,7 +40,11 @@ def test_the_api_keeps_its_openapi_contract(served_module: Served, tmp_path: Pat
                 str(SEED),
                 "--generation-deterministic",
                 "--request-timeout",
-                "60",
+                str(REQUEST_SECONDS),
+                # A contract, not a benchmark (speed is measured in bench/): a 64-image batch took 18 s
+                # on the loaded 2-core test machine, past schemathesis's default of 10 s.
+                "--max-response-time",
+                str(REQUEST_SECONDS),
                 "--no-color",
             ],
             capture_output=True,

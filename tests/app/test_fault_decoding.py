@@ -269,6 +269,11 @@ EXPECTED = {
     # 1.5-2.4 s of CPU: about the 1-2 s these limits allow (RLIMIT_CPU counts whole seconds); 5 s takes it
     "tiff-LAB-49mp": {200, 422},
     "jpeg-truncated-progressive-49mp": {200, 400},
+    "gif-declares-65535x65535": {413},  # 54 bytes declaring 4.3 GP: refused from the header
+    "png-1x1-idat-inflates-to-200mb": {200},  # only the one pixel's bytes are inflated
+    "png-palette-without-plte": {200},  # Pillow's default palette
+    "tiff-strip-offset-past-the-end": {400},
+    "webp-riff-size-4gb": {400},
 }
 
 

@@ -23,7 +23,9 @@ import httpx
 import pytest
 from PIL import Image
 
+from engine.probe import ProbeError, check_sampled_vectors
 from index.gallery import GalleryIndex
+from index.manifest import Manifest
 from tests.helpers import (
     ADDRESS_SPACE_CAP,
     API_KEY,
@@ -463,6 +465,47 @@ def test_a_bundle_that_fails_its_probe_is_refused_and_costs_nothing(
     assert {answer.json()["model_fingerprint"] for answer in answers} == {old}
     assert httpx.get(f"{capped.url}/v1/duplicates", timeout=60).status_code == 200
     assert_alive(capped)
+
+
+def test_the_probe_of_an_index_server_samples_its_stored_vectors(
+    served_module: Served, hostile_bundles: dict[str, Path]
+) -> None:
+    """The probe's check for indexes whose vectors live in their server (Milvus, where reading all of
+    them would take minutes): counts agree, and the first items' vectors are the model's dimension, finite
+    and of unit length. Run here through the backend protocol on the FAISS copies (garbage blobs: random
+    bytes in every third vector), as the Milvus backend answers the same calls."""
+    dim = Manifest.load(served_module.index).dim
+    good, garbage = (
+        GalleryIndex.open(path) for path in (served_module.index, hostile_bundles["garbage blobs"])
+    )
+    try:
+        check_sampled_vectors(good, dim)
+        with pytest.raises(ProbeError, match="shape"):
+            check_sampled_vectors(good, dim + 1)
+        with pytest.raises(ProbeError, match="not finite unit vectors"):
+            check_sampled_vectors(garbage, dim)
+    finally:
+        good.close()
+        garbage.close()
+
+
+@pytest.mark.parametrize("case", ["narrow", "nan", "endless", "garbage blobs"])
+def test_a_bundle_that_fails_its_probe_at_start_up_is_not_served(
+    hostile_bundles: dict[str, Path], case: str
+) -> None:
+    """Start-up probes the configured bundle as a reload does (in the server's process, where the model
+    run's deadline stops the endless one). Before, each of these was served: every search 500 (narrow,
+    nan), the first search never returned (endless), /v1/duplicates 500 (blobs). Now the process stays
+    up, not ready: /readyz and searches 503 with the probe's reason."""
+    env = {"DMLSEARCH_EMBED_RUN_SECONDS": str(PROBE_SECONDS)}
+    reason = f"within {PROBE_SECONDS} s" if case == "endless" else HOSTILE_REASONS[case]
+    with serving(["--index", str(hostile_bundles[case])], env, ready_path="/healthz") as server:
+        ready = httpx.get(f"{server.url}/readyz", timeout=10)
+        assert ready.status_code == 503, ready.text
+        assert reason in ready.json()["error"]["message"], ready.text
+        answer = search(server, png(64, 64), k=3)
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "not_ready", answer.text
+        assert server.process.poll() is None, "the server died"
 
 
 @pytest.fixture(scope="module")

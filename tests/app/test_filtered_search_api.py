@@ -90,7 +90,7 @@ def test_labels_match_whatever_their_case_and_unknown_ones_are_named(
     upper = client.post("/v1/search", params={"label": "Coffee"}, files=_upload(served)).json()
     assert [r["id"] for r in upper["results"]] == [r["id"] for r in lower["results"]] != []
     response = client.post("/v1/search", params={"label": "cofee"}, files=_upload(served))
-    assert response.status_code == 422, response.text
+    assert response.status_code == 404, response.text
     error = response.json()["error"]
     assert error["code"] == "unknown_label"
     assert "'cofee'" in error["message"] and "cat, coffee" in error["message"]

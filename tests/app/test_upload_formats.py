@@ -38,3 +38,28 @@ def test_a_text_file_named_heic_is_refused(make_client: Callable[..., TestClient
     response = client.post("/v1/search", files={"image": ("photo.heic", b"not a picture at all")})
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "not_an_image"
+
+
+def test_an_image_part_without_a_filename_is_a_file_and_a_label_part_is_text(
+    make_client: Callable[..., TestClient],
+) -> None:
+    """RFC 7578 makes a part's filename optional: an image sent without one is still the image's bytes
+    (Starlette alone would read it as text); a label sent as a file is refused, not stored as no label."""
+    client = make_client(api_key=API_KEY)
+    data = image_bytes(make_image(62, size=(64, 48)), "PNG")
+    boundary = "b0undary"
+    image_part = 'Content-Disposition: form-data; name="images"\r\nContent-Type: image/png'
+    label_part = 'Content-Disposition: form-data; name="label"\r\n\r\ncat'
+    body = (
+        f"--{boundary}\r\n{image_part}\r\n\r\n".encode()
+        + data
+        + f"\r\n--{boundary}\r\n{label_part}\r\n--{boundary}--\r\n".encode()
+    )
+    headers = {**KEY, "Content-Type": f"multipart/form-data; boundary={boundary}"}
+    added = client.post("/v1/items", content=body, headers=headers)
+    assert added.status_code == 201, added.text
+    assert added.json()["items"][0]["label"] == "cat"
+    as_file = client.post(
+        "/v1/items", files=[("images", ("a.png", data)), ("label", ("l.txt", b"cat"))], headers=KEY
+    )
+    assert as_file.status_code == 422 and "must be text" in as_file.json()["error"]["message"]
