@@ -200,7 +200,8 @@ def build_index(
             from engine.ray_runner import RayRunner
 
             runner = RayRunner(None if ray == RAY_LOCAL else ray)
-        with stop_on_signals(), runner as chosen:  # SIGTERM/SIGINT: stop after the batch being added
+        # SIGTERM/SIGINT: stop after the batch being added (handlers set once Ray, which sets its own, is up)
+        with runner as chosen, stop_on_signals():
             report = run_build(
                 gallery,
                 embedder,

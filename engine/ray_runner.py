@@ -77,8 +77,8 @@ class RayRunner:
 
     def __enter__(self) -> RayRunner:
         ray = self._ray
-        if self.address is None:  # a local runtime: only the CPUs Ray should use, none of its dashboard
-            ray.init(include_dashboard=False, log_to_driver=False)
+        if self.address is None:  # a runtime of its own ("local": never a cluster RAY_ADDRESS names)
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)
         else:
             ray.init(address=self.address, log_to_driver=False)
         context = ray.data.DataContext.get_current()
