@@ -77,10 +77,12 @@ class RayRunner:
 
     def __enter__(self) -> RayRunner:
         ray = self._ray
+        # Ray's own INFO lines would bury the build's output; its warnings and errors still show.
+        quiet = {"log_to_driver": False, "logging_level": "warning"}
         if self.address is None:  # a runtime of its own ("local": never a cluster RAY_ADDRESS names)
-            ray.init(address="local", include_dashboard=False, log_to_driver=False)
+            ray.init(address="local", include_dashboard=False, **quiet)
         else:
-            ray.init(address=self.address, log_to_driver=False)
+            ray.init(address=self.address, **quiet)
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # the driver shows the build's own bars
         context.print_on_execution_start = False
