@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from datetime import datetime
 from pathlib import Path
@@ -46,6 +47,8 @@ RecallOption = Annotated[
         min=0.01, max=1.0, help="recall@10 vs exact search that nprobe/efSearch are tuned to reach."
     ),
 ]
+# --ray's value that starts a Ray runtime on this machine instead of joining a cluster.
+RAY_LOCAL = "local"
 ProgressOption = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
 
 
@@ -149,10 +152,20 @@ def build_index(
             help="Repoint an OUT built from another folder at GALLERY (items not found there are removed).",
         ),
     ] = False,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            metavar="ADDRESS|local",
+            help="Hash, decode and embed on the Ray cluster whose head is at ADDRESS (host:port), or on a "
+            "Ray runtime started here ('local'). Needs dmlsearch[ray], and GALLERY at the same path on every "
+            "node.",
+        ),
+    ] = None,
     progress: ProgressOption = True,
 ) -> None:
     """Embed the images under GALLERY into an index; re-running embeds only new or changed files."""
     from engine.embedder import Embedder
+    from engine.indexing import LocalRunner
     from engine.indexing import build_index as run_build
     from engine.stopping import StopRequested, stop_on_signals
     from index.sharding import Shard
@@ -161,7 +174,14 @@ def build_index(
         raise fail(f"gallery folder {gallery} does not exist")
     try:
         embedder = Embedder(model_for_index(out, model), threads=threads)
-        with stop_on_signals():  # SIGTERM/SIGINT: stop after the batch being added, which is saved
+        if ray is None:
+            runner = contextlib.nullcontext(LocalRunner(decode_workers))
+        else:
+            from engine.ray_runner import RayRunner
+
+            runner = RayRunner(None if ray == RAY_LOCAL else ray)
+        # SIGTERM/SIGINT: stop after the batch being added (handlers set once Ray, which sets its own, is up)
+        with runner as chosen, stop_on_signals():
             report = run_build(
                 gallery,
                 embedder,
@@ -174,7 +194,7 @@ def build_index(
                 milvus_uri=milvus_uri,
                 milvus_collection=milvus_collection,
                 shard=Shard.parse(shard) if shard else None,
-                decode_workers=decode_workers,
+                runner=chosen,
             )
     except StopRequested as stop:
         typer.echo(f"{stop}: the images embedded so far are saved; run the same command again to continue")

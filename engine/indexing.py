@@ -82,6 +82,10 @@ class SyncPlan:
     undated: dict[int, Path] = field(default_factory=dict)  # kept items without a capture time: their files
 
 
+# How a runner hashes files: ``(path, content hash or the error that made the file unreadable)``, any order.
+Hasher = Callable[[list[Path]], Iterable[tuple[Path, str | Exception]]]
+
+
 def hash_files(
     root: Path,
     files: Sequence[Path],
@@ -89,6 +93,7 @@ def hash_files(
     progress: bool,
     *,
     workers: int = DECODE_WORKERS,
+    hasher: Hasher | None = None,
 ) -> list[GalleryFile]:
     """Content hashes of ``files``, sorted by relative path; unreadable files go to ``report.skipped``.
 
@@ -105,8 +110,11 @@ def hash_files(
             relative = path.relative_to(root).as_posix()
             report.skipped.append((relative, f"links outside the gallery folder (to {path.resolve()})"))
     # On ``workers`` threads (hashlib and file reads release the GIL), as the model waits for every hash
-    # before it embeds the first file: the plan needs them all.
-    hashes = prefetch(inside, file_hash, workers=workers, depth=2 * max(workers, 1))
+    # before it embeds the first file: the plan needs them all. Or by ``hasher`` (a cluster's workers).
+    if hasher is None:
+        hashes = prefetch(inside, file_hash, workers=workers, depth=2 * max(workers, 1))
+    else:
+        hashes = hasher(inside)
     for path, content_hash in tqdm(
         hashes, total=len(inside), desc="hashing", unit="file", disable=not progress
     ):
@@ -181,6 +189,59 @@ class ItemSink(Protocol):
     """Where embedded files go: an index, or a writer that keeps the ids of the items it re-embeds."""
 
     def add(self, vectors: np.ndarray, entries: Sequence[Entry], signatures: Sequence[bytes]) -> object: ...
+
+
+class EmbeddingRunner(Protocol):
+    """Where a build hashes, decodes and embeds its files: this process (:class:`LocalRunner`) or a Ray
+    cluster (``engine.ray_runner.RayRunner``). The plan (what to embed, move, remove) is made here either way.
+    """
+
+    def hash_files(
+        self, root: Path, files: Sequence[Path], report: BuildReport, progress: bool
+    ) -> list[GalleryFile]: ...
+
+    def embed_files(
+        self,
+        index: ItemSink,
+        embedder: Embedder,
+        files: Sequence[GalleryFile],
+        report: BuildReport,
+        *,
+        batch_size: int,
+        progress: bool,
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class LocalRunner:
+    """Hashing on threads, decoding in ``decode_workers`` processes, embedding in this process."""
+
+    decode_workers: int = DECODE_WORKERS
+
+    def hash_files(
+        self, root: Path, files: Sequence[Path], report: BuildReport, progress: bool
+    ) -> list[GalleryFile]:
+        return hash_files(root, files, report, progress, workers=self.decode_workers)
+
+    def embed_files(
+        self,
+        index: ItemSink,
+        embedder: Embedder,
+        files: Sequence[GalleryFile],
+        report: BuildReport,
+        *,
+        batch_size: int,
+        progress: bool,
+    ) -> None:
+        embed_files(
+            index,
+            embedder,
+            files,
+            report,
+            batch_size=batch_size,
+            progress=progress,
+            decode_workers=self.decode_workers,
+        )
 
 
 def embed_files(
@@ -289,12 +350,15 @@ def sync_files(
     batch_size: int,
     progress: bool,
     decode_workers: int = DECODE_WORKERS,
+    runner: EmbeddingRunner | None = None,
 ) -> SyncPlan:
     """Bring the items of ``files`` (and of the stored items whose file is ``gone``) up to date in ``index``.
 
-    The index is changed but not rebuilt or saved: the caller does both.
+    The index is changed but not rebuilt or saved: the caller does both. ``runner``: where files are hashed
+    and embedded (default: this process, with ``decode_workers``).
     """
-    hashed = hash_files(root, files, report, progress, workers=decode_workers)
+    runner = runner or LocalRunner(decode_workers)
+    hashed = runner.hash_files(root, files, report, progress)
     stored = (item for item in index.items.scan() if shard is None or shard.owns(item.path))
     plan = plan_sync(hashed, stored, gone=gone)
     report.unchanged, report.duplicates = plan.unchanged, plan.duplicates
@@ -305,15 +369,7 @@ def sync_files(
         report.moves = plan.moved_files
     if plan.undated:  # an index from before capture times were kept: read them from the headers, once
         report.dated = index.set_taken({item_id: photo_time(path) for item_id, path in plan.undated.items()})
-    embed_files(
-        index,
-        embedder,
-        plan.embed,
-        report,
-        batch_size=batch_size,
-        progress=progress,
-        decode_workers=decode_workers,
-    )
+    runner.embed_files(index, embedder, plan.embed, report, batch_size=batch_size, progress=progress)
     return plan
 
 
@@ -371,6 +427,7 @@ class _Gallery:
     batch_size: int
     progress: bool
     decode_workers: int
+    runner: EmbeddingRunner | None
 
     def sync(self, index: GalleryIndex, report: BuildReport) -> bool:
         """Bring ``index`` up to date with the folder (not built or saved); returns whether items changed.
@@ -389,6 +446,7 @@ class _Gallery:
             batch_size=self.batch_size,
             progress=self.progress,
             decode_workers=self.decode_workers,
+            runner=self.runner,
         )
         if report.indexed + plan.unchanged + len(plan.moves) == 0:
             raise NothingDecodedError(
@@ -417,6 +475,7 @@ def build_index(
     milvus_collection: str | None = None,
     shard: Shard | None = None,
     decode_workers: int = DECODE_WORKERS,
+    runner: EmbeddingRunner | None = None,
 ) -> BuildReport:
     """Make the index at ``out_dir`` match the images below ``gallery_root`` (or its shard of them).
 
@@ -426,7 +485,9 @@ def build_index(
     (:class:`GalleryMismatchError`) unless ``replace``.
     An index built with another model is rebuilt aside and swapped in when complete (``index.staging``):
     a FAISS index's items are re-embedded under their ids first (``engine.rebuild``), then brought up to
-    date with the folder. Unreadable files are skipped and listed in the report.
+    date with the folder. Unreadable files are skipped and listed in the report. ``runner``: where files
+    are hashed, decoded and embedded (default: this process, with ``decode_workers``; a re-embedding for
+    another model stays here).
     """
     files = list_images(gallery_root)
     if shard is not None:
@@ -435,7 +496,7 @@ def build_index(
         where = f"in shard {shard} of" if shard else "under"
         raise InvalidInputError(f"no images {where} {gallery_root}")
     out_dir = out_dir.resolve()
-    gallery = _Gallery(gallery_root, files, embedder, shard, batch_size, progress, decode_workers)
+    gallery = _Gallery(gallery_root, files, embedder, shard, batch_size, progress, decode_workers, runner)
     report = BuildReport()
     if not (out_dir / MANIFEST_NAME).exists():
         if out_dir.exists() and any(out_dir.iterdir()):
