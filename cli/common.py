@@ -34,6 +34,17 @@ def fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
+def require_training() -> None:
+    """Fail with a clear error where the `train` extra is missing (the serving image has no torch)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise fail(
+            "this command needs the train extra (torch): pip install 'dmlsearch[train]', "
+            "or use the train image (docker/README.md)"
+        ) from None
+
+
 def echo_duplicate_files(duplicates: list[tuple[str, str]]) -> None:
     """Name each file that was not embedded because an indexed file has the same bytes."""
     for path, original in duplicates:

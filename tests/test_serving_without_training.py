@@ -94,3 +94,19 @@ def test_build_index_serve_and_search_without_the_train_extra(
         )
     assert answer.status_code == 200, answer.text
     assert len(answer.json()["results"]) > 0
+
+
+@pytest.mark.parametrize("command", [["losses"], ["export", "--out", "model.onnx"], ["demo", "--no-serve"]])
+def test_training_commands_name_the_missing_extra(
+    without_training: dict[str, str], command: list[str], tmp_path: Path
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "cli.main", *command],
+        env=without_training,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "needs the train extra (torch): pip install 'dmlsearch[train]'" in result.stderr
+    assert "Traceback" not in result.stderr
