@@ -219,7 +219,8 @@ def container(name: str, *args: str) -> Iterator[str]:
     finally:
         logs = subprocess.run(["podman", "logs", "--tail", "20", name], capture_output=True, text=True)
         print(f"--- last log lines of {name}:\n{logs.stdout}{logs.stderr}", flush=True)
-        subprocess.run(["podman", "rm", "--force", "--time", "5", name], capture_output=True)
+        # --volumes: the image's VOLUME /data gets an anonymous volume per container.
+        subprocess.run(["podman", "rm", "--force", "--volumes", "--time", "5", name], capture_output=True)
 
 
 def demo_data(workdir: Path) -> tuple[Path, Path]:
@@ -293,6 +294,8 @@ def check_compose(workdir: Path, figures: dict[str, str]) -> None:
             )
     finally:
         subprocess.run([*compose, "down", "--volumes"], env=env, capture_output=True)
+        # podman-compose 1.0 leaves the project's network behind.
+        subprocess.run(["podman", "network", "rm", "--force", f"{project}_default"], capture_output=True)
 
 
 def main() -> int:
