@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --upgrade pip
 	# torch first, pinned: the CPU/GPU build on the local disk (other versions download gigabytes)
 	$(BIN)/pip install torch==2.14.1 torchvision==0.29.1
-	$(BIN)/pip install -e ".[cpu,dev,milvus,milvus-server,ray]"
+	$(BIN)/pip install -e ".[cpu,train,dev,milvus,milvus-server,ray]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -56,6 +56,17 @@ def reports_errors(command: Callable[P, R]) -> Callable[P, R]:
     return run
 
 
+def require_training() -> None:
+    """Fail with a clear error where the `train` extra is missing (the serving image has no torch)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise fail(
+            "this command needs the train extra (torch): pip install 'dmlsearch[train]', "
+            "or use the train image (docker/README.md)"
+        ) from None
+
+
 def echo_duplicate_files(duplicates: list[tuple[str, str]]) -> None:
     """Name each file that was not embedded because an indexed file has the same bytes."""
     for path, original in duplicates:

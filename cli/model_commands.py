@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from cli.common import fail, reports_errors
+from cli.common import fail, reports_errors, require_training
 from engine import defaults
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ def export(
     validation classes (the 95% interval of the Recall@1 difference above zero); --force exports it
     anyway.
     """
+    require_training()
     from engine.model_card import ValidationCheck
     from training.backbone import BACKBONES, create_backbone
     from training.comparison import validation_gain
@@ -167,6 +168,7 @@ def train(
     Classes are split as in the papers: training (and validation) on the first half, test on the rest.
     Works under torchrun for multi-process DistributedDataParallel training.
     """
+    require_training()
     import torch
     from pydantic import ValidationError
 
@@ -261,6 +263,7 @@ def _plan_cpu_mode(
 @commands.command()
 def losses() -> None:
     """Every loss: its paper, the batch layout it trains on, and its recommended recipe (`--recipe`)."""
+    require_training()
     from training.losses import LOSSES
     from training.recipes import format_values, recipe
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from cli.common import fail, reports_errors
+from cli.common import fail, reports_errors, require_training
 from cli.model_commands import METRIC_ORDER, _metrics_line
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ def evaluate(
     bootstrap 95% interval on the Recall@1 difference, a verdict (better / not distinguishable / worse),
     kNC accuracy for Magnet runs; saved as RUN/eval.json.
     """
+    require_training()
     from training.comparison import compare_run, save_comparison
     from training.evaluation import evaluate_onnx
 
@@ -104,6 +105,7 @@ def report(
     t-SNE map of the test embeddings, and queries whose top-1 the training fixed or broke. Also refreshes
     RUN/eval.json; the plots are kept as PNGs under RUN/report/ for the API's Model page.
     """
+    require_training()
     from training.comparison import compare_run, save_comparison
     from training.report import write_report
 

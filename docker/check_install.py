@@ -1,85 +1,81 @@
-"""Run a Dockerfile's build steps in a fresh virtualenv, for machines without a container engine.
+"""Build the images with podman and run them for real: the API image, the UI and compose.
 
-    python docker/check_install.py docker/Dockerfile --serve \
-        --build-arg TORCH_INDEX_URL=https://pypi.org/simple
+    python docker/check_install.py                  # base, serving image, API, UI, compose (+ train image)
+    python docker/check_install.py --no-compose     # base, serving image, API, UI
 
-The Dockerfile itself is parsed (dockerfile-parse), so the commands run here are the image's commands, not
-a retyped copy. Each container path (/src, /opt, /data, /home) maps to a folder under ``--root``; the base
-image's Python is a fresh virtualenv (python:X.Y images) or a chosen interpreter where the image installs
-Python through apt. Steps that only make sense as root inside an image (apt-get, useradd, chown) are skipped
-and listed. With ``--serve``, the compose file's ``setup`` command builds the demo model and index, and the
-image's CMD is started and must answer ``/readyz`` with 200, then stop cleanly on SIGTERM.
-Exit code 0 means every executed step succeeded.
+1. A base image without a registry: `debootstrap` a Debian bookworm root with python3 and its venv module,
+   then `podman import` it (kept as BASE_TAG and reused by later runs).
+2. `podman build` of docker/Dockerfile with its FROM pointed at that base (the BASE_IMAGE build argument).
+   The host's pip configuration, CA bundle and local wheel folders are mounted read-only into the build, so
+   it installs from the same places as the host (and they stay out of the image).
+3. The API image serves a demo index (made on the host with `dmlsearch demo --no-serve`): /readyz answers
+   200, a search answers 200 with results, SIGTERM ends the container with exit code 0.
+4. The same image as the UI (`dmlsearch ui`): its health answers 200, SIGTERM gives exit code 0.
+5. compose (podman-compose): `setup` (the train image) builds the demo and exits 0, then `api` answers a
+   search and `ui` its health; SIGTERM stops each with exit code 0.
+
+Every container runs with runc and raised-but-fixed ulimits (a containers.conf written for the run): crun
+refuses this machine's cgroup layout, and root may not raise its own limits here. Prints the measured
+figures (build seconds, image sizes, seconds to first search, exit codes). Exit 0: every check passed;
+exit 3: this machine cannot run the check (the reason is printed); anything else: a check failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import configparser
 import os
-import re
-import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-import venv
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-import yaml
-from dockerfile_parse import DockerfileParser
+import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-# Top-level container folders the Dockerfiles write to; each maps to ROOT/<name>.
-CONTAINER_DIRS = ("src", "opt", "data", "home")
-# Shell commands that need root inside an image; everything else a RUN does is executed.
-SKIPPED_COMMANDS = {
-    "apt-get": "system packages: Debian's own here (libgomp1, curl and python3 are present)",
-    "useradd": "creates the image's unprivileged user",
-    "chown": "hands /data to the image's user",
-}
-# Python of base images that install it through apt (the python:X.Y images bring their own).
-APT_PYTHON = {"ubuntu24.04": "python3.12"}
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+COMPOSE = REPO / "docker" / "compose.yaml"
+BASE_TAG = "localhost/dmlsearch-base:bookworm"
+SERVE_TAG = "localhost/dmlsearch:cpu"
+TRAIN_TAG = "localhost/dmlsearch:train"
+BASE_PACKAGES = "python3,python3-venv,libgomp1,curl,ca-certificates"
+DEBIAN_MIRROR = os.environ.get("DMLSEARCH_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+# crun refuses this cgroup layout; root may not raise its own limits, so the containers get fixed ones.
+CONTAINERS_CONF = """[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+[engine]
+runtime = "runc"
+"""
+# pip settings whose values name files or folders on the host, which the build must see too.
+PATH_SETTINGS = (
+    "cert",
+    "client-cert",
+    "constraint",
+    "requirement",
+    "find-links",
+    "index-url",
+    "extra-index-url",
+)
+READY_SECONDS = 180
+STOP_SECONDS = 30
 
 
-def container_to_host(text: str, root: Path) -> str:
-    pattern = r"(?<![\w:/.])/(" + "|".join(CONTAINER_DIRS) + r")\b"
-    return re.sub(pattern, lambda m: f"{root}/{m.group(1)}", text)
+class CannotRun(Exception):
+    """This machine cannot run the check (no podman, no root for debootstrap...): a reason, not a failure."""
 
 
-def base_python(base_image: str, override: str | None) -> tuple[str, bool]:
-    """(interpreter, whether the image's own Python is a python:X.Y image that we emulate with a venv)."""
-    if override:
-        return override, base_image.startswith("python:")
-    match = re.match(r"python:(\d+\.\d+)", base_image)
-    if match:
-        return f"python{match.group(1)}", True
-    for suffix, interpreter in APT_PYTHON.items():
-        if base_image.endswith(suffix):
-            return interpreter, False
-    raise SystemExit(f"unknown base image {base_image!r}: pass --python")
+def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    print("+", " ".join(command), flush=True)
+    return subprocess.run(command, check=True, **kwargs)
 
 
-def split_segments(command: str) -> list[str]:
-    return [part.strip() for part in re.split(r"\s&&\s", command) if part.strip()]
-
-
-def skip_reason(segment: str) -> str | None:
-    words = shlex.split(segment)
-    if words[0] in SKIPPED_COMMANDS:
-        return SKIPPED_COMMANDS[words[0]]
-    if words[:2] == ["rm", "-rf"] and all(w.startswith("/var/lib/apt") for w in words[2:]):
-        return "apt cache of the image"
-    return None
-
-
-def resolve(command: list[str], env: dict[str, str]) -> list[str]:
-    """The command with its program looked up on the emulated image's PATH."""
-    return [shutil.which(command[0], path=env["PATH"]) or command[0], *command[1:]]
+def podman_output(*args: str) -> str:
+    return subprocess.run(["podman", *args], check=True, capture_output=True, text=True).stdout.strip()
 
 
 def free_port() -> int:
@@ -88,166 +84,254 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class Build:
-    """The state a Dockerfile's instructions act on: working directory, environment, build arguments."""
-
-    def __init__(
-        self,
-        root: Path,
-        python: str,
-        emulate_python_image: bool,
-        build_args: dict[str, str],
-        dry_run: bool = False,
-    ):
-        self.root = root
-        self.dry_run = dry_run
-        self.executed: list[str] = []
-        self.env = dict(os.environ)
-        self.build_args = build_args
-        self.cwd = root
-        self.cmd: list[str] = []
-        self.skipped: list[str] = []
-        shims = root / "base" / "bin"
-        self.env["PATH"] = f"{shims}:{self.env['PATH']}"
-        if dry_run:
-            return
-        if emulate_python_image:
-            # python:X.Y images: pip installs into the image's own Python, emulated by a venv.
-            venv.EnvBuilder(with_pip=True).create(root / "base")
-            subprocess.run([shims / "python", "-m", "pip", "install", "-q", "--upgrade", "pip"], check=True)
-        else:
-            shims.mkdir(parents=True)
-            # The interpreter's real path: a version manager's shim would pick its version by the link's name.
-            probe = subprocess.run(
-                [python, "-c", "import sys; print(sys.executable)"], capture_output=True, text=True
-            )
-            if probe.returncode:
-                raise SystemExit(f"{python} does not run here ({probe.stderr.strip()}): pass --python PATH")
-            (shims / "python3").symlink_to(probe.stdout.strip())
-
-    def expand(self, text: str) -> str:
-        """Docker's substitution of ARG and ENV values (ENV, WORKDIR, COPY; RUN leaves it to the shell)."""
-        known = {**self.env, **self.build_args}
-        text = container_to_host(text, self.root)
-        return re.sub(r"\$\{?(\w+)\}?", lambda m: known.get(m.group(1), m.group(0)), text)
-
-    def apply(self, instruction: str, value: str) -> None:
-        getattr(self, f"on_{instruction.lower()}", self.on_other)(instruction, value)
-
-    def on_env(self, _: str, value: str) -> None:
-        for pair in shlex.split(value):
-            key, _, raw = pair.partition("=")
-            self.env[key] = self.expand(raw)
-
-    def on_arg(self, _: str, value: str) -> None:
-        key, _, default = value.partition("=")
-        self.build_args.setdefault(key, default)
-
-    def on_workdir(self, _: str, value: str) -> None:
-        self.cwd = Path(self.expand(value))
-        if not self.dry_run:
-            self.cwd.mkdir(parents=True, exist_ok=True)
-
-    def on_copy(self, _: str, value: str) -> None:
-        *sources, target = shlex.split(value)
-        if self.dry_run:
-            return
-        destination = self.cwd / self.expand(target)
-        for source in sources:
-            path = REPO / source
-            if path.is_dir():
-                shutil.copytree(path, destination, dirs_exist_ok=True)
-            else:
-                destination.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(path, destination / path.name)
-
-    def on_run(self, _: str, value: str) -> None:
-        kept = []
-        for segment in split_segments(value):
-            reason = skip_reason(segment)
-            if reason:
-                self.skipped.append(f"{segment.split()[0]} ({reason})")
-            else:
-                kept.append(container_to_host(segment, self.root))
-        if not kept:
-            return
-        command = " && ".join(kept)
-        self.executed.append(command)
-        print(f"RUN {command}", flush=True)
-        if self.dry_run:
-            return
-        # Build arguments are environment variables of RUN steps, as in docker build.
-        env = {**self.env, **self.build_args}
-        subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=self.cwd, env=env, check=True)
-
-    def on_cmd(self, _: str, value: str) -> None:
-        self.cmd = json.loads(value)
-
-    def on_other(self, instruction: str, value: str) -> None:
-        if instruction not in {"COMMENT", "FROM", "USER", "VOLUME", "EXPOSE", "LABEL"}:
-            raise SystemExit(f"unsupported instruction {instruction} {value}")
+def require_tools(compose: bool) -> None:
+    needed = ["podman"] + (["podman-compose"] if compose else [])
+    missing = [tool for tool in needed if shutil.which(tool) is None]
+    if missing:
+        raise CannotRun(f"{', '.join(missing)} not installed (Debian: apt-get install podman podman-compose)")
 
 
-def serve_check(build: Build) -> None:
-    """The compose file's setup step, then the image's CMD until /readyz answers 200, then SIGTERM."""
-    compose = yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())
-    setup = [build.expand(word) for word in compose["services"]["setup"]["command"]]
-    print(f"setup: {' '.join(setup)}", flush=True)
-    subprocess.run(resolve(setup, build.env), cwd=build.cwd, env=build.env, check=True)
-    port = free_port()
-    command = [build.expand(word) for word in build.cmd] + ["--host", "127.0.0.1", "--port", str(port)]
-    server = subprocess.Popen(resolve(command, build.env), cwd=build.cwd, env=build.env)
+def host_pip_config() -> tuple[str, list[Path]]:
+    """The host's effective pip configuration (files and PIP_* variables) as one pip.conf, and the host
+    paths its values name (CA bundle, constraints, wheel folders, file:// indexes)."""
+    listing = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], check=True, capture_output=True, text=True
+    ).stdout
+    sections: dict[str, dict[str, str]] = {}
+    for line in listing.splitlines():
+        name, _, quoted = line.partition("=")
+        section, _, key = name.rpartition(".")
+        sections.setdefault(section, {})[key] = quoted.strip().strip("'\"")
+    # PIP_* variables (section ":env:") take precedence over the files' [global], as in pip itself.
+    sections["global"] = {**sections.get("global", {}), **sections.pop(":env:", {})}
+    settings = sections["global"]
+    paths: set[Path] = set()
+    for key in PATH_SETTINGS:
+        for word in settings.get(key, "").split():
+            path = Path(word.removeprefix("file://"))
+            if not word.startswith(("/", "file://")) or not path.exists():
+                continue
+            # A file:// index lists its packages under simple/ and keeps the files beside it.
+            paths.add(path.parent if path.name == "simple" else path)
+    conf = configparser.ConfigParser()
+    conf.read_dict(sections)
+    with tempfile.TemporaryFile("w+") as text:
+        conf.write(text)
+        text.seek(0)
+        return text.read(), sorted(paths)
+
+
+def ensure_base(rebuild: bool) -> str:
+    """The local base image: reused when present, else debootstrapped and imported."""
+    exists = subprocess.run(["podman", "image", "exists", BASE_TAG]).returncode == 0
+    if exists and not rebuild:
+        return "reused"
+    if shutil.which("debootstrap") is None or os.geteuid() != 0:
+        raise CannotRun("the base image needs debootstrap, run as root (apt-get install debootstrap)")
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="dmlsearch-base-", dir="/var/tmp") as folder:
+        root = Path(folder) / "root"
+        run(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                f"--include={BASE_PACKAGES}",
+                "bookworm",
+                str(root),
+                DEBIAN_MIRROR,
+            ]
+        )
+        # Package downloads and lists serve no purpose in an image.
+        for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
+            for entry in (root / cache).glob("*"):
+                if entry.is_file():
+                    entry.unlink()
+        tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
+        run(["podman", "import", "--change", 'CMD ["/bin/bash"]', "-", BASE_TAG], stdin=tar.stdout)
+        if tar.wait():
+            raise RuntimeError("tar of the debootstrapped root failed")
+    return f"built in {time.monotonic() - started:.0f} s"
+
+
+def build(target: str, tag: str, workdir: Path) -> float:
+    """`podman build` of one Dockerfile stage on the local base; the seconds it took."""
+    pip_conf, host_paths = host_pip_config()
+    conf_file = workdir / "pip.conf"
+    conf_file.write_text(pip_conf)
+    mounts = ["--volume", f"{conf_file}:/etc/pip.conf:ro"]
+    for path in host_paths:
+        mounts += ["--volume", f"{path}:{path}:ro"]
+    started = time.monotonic()
+    run(
+        [
+            "podman", "build", "--file", str(DOCKERFILE), "--target", target, "--tag", tag,
+            "--build-arg", f"BASE_IMAGE={BASE_TAG}",
+            # PyPI stands in for PyTorch's CPU index, which cannot be reached from every machine.
+            "--build-arg", "TORCH_INDEX_URL=https://pypi.org/simple",
+            *mounts, str(REPO),
+        ]
+    )  # fmt: skip
+    return time.monotonic() - started
+
+
+def image_megabytes(tag: str) -> float:
+    return int(podman_output("image", "inspect", "--format", "{{.Size}}", tag)) / 1e6
+
+
+def wait_until(url: str, started: float, request=httpx.get, **kwargs) -> float:
+    """Seconds from ``started`` until ``url`` answers 200 with a non-empty answer."""
+    deadline = time.monotonic() + READY_SECONDS
+    while time.monotonic() < deadline:
+        try:
+            answer = request(url, timeout=10, **kwargs)
+            if answer.status_code == 200:
+                return time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer 200 within {READY_SECONDS} s")
+
+
+def search(api: str, query: Path) -> int:
+    """One search with a gallery photo; the number of results (a working index finds the photo itself)."""
+    with query.open("rb") as image:
+        answer = httpx.post(f"{api}/v1/search", files={"image": (query.name, image)}, timeout=60)
+    if answer.status_code != 200:
+        raise RuntimeError(f"the search answered {answer.status_code}: {answer.text}")
+    results = answer.json()["results"]
+    if not results:
+        raise RuntimeError("the search answered no results")
+    return len(results)
+
+
+def stop_with_sigterm(container: str) -> int:
+    """`podman stop`, as `docker stop` and Kubernetes do: SIGTERM, then SIGKILL after STOP_SECONDS (exit
+    code 137). The container's exit code."""
+    run(["podman", "stop", "--time", str(STOP_SECONDS), container])
+    return int(podman_output("inspect", "--format", "{{.State.ExitCode}}", container))
+
+
+@contextmanager
+def container(name: str, *args: str) -> Iterator[str]:
+    run(["podman", "run", "--detach", "--name", name, *args])
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if server.poll() is not None:
-                raise SystemExit(f"CMD exited with code {server.returncode}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("CMD never answered /readyz with 200")
-            time.sleep(0.5)
-        print(f"CMD answered /readyz 200 on port {port}", flush=True)
+        yield name
     finally:
-        server.send_signal(signal.SIGTERM)
-        code = server.wait(timeout=60)
-        print(f"CMD exited with code {code} after SIGTERM", flush=True)
+        logs = subprocess.run(["podman", "logs", "--tail", "20", name], capture_output=True, text=True)
+        print(f"--- last log lines of {name}:\n{logs.stdout}{logs.stderr}", flush=True)
+        # --volumes: the image's VOLUME /data gets an anonymous volume per container.
+        subprocess.run(["podman", "rm", "--force", "--volumes", "--time", "5", name], capture_output=True)
+
+
+def demo_data(workdir: Path) -> tuple[Path, Path]:
+    """A demo model, gallery and index on the host (export needs torch, which the serving image has not);
+    the folder is mounted at the same path in the containers, so the index's paths hold there."""
+    data = workdir / "data"
+    run(["dmlsearch", "demo", "--no-serve", "--workdir", str(data)])
+    data.chmod(0o777)
+    for path in data.rglob("*"):
+        path.chmod(0o777 if path.is_dir() else 0o666)  # the image's user (uid 10001) writes its locks there
+    query = next(path for path in sorted((data / "gallery").rglob("*")) if path.suffix in {".jpg", ".png"})
+    return data, query
+
+
+def check_api_and_ui(workdir: Path, figures: dict[str, str]) -> None:
+    data, query = demo_data(workdir)
+    api_port, ui_port = free_port(), free_port()
+    api = f"http://127.0.0.1:{api_port}"
+    mount = ["--volume", f"{data}:{data}", "--env", f"DMLSEARCH_INDEX_PATH={data}/index"]
+    started = time.monotonic()
+    with container(
+        "dmlsearch-check-api", *mount, "--publish", f"127.0.0.1:{api_port}:8000", SERVE_TAG
+    ) as name:
+        figures["API /readyz after start (s)"] = f"{wait_until(f'{api}/readyz', started):.1f}"
+        figures["API search results"] = str(search(api, query))
+        figures["API first search after start (s)"] = f"{time.monotonic() - started:.1f}"
+        # The UI container reaches the API through the host's published port (host network for the UI).
+        ui_command = ["dmlsearch", "ui", "--api-url", api, "--host", "127.0.0.1", "--port", str(ui_port)]
+        ui_started = time.monotonic()
+        with container("dmlsearch-check-ui", "--network", "host", SERVE_TAG, *ui_command) as ui:
+            health = f"http://127.0.0.1:{ui_port}/_stcore/health"
+            figures["UI health after start (s)"] = f"{wait_until(health, ui_started):.1f}"
+            figures["UI exit code after SIGTERM"] = str(stop_with_sigterm(ui))
+        figures["API exit code after SIGTERM"] = str(stop_with_sigterm(name))
+
+
+def check_compose(workdir: Path, figures: dict[str, str]) -> None:
+    api_port, ui_port = free_port(), free_port()
+    project = "dmlsearch-check"
+    env = {
+        **os.environ,
+        "DMLSEARCH_API_PORT": str(api_port),
+        "DMLSEARCH_UI_PORT": str(ui_port),
+        "DMLSEARCH_BASE_IMAGE": BASE_TAG,
+    }
+    compose = ["podman-compose", "--project-name", project, "--file", str(COMPOSE)]
+    started = time.monotonic()
+    try:
+        # podman-compose 1.0 (Debian 12) starts every service at once, ignoring profiles and the
+        # depends_on conditions: the services are named, and setup's completion is waited for here.
+        run([*compose, "up", "--detach", "--no-build", "--no-deps", "setup"], env=env)
+        setup_code = podman_output("wait", f"{project}_setup_1")
+        figures["compose setup exit code"] = setup_code
+        if setup_code != "0":
+            raise RuntimeError(f"compose setup exited with code {setup_code}")
+        figures["compose setup (s)"] = f"{time.monotonic() - started:.0f}"
+        started = time.monotonic()
+        run([*compose, "up", "--detach", "--no-build", "--no-deps", "api", "ui"], env=env)
+        api = f"http://127.0.0.1:{api_port}"
+        figures["compose API /readyz after up (s)"] = f"{wait_until(f'{api}/readyz', started):.1f}"
+        gallery = workdir / "compose-query.jpg"
+        # A photo of the demo gallery, read back from the setup step's volume through the API.
+        first = httpx.get(f"{api}/v1/items", params={"limit": 1}, timeout=30).json()["items"][0]
+        gallery.write_bytes(httpx.get(f"{api}/v1/items/{first['id']}/image", timeout=30).content)
+        figures["compose API search results"] = str(search(api, gallery))
+        health = f"http://127.0.0.1:{ui_port}/_stcore/health"
+        figures["compose UI health after up (s)"] = f"{wait_until(health, started):.1f}"
+        for service in ("api", "ui"):
+            figures[f"compose {service} exit code after SIGTERM"] = str(
+                stop_with_sigterm(f"{project}_{service}_1")
+            )
+    finally:
+        subprocess.run([*compose, "down", "--volumes"], env=env, capture_output=True)
+        # podman-compose 1.0 leaves the project's network behind.
+        subprocess.run(["podman", "network", "rm", "--force", f"{project}_default"], capture_output=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("dockerfile", type=Path)
-    parser.add_argument("--build-arg", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--python", help="interpreter standing in for the base image's Python")
-    parser.add_argument("--root", type=Path, help="folder for the emulated image (default: a new temp dir)")
-    parser.add_argument("--serve", action="store_true", help="also run the compose setup step and the CMD")
-    parser.add_argument("--dry-run", action="store_true", help="print the steps without running them")
+    parser.add_argument("--no-compose", action="store_true", help="skip the train image and compose")
+    parser.add_argument("--rebuild-base", action="store_true", help="debootstrap the base even if it exists")
     args = parser.parse_args()
-
-    dockerfile = DockerfileParser(fileobj=args.dockerfile.open("rb"))
-    python, emulate = base_python(dockerfile.baseimage, args.python)
-    root = args.root or Path(tempfile.mkdtemp(prefix="dmlsearch-image-"))
-    build_args = dict(arg.split("=", 1) for arg in args.build_arg)
-    print(f"{args.dockerfile}: base {dockerfile.baseimage}, Python {python}, root {root}", flush=True)
-    build = Build(root, python, emulate, build_args, dry_run=args.dry_run)
-    for item in dockerfile.structure:
-        build.apply(item["instruction"], item["value"])
-    skipped = ", ".join(build.skipped) or "none"
-    print(f"{len(build.executed)} RUN steps executed; skipped: {skipped}", flush=True)
-    if args.dry_run:
-        return 0
-    help_command = resolve(["dmlsearch", "--help"], build.env)
-    subprocess.run(help_command, env=build.env, check=True, stdout=subprocess.DEVNULL)
-    if args.serve:
-        serve_check(build)
-    print("OK", flush=True)
-    return 0
+    figures: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="dmlsearch-check-") as folder:
+        workdir = Path(folder)
+        (workdir / "containers.conf").write_text(CONTAINERS_CONF)
+        os.environ["CONTAINERS_CONF"] = str(workdir / "containers.conf")
+        try:
+            require_tools(compose=not args.no_compose)
+            figures["base image"] = ensure_base(args.rebuild_base)
+        except CannotRun as reason:
+            print(f"cannot run the image check here: {reason}", flush=True)
+            return 3
+        figures["serving image build (s)"] = f"{build('serve', SERVE_TAG, workdir):.0f}"
+        figures["serving image size (MB)"] = f"{image_megabytes(SERVE_TAG):.0f}"
+        probe = ["podman", "run", "--rm", SERVE_TAG, "python", "-c", "import torch"]
+        torch = subprocess.run(probe, capture_output=True)
+        figures["torch in the serving image"] = "no" if torch.returncode else "yes"
+        check_api_and_ui(workdir, figures)
+        if not args.no_compose:
+            figures["train image build (s)"] = f"{build('train', TRAIN_TAG, workdir):.0f}"
+            figures["train image size (MB)"] = f"{image_megabytes(TRAIN_TAG):.0f}"
+            check_compose(workdir, figures)
+    for name, value in figures.items():
+        print(f"{name}: {value}")
+    failed = [name for name, value in figures.items() if "exit code" in name and value != "0"]
+    failed += [] if figures["torch in the serving image"] == "no" else ["torch in the serving image"]
+    print("FAILED: " + ", ".join(failed) if failed else "OK", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

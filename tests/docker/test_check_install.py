@@ -1,56 +1,74 @@
-"""docker/check_install.py reads the real Dockerfiles: each step is run or skipped for a stated reason."""
+"""docker/check_install.py: the images built with podman on a local base, and run for real.
+
+The full build-and-run check takes minutes (debootstrap, two image builds, compose; see docker/README.md),
+so it runs only when asked: DMLSEARCH_IMAGE_TESTS=1 (CI: `DMLSEARCH_IMAGE_TESTS=1 .ci/run`).
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "docker" / "check_install.py"
 
 
-@pytest.mark.parametrize(
-    ("dockerfile", "extras"), [("Dockerfile", "cpu,milvus"), ("Dockerfile.gpu", "gpu,milvus-client")]
+def check_install() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("check_install", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_build_sees_the_hosts_pip_settings_and_the_paths_they_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bundle = tmp_path / "ca.crt"
+    bundle.write_text("certificate")
+    wheels = tmp_path / "wheels"
+    (tmp_path / "pypi" / "simple").mkdir(parents=True)
+    wheels.mkdir()
+    config = tmp_path / "pip.conf"
+    config.write_text(
+        f"[global]\ncert = /not/this/one.crt\nextra-index-url = file://{tmp_path}/pypi/simple\n"
+        "[install]\nno-compile = yes\n"
+    )
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(config))
+    monkeypatch.setenv("PIP_CERT", str(bundle))  # a variable beats the files, as in pip
+    monkeypatch.setenv("PIP_FIND_LINKS", f"{wheels} https://example.org/wheels")  # a variable counts too
+    monkeypatch.setenv("PIP_TIMEOUT", "99")
+
+    text, paths = check_install().host_pip_config()
+
+    # The file pip in the build reads holds every effective setting, from files and variables alike.
+    assert "[global]" in text
+    assert f"cert = {bundle}" in text
+    assert f"find-links = {wheels} https://example.org/wheels" in text
+    assert "timeout = 99" in text
+    assert "[install]\nno-compile = yes" in text
+    # A file:// index is mounted with its files beside simple/; URLs are not paths.
+    assert {bundle, wheels, tmp_path / "pypi"} <= set(paths)
+    assert all(path.exists() for path in paths)
+
+
+@pytest.mark.container
+@pytest.mark.skipif(
+    os.environ.get("DMLSEARCH_IMAGE_TESTS") != "1", reason="minutes long: opt in with DMLSEARCH_IMAGE_TESTS=1"
 )
-def test_dry_run_lists_the_image_install_steps(dockerfile: str, extras: str, tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "docker/check_install.py",
-            f"docker/{dockerfile}",
-            "--dry-run",
-            "--root",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    runs = [line for line in result.stdout.splitlines() if line.startswith("RUN ")]
-    assert any(f'pip install ".[{extras}]"' in run for run in runs)
-    assert any("pip install --no-deps ." in run for run in runs)
-    # Container paths land under the emulated root, never on the host's /data or /opt.
-    assert all(" /data" not in run and " /opt" not in run for run in runs)
-    skipped = result.stdout.splitlines()[-1]
-    assert "skipped: apt-get" in skipped
-    assert "useradd" in skipped and "chown" in skipped
-    # The index carries its model: a fixed model path would be refused once another model is promoted.
-    lines = (REPO / "docker" / dockerfile).read_text().splitlines()
-    instructions = [line for line in lines if not line.startswith("#")]
-    assert not any("DMLSEARCH_MODEL_PATH" in line for line in instructions)
-
-
-def test_unknown_instructions_are_refused(tmp_path: Path) -> None:
-    dockerfile = tmp_path / "Dockerfile"
-    dockerfile.write_text("FROM python:3.11-slim\nHEALTHCHECK CMD true\n")
-    result = subprocess.run(
-        [sys.executable, "docker/check_install.py", str(dockerfile), "--dry-run", "--root", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode != 0
-    assert "unsupported instruction HEALTHCHECK" in result.stderr
+def test_images_build_serve_search_and_stop_cleanly() -> None:
+    result = subprocess.run([sys.executable, str(SCRIPT)], cwd=REPO, capture_output=True, text=True)
+    if result.returncode == 3:
+        pytest.skip(result.stdout.strip().splitlines()[-1])
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "OK"
+    for check in ("API", "UI", "compose api", "compose ui"):
+        assert f"{check} exit code after SIGTERM: 0" in lines, check
+    assert "torch in the serving image: no" in lines
