@@ -24,12 +24,17 @@ from index.protocol import BackendUnavailableError
 log = logging.getLogger("dmlsearch.app")
 
 # Image problems the client can fix: a format we do not take is 415, an oversized image 413, one whose
-# decode goes over its time or memory limit 422, the rest 400.
+# decode goes over its time or memory limit or whose query box does not fit it 422, the rest 400.
 _IMAGE_ERROR_STATUS = {
     "unsupported_format": 415,
     "image_too_large": 413,
     "batch_too_large": 413,
     "image_too_costly": 422,
+    # A query box (engine.regions) that is malformed or does not fit its image.
+    "invalid_box": 422,
+    "box_inverted": 422,
+    "box_outside_image": 422,
+    "box_too_small": 422,
 }
 # Seconds a client is told to wait when the index's server (Milvus) failed its request.
 INDEX_UNAVAILABLE_RETRY_AFTER = 5
