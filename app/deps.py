@@ -12,7 +12,7 @@ import secrets
 from typing import Annotated, Literal
 
 from fastapi import Depends, Header, Path, Query, Request
-from pydantic import BeforeValidator, WithJsonSchema
+from pydantic import BeforeValidator, StringConstraints, WithJsonSchema
 
 from app.compute import ComputeSlots
 from app.errors import ApiError
@@ -21,6 +21,7 @@ from app.settings import Settings
 from app.state import EngineState
 from engine import defaults
 from engine.query import SearchOptions
+from engine.regions import Box
 from engine.search import SearchService
 from index.errors import ErrorKind
 from index.filters import ItemFilter
@@ -60,6 +61,14 @@ LocalTime = Annotated[
     WithJsonSchema({"type": "string", "pattern": LOCAL_TIME_PATTERN}),
 ]
 ItemId = Annotated[int, Path(ge=0, le=INT64_MAX, description="The item's id in the index.")]
+# A query box as the API takes it: four non-negative numbers (engine.regions says what they mean).
+_NUMBER = r"[0-9]+(\.[0-9]+)?"
+BoxText = Annotated[str, StringConstraints(pattern=rf"^{_NUMBER}(,{_NUMBER}){{3}}$")]
+_BOX_HELP = (
+    "Search by a region of the query image: x0,y0,x1,y1 (left, top, right, bottom) in pixels of the upright "
+    "image (after EXIF rotation), or as fractions of its width and height when all four are within [0, 1]. "
+    f"422 box_inverted, box_outside_image, or box_too_small (under {defaults.MIN_BOX_SIDE} pixels a side)."
+)
 
 
 async def get_settings(request: Request) -> Settings:
@@ -165,6 +174,30 @@ async def search_options(
     return SearchOptions(k=k, min_score=min_score, offset=offset, predict=predict, rerank=rerank, where=where)
 
 
+async def query_box(box: Annotated[BoxText | None, Query(description=_BOX_HELP)] = None) -> Box | None:
+    return None if box is None else Box.parse(box)
+
+
+async def query_boxes(
+    box: Annotated[
+        list[BoxText] | None,
+        Query(description=f"{_BOX_HELP} Give one box for every image, or one per image (in order)."),
+    ] = None,
+) -> list[Box] | None:
+    return None if box is None else [Box.parse(text) for text in box]
+
+
+def boxes_for(boxes: list[Box] | None, count: int) -> list[Box | None] | None:
+    """One box per query: a single box applies to every image; any other count must match."""
+    if boxes is None or len(boxes) == count:
+        return boxes
+    if len(boxes) == 1:
+        return boxes * count
+    raise ApiError(
+        ErrorKind.INVALID, "invalid_request", f"{len(boxes)} boxes for {count} images: give one, or one each"
+    )
+
+
 async def require_api_key(
     settings: Annotated[Settings, Depends(get_settings)],
     x_api_key: Annotated[str | None, Header(description="The server's API key (writes only).")] = None,
@@ -184,6 +217,8 @@ async def require_api_key(
 
 Service = Annotated[SearchService, Depends(ready_service)]
 Options = Annotated[SearchOptions, Depends(search_options)]
+QueryBox = Annotated[Box | None, Depends(query_box)]
+QueryBoxes = Annotated[list[Box] | None, Depends(query_boxes)]
 AppSettings = Annotated[Settings, Depends(get_settings)]
 AppMetrics = Annotated[Metrics, Depends(get_metrics)]
 Compute = Annotated[ComputeSlots, Depends(get_compute)]

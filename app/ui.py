@@ -11,6 +11,7 @@ import os
 import streamlit as st
 
 from app.client import ApiCallError, SearchClient
+from app.ui_box import region_box
 from app.ui_display import plain, preview
 from app.ui_duplicates import render_duplicates
 from app.ui_model import render_model
@@ -184,13 +185,14 @@ def run_query(params: dict) -> dict | None:
             st.write("Upload an image to find visually similar gallery images.")
             return None
         data = upload.getvalue()
+        shown = preview(data)
+        box = None if shown is None else region_box(shown, key="upload-box")
         try:
-            body = client.search(upload.name, data, **params)
+            body = client.search(upload.name, data, **params, **({"box": box} if box else {}))
         except ApiCallError as err:
             st.error(f"This image could not be searched: {plain(err)}")
             return None
-        shown = preview(data)
-        if shown is not None:
+        if shown is not None and box is None:
             st.image(shown, caption="query", width=240)
         return body
     items = fetch_items(API_URL)
@@ -209,10 +211,11 @@ def run_query(params: dict) -> dict | None:
         ),
     )
     thumbnail = fetch_thumbnail(API_URL, item_id, items.get(item_id, {}).get("path", ""))
-    if thumbnail is not None:
+    box = None if thumbnail is None else region_box(thumbnail, key=f"item-box-{item_id}")
+    if thumbnail is not None and box is None:
         st.image(thumbnail, caption=f"query: item {item_id}", width=240)
     try:
-        return client.similar(item_id, **params)
+        return client.similar(item_id, **params, **({"box": box} if box else {}))
     except ApiCallError as err:
         st.error(f"Search by item {item_id} failed: {plain(err)}")
         return None

@@ -231,25 +231,39 @@ def query(
         datetime | None, typer.Option(help="Only items indexed at or after this time (UTC if no zone).")
     ] = None,
     added_to: Annotated[datetime | None, typer.Option(help="Only items indexed before this time.")] = None,
+    box: Annotated[
+        str | None,
+        typer.Option(
+            help="Search by a region of IMAGE: x0,y0,x1,y1 (left, top, right, bottom) in pixels of the "
+            "upright image (after EXIF rotation), or as fractions of its width and height when all four are "
+            f"within [0, 1]; at least {defaults.MIN_BOX_SIDE} pixels a side.",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
-    """Print the K gallery images most similar to IMAGE with their cosine scores (within the filters)."""
+    """Print the K gallery images most similar to IMAGE (or to a box on it) with their cosine scores
+    (within the filters)."""
     from dataclasses import asdict
 
     from engine.images import ImageDecodeError
     from engine.query import SearchOptions
+    from engine.regions import Box
     from engine.search import SearchService
     from index.filters import ItemFilter
 
     if not image.is_file():
         raise fail(f"query image {image} does not exist")
     try:
+        region = None if box is None else Box.parse(box)
+    except ImageDecodeError as err:
+        raise fail(f"--box: {err.message}") from None
+    try:
         where = ItemFilter(tuple(label or ()), path_prefix, added_from, added_to, taken_from, taken_to)
         if where.empty_range:  # on the command line, surely a slip
             raise fail("--added-from/--taken-from must be earlier than --added-to/--taken-to")
         service = SearchService.open(model, index)
         options = SearchOptions(k=k, min_score=min_score, where=where)
-        response = service.queries.search([image.read_bytes()], options)
+        response = service.queries.search([image.read_bytes()], options, [region])
     except ImageDecodeError as err:  # named by its file
         raise fail(f"{image}: {err.message}") from None
     (hits,) = response.queries

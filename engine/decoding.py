@@ -24,9 +24,10 @@ from PIL import Image
 
 from engine.capture_time import capture_time
 from engine.defaults import MAX_BATCH_PIXELS, MAX_IMAGE_PIXELS
-from engine.images import ImageDecodeError, load_rgb, open_image
+from engine.images import DRAFT_MARGIN, ImageDecodeError, load_rgb, open_image
 from engine.model_card import Preprocessing
 from engine.preprocess import to_array
+from engine.regions import Box, Crop, crop_for
 from engine.signature import perceptual_signature
 from engine.timing import StageTimer
 
@@ -64,17 +65,23 @@ def decode_uploads(
     *,
     signatures: bool = False,
     capture_times: bool = False,
+    boxes: Sequence[Box | None] | None = None,
 ) -> DecodedUploads:
     """The decode task of one request (:func:`open_uploads`, then :func:`batch_tensor`); raises
-    :class:`ImageDecodeError` naming the first bad image's position."""
+    :class:`ImageDecodeError` naming the first bad image's position (a :class:`engine.regions.BoxError` for
+    a box that does not fit its image).
+
+    ``boxes``: one per image (None: the whole image), the region of it that is the model's input.
+    """
     timer = StageTimer()
+    crops: list[Crop | None] = []
     with timer.stage("decode"):
-        headers = open_uploads(images, budget)
+        headers = open_uploads(images, budget, boxes=boxes, crops=crops)
     formats = [str(header.format) for header in headers]
     # Read before batch_tensor closes the headers.
     taken = [capture_time(header) for header in headers] if capture_times else None
     found: list[bytes] | None = [] if signatures else None
-    tensor = batch_tensor(headers, preprocessing, stage=timer.stage, signatures=found)
+    tensor = batch_tensor(headers, preprocessing, stage=timer.stage, signatures=found, crops=crops)
     return DecodedUploads(tensor, formats, found, taken, timer.ms)
 
 
@@ -85,17 +92,31 @@ def _named(position: int, count: int, function: Callable[..., T], *args: object,
     except ImageDecodeError as err:
         if count == 1:
             raise
-        raise ImageDecodeError(err.code, f"image {position}: {err.message}") from None
+        raise type(err)(err.code, f"image {position}: {err.message}") from None
 
 
-def open_uploads(images: Sequence[bytes], budget: PixelBudget) -> list[Image.Image]:
-    """Every image's header, checked against the budget; no pixel is decoded yet.
+def open_uploads(
+    images: Sequence[bytes],
+    budget: PixelBudget,
+    *,
+    boxes: Sequence[Box | None] | None = None,
+    crops: list[Crop | None] | None = None,
+) -> list[Image.Image]:
+    """Every image's header, checked against the budget (and its box, if any); no pixel is decoded yet.
 
     Raises :class:`ImageDecodeError` naming the first bad image's position, or ``batch_too_large``.
+    ``boxes``: one per image or None; each image's :class:`Crop` (or None) is then appended to ``crops``.
     """
-    limits = {"max_pixels": budget.max_pixels, "draft_size": budget.draft_size}
     count = len(images)
-    headers = [_named(position, count, open_image, data, **limits) for position, data in enumerate(images)]
+    if boxes is not None and len(boxes) != count:
+        raise ValueError(f"{len(boxes)} boxes for {count} images")
+    headers = []
+    for position, data in enumerate(images):
+        box = boxes[position] if boxes is not None else None
+        header, crop = _named(position, count, _open, data, budget, box)
+        headers.append(header)
+        if crops is not None:
+            crops.append(crop)
     total = sum(header.width * header.height for header in headers)
     if total > budget.max_batch_pixels:
         raise ImageDecodeError(
@@ -106,12 +127,21 @@ def open_uploads(images: Sequence[bytes], budget: PixelBudget) -> list[Image.Ima
     return headers
 
 
+def _open(data: bytes, budget: PixelBudget, box: Box | None) -> tuple[Image.Image, Crop | None]:
+    """One image's header and crop; a boxed JPEG's draft is set for its region, not its whole size."""
+    if box is None:
+        return open_image(data, max_pixels=budget.max_pixels, draft_size=budget.draft_size), None
+    header = open_image(data, max_pixels=budget.max_pixels)
+    return header, crop_for(header, box, budget.draft_size, DRAFT_MARGIN)
+
+
 def batch_tensor(
     headers: list[Image.Image],
     preprocessing: Preprocessing,
     *,
     stage: Stage | None = None,
     signatures: list[bytes] | None = None,
+    crops: Sequence[Crop | None] | None = None,
 ) -> np.ndarray:
     """Decode the images of :func:`open_uploads` one at a time into the model's NCHW input batch.
 
@@ -120,6 +150,8 @@ def batch_tensor(
 
     ``stage(name)``: a context manager timing the "decode" and "preprocess" work (a ``StageTimer``'s).
     ``signatures``: when given, each image's perceptual signature is appended to it, from the same decode.
+    ``crops``: one per image or None (from :func:`open_uploads`): the region cut after decoding and EXIF
+    rotation, before the model's resize.
     """
     stage = stage or (lambda _: nullcontext())
     arrays, count = [], len(headers)
@@ -128,6 +160,9 @@ def batch_tensor(
         header = headers.pop()
         with stage("decode"):
             image = _named(position, count, load_rgb, header)
+            crop = crops[position] if crops else None
+            if crop is not None:
+                image = crop.apply(image)
         with stage("preprocess"):
             arrays.append(to_array(image, preprocessing))
             if signatures is not None:

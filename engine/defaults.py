@@ -36,6 +36,10 @@ DECODE_MEMORY_BYTES = 1024 * 1024**2
 # Decode large JPEGs at reduced DCT scale (see engine.images.DRAFT_MARGIN for the measured cost).
 JPEG_DRAFT = True
 
+# A query box (search by a region) must be at least this many pixels wide and high in the upright image:
+# the model resizes the region to its 224-px input, and a smaller one is upsampled 14x and more into blur.
+MIN_BOX_SIDE = 16
+
 # Results per query, the most a client may ask for, and the cosine cut that keeps everything.
 TOP_K = 10
 MAX_K = 1000

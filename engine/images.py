@@ -113,9 +113,16 @@ def open_image(
         raise ImageDecodeError(
             "image_too_large", f"image is {width}x{height} pixels, more than the limit of {max_pixels}"
         )
-    if draft_size is not None and image.format in ("JPEG", "MPO"):
-        image.draft("RGB", (draft_margin * draft_size, draft_margin * draft_size))
+    if draft_size is not None:
+        draft_jpeg(image, (draft_margin * draft_size, draft_margin * draft_size))
     return image
+
+
+def draft_jpeg(image: Image.Image, size: tuple[int, int]) -> None:
+    """Have a JPEG from :func:`open_image` decode at the smallest DCT scale that keeps both sides >= ``size``
+    (other formats decode in full); its ``size`` becomes the size that will be decoded."""
+    if image.format in ("JPEG", "MPO"):
+        image.draft("RGB", size)
 
 
 def load_rgb(image: Image.Image) -> Image.Image:

@@ -17,6 +17,7 @@ from engine import defaults
 from engine.decoding import RUN_IMAGES, decode_uploads
 from engine.item_reader import ItemReader, image_path
 from engine.ranking import QueryHits, rank_page, rerank_depth
+from engine.regions import Box
 from engine.serving import CurrentBundle, LoadedBundle, ServingConfig
 from engine.timing import StageTimer
 from index.errors import InvalidInputError
@@ -70,10 +71,15 @@ class QueryService:
         self.reader = reader
         self.config = config
 
-    def search(self, queries: Sequence[Query], options: SearchOptions) -> BatchResponse:
+    def search(
+        self, queries: Sequence[Query], options: SearchOptions, boxes: Sequence[Box | None] | None = None
+    ) -> BatchResponse:
         """Search with each query; raises ``ImageDecodeError`` for a bad image, named by its position
         (``image 2:``) when there are several, before any model work is done (and for queries over the
         request's pixel budget, before any image is decoded); ``ItemNotFoundError`` for an unknown item.
+
+        ``boxes``: one per query (None: the whole image), the region of its upright image to search by
+        (``engine.regions``); a box that does not fit its image raises ``BoxError``, before any model work.
 
         Decoding and embedding run outside the bundle's lock, the search under it. A reload that swapped
         in another model meanwhile has the queries embedded again by it, under the lock: vectors of one
@@ -82,12 +88,12 @@ class QueryService:
         bundle = self.current.bundle
         self._check(options, bundle)
         timer = StageTimer()
-        vectors = self._embed(queries, bundle, timer, self.reader.image_path)
+        vectors = self._embed(queries, boxes, bundle, timer, self.reader.image_path)
         excluded = [query.item_id if isinstance(query, ItemQuery) else None for query in queries]
         with self.current.reading() as served:
             if served.embedder is not bundle.embedder:
                 self._check(options, served)
-                vectors = self._embed(queries, served, timer, partial(image_path, served))
+                vectors = self._embed(queries, boxes, served, timer, partial(image_path, served))
             candidates = self._candidates(served, vectors, excluded, options, timer)
         hits = [
             rank_page(
@@ -105,6 +111,7 @@ class QueryService:
     def _embed(
         self,
         queries: Sequence[Query],
+        boxes: Sequence[Box | None] | None,
         bundle: LoadedBundle,
         timer: StageTimer,
         item_image: Callable[[int], Path],
@@ -117,7 +124,7 @@ class QueryService:
             ]
             budget, preprocessing = self.config.budget(embedder), embedder.card.preprocessing
             decoded = self.config.decoder.run(
-                decode_uploads, images, budget, preprocessing, images=len(images)
+                decode_uploads, images, budget, preprocessing, boxes=boxes, images=len(images)
             )
         timer.include(decoded.ms, within="decode")
         with timer.stage("embed"):

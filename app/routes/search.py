@@ -6,7 +6,17 @@ from typing import TypeVar
 
 from fastapi import APIRouter, Request
 
-from app.deps import AppMetrics, AppSettings, Compute, ItemId, Options, Service
+from app.deps import (
+    AppMetrics,
+    AppSettings,
+    Compute,
+    ItemId,
+    Options,
+    QueryBox,
+    QueryBoxes,
+    Service,
+    boxes_for,
+)
 from app.metrics import Metrics
 from app.schemas import BatchSearchOut, ErrorOut, ImageJsonIn, ImagesJsonIn, SearchOut
 from app.uploads import read_uploads, request_body_spec
@@ -27,6 +37,7 @@ async def search(
     request: Request,
     service: Service,
     options: Options,
+    box: QueryBox,
     settings: AppSettings,
     metrics: AppMetrics,
     compute: Compute,
@@ -40,7 +51,9 @@ async def search(
         request, field="image", json_model=ImageJsonIn, max_count=1, max_bytes=settings.max_upload_bytes
     )
     # Decoding and inference are CPU work: a worker thread keeps the event loop answering meanwhile.
-    response, queued_ms = await compute.run_for(request, service.queries.search, uploads.images, options)
+    response, queued_ms = await compute.run_for(
+        request, service.queries.search, uploads.images, options, [box]
+    )
     return _answer(SearchOut.of(response, {"upload": uploads.elapsed_ms, "queue": queued_ms}), metrics)
 
 
@@ -54,6 +67,7 @@ async def search_batch(
     request: Request,
     service: Service,
     options: Options,
+    boxes: QueryBoxes,
     settings: AppSettings,
     metrics: AppMetrics,
     compute: Compute,
@@ -70,7 +84,10 @@ async def search_batch(
         max_count=settings.max_batch,
         max_bytes=settings.max_upload_bytes,
     )
-    response, queued_ms = await compute.run_for(request, service.queries.search, uploads.images, options)
+    query_boxes = boxes_for(boxes, len(uploads.images))
+    response, queued_ms = await compute.run_for(
+        request, service.queries.search, uploads.images, options, query_boxes
+    )
     return _answer(BatchSearchOut.of(response, {"upload": uploads.elapsed_ms, "queue": queued_ms}), metrics)
 
 
@@ -80,12 +97,14 @@ async def similar(
     item_id: ItemId,
     service: Service,
     options: Options,
+    box: QueryBox,
     metrics: AppMetrics,
     compute: Compute,
 ) -> SearchOut:
-    """Search by an item already in the index (no upload); the item itself is left out of its results."""
+    """Search by an item already in the index (no upload), or by a box on its image; the item itself is
+    left out of its results."""
     query = [ItemQuery(item_id)]
-    response, queued_ms = await compute.run_for(request, service.queries.search, query, options)
+    response, queued_ms = await compute.run_for(request, service.queries.search, query, options, [box])
     return _answer(SearchOut.of(response, {"queue": queued_ms}), metrics)
 
 

@@ -21,6 +21,7 @@ PAGE = Path(__file__).resolve().parents[2] / "app" / "ui.py"
 CHROMIUM = Path("/usr/bin/chromium")
 # Set DMLSEARCH_UI_SCREENSHOT to a file path to keep the browser test's screenshot there.
 SCREENSHOT_COPY = os.environ.get("DMLSEARCH_UI_SCREENSHOT")
+RESULT_CAPTION = re.compile(r" · (\S+\.jpg)$")
 
 
 @pytest.fixture(scope="module")
@@ -253,3 +254,55 @@ def test_real_browser_upload_shows_the_result_grid(
     assert screenshot.stat().st_size > 10_000
     if SCREENSHOT_COPY:
         shutil.copy(screenshot, SCREENSHOT_COPY)
+
+
+@pytest.mark.browser
+def test_real_browser_box_drawn_on_the_query_searches_by_the_region(
+    sync_api: ModuleType, streamlit_url: str, demo_gallery: Path, tmp_path: Path
+) -> None:
+    """The cropper's box starts at 20-80% of the preview; the cat sits 150, 67 scene pixels right and down
+    of it, so it is found first only once the box is dragged onto it."""
+    from PIL import Image
+
+    from tests.helpers import make_image
+
+    scene = make_image(8, (1000, 667))
+    scene.paste(Image.open(demo_gallery / "cat/00_crop.jpg").convert("RGB").resize((600, 400)), (350, 200))
+    scene.save(tmp_path / "scene.png")
+    first_result = re.compile(r"^#1 · score (\d\.\d{3})$")
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        try:
+            view = browser.new_page(viewport={"width": 1400, "height": 1900})
+            view.goto(streamlit_url)
+            view.get_by_test_id("stFileUploaderDropzoneInstructions").wait_for(timeout=60_000)
+            view.locator('input[type="file"]').set_input_files(str(tmp_path / "scene.png"))
+            view.get_by_text(first_result).wait_for(timeout=90_000)
+            assert top_path(view) != "cat/00_crop.jpg"  # the scene as a whole is not the cat
+            view.get_by_text("Search by a region").click()
+            canvas = view.frame_locator("iframe").first.locator("canvas").first
+            canvas.wait_for(timeout=60_000)
+            box = canvas.bounding_box()
+            scale = box["width"] / 480  # the preview is 480x320; the default box 96,64 to 384,256 on it
+            start = (box["x"] + 240 * scale, box["y"] + 160 * scale)
+            view.mouse.move(*start)
+            view.mouse.down()
+            view.mouse.move(start[0] + 72 * scale, start[1] + 32 * scale, steps=12)
+            view.mouse.up()
+            # The cropper reports the box while it moves (each a rerun): wait for the run of where it ended.
+            deadline, found = time.monotonic() + 120, (None, 0.0)
+            while found[0] != "cat/00_crop.jpg" or found[1] < 0.9:
+                assert time.monotonic() < deadline, f"the cat never came first with the box on it: {found}"
+                time.sleep(0.5)
+                top = view.get_by_text(first_result).all_inner_texts()
+                found = (top_path(view), float(first_result.match(top[0]).group(1)) if top else 0.0)
+        finally:
+            view.screenshot(path=str(tmp_path / "box.png"), full_page=True)  # kept by pytest's tmp_path
+            browser.close()
+
+
+def top_path(view: object) -> str | None:
+    """The path under the first result of the grid (its captions read "label · path")."""
+    captions = view.locator('[data-testid="stCaptionContainer"]').all_inner_texts()
+    paths = [found.group(1) for found in map(RESULT_CAPTION.search, captions) if found]
+    return paths[0] if paths else None
