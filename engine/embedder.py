@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from engine.model_card import ModelCard, check_fingerprint
+from engine.model_card import MAPS_OUTPUT, ModelCard, check_fingerprint
 from engine.preprocess import to_tensor
 from index.protocol import normalize_rows
 
@@ -39,6 +39,8 @@ class Embedder:
         check_fingerprint(self.model_path, self.card.fingerprint, self.model_path)
         self.session = onnx_session(self.model_path, threads=threads, device=device, spinning=spinning)
         self.input_name = self.session.get_inputs()[0].name
+        # The embeddings are the first output; an explainable model's feature map is a second one.
+        self.output_name = self.session.get_outputs()[0].name
 
     @property
     def dim(self) -> int:
@@ -54,14 +56,23 @@ class Embedder:
     def run_tensor(self, batch: np.ndarray) -> np.ndarray:
         """The model's raw output for a preprocessed NCHW batch; ``MemoryError`` when onnxruntime could not
         allocate (it raises its own ``Fail``, which the API would answer 500, not 503)."""
+        (output,) = self._run(batch, [self.output_name])
+        return output
+
+    def embed_with_maps(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Embeddings (normalised as :meth:`embed_tensor`'s) and feature maps (n, c, h, w) of a preprocessed
+        batch, in one run; only for a model whose card names an explainer (its graph has the maps)."""
+        embeddings, maps = self._run(batch, [self.output_name, MAPS_OUTPUT])
+        return normalize_rows(embeddings), maps
+
+    def _run(self, batch: np.ndarray, outputs: list[str]) -> list[np.ndarray]:
         feed = {self.input_name: np.ascontiguousarray(batch, dtype=np.float32)}
         try:
-            (output,) = self.session.run(None, feed)
+            return self.session.run(outputs, feed)
         except Exception as err:
             if ONNX_ALLOCATION_FAILED in str(err):
                 raise MemoryError(f"the model could not allocate: {err}") from None
             raise
-        return output
 
     def embed_tensor(self, batch: np.ndarray, *, run_size: int | None = None) -> np.ndarray:
         """Run the model on a preprocessed NCHW batch; rows are L2-normalised (by ``normalize_rows``, the
