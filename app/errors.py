@@ -14,6 +14,7 @@ from starlette.routing import BaseRoute, Match
 
 from app.memory import release_memory
 from engine.decode_pool import DecodeCancelledError, DecodePoolClosedError
+from engine.explain import ExplainUnavailableError
 from engine.images import ImageDecodeError
 from engine.item_reader import ItemNotFoundError
 from engine.item_writer import DuplicateItemError, InvalidItemError, StorageError
@@ -79,6 +80,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RerankUnavailableError)
     async def rerank_unavailable(_: Request, err: RerankUnavailableError) -> JSONResponse:
         return error_response(422, "rerank_unavailable", str(err))
+
+    @app.exception_handler(ExplainUnavailableError)
+    async def explain_unavailable(_: Request, err: ExplainUnavailableError) -> JSONResponse:
+        return error_response(422, "explain_unavailable", str(err))
 
     @app.exception_handler(UnknownLabelError)
     async def unknown_label(_: Request, err: UnknownLabelError) -> JSONResponse:
