@@ -42,6 +42,21 @@ class SearchClient:
     def similar(self, item_id: int, **params: Any) -> dict:
         return self._call("GET", f"/v1/items/{item_id}/similar", params=params).json()
 
+    def explain(
+        self,
+        item_id: int,
+        *,
+        query_item: int | None = None,
+        upload: tuple[str, bytes] | None = None,
+        box: str | None = None,
+    ) -> dict:
+        """Why ``item_id`` matched: the query is another item (``query_item``) or an upload (name, bytes),
+        or a ``box`` of either (as ``search``'s)."""
+        params: dict[str, Any] = {"item": item_id} | ({"box": box} if box else {})
+        if upload is not None:
+            return self._call("POST", "/v1/explain", params=params, files={"image": upload}).json()
+        return self._call("GET", "/v1/explain", params=params | {"query_item": query_item}).json()
+
     def duplicates(self, threshold: float | None = None, offset: int = 0, limit: int = 20) -> dict:
         """``threshold`` None: the index's default."""
         params = {"offset": offset, "limit": limit}

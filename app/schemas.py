@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.explain import Heatmap
 from engine.labels import LABEL_PATTERN, MAX_LABEL_CHARS
 from engine.model_card import ValidationCheck
 from engine.query import BatchResponse
@@ -283,3 +285,37 @@ class ModelCardOut(BaseModel):
     )
     report_available: bool
     plots: list[PlotOut] = Field(description="The plots of the run's `dmlsearch report`.")
+
+
+class HeatmapOut(BaseModel):
+    """One image's share of the cosine, over the model's view of it: the centre square of the upright image
+    (shorter side), as the model saw it. ``grid`` has ``h`` rows of ``w`` positions (7 x 7 for a 224-pixel
+    input), row 0 at the top; ``sum(grid) + rest == total``, which is the cosine within float rounding."""
+
+    grid: list[list[float]]
+    rest: float = Field(description="The share no position carries (the embedding head's biases).")
+    total: float
+    overlay_png: str = Field(
+        description="The model's view with the positions that raised the similarity coloured (PNG, base64).",
+        json_schema_extra={"contentEncoding": "base64", "contentMediaType": "image/png"},
+    )
+
+    @classmethod
+    def of(cls, heatmap: Heatmap, overlay_png: bytes) -> HeatmapOut:
+        return cls(
+            grid=heatmap.grid.astype(float).tolist(),
+            rest=heatmap.rest,
+            total=heatmap.total,
+            overlay_png=base64.b64encode(overlay_png).decode("ascii"),
+        )
+
+
+class ExplainOut(BaseModel):
+    """Why an item matched a query: the cosine of their embeddings, split over the positions of each."""
+
+    item_id: int
+    query_item_id: int | None = Field(description="The query's item id; null for an uploaded query.")
+    cosine: float
+    query: HeatmapOut
+    item: HeatmapOut
+    model_fingerprint: str

@@ -6,7 +6,10 @@ Run with ``dmlsearch ui`` or ``streamlit run app/ui.py``.
 
 from __future__ import annotations
 
+import base64
 import os
+from collections.abc import Callable
+from functools import partial
 
 import streamlit as st
 
@@ -145,8 +148,23 @@ def render_filters() -> dict:
     return {name: value for name, value in chosen.items() if value}
 
 
-def render_results(body: dict, *, filtered: bool) -> None:
-    """``filtered``: whether a label, sub-folder or date filter restricted the search."""
+def render_explanation(explain: Callable[[int], dict], item_id: int) -> None:
+    """Both heatmaps of why ``item_id`` matched the query (``/v1/explain``), in the result's column."""
+    try:
+        body = explain(item_id)
+    except ApiCallError as err:
+        st.warning(f"No explanation: {plain(err)}")
+        return
+    for side in ("query", "item"):
+        heatmap = body[side]
+        positions, rest = heatmap["total"] - heatmap["rest"], heatmap["rest"]
+        caption = f"why: {side} (positions {positions:+.3f}, rest {rest:+.3f})"
+        st.image(base64.b64decode(heatmap["overlay_png"]), caption=caption, width="stretch")
+
+
+def render_results(body: dict, *, filtered: bool, explain: Callable[[int], dict]) -> None:
+    """``filtered``: whether a label, sub-folder or date filter restricted the search; ``explain``: the
+    explanation of a result by its id (shown under the result when its toggle is on)."""
     results = body["results"]
     timings = " · ".join(f"{stage} {ms:.0f}" for stage, ms in body["timings_ms"].items())
     st.caption(f"{len(results)} results in {body['took_ms']:.0f} ms ({timings} ms)")
@@ -173,10 +191,13 @@ def render_results(body: dict, *, filtered: bool) -> None:
                 st.button(
                     "Similar", key=f"similar-{result['id']}", on_click=search_by_item, args=(result["id"],)
                 )
+                if st.toggle("Why it matched", key=f"why-{result['id']}"):
+                    render_explanation(explain, result["id"])
 
 
-def run_query(params: dict) -> dict | None:
-    """Show the query picker and the query image; return the API's answer (None: nothing to show)."""
+def run_query(params: dict) -> tuple[dict, Callable[[int], dict]] | None:
+    """Show the query picker and the query image; return the API's answer and how to explain one of its
+    results (None: nothing to show)."""
     client = api_client(API_URL)
     source = st.radio("Query", [UPLOAD, GALLERY], horizontal=True, key="source")
     if source == UPLOAD:
@@ -187,14 +208,15 @@ def run_query(params: dict) -> dict | None:
         data = upload.getvalue()
         shown = preview(data)
         box = None if shown is None else region_box(shown, key="upload-box")
+        box_param = {"box": box} if box else {}  # the explanation is of the region searched by
         try:
-            body = client.search(upload.name, data, **params, **({"box": box} if box else {}))
+            body = client.search(upload.name, data, **params, **box_param)
         except ApiCallError as err:
             st.error(f"This image could not be searched: {plain(err)}")
             return None
         if shown is not None and box is None:
             st.image(shown, caption="query", width=240)
-        return body
+        return body, partial(client.explain, upload=(upload.name, data), **box_param)
     items = fetch_items(API_URL)
     options = sorted(items)
     if st.session_state.get("item_id") not in items and st.session_state.get("item_id") is not None:
@@ -214,11 +236,13 @@ def run_query(params: dict) -> dict | None:
     box = None if thumbnail is None else region_box(thumbnail, key=f"item-box-{item_id}")
     if thumbnail is not None and box is None:
         st.image(thumbnail, caption=f"query: item {item_id}", width=240)
+    box_param = {"box": box} if box else {}  # the explanation is of the region searched by
     try:
-        return client.similar(item_id, **params, **({"box": box} if box else {}))
+        body = client.similar(item_id, **params, **box_param)
     except ApiCallError as err:
         st.error(f"Search by item {item_id} failed: {plain(err)}")
         return None
+    return body, partial(client.explain, query_item=item_id, **box_param)
 
 
 def main() -> None:
@@ -237,9 +261,10 @@ def main() -> None:
         render_duplicates(api_client(API_URL), lambda item_id, path: fetch_thumbnail(API_URL, item_id, path))
         return
     params, filters = render_search_controls()
-    body = run_query(params | filters)
-    if body is not None:
-        render_results(body, filtered=bool(filters))
+    answer = run_query(params | filters)
+    if answer is not None:
+        body, explain = answer
+        render_results(body, filtered=bool(filters), explain=explain)
 
 
 main()

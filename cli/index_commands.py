@@ -18,6 +18,7 @@ from index.selection import KEEP, IndexChanges
 
 if TYPE_CHECKING:
     from engine.indexing import BuildReport
+    from engine.regions import Box
 
 commands = typer.Typer()
 index_app = typer.Typer(
@@ -49,6 +50,14 @@ RecallOption = Annotated[
 ]
 # --ray's value that starts a Ray runtime on this machine instead of joining a cluster.
 RAY_LOCAL = "local"
+BoxOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Search by a region of the query image: x0,y0,x1,y1 (left, top, right, bottom) in pixels of the "
+        "upright image (after EXIF rotation), or as fractions of its width and height when all four are "
+        f"within [0, 1]; at least {defaults.MIN_BOX_SIDE} pixels a side.",
+    ),
+]
 ProgressOption = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
 
 
@@ -202,6 +211,17 @@ def build_index(
     _print_build_summary(out, report)
 
 
+def parse_box(box: str | None) -> Box | None:
+    """``--box``'s value as a box (None: the whole image), or a one-line error naming the option."""
+    from engine.images import ImageDecodeError
+    from engine.regions import Box
+
+    try:
+        return None if box is None else Box.parse(box)
+    except ImageDecodeError as err:
+        raise fail(f"--box: {err.message}") from None
+
+
 @commands.command()
 @reports_errors
 def query(
@@ -231,14 +251,7 @@ def query(
         datetime | None, typer.Option(help="Only items indexed at or after this time (UTC if no zone).")
     ] = None,
     added_to: Annotated[datetime | None, typer.Option(help="Only items indexed before this time.")] = None,
-    box: Annotated[
-        str | None,
-        typer.Option(
-            help="Search by a region of IMAGE: x0,y0,x1,y1 (left, top, right, bottom) in pixels of the "
-            "upright image (after EXIF rotation), or as fractions of its width and height when all four are "
-            f"within [0, 1]; at least {defaults.MIN_BOX_SIDE} pixels a side.",
-        ),
-    ] = None,
+    box: BoxOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Print the K gallery images most similar to IMAGE (or to a box on it) with their cosine scores
@@ -247,16 +260,12 @@ def query(
 
     from engine.images import ImageDecodeError
     from engine.query import SearchOptions
-    from engine.regions import Box
     from engine.search import SearchService
     from index.filters import ItemFilter
 
     if not image.is_file():
         raise fail(f"query image {image} does not exist")
-    try:
-        region = None if box is None else Box.parse(box)
-    except ImageDecodeError as err:
-        raise fail(f"--box: {err.message}") from None
+    region = parse_box(box)
     try:
         where = ItemFilter(tuple(label or ()), path_prefix, added_from, added_to, taken_from, taken_to)
         if where.empty_range:  # on the command line, surely a slip

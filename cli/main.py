@@ -8,6 +8,7 @@ import typer
 
 from cli import (
     duplicates_commands,
+    explain_commands,
     index_commands,
     model_commands,
     proof_commands,
@@ -27,6 +28,7 @@ for module in (
     serve_commands,
     watch_commands,
     duplicates_commands,
+    explain_commands,
 ):
     app.registered_commands.extend(module.commands.registered_commands)
     app.registered_groups.extend(module.commands.registered_groups)

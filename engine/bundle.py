@@ -1,10 +1,10 @@
 """An index directory carries the model its vectors were embedded with, so it is a search engine on its own.
 
 ``build-index`` stores the model in the index directory: ``model.onnx`` (a hard link where possible, else a
-copy), its card ``model.json`` and the PDDM unit the card names, the card last, so a card in place means
-its files are too. The manifest's ``model_file`` names it. Querying and serving then need no model path;
-one given anyway must be the model the index was built with (same fingerprint). Indexes built before
-carry none and are served with the model path given.
+copy), its card ``model.json`` and the PDDM unit and explainer the card names, the card last, so a card in
+place means its files are too. The manifest's ``model_file`` names it. Querying and serving then need no
+model path; one given anyway must be the model the index was built with (same fingerprint). Indexes built
+before carry none and are served with the model path given.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def store_model(directory: Path, model_path: Path) -> str:
                 f"{ModelCard.path_for(model_path)} names its PDDM unit {STORED_MODEL}: re-export it"
             )
         atomic_link_or_copy(card.reranker.path_beside(model_path), card.reranker.path_beside(target))
+    if card.explainer is not None:
+        atomic_link_or_copy(card.explainer.path_beside(model_path), card.explainer.path_beside(target))
     atomic_link_or_copy(model_path, target)
     atomic_write_bytes(ModelCard.path_for(target), ModelCard.path_for(model_path).read_bytes())
     return STORED_MODEL

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from engine.model_card import ModelCard, check_fingerprint
+from engine.model_card import MAPS_OUTPUT, ModelCard, check_fingerprint
 from engine.preprocess import to_tensor
 from index.errors import DmlsearchError, ErrorKind, MissingDependencyError, NotFoundError, UnavailableError
 from index.protocol import normalize_rows
@@ -57,6 +57,8 @@ class Embedder:
         check_fingerprint(self.model_path, self.card.fingerprint, self.model_path)
         self.session = onnx_session(self.model_path, threads=threads, device=device, spinning=spinning)
         self.input_name = self.session.get_inputs()[0].name
+        # The embeddings are the first output; an explainable model's feature map is a second one.
+        self.output_name = self.session.get_outputs()[0].name
 
     @property
     def dim(self) -> int:
@@ -72,6 +74,16 @@ class Embedder:
     def run_tensor(self, batch: np.ndarray) -> np.ndarray:
         """The model's raw output for a preprocessed NCHW batch; ``MemoryError`` when onnxruntime could not
         allocate (it raises its own ``Fail``, which the API would answer 500, not 503)."""
+        (output,) = self._run(batch, [self.output_name])
+        return output
+
+    def embed_with_maps(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Embeddings (normalised as :meth:`embed_tensor`'s) and feature maps (n, c, h, w) of a preprocessed
+        batch, in one run; only for a model whose card names an explainer (its graph has the maps)."""
+        embeddings, maps = self._run(batch, [self.output_name, MAPS_OUTPUT])
+        return normalize_rows(embeddings), maps
+
+    def _run(self, batch: np.ndarray, outputs: list[str]) -> list[np.ndarray]:
         feed = {self.input_name: np.ascontiguousarray(batch, dtype=np.float32)}
         options = _onnxruntime().RunOptions()
         # onnxruntime checks the flag between kernels and stops the run: the only way to end one early.
@@ -79,7 +91,7 @@ class Embedder:
         if self.run_seconds is not None:
             deadline.start()
         try:
-            (output,) = self.session.run(None, feed, options)
+            return self.session.run(outputs, feed, options)
         except Exception as err:
             if options.terminate:
                 raise EmbedTimeoutError(
@@ -90,7 +102,6 @@ class Embedder:
             raise
         finally:
             deadline.cancel()
-        return output
 
     def embed_tensor(self, batch: np.ndarray, *, run_size: int | None = None) -> np.ndarray:
         """Run the model on a preprocessed NCHW batch; rows are L2-normalised (by ``normalize_rows``, the

@@ -43,6 +43,30 @@ class RerankerCard(BaseModel):
         return model_path.parent / self.file
 
 
+# The graph contract of an explainable model: model.onnx's second output, the backbone's feature map, is the
+# input of the explainer graph, whose outputs split the embedding over the map's positions.
+EMBEDDINGS_OUTPUT = "embeddings"
+MAPS_OUTPUT = "feature_maps"
+EXPLAINER_OUTPUTS = ("contributions", "rest")
+
+
+class ExplainerCard(BaseModel):
+    """The graph that splits the model's embeddings over image positions, exported beside the model.
+
+    ``model.onnx`` then has a second output, ``feature_maps`` (n, c, h, w): the backbone's last feature map,
+    whose average the head embeds. The explainer takes it and returns ``contributions`` (n, h, w, d) and
+    ``rest`` (n, d), whose sum over positions plus ``rest`` is the embedding (``training.model``'s
+    ``PositionContributions``): the cosine with any unit vector splits over positions the same way.
+    """
+
+    file: str = Field(pattern=r"^[^/\\]+\.onnx$", description="ONNX file in the model's folder")
+    fingerprint: str  # sha256 of that file
+    grid: tuple[int, int]  # (h, w): the feature map's positions for the model's input size
+
+    def path_beside(self, model_path: Path) -> Path:
+        return model_path.parent / self.file
+
+
 class ValidationCheck(BaseModel):
     """What ``dmlsearch export`` found when it checked a run against the untrained backbone."""
 
@@ -62,6 +86,7 @@ class ModelCard(BaseModel):
     created: str
     extra: dict[str, Any] = Field(default_factory=dict)
     reranker: RerankerCard | None = None  # a model trained with the pddm loss carries its PDDM unit
+    explainer: ExplainerCard | None = None  # models exported before it existed have none
     precision: Literal["fp32", "int8"] = "fp32"  # int8: static QDQ quantisation (training/quantize.py)
     calibration_images: int | None = None  # how many images calibrated the int8 activation ranges
     validation_check: ValidationCheck | None = None  # models exported from a run (none: the pretrained one)

@@ -1,10 +1,11 @@
 """The search engine that the API, the UI and `dmlsearch query` hold: a served bundle and its jobs.
 
 :class:`SearchService` joins a :class:`LoadedBundle` (an index and the model that embedded it) to the
-services sharing it under one readers-writer lock (searches run side by side; a write or a reload waits
-for them and runs alone): ``queries`` (``engine.query``), ``reader`` (``engine.item_reader``), ``writer``
-(``engine.item_writer``) and ``duplicates`` (``engine.duplicates``). A reload swaps the bundle as one
-unit (``CurrentBundle.swap``), the one way the served bundle changes (``app.reload``).
+services sharing it under one readers-writer lock (searches run side by side; a write or a reload waits for
+them and runs alone): ``queries`` (``engine.query``), ``reader`` (``engine.item_reader``), ``writer``
+(``engine.item_writer``), ``duplicates`` (``engine.duplicates``) and ``explanations`` (``engine.explain``).
+A reload swaps the bundle as one unit (``CurrentBundle.swap``), the one way the served bundle changes
+(``app.reload``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from engine.duplicates import DuplicateFinder
 from engine.embedder import Embedder
+from engine.explain import ExplainService
 from engine.item_reader import ItemReader
 from engine.item_writer import ItemWriter
 from engine.query import QueryService
@@ -29,6 +31,7 @@ class SearchService:
         self.queries = QueryService(self.current, self.reader, self.config)
         self.writer = ItemWriter(self.current, self.config)
         self.duplicates = DuplicateFinder(self.current)
+        self.explanations = ExplainService(self.current, self.reader, self.config)
 
     @classmethod
     def open(

@@ -14,6 +14,7 @@ from engine.bundle import resolve_model
 from engine.decode_pool import Decoder, InProcessDecoder
 from engine.decoding import PixelBudget
 from engine.embedder import Embedder
+from engine.explainer import Explainer
 from engine.locks import ReadWriteLock
 from engine.reranker import PDDMReranker
 from index.families import Backend
@@ -31,6 +32,7 @@ class LoadedBundle:
     embedder: Embedder
     index: GalleryIndex
     reranker: PDDMReranker | None = None
+    explainer: Explainer | None = None  # splits similarities over image positions (``engine.explain``)
 
     def __post_init__(self) -> None:
         self.index.check_model(self.embedder.fingerprint, self.embedder.dim)
@@ -48,12 +50,13 @@ class LoadedBundle:
     ) -> LoadedBundle:
         """``model_path``: None serves the model the index carries; ``backend``: refuse an index of another
         backend; ``milvus_uri``: where its Milvus collection is. The model's PDDM unit is loaded too when
-        its card names one (a model exported from a pddm run). ``run_seconds``: the deadline of each model
-        run (:class:`engine.embedder.EmbedTimeoutError`)."""
+        its card names one (a model exported from a pddm run), and its explainer when it has one.
+        ``run_seconds``: the deadline of each model run (:class:`engine.embedder.EmbedTimeoutError`)."""
         embedder = Embedder(resolve_model(index_dir, model_path), threads=threads, run_seconds=run_seconds)
         index = cls.open_index(index_dir, backend=backend, milvus_uri=milvus_uri)
         reranker = PDDMReranker.for_model(embedder.model_path, embedder.card, threads=threads)
-        return cls(embedder, index, reranker)
+        explainer = Explainer.for_model(embedder.model_path, embedder.card, threads=threads)
+        return cls(embedder, index, reranker, explainer)
 
     @staticmethod
     def open_index(

@@ -175,6 +175,8 @@ def copy_served(demo_gallery: Path, demo_index: Path, exported_model: Path, targ
     model.parent.mkdir()
     shutil.copy(exported_model, model)
     shutil.copy(ModelCard.path_for(exported_model), ModelCard.path_for(model))
+    if (explainer := ModelCard.load(exported_model).explainer) is not None:
+        shutil.copy(explainer.path_beside(exported_model), explainer.path_beside(model))
     return Served(gallery, index, model)
 
 

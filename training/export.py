@@ -1,5 +1,10 @@
 """Export an :class:`EmbeddingModel` to ``model.onnx`` + ``model.json``, atomically.
 
+An explainable model (``training.model.explainable``: the pretrained backbone, or it with the residual
+head) also outputs its feature map and gets its explainer graph, ``<model>.explain.onnx`` beside it,
+named with its fingerprint in the card: the server splits a similarity over image positions with it
+(``/v1/explain``).
+
 A run trained with the pddm loss also exports its PDDM unit, as ``<model>.pddm.onnx`` beside the model,
 named with its fingerprint in the card: the server re-ranks search candidates with it (``rerank=pddm``).
 """
@@ -14,8 +19,12 @@ import torch
 from torch import nn
 
 from engine.model_card import (
+    EMBEDDINGS_OUTPUT,
+    EXPLAINER_OUTPUTS,
+    MAPS_OUTPUT,
     RERANKER_INPUTS,
     RERANKER_OUTPUT,
+    ExplainerCard,
     ModelCard,
     Preprocessing,
     RerankerCard,
@@ -25,7 +34,13 @@ from engine.model_card import (
 from index.atomic import atomic_path
 from training.backbone import BACKBONES, create_backbone, split_backbone
 from training.losses.pddm import PDDMUnit
-from training.model import EmbeddingModel, build_objective
+from training.model import (
+    EmbeddingModel,
+    EmbeddingsAndMaps,
+    PositionContributions,
+    build_objective,
+    explainable,
+)
 from training.run_dir import RunDirectory, RunDirError
 
 ONNX_OPSET = 17
@@ -46,21 +61,29 @@ def export_onnx(
 ) -> ModelCard:
     """Trace ``model`` (TorchScript exporter, dynamic batch axis) and write the ONNX file and its card.
 
-    ``reranker``: a unit already exported beside ``model_path`` (:func:`export_pddm_unit`). The card is
-    written last, so an interrupted export never leaves a card naming files that are not in place.
+    ``reranker``: a unit already exported beside ``model_path`` (:func:`export_pddm_unit`). An explainable
+    model also gets its explainer (:func:`export_explainer`) and the feature map as a second output. The
+    card is written last, so an interrupted export never leaves a card naming files that are not in place.
     """
     model = model.eval()
     example = torch.zeros(2, 3, preprocessing.input_size, preprocessing.input_size)
     with torch.no_grad():
         embedding_dim = int(model(example).shape[1])
+    explainer = None
+    outputs = [EMBEDDINGS_OUTPUT]
+    if explainable(model):
+        explainer = export_explainer(model, example, explainer_path_for(model_path))
+        # A new wrapper starts in training mode, which the exporter restores after tracing: to the whole
+        # model, batch norms included. Wrappers are made in eval mode.
+        model, outputs = EmbeddingsAndMaps(model).eval(), [EMBEDDINGS_OUTPUT, MAPS_OUTPUT]
     with atomic_path(model_path) as temporary, torch.no_grad():
         torch.onnx.export(
             model,
             (example,),
             str(temporary),
             input_names=["images"],
-            output_names=["embeddings"],
-            dynamic_axes={"images": {0: "batch"}, "embeddings": {0: "batch"}},
+            output_names=outputs,
+            dynamic_axes={"images": {0: "batch"}, **{name: {0: "batch"} for name in outputs}},
             opset_version=ONNX_OPSET,
             dynamo=False,
         )
@@ -76,10 +99,40 @@ def export_onnx(
         created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         extra=extra or {},
         reranker=reranker,
+        explainer=explainer,
         validation_check=validation_check,
     )
     card.save(model_path)
     return card
+
+
+def explainer_path_for(model_path: Path) -> Path:
+    """Where a model's explainer goes: ``model.onnx`` -> ``model.explain.onnx`` in the same folder."""
+    return model_path.with_name(f"{model_path.stem}.explain.onnx")
+
+
+def export_explainer(model: EmbeddingModel, example: torch.Tensor, path: Path) -> ExplainerCard:
+    """Trace the explainer (:class:`PositionContributions`) of ``model``, atomically to ``path``."""
+    with torch.no_grad():
+        maps = EmbeddingsAndMaps(model).eval()(example)[1]
+    contributions_name, rest_name = EXPLAINER_OUTPUTS
+    with atomic_path(path) as temporary, torch.no_grad():
+        torch.onnx.export(
+            PositionContributions(model).eval(),
+            (maps,),
+            str(temporary),
+            input_names=[MAPS_OUTPUT],
+            output_names=list(EXPLAINER_OUTPUTS),
+            dynamic_axes={
+                MAPS_OUTPUT: {0: "batch"},
+                contributions_name: {0: "batch"},
+                rest_name: {0: "batch"},
+            },
+            opset_version=ONNX_OPSET,
+            dynamo=False,
+        )
+        fingerprint = file_fingerprint(temporary)
+    return ExplainerCard(file=path.name, fingerprint=fingerprint, grid=(maps.shape[2], maps.shape[3]))
 
 
 class PDDMScorer(nn.Module):

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from sklearn.decomposition import PCA
 from torch import nn
 
+NORMALIZE_EPS = 1e-12  # F.normalize's default: norms below it are taken as it
+
 
 class ResidualHead(nn.Module):
     """``x -> P(x / |x|) + MLP(x / |x|)``: a linear projection (PCA-initialised) plus a residual MLP.
@@ -34,8 +36,26 @@ class ResidualHead(nn.Module):
         nn.init.zeros_(self.residual[-1].bias)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        x = F.normalize(features, dim=1)
+        x = F.normalize(features, dim=1, eps=NORMALIZE_EPS)
         return self.projection(x) + self.residual(x)
+
+    def split(self, features: torch.Tensor, parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(features)`` split exactly over ``parts`` (n, P, in_dim), which sum to ``features``.
+
+        Returns ``(shares, rest)``, (n, P, out_dim) and (n, out_dim), with ``shares.sum(1) + rest ==
+        forward(features)``. The head is piecewise linear: with the input's norm and the ReLU gates held at
+        their values for ``features``, it is the affine map ``A x + c`` it computes there, so each part gets
+        ``A part / |features|`` (the gradient times the part) and ``rest`` is ``c``, the biases passed by the
+        open gates: what no position of the image carries.
+        """
+        scale = 1 / features.norm(dim=1, keepdim=True).clamp_min(NORMALIZE_EPS)
+        first, _, last = self.residual
+        gates = (first(features * scale) > 0).to(features.dtype)
+        scaled_parts = parts * scale[:, :, None]
+        hidden = F.linear(scaled_parts, first.weight) * gates[:, None, :]
+        shares = F.linear(scaled_parts, self.projection.weight) + F.linear(hidden, last.weight)
+        rest = self.projection.bias + F.linear(gates * first.bias, last.weight, last.bias)
+        return shares, rest
 
     @torch.no_grad()
     def init_from_pca(self, features: np.ndarray, seed: int = 0) -> None:

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from training.backbone import create_backbone, split_backbone
 from training.config import TrainConfig
-from training.heads import ResidualHead
+from training.heads import NORMALIZE_EPS, ResidualHead
 from training.losses import LOSSES, build_loss
 
 
@@ -25,6 +25,72 @@ class EmbeddingModel(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return F.normalize(self.head(self.backbone(images)), dim=1)
+
+
+def averages_a_map(backbone: nn.Module) -> bool:
+    """Whether ``backbone(x)`` is the average over positions of a feature map, ``forward_features(x)``:
+    a timm network with average pooling and no classifier (what :class:`PositionContributions` splits)."""
+    pool = getattr(backbone, "global_pool", None)
+    classifier = backbone.get_classifier() if hasattr(backbone, "get_classifier") else None
+    return (
+        hasattr(backbone, "forward_features")
+        and getattr(pool, "pool_type", None) == "avg"
+        and isinstance(classifier, nn.Identity)
+        and not getattr(backbone, "drop_rate", 0.0)
+    )
+
+
+def explainable(model: nn.Module) -> bool:
+    """Whether similarities of ``model`` split exactly over image positions (:class:`PositionContributions`):
+    an average-pooled backbone under no head or the residual head."""
+    return (
+        isinstance(model, EmbeddingModel)
+        and averages_a_map(model.backbone)
+        and isinstance(model.head, nn.Identity | ResidualHead)
+    )
+
+
+class EmbeddingsAndMaps(nn.Module):
+    """An explainable :class:`EmbeddingModel` with its feature map as a second output: ``images ->
+    (embeddings, maps)``, the embeddings computed exactly as the model computes them, the maps (n, c, h, w)
+    being the backbone's last feature map (the one it averages), a tensor the forward computes anyway."""
+
+    def __init__(self, model: EmbeddingModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        backbone = self.model.backbone
+        maps = backbone.forward_features(images)
+        return F.normalize(self.model.head(backbone.forward_head(maps, pre_logits=True)), dim=1), maps
+
+
+class PositionContributions(nn.Module):
+    """``maps -> (contributions, rest)``: the embedding of an explainable model split over map positions.
+
+    With ``g`` the average of the map's ``h*w`` position vectors ``f_p``, the head's output ``z = head(g)``
+    is split exactly as ``sum_p s_p + c`` (``ResidualHead.split``; no head: ``s_p = f_p / (h*w)``, ``c = 0``),
+    and the embedding ``e = z / |z|`` as ``sum_p s_p / |z| + c / |z|``. ``contributions`` (n, h, w, d) are the
+    ``s_p / |z|``, ``rest`` (n, d) is ``c / |z|``. The cosine of this image with any unit vector ``u`` is then
+    ``sum_p <contributions_p, u> + <rest, u>``: the heatmap of position ``p`` is its exact share of it.
+    """
+
+    def __init__(self, model: EmbeddingModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pooled = self.model.backbone.forward_head(maps, pre_logits=True)
+        batch, _, height, width = maps.shape
+        parts = maps.flatten(2).transpose(1, 2) / (height * width)  # (n, h*w, c), summing to `pooled`
+        head = self.model.head
+        if isinstance(head, ResidualHead):
+            shares, rest = head.split(pooled, parts)
+        else:  # no head: the embedding is the normalised average itself
+            shares, rest = parts, torch.zeros_like(pooled)
+        norm = head(pooled).norm(dim=1, keepdim=True).clamp_min(NORMALIZE_EPS)  # as F.normalize divides
+        contributions = (shares / norm[:, :, None]).reshape(batch, height, width, -1)
+        return contributions, rest / norm
 
 
 class TrainingObjective(nn.Module):

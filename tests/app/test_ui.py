@@ -115,6 +115,21 @@ def test_clicking_a_result_searches_by_it(page, demo_gallery: Path) -> None:
     assert [text for text in texts(page.markdown) if "score" in text]
 
 
+def test_a_result_shows_why_it_matched_when_asked(page, demo_gallery: Path) -> None:
+    page.file_uploader[0].set_value(
+        ("coffee.jpg", (demo_gallery / "coffee/01_crop.jpg").read_bytes(), "image/jpeg")
+    )
+    page.run()
+    captions = [caption for image in page.image for caption in image.captions]
+    assert not [caption for caption in captions if caption.startswith("why:")]  # only when asked
+    page.toggle[1].set_value(True)  # the second result's
+    page.run()
+    assert not page.exception and not page.warning
+    captions = [caption for image in page.image for caption in image.captions]
+    why = [caption for caption in captions if caption.startswith("why:")]
+    assert [caption.split(" (")[0] for caption in why] == ["why: query", "why: item"]
+
+
 def test_min_score_slider_filters_results(page, demo_gallery: Path) -> None:
     page.sidebar.slider[1].set_value(0.99)
     page.file_uploader[0].set_value(
@@ -247,6 +262,14 @@ def test_real_browser_upload_shows_the_result_grid(
             )
             assert images.count() == 13  # 12 result thumbnails and the query
             view.screenshot(path=str(screenshot), full_page=True)
+            view.get_by_text("Why it matched").nth(1).click()  # the second result's heatmaps
+            view.get_by_text(re.compile(r"^why: item \(positions")).wait_for(timeout=60_000)
+            view.wait_for_function(
+                "() => [...document.querySelectorAll('[data-testid=stImage] img')]"
+                ".filter(img => img.complete && img.naturalWidth > 0).length >= 15",
+                timeout=30_000,
+            )
+            view.screenshot(path=str(tmp_path / "why.png"), full_page=True)
             view.get_by_role("button", name="Similar").nth(1).click()  # search by the second result
             view.get_by_text(re.compile(r"^query: item \d+$")).wait_for(timeout=60_000)
         finally:

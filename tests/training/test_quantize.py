@@ -108,3 +108,18 @@ def test_cli_int8_without_calibration_images_exits_2(
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert message in result.output
+
+
+def test_the_int8_model_keeps_its_explainer(int8_model: Path, demo_gallery: Path) -> None:
+    """The feature map survives quantisation as the second output, and the (float) explainer splits the
+    int8 model's served cosines over positions within the int8 maps' rounding."""
+    from engine.explainer import Explainer
+
+    embedder = Embedder(int8_model, threads=1)
+    assert embedder.card.explainer is not None
+    batch = embedder.preprocess([load_image_file(path) for path in list_images(demo_gallery)[:6]])
+    served = embedder.embed_tensor(batch)
+    _, maps = embedder.embed_with_maps(batch)
+    contributions, rest = Explainer.for_model(int8_model, embedder.card).split(maps)
+    totals = np.einsum("ahwd,bd->ab", contributions, served) + rest @ served.T
+    np.testing.assert_allclose(totals, served @ served.T, atol=2e-3)

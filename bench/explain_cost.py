@@ -1,0 +1,93 @@
+"""What one explanation costs against one query's embedding, on the CPU, in one run (a ratio).
+
+    python bench/explain_cost.py [--model artifacts/model/model.onnx] [--threads 1] [--repeats 20]
+
+Both start from decoded, preprocessed images: a query embeds one image; an explanation embeds the query
+and the result in one batch with the feature maps, runs the explainer, takes both heatmaps and draws both
+PNG overlays (what ``/v1/explain`` does after decoding). Each figure is the minimum over ``--repeats``
+runs after a warm-up, so that other load on the machine inflates it as little as possible. Without
+``--model`` the pretrained model is exported to a temporary folder first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from engine.embedder import Embedder
+from engine.explain import Heatmap, explain_tensor, model_view
+from engine.explainer import Explainer
+from engine.heatmap_image import overlay, png_bytes
+
+
+def best_ms(run: Callable[[], object], repeats: int) -> float:
+    run()  # warm-up
+    timings = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        timings.append(time.perf_counter() - started)
+    return 1000 * min(timings)
+
+
+def pretrained_model(folder: Path) -> Path:
+    from training.backbone import BACKBONES, create_backbone
+    from training.export import export_onnx
+    from training.model import EmbeddingModel
+
+    path = folder / "model.onnx"
+    preprocessing = BACKBONES["efficientnet_lite0"].preprocessing
+    export_onnx(
+        EmbeddingModel(create_backbone()), path, preprocessing=preprocessing, backbone="efficientnet_lite0"
+    )
+    return path
+
+
+def measure(model: Path, threads: int, repeats: int) -> dict[str, float]:
+    embedder = Embedder(model, threads=threads)
+    bundle = SimpleNamespace(
+        embedder=embedder, explainer=Explainer.for_model(model, embedder.card, threads=threads)
+    )
+    size = embedder.card.preprocessing.input_size
+    pair = np.random.default_rng(0).normal(size=(2, 3, size, size)).astype(np.float32)
+
+    def explain() -> list[bytes]:
+        _, grids, rests = explain_tensor(bundle, pair)
+        views = [model_view(image, embedder.card.preprocessing) for image in pair]
+        return [png_bytes(overlay(Heatmap(g, r, v))) for g, r, v in zip(grids, rests, views, strict=True)]
+
+    query_ms = best_ms(lambda: embedder.embed_tensor(pair[:1]), repeats)
+    heatmaps_ms = best_ms(lambda: explain_tensor(bundle, pair), repeats)  # the grids, no drawing
+    explain_ms = best_ms(explain, repeats)
+    return {
+        "query_embedding_ms": query_ms,
+        "heatmaps_ms": heatmaps_ms,
+        "explanation_with_png_overlays_ms": explain_ms,
+        "heatmaps_ratio": heatmaps_ms / query_ms,
+        "explanation_ratio": explain_ms / query_ms,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        model = args.model or pretrained_model(Path(folder))
+        result = measure(model, args.threads, args.repeats)
+    print(json.dumps({"threads": args.threads, "repeats": args.repeats, **result}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""``dmlsearch explain``: why an item matched a query image, drawn as two heatmaps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.common import fail, reports_errors
+from cli.index_commands import BoxOption, StoredModelOption, parse_box
+
+commands = typer.Typer()
+
+
+@commands.command()
+@reports_errors
+def explain(
+    query: Annotated[Path, typer.Argument(help="Query image file.")],
+    item_id: Annotated[int, typer.Argument(min=0, help="The result to explain: its item id in the index.")],
+    index: Annotated[Path, typer.Option(help="Index directory.")],
+    out: Annotated[Path, typer.Option(help="Where to write the PNG: query and item side by side.")] = Path(
+        "why.png"
+    ),
+    box: BoxOption = None,
+    model: StoredModelOption = None,
+) -> None:
+    """Write the query (or its box) and the item with the positions that carried their similarity coloured,
+    and print the cosine with each image's share of it (positions plus the head's biases; engine.explain)."""
+    from engine.heatmap_image import png_bytes, side_by_side
+    from engine.images import ImageDecodeError
+    from engine.search import SearchService
+    from index.atomic import atomic_write_bytes
+
+    if not query.is_file():
+        raise fail(f"query image {query} does not exist")
+    region = parse_box(box)
+    service = SearchService.open(model, index)
+    try:
+        explanation = service.explanations.explain(query.read_bytes(), item_id, region)
+    except ImageDecodeError as err:  # named by its file
+        raise fail(f"{query}: {err.message}") from None
+    finally:
+        service.close()
+    atomic_write_bytes(out, png_bytes(side_by_side(explanation)))
+    typer.echo(f"cosine {explanation.cosine:.4f}")
+    for name, heatmap in (("query", explanation.query), ("item", explanation.item)):
+        typer.echo(f"{name}: positions {heatmap.grid.sum():+.4f}, rest {heatmap.rest:+.4f}")
+    typer.echo(f"wrote {out}")

@@ -1,0 +1,53 @@
+"""Heatmaps drawn over the image the model saw: what the API sends, the UI shows and `dmlsearch explain`
+writes."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from matplotlib import colormaps
+from PIL import Image, ImageDraw
+
+from engine.explain import Explanation, Heatmap
+
+COLOURMAP = "inferno"
+OPACITY = 0.7  # of the colour at the position that carried the most similarity
+CAPTION_HEIGHT = 24
+
+
+def overlay(heatmap: Heatmap) -> Image.Image:
+    """The model's view with each position tinted by its share of the cosine.
+
+    Positions that raised the similarity are coloured, the most by the largest share; those that lowered
+    it (negative shares) stay as they are. The grid is upsampled bilinearly to the view's pixels.
+    """
+    view = heatmap.view
+    raised = np.clip(heatmap.grid, 0.0, None).astype(np.float32)
+    peak = float(raised.max())
+    scaled = raised / peak if peak > 0 else raised
+    size = (view.shape[1], view.shape[0])
+    weights = np.asarray(Image.fromarray(scaled, mode="F").resize(size, Image.Resampling.BILINEAR))
+    weights = np.clip(weights, 0.0, 1.0)[..., None]
+    colours = colormaps[COLOURMAP](weights[..., 0])[..., :3] * 255.0
+    blended = view * (1.0 - OPACITY * weights) + colours * (OPACITY * weights)
+    return Image.fromarray(np.clip(np.rint(blended), 0, 255).astype(np.uint8), "RGB")
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def side_by_side(explanation: Explanation) -> Image.Image:
+    """The query's overlay beside the item's, with the cosine and each image's share of it as a caption."""
+    query, item = overlay(explanation.query), overlay(explanation.item)
+    width, height = query.width + item.width, max(query.height, item.height)
+    canvas = Image.new("RGB", (width, height + CAPTION_HEIGHT), "white")
+    canvas.paste(query, (0, CAPTION_HEIGHT))
+    canvas.paste(item, (query.width, CAPTION_HEIGHT))
+    draw = ImageDraw.Draw(canvas)
+    draw.text((4, 6), f"query  (rest {explanation.query.rest:+.3f})", fill="black")
+    draw.text((query.width + 4, 6), f"item  cosine {explanation.cosine:.3f}", fill="black")
+    return canvas
