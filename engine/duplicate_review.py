@@ -52,9 +52,12 @@ class FileFacts:
     date: str  # when the photo was taken, else when it was indexed
 
 
-def file_facts(root: Path, item: Item) -> FileFacts:
-    path = root / item.path
+def file_facts(root: Path | None, item: Item) -> FileFacts:
+    """``root`` None: an index without a gallery folder, whose files cannot be looked at."""
     try:
+        if root is None:
+            raise FileNotFoundError("no gallery folder")
+        path = root / item.path
         size = path.stat().st_size
         with Image.open(path) as image:  # the header only
             pixels = image.width * image.height
@@ -297,23 +300,31 @@ def gallery_root(index_dir: Path) -> Path:
     return Path(root)
 
 
-def apply_plan(index_dir: Path, plan: dict, on_move: Callable[[str], None] | None = None) -> ReviewReport:
-    """Set aside the plan's non-keepers: files into the trash, then their items out of the index."""
+def set_aside(index: GalleryIndex, plan: dict, on_move: Callable[[str], None] | None = None) -> ReviewReport:
+    """Set aside the plan's non-keepers in an open index: files into the trash, then their items out of
+    the index, which is saved."""
     plan_id, aside = read_plan(plan)
-    root = gallery_root(index_dir)
-    report = move_aside(root, plan_id, aside, on_move)
+    if index.manifest.gallery_root is None:
+        raise PlanError("the index records no gallery folder: its images cannot be set aside")
+    report = move_aside(Path(index.manifest.gallery_root), plan_id, aside, on_move)
     in_trash = {member.id: member.path for member in aside if member.path in {*report.moved, *report.already}}
+    stored = index.items.get_many(list(in_trash))
+    # An id whose item now has another path was indexed again since (an undo): not this plan's.
+    ids = [item_id for item_id, item in stored.items() if item.path == in_trash[item_id]]
+    if ids:
+        report.removed = index.remove(ids)
+        index.save()
+    return report
+
+
+def apply_plan(index_dir: Path, plan: dict, on_move: Callable[[str], None] | None = None) -> ReviewReport:
+    """:func:`set_aside` on the index in ``index_dir``."""
+    read_plan(plan)  # a bad plan is refused before the index is opened
     index = GalleryIndex.open(index_dir)
     try:
-        stored = index.items.get_many(list(in_trash))
-        # An id whose item now has another path was indexed again since (an undo): not this plan's.
-        ids = [item_id for item_id, item in stored.items() if item.path == in_trash[item_id]]
-        if ids:
-            report.removed = index.remove(ids)
-            index.save()
+        return set_aside(index, plan, on_move)
     finally:
         index.close()
-    return report
 
 
 def undo_plan(index_dir: Path, plan: dict, embedder: Embedder, *, progress: bool = False) -> ReviewReport:

@@ -159,6 +159,19 @@ def _distinct(firsts: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     return np.sort(np.unique(keys, return_index=True)[1])
 
 
+def classify(bits: np.ndarray, cosines: np.ndarray, settings: TierSettings) -> np.ndarray:
+    """Each pair's tier by its signature distance (-1: unsigned) and cosine: EDITED or SIMILAR, or
+    ``len(Tier)`` for a pair of no tier (exact copies are told by their bytes or pixels, not here)."""
+    signed = bits >= 0
+    edited = np.where(
+        signed,
+        (bits <= settings.edited_bits) & (cosines >= settings.edited_cosine),
+        cosines >= EMBEDDING_ONLY_THRESHOLD,
+    )
+    similar = (cosines >= settings.similar_cosine) & (~signed | (bits <= settings.similar_bits))
+    return np.where(edited, int(Tier.EDITED), np.where(similar, int(Tier.SIMILAR), len(Tier)))
+
+
 def tier_pairs(
     index: GalleryIndex, tier: Tier, settings: TierSettings, digests: PixelDigests | None = None
 ) -> tuple[Pairs, int]:
@@ -185,16 +198,10 @@ def tier_pairs(
     firsts, seconds = firsts[keep], seconds[keep]
     bits = _pair_bits(signatures, firsts, seconds)
     cosines = pair_cosines(index, firsts, seconds)
-    signed = bits >= 0
-    edited = np.where(
-        signed,
-        (bits <= settings.edited_bits) & (cosines >= settings.edited_cosine),
-        cosines >= EMBEDDING_ONLY_THRESHOLD,
-    )
-    similar = (cosines >= settings.similar_cosine) & (~signed | (bits <= settings.similar_bits))
-    tiers = np.where(edited, int(Tier.EDITED), np.where(similar, int(Tier.SIMILAR), len(Tier)))
+    tiers = classify(bits, cosines, settings)
     pair_digests: list[str | None] = [None] * len(firsts)
-    candidates = np.flatnonzero(edited & (bits == 0))  # only identical thumbnails can be identical pixels
+    # Only identical thumbnails can be identical pixels.
+    candidates = np.flatnonzero((tiers == int(Tier.EDITED)) & (bits == 0))
     if len(candidates):
         wanted = np.unique(np.concatenate([firsts[candidates], seconds[candidates]]))
         items = index.items.get_many(wanted.tolist())
