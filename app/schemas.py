@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.labels import MAX_LABEL_CHARS
 from engine.model_card import ValidationCheck
@@ -171,21 +172,55 @@ class DuplicatesOut(BaseModel):
     keeper_rule: list[str] | None = Field(None, description="with tier only: the keeper rule's order")
 
 
+# A gallery-relative path: not absolute, no ".." part, not inside the trash folder (ECMA and Python regex).
+PLAN_PATH_PATTERN = r"^(?!/)(?!\.dmlsearch-trash(/|$))(?!(.*/)?\.\.(/|$)).+$"
+
+
 class PlanMemberIn(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     id: int = Field(ge=0, le=2**63 - 1)
-    path: str = Field(min_length=1, max_length=4096, description="gallery-relative path")
+    path: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="gallery-relative path",
+        json_schema_extra={"pattern": PLAN_PATH_PATTERN},
+    )
     content_hash: str = Field(pattern="^[0-9a-f]{64}$", description="the file's SHA-256 when planned")
     action: ActionName
 
+    @field_validator("path")
+    @classmethod
+    def _inside_the_gallery(cls, path: str) -> str:
+        if not re.match(PLAN_PATH_PATTERN, path, flags=re.S):
+            raise ValueError("must be a path inside the gallery, outside its trash folder")
+        return path
+
 
 class PlanGroupIn(BaseModel):
-    members: list[PlanMemberIn] = Field(min_length=1, max_length=10_000)
+    model_config = ConfigDict(strict=True)
+
+    members: list[PlanMemberIn] = Field(
+        min_length=1,
+        max_length=10_000,
+        description="at least one member is kept",
+        json_schema_extra={"contains": {"type": "object", "properties": {"action": {"const": "keep"}}}},
+    )
+
+    @field_validator("members")
+    @classmethod
+    def _one_kept(cls, members: list[PlanMemberIn]) -> list[PlanMemberIn]:
+        if not any(member.action == "keep" for member in members):
+            raise ValueError("the group keeps no image: mark one member 'keep'")
+        return members
 
 
 class PlanIn(BaseModel):
     """A duplicates plan, as ``dmlsearch duplicates --plan`` writes it (other fields are ignored)."""
 
-    version: Literal[1]
+    model_config = ConfigDict(strict=True)
+
+    version: int = Field(ge=1, le=1, description="the plan format's version: 1")
     plan_id: str = Field(
         pattern="^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$", description="names its trash folder inside the gallery"
     )
