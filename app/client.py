@@ -57,12 +57,20 @@ class SearchClient:
             return self._call("POST", "/v1/explain", params=params, files={"image": upload}).json()
         return self._call("GET", "/v1/explain", params=params | {"query_item": query_item}).json()
 
-    def duplicates(self, threshold: float | None = None, offset: int = 0, limit: int = 20) -> dict:
-        """``threshold`` None: the index's default."""
-        params = {"offset": offset, "limit": limit}
+    def duplicates(
+        self, threshold: float | None = None, offset: int = 0, limit: int = 20, tier: str | None = None
+    ) -> dict:
+        """``threshold`` None: the index's default; ``tier``: exact, edited or similar (or None)."""
+        params: dict[str, Any] = {"offset": offset, "limit": limit}
         if threshold is not None:
             params["threshold"] = threshold
+        if tier is not None:
+            params["tier"] = tier
         return self._call("GET", "/v1/duplicates", params=params).json()
+
+    def apply_plan(self, plan: dict, api_key: str) -> dict:
+        """Apply a duplicates plan (``POST /v1/duplicates/apply``, with the API key)."""
+        return self._call("POST", "/v1/duplicates/apply", json=plan, headers={"X-API-Key": api_key}).json()
 
     def model(self) -> dict:
         return self._call("GET", "/v1/model").json()

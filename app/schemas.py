@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import base64
-from typing import Annotated, Any
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from engine.explain import Heatmap
 from engine.labels import LABEL_PATTERN, MAX_LABEL_CHARS
@@ -119,16 +120,43 @@ class ItemOut(BaseModel):
         )
 
 
+TierName = Literal["exact", "edited", "similar"]
+ActionName = Literal["keep", "set_aside"]
+
+
+class EvidenceOut(BaseModel):
+    """Why an item is in its group: its strongest pair."""
+
+    pairs_with: int = Field(description="the id of the item it pairs with")
+    tier: TierName = Field(description="the pair's tier")
+    signature_bits: int | None = Field(description="perceptual-signature distance (null: no signature)")
+    cosine: float
+    hash: str | None = Field(description="the content hash (sha256:) or pixel digest (pixels:) both share")
+
+
+class ReviewOut(BaseModel):
+    """What the keeper rule compares, and its proposal."""
+
+    content_hash: str
+    pixels: int = Field(description="width x height (0: the file cannot be read)")
+    bytes: int = Field(description="file size (0: the file cannot be read)")
+    date: str = Field(description="when the photo was taken, else when it was indexed")
+    action: ActionName = Field(description="the keeper rule's proposal")
+
+
 class DuplicateOut(BaseModel):
     id: int
     path: str
     label: str | None
     score: float = Field(description="the item's highest cosine similarity to another member of its group")
+    evidence: EvidenceOut | None = Field(None, description="with tier only")
+    review: ReviewOut | None = Field(None, description="with tier only")
 
 
 class DuplicateGroupOut(BaseModel):
     size: int
     items: list[DuplicateOut]
+    tier: TierName | None = Field(None, description="with tier only: the loosest tier among its pairs")
 
 
 class DuplicatesOut(BaseModel):
@@ -142,6 +170,77 @@ class DuplicatesOut(BaseModel):
     total: int = Field(description="groups at this threshold (pages walk through them, largest first)")
     offset: int
     groups: list[DuplicateGroupOut]
+    tier: TierName | None = Field(None, description="the tier asked for (each includes the stricter ones)")
+    keeper_rule: list[str] | None = Field(None, description="with tier only: the keeper rule's order")
+
+
+# A gallery-relative path: not absolute, no ".." part, not inside the trash folder (ECMA and Python regex).
+PLAN_PATH_PATTERN = r"^(?!/)(?!\.dmlsearch-trash(/|$))(?!(.*/)?\.\.(/|$)).+$"
+
+
+class PlanMemberIn(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    id: int = Field(ge=0, le=2**63 - 1)
+    path: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="gallery-relative path",
+        json_schema_extra={"pattern": PLAN_PATH_PATTERN},
+    )
+    content_hash: str = Field(pattern="^[0-9a-f]{64}$", description="the file's SHA-256 when planned")
+    action: ActionName
+
+    @field_validator("path")
+    @classmethod
+    def _inside_the_gallery(cls, path: str) -> str:
+        if not re.match(PLAN_PATH_PATTERN, path, flags=re.S):
+            raise ValueError("must be a path inside the gallery, outside its trash folder")
+        return path
+
+
+class PlanGroupIn(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    members: list[PlanMemberIn] = Field(
+        min_length=1,
+        max_length=10_000,
+        description="at least one member is kept",
+        json_schema_extra={"contains": {"type": "object", "properties": {"action": {"const": "keep"}}}},
+    )
+
+    @field_validator("members")
+    @classmethod
+    def _one_kept(cls, members: list[PlanMemberIn]) -> list[PlanMemberIn]:
+        if not any(member.action == "keep" for member in members):
+            raise ValueError("the group keeps no image: mark one member 'keep'")
+        return members
+
+
+class PlanIn(BaseModel):
+    """A duplicates plan, as ``dmlsearch duplicates --plan`` writes it (other fields are ignored)."""
+
+    model_config = ConfigDict(strict=True)
+
+    version: int = Field(ge=1, le=1, description="the plan format's version: 1")
+    plan_id: str = Field(
+        pattern="^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$", description="names its trash folder inside the gallery"
+    )
+    groups: list[PlanGroupIn] = Field(max_length=100_000)
+
+
+class LeftOut(BaseModel):
+    path: str
+    reason: str
+
+
+class AppliedPlanOut(BaseModel):
+    moved: list[str] = Field(description="files moved into the trash folder by this request")
+    already: list[str] = Field(description="files already in the trash folder (an apply run again)")
+    left: list[LeftOut] = Field(description="files not moved, and why")
+    removed: int = Field(description="items removed from the index")
+    trash: str = Field(description="the trash folder, relative to the gallery")
+    count: int = Field(description="items in the index now")
 
 
 class ItemPageOut(BaseModel):

@@ -1,7 +1,12 @@
-"""The Streamlit "Duplicates" page: groups of near-duplicate gallery images with thumbnails and scores."""
+"""The Streamlit "Duplicates" page: groups of near-duplicate gallery images with thumbnails and scores; by
+tier, each image with its evidence and a keep tick (the keeper rule's proposal), and a button that applies
+the page's decisions (``POST /v1/duplicates/apply``: set-aside images go to the gallery's trash folder)."""
 
 from __future__ import annotations
 
+import os
+import secrets
+import time
 from collections.abc import Callable
 
 import streamlit as st
@@ -12,11 +17,21 @@ from index.duplicates import DEFAULT_THRESHOLD
 
 GROUPS_PER_PAGE = 10
 COLUMNS = 6
+ANY_TIER = "all (cosine and signature)"
+TIERS = ("exact", "edited", "similar")
+TIER_HELP = (
+    "exact: same bytes or pixels; edited: re-encoded, resized, cropped, colour-adjusted or watermarked "
+    "copies; similar: the same scene (bursts, second takes). Each tier includes the stricter ones."
+)
 
 
 def render_duplicates(client: SearchClient, thumbnail: Callable[[int, str], bytes | None]) -> None:
     """``thumbnail(item_id, path)``: the page's cached thumbnail fetcher."""
     st.subheader("Near-duplicates")
+    tier = st.radio("Tier", [ANY_TIER, *TIERS], horizontal=True, key="dup_tier", help=TIER_HELP)
+    if tier != ANY_TIER:
+        render_review(client, thumbnail, tier)
+        return
     threshold = None  # the index's default
     if st.checkbox("Set the cosine threshold", key="dup_custom"):
         threshold = st.slider(
@@ -49,3 +64,76 @@ def render_duplicates(client: SearchClient, thumbnail: Callable[[int, str], byte
                     if image is not None:
                         st.image(image, width="stretch")
                     st.caption(plain(f"score {item['score']:.3f} · {item['label'] or '-'} · {item['path']}"))
+
+
+def render_review(client: SearchClient, thumbnail: Callable[[int, str], bytes | None], tier: str) -> None:
+    """The groups of ``tier`` with a keep tick per image, and the button that applies the page."""
+    page_number = st.number_input("Page", min_value=1, value=1, step=1, key="dup_review_page")
+    try:
+        body = client.duplicates(offset=(page_number - 1) * GROUPS_PER_PAGE, limit=GROUPS_PER_PAGE, tier=tier)
+    except ApiCallError as err:
+        st.error(f"Duplicates are unavailable: {plain(err)}")
+        return
+    rule = " > ".join(body["keeper_rule"])
+    st.caption(plain(f"{body['total']} groups up to the {tier} tier: {body['criteria']}"))
+    st.caption(
+        f"Proposed keeper: {rule} (most pixels, then the largest file, then the earliest date). Untick "
+        "to set an image aside, tick to keep it; applying moves set-aside images to the gallery's trash "
+        "folder (nothing is deleted; dmlsearch duplicates --undo puts them back)."
+    )
+    if not body["groups"]:
+        st.info("No groups of this tier on this page.")
+        return
+    plan_groups = []
+    for number, group in enumerate(body["groups"], start=body["offset"] + 1):
+        st.markdown(f"**Group {number}** · {group['tier']} · {group['size']} images")
+        members = []
+        items = group["items"]
+        for start in range(0, len(items), COLUMNS):
+            for column, item in zip(st.columns(COLUMNS), items[start : start + COLUMNS], strict=False):
+                with column:
+                    image = thumbnail(item["id"], item["path"])
+                    if image is not None:
+                        st.image(image, width="stretch")
+                    evidence, review = item["evidence"], item["review"]
+                    bits = "-" if evidence["signature_bits"] is None else evidence["signature_bits"]
+                    digest = f" · {evidence['hash'][:18]}" if evidence["hash"] else ""
+                    st.caption(
+                        plain(
+                            f"{evidence['tier']} · bits {bits} · cosine {evidence['cosine']:.3f}{digest} · "
+                            f"{review['pixels']} px · {review['bytes']} B · {item['path']}"
+                        )
+                    )
+                    keep = st.checkbox(
+                        "keep", value=review["action"] == "keep", key=f"dup_keep_{tier}_{item['id']}"
+                    )
+                    members.append(
+                        {
+                            "id": item["id"],
+                            "path": item["path"],
+                            "content_hash": review["content_hash"],
+                            "action": "keep" if keep else "set_aside",
+                        }
+                    )
+        if not any(member["action"] == "keep" for member in members):
+            st.warning(f"Group {number} keeps no image: tick one to keep, or it cannot be applied.")
+        plan_groups.append({"members": members})
+    api_key = st.text_input(
+        "API key", value=os.environ.get("DMLSEARCH_API_KEY", ""), type="password", key="dup_api_key"
+    )
+    if st.button("Apply: set aside the unticked images", key="dup_apply"):
+        plan_id = time.strftime("%Y%m%dT%H%M%SZ-ui-", time.gmtime()) + secrets.token_hex(4)
+        plan = {"version": 1, "plan_id": plan_id, "groups": plan_groups}
+        try:
+            result = client.apply_plan(plan, api_key)
+        except ApiCallError as err:
+            st.error(f"Not applied: {plain(err)}")
+            return
+        st.success(
+            plain(
+                f"Set aside {len(result['moved'])} images into {result['trash']} and removed "
+                f"{result['removed']} items from the index; {result['count']} remain."
+            )
+        )
+        for left in result["left"]:
+            st.warning(plain(f"Left {left['path']}: {left['reason']}"))

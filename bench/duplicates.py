@@ -214,8 +214,9 @@ def choose(rows: dict, distances: list[str]) -> str:
     return max((key for key in rows if key.split("/")[1] in distances), key=rank)
 
 
-def speed(real: np.ndarray, count: int, seed: int, work: Path) -> dict:
-    """Time find_duplicates at its defaults over ``count`` vectors made from ``real`` embeddings."""
+def synthetic_index(real: np.ndarray, count: int, seed: int, work: Path) -> tuple[GalleryIndex, int, float]:
+    """An index of about ``count`` vectors made from ``real`` embeddings (see the module's doc), saved as
+    build-index would; also the planted copies and the seconds the save (build and tuning) took."""
     rng = np.random.default_rng(seed)
     dim = real.shape[1]
     originals = count - count * 5 // 100 * 5 // 2  # room for 2-3 copies of 5% of them
@@ -240,20 +241,25 @@ def speed(real: np.ndarray, count: int, seed: int, work: Path) -> dict:
         index.add(vectors[chunk], entries, [row.tobytes() for row in all_signatures[chunk]])
     started = time.perf_counter()
     index.save()  # builds and tunes the index the automatic choice picks
-    built_s = time.perf_counter() - started
+    return index, len(copies), time.perf_counter() - started
+
+
+def speed(real: np.ndarray, count: int, seed: int, work: Path) -> dict:
+    """Time find_duplicates at its defaults over ``count`` vectors made from ``real`` embeddings."""
+    index, planted, built_s = synthetic_index(real, count, seed, work)
     started = time.perf_counter()
     found = find_duplicates(index)
     seconds = time.perf_counter() - started
     result = {
-        "items": len(vectors),
-        "dim": dim,
+        "items": len(index),
+        "dim": index.manifest.dim,
         "index": index.manifest.built.index_spec,
         "search_params": index.manifest.built.search_params,
         "build_s": round(built_s, 1),
         "find_duplicates_s": round(seconds, 2),
         "groups": len(found.groups),
         "grouped_items": int(sum(len(g.ids) for g in found.groups)),
-        "planted_copies": len(copies),
+        "planted_copies": planted,
     }
     index.close()
     return result

@@ -10,7 +10,9 @@ from typing import Annotated
 
 import typer
 
+from cli import duplicate_review_commands as review_commands
 from cli.common import fail, reports_errors
+from index.duplicate_tiers import EDITED_BITS, TIER_NAMES
 from index.duplicates import (
     DEFAULT_MAX_DISTANCE,
     DEFAULT_NEIGHBOURS,
@@ -18,6 +20,8 @@ from index.duplicates import (
     EMBEDDING_ONLY_THRESHOLD,
     MAX_DISTANCE_LIMIT,
 )
+
+KEEPER_HELP = "Keeper rule: the order in which pixels, bytes and date break ties (most, largest, earliest)."
 
 commands = typer.Typer()
 
@@ -37,11 +41,15 @@ def duplicates(
         ),
     ] = None,
     max_distance: Annotated[
-        int,
+        int | None,
         typer.Option(
-            min=0, max=MAX_DISTANCE_LIMIT, help="Perceptual-signature bits (of 64) two copies may differ by."
+            min=0,
+            max=MAX_DISTANCE_LIMIT,
+            help="Perceptual-signature bits (of 64) two copies may differ by "
+            f"[default: {DEFAULT_MAX_DISTANCE}, with --tier {EDITED_BITS}].",
+            show_default=False,
         ),
-    ] = DEFAULT_MAX_DISTANCE,
+    ] = None,
     neighbours: Annotated[
         int,
         typer.Option(min=1, max=1000, help="Candidate neighbours searched per image without a signature."),
@@ -51,6 +59,24 @@ def duplicates(
         bool, typer.Option("--csv", help="One row per image: group,id,score,label,path.")
     ] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")] = False,
+    tier: Annotated[
+        str | None,
+        typer.Option(
+            help=f"Group by tier: {', '.join(TIER_NAMES)} (each includes the stricter ones); each group says "
+            "its tier and each image its evidence.",
+            show_default=False,
+        ),
+    ] = None,
+    plan: Annotated[
+        Path | None, typer.Option(help="Write the groups of --tier (default edited) as a plan to review.")
+    ] = None,
+    keep_by: Annotated[str, typer.Option(help=KEEPER_HELP)] = "pixels,bytes,date",
+    apply: Annotated[
+        Path | None, typer.Option(help="Move a plan's set-aside images to the gallery's trash folder.")
+    ] = None,
+    undo: Annotated[
+        Path | None, typer.Option(help="Put a plan's set-aside images back and index them.")
+    ] = None,
 ) -> None:
     """Print groups of near-duplicate images: images joined by chains of pairs whose perceptual signatures
     are within MAX_DISTANCE bits and whose cosine is >= THRESHOLD, each with its highest cosine to another
@@ -60,10 +86,32 @@ def duplicates(
 
     if as_json and as_csv:
         raise fail("choose one of --json and --csv")
+    if sum(option is not None for option in (plan, apply, undo)) > 1:
+        raise fail("choose one of --plan, --apply and --undo")
+    if apply is not None or undo is not None:
+        review_commands.apply_or_undo(index, apply, undo, progress=progress)
+        return
+    if tier is not None or plan is not None:
+        review_commands.tiered(
+            index,
+            tier or "edited",
+            plan=plan,
+            keep_by=keep_by,
+            threshold=threshold,
+            max_distance=max_distance,
+            neighbours=neighbours,
+            as_json=as_json,
+            as_csv=as_csv,
+        )
+        return
     gallery = GalleryIndex.open(index)
     try:
         found = find_duplicates(
-            gallery, threshold, max_distance=max_distance, neighbours=neighbours, progress=progress
+            gallery,
+            threshold,
+            max_distance=DEFAULT_MAX_DISTANCE if max_distance is None else max_distance,
+            neighbours=neighbours,
+            progress=progress,
         )
         items = gallery.items.get_many([int(i) for group in found.groups for i in group.ids])
     finally:

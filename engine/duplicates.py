@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from engine.duplicate_review import (
+    KEEP,
+    KEEPER_RULE,
+    SET_ASIDE,
+    FileFacts,
+    ReviewReport,
+    file_facts,
+    keeper,
+    pixel_digests,
+    set_aside,
+)
 from engine.serving import CurrentBundle
+from index.duplicate_tiers import Evidence, Tier, TieredDuplicates, find_tiered
 from index.duplicates import DEFAULT_MAX_DISTANCE, Duplicates, find_duplicates
 from index.protocol import Item
 
@@ -20,10 +33,26 @@ class DuplicatePage:
     criteria: str  # how pairs were judged (index.duplicates.Duplicates.criteria)
 
 
+@dataclass(frozen=True)
+class TieredMember:
+    item: Item
+    evidence: Evidence
+    facts: FileFacts
+    action: str  # the keeper rule's proposal: keep or set_aside
+
+
+@dataclass(frozen=True)
+class TieredPage:
+    groups: list[tuple[Tier, list[TieredMember]]]
+    found: TieredDuplicates
+    keeper_rule: tuple[str, ...]
+
+
 class DuplicateFinder:
     def __init__(self, current: CurrentBundle) -> None:
         self.current = current
         self._found: dict[tuple[object, ...], Duplicates] = {}  # of the index as loaded
+        self._tiered: dict[tuple[object, ...], TieredDuplicates] = {}
 
     def page(
         self,
@@ -62,3 +91,45 @@ class DuplicateFinder:
             found.note,
             found.criteria,
         )
+
+    def tiered_page(
+        self, tier: Tier, offset: int, limit: int, rule: tuple[str, ...] = KEEPER_RULE
+    ) -> TieredPage:
+        """A page of the groups of ``tier`` (``index.duplicate_tiers``), each member with its evidence and
+        the keeper rule's proposal; found once per tier and index state."""
+        with self.current.reading() as bundle:
+            index = bundle.index
+            root = Path(index.manifest.gallery_root) if index.manifest.gallery_root else None
+            state = (index.stamp, id(index), len(index))
+            found = self._tiered.get((*state, tier))
+            if found is None:
+                found = find_tiered(index, tier, digests=pixel_digests(root) if root else None)
+                self._tiered = {key: value for key, value in self._tiered.items() if key[:3] == state} | {
+                    (*state, tier): found
+                }
+            page = found.groups[offset : offset + limit]
+            items = index.items.get_many([int(i) for group in page for i in group.ids])
+        groups = []
+        for group in page:
+            members = [
+                (items[int(i)], evidence)
+                for i, evidence in zip(group.ids, group.evidence, strict=True)
+                if int(i) in items
+            ]
+            facts = {item.id: file_facts(root, item) for item, _ in members}
+            chosen = keeper(list(facts.items()), rule) if members else None
+            groups.append(
+                (
+                    group.tier,
+                    [
+                        TieredMember(item, evidence, facts[item.id], KEEP if item.id == chosen else SET_ASIDE)
+                        for item, evidence in members
+                    ],
+                )
+            )
+        return TieredPage(groups, found, rule)
+
+    def apply(self, plan: dict) -> ReviewReport:
+        """Set aside a plan's non-keepers in the served index (``engine.duplicate_review``), alone."""
+        with self.current.writing() as bundle:
+            return set_aside(bundle.index, plan)

@@ -11,7 +11,7 @@ import numpy as np
 import pillow_heif
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from engine.defaults import MAX_IMAGE_PIXELS
+from engine.defaults import MAX_IMAGE_PIXELS, TRASH_FOLDER
 from index.errors import DmlsearchError, ErrorKind
 
 # HEIC/HEIF (phones' default) through pillow-heif's Pillow plugin; AVIF is built into Pillow >= 11.
@@ -231,7 +231,8 @@ def list_images(root: Path) -> list[Path]:
     A linked folder is followed when it leads outside ``root`` (training sets are often class folders
     linked in from elsewhere); one that leads to a folder inside ``root`` is not, as its files are listed
     at their own paths already (an alias would claim them, and name their label), nor is one that leads
-    back to a folder above it, which would never end. Whether a file outside ``root`` may be indexed is
+    back to a folder above it, which would never end; nor is the trash that duplicate plans move images
+    to (``TRASH_FOLDER`` at the top). Whether a file outside ``root`` may be indexed is
     the caller's call: build-index skips, and lists, those.
     """
     found, top = [], os.fspath(root)
@@ -245,5 +246,7 @@ def list_images(root: Path) -> list[Path]:
             subfolders.clear()
             continue
         above[folder] = parents | {real}
+        if folder == top and TRASH_FOLDER in subfolders:
+            subfolders.remove(TRASH_FOLDER)
         found.extend(path for path in (Path(folder, name) for name in names) if is_image_file(path))
     return sorted(found)

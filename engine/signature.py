@@ -4,11 +4,14 @@ The embedding is trained for category similarity: two photos of one car model em
 and its half-size copy (bench/results/duplicates.md). A perceptual hash (imagehash's pHash: the signs of
 the lowest 8x8 DCT frequencies of a 32x32 greyscale thumbnail) is the other way round: re-encoding,
 resizing and brightness barely move it, while different photos land ~32 bits of 64 apart. A signature is
-the pHash of four views: the image itself, its mirror, its centre 90% crop and that crop's mirror, so that
-a mirrored copy and a copy cropped by about 10% (85-95%, centred) match one view of the other image.
-Other crops (off-centre, or tighter) move every view by more than near-duplicate search allows (an
-off-centre 88% crop measured 20 bits): such copies are not found. ``index.duplicates`` compares
-signatures as bit strings; this module is the only place that knows they come from images.
+the pHash of seven views: the image itself, its mirror, its centre 90% crop and that crop's mirror, and
+the image turned by 90, 180 and 270 degrees, so that a mirrored copy, a copy cropped by about 10% (85-95%,
+centred) and a copy turned by a quarter turn (an editor's rotation, a lost EXIF orientation) match one
+view of the other image. Other crops (off-centre, or tighter) move every view by more than near-duplicate
+search allows (an off-centre 88% crop measured 20 bits): such copies are not found. Signatures of four
+views (stored before the turned views were added) are the first four views of today's.
+``index.duplicates`` compares signatures as bit strings; this module is the only place that knows they
+come from images.
 
 Computed where the image is decoded anyway (the build's decode workers, uploads), so it costs no decode.
 """
@@ -24,11 +27,13 @@ HASH_SIZE = 8  # 8x8 = 64-bit pHash, imagehash's default
 # once and its mirror taken from the thumbnail, instead of scaling the full image for every view.
 THUMBNAIL_SIZE = 4 * HASH_SIZE
 CROP = 0.9  # the crop view keeps this share of each side, centred
+TURNS = (Image.Transpose.ROTATE_90, Image.Transpose.ROTATE_180, Image.Transpose.ROTATE_270)
 
 
 def perceptual_signature(image: Image.Image) -> bytes:
-    """The pHashes of ``image``, its mirror, its centre crop and the crop's mirror, 8 bytes each
-    (``index.duplicates``'s signature views: the image itself first)."""
+    """The pHashes of ``image``, its mirror, its centre crop, the crop's mirror and ``image`` turned by
+    90, 180 and 270 degrees, 8 bytes each (``index.duplicates``'s signature views: the image itself
+    first)."""
     grey = image.convert("L")
     margin_x, margin_y = grey.width * (1 - CROP) / 2, grey.height * (1 - CROP) / 2
     crop = (margin_x, margin_y, grey.width - margin_x, grey.height - margin_y)
@@ -38,5 +43,8 @@ def perceptual_signature(image: Image.Image) -> bytes:
     whole, cropped = (
         grey.resize(size, Image.Resampling.LANCZOS, box=box, reducing_gap=2.0) for box in (None, crop)
     )
-    views = (whole, ImageOps.mirror(whole), cropped, ImageOps.mirror(cropped))
+    # Turning the square thumbnail equals the thumbnail of the turned image: the resize filters each axis
+    # by its own scale, whichever way up the image is.
+    turned = (whole.transpose(turn) for turn in TURNS)
+    views = (whole, ImageOps.mirror(whole), cropped, ImageOps.mirror(cropped), *turned)
     return b"".join(np.packbits(imagehash.phash(view, HASH_SIZE).hash).tobytes() for view in views)

@@ -23,6 +23,7 @@ Nothing is compared pair by pair in Python. ``scipy.sparse.csgraph`` finds the c
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -167,10 +168,11 @@ class SignatureTable:
 
     def __init__(self, stored: dict[int, bytes]) -> None:
         self.ids = np.array(sorted(stored), dtype=np.int64)
-        blobs = [stored[int(i)] for i in self.ids]
-        if len({len(blob) for blob in blobs}) > 1:
-            raise InvalidInputError("the index holds perceptual signatures of different lengths")
-        views = len(blobs[0]) * 8 // SIGNATURE_VIEW_BITS if blobs else 1
+        # Signatures stored before views were added are the first views of today's: compare the views all
+        # items have.
+        shortest = min((len(blob) for blob in stored.values()), default=SIGNATURE_VIEW_BITS // 8)
+        blobs = [stored[int(i)][:shortest] for i in self.ids]
+        views = shortest * 8 // SIGNATURE_VIEW_BITS
         self.rows = np.frombuffer(b"".join(blobs), dtype=np.uint64).reshape(len(blobs), views)
 
     def __len__(self) -> int:
@@ -203,6 +205,26 @@ def verify_pairs(
     return keep
 
 
+def _hash_tables(codes: int, max_distance: int) -> tuple[int, int]:
+    """How many hash tables (each of an equal share of a code's bits) and bit flips per table to probe, so
+    that a range search finds every code within ``max_distance`` bits at the least cost.
+
+    Pigeonhole: codes within ``max_distance`` bits have, in one of ``tables`` disjoint parts, at most
+    ``max_distance // tables`` bits apart. A search probes every flip of that many bits in each table and
+    checks the codes in the buckets it finds: few tables of many bits need many probes, many tables of few
+    bits fill each bucket. Checking a code costs about three probes, as measured on this machine: 100k
+    random 7-view signatures within 8 bits took 11 s with 3 tables of 21 bits and 2 flips, 66 s within 6
+    bits with the 7 tables of 9 bits and no flips used before."""
+
+    def cost(tables: int) -> float:
+        bits, flips = SIGNATURE_VIEW_BITS // tables, max_distance // tables
+        probes = tables * sum(math.comb(bits, k) for k in range(flips + 1))
+        return probes * (1 + 3 * codes / 2**bits)
+
+    tables = min(range(1, max_distance + 2), key=cost)
+    return tables, max_distance // tables
+
+
 def signature_pairs(signatures: SignatureTable, max_distance: int) -> tuple[np.ndarray, ...]:
     """``(first ids, second ids, bits)`` of every pair of signed items within ``max_distance`` bits
     (see :func:`signature_distance`; first id < second id), by a FAISS multi-hash range search: every view
@@ -212,8 +234,9 @@ def signature_pairs(signatures: SignatureTable, max_distance: int) -> tuple[np.n
     if count == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
     faiss = faiss_module()
-    tables = max_distance + 1  # pigeonhole: max_distance differing bits leave one table's bits equal
+    tables, flips = _hash_tables(count * views, max_distance)
     codes = faiss.IndexBinaryMultiHash(SIGNATURE_VIEW_BITS, tables, SIGNATURE_VIEW_BITS // tables)
+    codes.nflip = flips
     codes.add(np.ascontiguousarray(signatures.rows).view(np.uint8).reshape(count * views, -1))
     own = np.ascontiguousarray(signatures.rows[:, :1]).view(np.uint8)
     limits, bits, found = codes.range_search(own, max_distance + 1)  # radius is exclusive

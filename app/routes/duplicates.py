@@ -4,10 +4,23 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query
 
-from app.deps import INT64_MAX, Compute, Service
-from app.schemas import DuplicateGroupOut, DuplicateOut, DuplicatesOut, ErrorOut
+from app.deps import INT64_MAX, Compute, Service, require_api_key
+from app.schemas import (
+    AppliedPlanOut,
+    DuplicateGroupOut,
+    DuplicateOut,
+    DuplicatesOut,
+    ErrorOut,
+    EvidenceOut,
+    LeftOut,
+    PlanIn,
+    ReviewOut,
+    TierName,
+)
+from engine.defaults import TRASH_FOLDER
+from index.duplicate_tiers import Tier
 from index.duplicates import DEFAULT_MAX_DISTANCE, MAX_DISTANCE_LIMIT
 
 router = APIRouter(tags=["duplicates"])
@@ -33,6 +46,14 @@ async def duplicates(
     ] = DEFAULT_MAX_DISTANCE,
     offset: Annotated[int, Query(ge=0, le=INT64_MAX, description="Skip this many groups.")] = 0,
     limit: Annotated[int, Query(ge=1, le=100, description="Groups per page.")] = 20,
+    tier: Annotated[
+        TierName | None,
+        Query(
+            description="Group by tier (exact, edited or similar; each includes the stricter ones), with "
+            "each group's tier, each item's evidence and the keeper rule's proposal; threshold and "
+            "max_distance are then the tier defaults'."
+        ),
+    ] = None,
 ) -> DuplicatesOut:
     """Groups of near-duplicate images (joined by pairs whose perceptual signatures match and whose cosine
     is >= threshold), largest first.
@@ -40,6 +61,8 @@ async def duplicates(
     The first request for a setting finds every group; later pages of the same index state come from
     memory. Images indexed without a signature are judged by cosine alone (``unsigned``, ``note``).
     """
+    if tier is not None:
+        return await _tiered(service, compute, Tier.parse(tier), offset, limit)
     found = (await compute.run(service.duplicates.page, threshold, offset, limit, max_distance))[0]
     groups = [
         DuplicateGroupOut(
@@ -57,4 +80,72 @@ async def duplicates(
         total=found.total,
         offset=offset,
         groups=groups,
+    )
+
+
+async def _tiered(service: Service, compute: Compute, tier: Tier, offset: int, limit: int) -> DuplicatesOut:
+    page = (await compute.run(service.duplicates.tiered_page, tier, offset, limit))[0]
+    found, settings = page.found, page.found.settings
+    groups = [
+        DuplicateGroupOut(
+            size=len(members),
+            tier=group_tier.label,
+            items=[
+                DuplicateOut(
+                    id=m.item.id,
+                    path=m.item.path,
+                    label=m.item.label,
+                    score=m.evidence.cosine,
+                    evidence=EvidenceOut(
+                        pairs_with=m.evidence.other,
+                        tier=m.evidence.tier.label,
+                        signature_bits=m.evidence.bits,
+                        cosine=m.evidence.cosine,
+                        hash=m.evidence.digest,
+                    ),
+                    review=ReviewOut(
+                        content_hash=m.item.content_hash,
+                        pixels=m.facts.pixels,
+                        bytes=m.facts.size,
+                        date=m.facts.date,
+                        action=m.action,
+                    ),
+                )
+                for m in members
+            ],
+        )
+        for group_tier, members in page.groups
+    ]
+    return DuplicatesOut(
+        threshold=settings.edited_cosine,
+        max_distance=settings.edited_bits,
+        unsigned=found.unsigned,
+        note=None,
+        criteria=found.criteria,
+        total=len(found.groups),
+        offset=offset,
+        groups=groups,
+        tier=tier.label,
+        keeper_rule=list(page.keeper_rule),
+    )
+
+
+@router.post(
+    "/v1/duplicates/apply",
+    response_model=AppliedPlanOut,
+    responses={code: {"model": ErrorOut} for code in (401, 403, 422, 429, 503)},
+    dependencies=[Depends(require_api_key)],
+)
+async def apply_plan(plan: PlanIn, service: Service, compute: Compute) -> AppliedPlanOut:
+    """Apply a duplicates plan (``X-API-Key`` required): each ``set_aside`` member's file is moved into
+    the trash folder inside the gallery and its item removed from the index; nothing is deleted. Applying
+    a plan again is harmless; ``dmlsearch duplicates --undo PLAN`` puts the files back and indexes them."""
+    report = (await compute.run(service.duplicates.apply, plan.model_dump()))[0]  # PlanError: 422
+    return AppliedPlanOut(
+        moved=report.moved,
+        already=report.already,
+        left=[LeftOut(path=path, reason=reason) for path, reason in report.left],
+        removed=report.removed,
+        trash=f"{TRASH_FOLDER}/{plan.plan_id}",
+        count=len(service.index),
     )

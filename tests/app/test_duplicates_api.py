@@ -7,6 +7,7 @@ from collections.abc import Callable
 from fastapi.testclient import TestClient
 
 from index.duplicates import DEFAULT_MAX_DISTANCE, DEFAULT_THRESHOLD
+from tests.helpers import Served
 
 
 def test_groups_are_paged_largest_first_with_scores(make_client: Callable[..., TestClient]) -> None:
@@ -60,3 +61,75 @@ def test_bad_parameters_are_422(make_client: Callable[..., TestClient]) -> None:
         response = client.get("/v1/duplicates", params=params)
         assert response.status_code == 422, params
         assert response.json()["error"]["code"] == "invalid_request"
+
+
+def test_tiers_give_evidence_and_a_keeper_proposal(make_client: Callable[..., TestClient]) -> None:
+    client = make_client()
+    for tier in ("exact", "edited", "similar"):
+        page = client.get("/v1/duplicates", params={"tier": tier, "limit": 100}).json()
+        assert page["tier"] == tier and page["keeper_rule"] == ["pixels", "bytes", "date"]
+        rank = ["exact", "edited", "similar"].index(tier)
+        for group in page["groups"]:
+            assert ["exact", "edited", "similar"].index(group["tier"]) <= rank
+            actions = [item["review"]["action"] for item in group["items"]]
+            assert actions.count("keep") == 1 and len(actions) == group["size"] >= 2
+            kept = next(item for item in group["items"] if item["review"]["action"] == "keep")
+            assert kept["review"]["pixels"] == max(item["review"]["pixels"] for item in group["items"])
+            for item in group["items"]:
+                evidence = item["evidence"]
+                assert evidence["pairs_with"] in {other["id"] for other in group["items"]} - {item["id"]}
+                assert evidence["signature_bits"] is not None and -1.0 <= evidence["cosine"] <= 1.0
+    edited = client.get("/v1/duplicates", params={"tier": "edited", "limit": 100}).json()
+    paths = [{item["path"] for item in group["items"]} for group in edited["groups"]]
+    assert any({"cat/00_original.jpg", "cat/00_small.jpg"} <= group for group in paths)
+    assert client.get("/v1/duplicates", params={"tier": "nearly"}).status_code == 422
+
+
+def _plan(group: dict, plan_id: str = "test-plan") -> dict:
+    members = [
+        {
+            "id": i["id"],
+            "path": i["path"],
+            "content_hash": i["review"]["content_hash"],
+            "action": i["review"]["action"],
+        }
+        for i in group["items"]
+    ]
+    return {"version": 1, "plan_id": plan_id, "groups": [{"members": members}]}
+
+
+def test_a_plan_is_applied_with_the_api_key_and_nothing_is_deleted(
+    make_client: Callable[..., TestClient], served: Served
+) -> None:
+    client = make_client(api_key="secret")
+    group = client.get("/v1/duplicates", params={"tier": "edited", "limit": 1}).json()["groups"][0]
+    plan = _plan(group)
+    aside = [m["path"] for m in plan["groups"][0]["members"] if m["action"] == "set_aside"]
+    assert client.post("/v1/duplicates/apply", json=plan).status_code == 401
+    wrong = client.post("/v1/duplicates/apply", json=plan, headers={"X-API-Key": "nope"})
+    assert wrong.status_code in (401, 403)
+    keepless = _plan(group)
+    for member in keepless["groups"][0]["members"]:
+        member["action"] = "set_aside"
+    refused = client.post("/v1/duplicates/apply", json=keepless, headers={"X-API-Key": "secret"})
+    assert refused.status_code == 422 and "keeps no image" in refused.json()["error"]["message"]
+    outside = _plan(group)
+    outside["groups"][0]["members"][-1] |= {"path": "../../etc/passwd", "action": "set_aside"}
+    outside["groups"][0]["members"][0]["action"] = "keep"
+    assert (
+        client.post("/v1/duplicates/apply", json=outside, headers={"X-API-Key": "secret"}).status_code == 422
+    )
+    assert all((served.gallery / path).exists() for path in aside)  # nothing moved by a refused plan
+
+    applied = client.post("/v1/duplicates/apply", json=plan, headers={"X-API-Key": "secret"})
+    assert applied.status_code == 200, applied.text
+    body = applied.json()
+    assert sorted(body["moved"]) == sorted(aside) and body["removed"] == len(aside)
+    trash = served.gallery / body["trash"]
+    for path in aside:
+        assert not (served.gallery / path).exists() and (trash / path).is_file()
+    ids = {m["id"] for m in plan["groups"][0]["members"] if m["action"] == "set_aside"}
+    for item_id in ids:
+        assert client.get(f"/v1/items/{item_id}").status_code == 404
+    again = client.post("/v1/duplicates/apply", json=plan, headers={"X-API-Key": "secret"}).json()
+    assert again["moved"] == [] and sorted(again["already"]) == sorted(aside) and again["removed"] == 0

@@ -329,3 +329,101 @@ def top_path(view: object) -> str | None:
     captions = view.locator('[data-testid="stCaptionContainer"]').all_inner_texts()
     paths = [found.group(1) for found in map(RESULT_CAPTION.search, captions) if found]
     return paths[0] if paths else None
+
+
+def test_duplicates_page_by_tier_shows_evidence_and_keep_ticks(page) -> None:
+    page.sidebar.radio(key="page").set_value("Duplicates")
+    page.run()
+    page.radio(key="dup_tier").set_value("edited")
+    page.run()
+    assert not page.exception
+    groups = [text for text in texts(page.markdown) if text.startswith("**Group ")]
+    assert groups and all(" · edited · " in g or " · exact · " in g for g in groups)
+    evidence = [caption for caption in texts(page.caption) if " · cosine " in caption]
+    assert len(evidence) == len(page.image) >= 2 * len(groups)
+    ticks = [box for box in page.checkbox if box.key.startswith("dup_keep_edited_")]
+    assert len(ticks) == len(evidence) and sum(box.value for box in ticks) == len(groups)  # one keeper each
+
+
+@pytest.fixture
+def writable_ui(
+    tmp_path: Path, demo_gallery: Path, demo_index: Path, exported_model: Path
+) -> Iterator[tuple]:
+    """A served copy of the demo index with an API key, and ``dmlsearch ui`` talking to it."""
+    from tests.helpers import copy_served
+
+    served = copy_served(demo_gallery, demo_index, exported_model, tmp_path)
+    args = [
+        "--index",
+        str(served.index),
+        "--model",
+        str(served.model),
+        "--rate-limit",
+        "0",
+        "--api-key",
+        "k3y",
+    ]
+    with uvicorn_server(args) as url:
+        port = free_port()
+        command = [sys.executable, "-m", "cli.main", "ui", "--api-url", url, "--port", str(port)]
+        process = subprocess.Popen(command)
+        ui_url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                assert process.poll() is None, "streamlit exited"
+                try:
+                    if httpx.get(f"{ui_url}/_stcore/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "streamlit did not start"
+                time.sleep(0.3)
+            yield served, url, ui_url
+        finally:
+            process.terminate()
+            process.wait(timeout=20)
+
+
+@pytest.mark.browser
+def test_real_browser_applies_duplicate_decisions(sync_api: ModuleType, writable_ui: tuple) -> None:
+    served, api, ui_url = writable_ui
+    first = httpx.get(f"{api}/v1/duplicates", params={"tier": "edited", "limit": 1}, timeout=60).json()
+    group = first["groups"][0]
+    aside = [item for item in group["items"] if item["review"]["action"] == "set_aside"]
+    keeper = next(item for item in group["items"] if item["review"]["action"] == "keep")
+    changed_mind = aside[0]  # the person ticks it to keep it after all
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        try:
+            view = browser.new_page(viewport={"width": 1400, "height": 1900})
+            view.goto(ui_url)
+            view.get_by_text("Duplicates", exact=True).first.click()
+            view.get_by_text("edited", exact=True).first.click()
+            view.get_by_text(re.compile(r"^Group 1 · \w+ · \d+ images$")).first.wait_for(timeout=90_000)
+            ticks = view.get_by_role("checkbox", name="keep")
+            ticks.first.wait_for(timeout=30_000)
+            assert ticks.nth(group["items"].index(keeper)).is_checked()
+            box = ticks.nth(group["items"].index(changed_mind))
+            assert not box.is_checked()
+            box.check(force=True)
+            view.wait_for_function(
+                "(n) => document.querySelectorAll('input[type=checkbox]')[n].checked",
+                arg=group["items"].index(changed_mind),
+                timeout=30_000,
+            )
+            view.get_by_label("API key").fill("k3y")
+            view.get_by_label("API key").press("Enter")
+            time.sleep(1)  # the rerun with the key
+            view.get_by_role("button", name="Apply: set aside the unticked images").click()
+            view.get_by_text(re.compile(r"^Set aside \d+ images into ")).wait_for(timeout=90_000)
+        finally:
+            browser.close()
+    set_aside = {item["path"] for item in aside} - {changed_mind["path"]}
+    trash = next((served.gallery / ".dmlsearch-trash").iterdir())
+    for path in set_aside:  # the rest of the page's groups may have been set aside too: at least these
+        assert (trash / path).is_file() and not (served.gallery / path).exists()
+    assert (served.gallery / changed_mind["path"]).is_file() and (served.gallery / keeper["path"]).is_file()
+    assert httpx.get(f"{api}/v1/items/{changed_mind['id']}", timeout=30).status_code == 200
+    for item in aside[1:]:
+        assert httpx.get(f"{api}/v1/items/{item['id']}", timeout=30).status_code == 404

@@ -13,7 +13,7 @@ from PIL import Image, ImageEnhance, ImageOps
 from engine.embedder import Embedder
 from engine.images import decode_image
 from engine.indexing import build_index
-from engine.signature import perceptual_signature
+from engine.signature import TURNS, perceptual_signature
 from index.duplicates import DEFAULT_MAX_DISTANCE, signature_distance
 from index.gallery import GalleryIndex
 
@@ -25,7 +25,8 @@ def encoded(image: Image.Image, fmt: str, **save_args: object) -> bytes:
 
 
 def copies(photo: Image.Image) -> dict[str, bytes]:
-    """The kinds of copy bench/duplicates.py measures, plus a 12-MP JPEG (decoded with the JPEG draft).
+    """The kinds of copy bench/duplicates.py measures, plus quarter turns and a 12-MP JPEG (decoded with
+    the JPEG draft).
 
     Crops other than about 90% centred are not among them: the signature's views do not cover them, and
     only the embedding's cosine can join those (see engine.signature)."""
@@ -39,6 +40,9 @@ def copies(photo: Image.Image) -> dict[str, bytes]:
         "mirrored": encoded(ImageOps.mirror(photo), "PNG"),
         "brighter15": encoded(ImageEnhance.Brightness(photo).enhance(1.15), "JPEG", quality=90),
         "darker15": encoded(ImageEnhance.Brightness(photo).enhance(0.85), "WEBP", quality=90),
+        "turned90": encoded(photo.transpose(Image.Transpose.ROTATE_90), "JPEG", quality=90),
+        "turned180": encoded(photo.transpose(Image.Transpose.ROTATE_180), "PNG"),
+        "turned270": encoded(photo.transpose(Image.Transpose.ROTATE_270), "WEBP", quality=90),
         "upscaled_12mp": encoded(photo.resize((4000, 3000), Image.Resampling.BICUBIC), "JPEG", quality=92),
     }
 
@@ -66,11 +70,15 @@ def test_copies_are_within_the_distance_and_other_photos_are_not(demo_gallery: P
             assert bits(original, other.read_bytes()) > DEFAULT_MAX_DISTANCE, other.name
 
 
-def test_the_signature_has_the_photo_first_then_its_mirror_and_crop_views(demo_gallery: Path) -> None:
+def test_the_signature_has_the_photo_first_then_its_mirror_crop_and_turned_views(demo_gallery: Path) -> None:
     photo = decode_image((demo_gallery / "cat/00_original.jpg").read_bytes())
     views = np.frombuffer(perceptual_signature(photo), dtype=np.uint64)
     mirrored = np.frombuffer(perceptual_signature(ImageOps.mirror(photo)), dtype=np.uint64)
-    assert len(views) == 4 and views[0] == mirrored[1] and views[1] == mirrored[0]
+    assert len(views) == 7 and views[0] == mirrored[1] and views[1] == mirrored[0]
+    # The turned views are the turned images' own views (the cat is not square: the thumbnail is squashed).
+    for position, turn in zip(range(4, 7), TURNS, strict=True):
+        turned = np.frombuffer(perceptual_signature(photo.transpose(turn)), dtype=np.uint64)
+        assert np.bitwise_count(turned[0] ^ views[position]) <= 2, turn
 
 
 def test_build_index_stores_each_items_signature(

@@ -112,7 +112,7 @@ def brute_force_bits(signatures: np.ndarray) -> np.ndarray:
     return bits
 
 
-@pytest.mark.parametrize("max_distance", [0, 4, 6])
+@pytest.mark.parametrize("max_distance", [0, 3, 4, 6, 8, 11])
 def test_signature_pairs_are_every_pair_within_the_distance(max_distance: int) -> None:
     signatures = planted_signatures(120)
     ids = np.arange(120, dtype=np.int64) * 3 + 5  # ids are not positions
@@ -124,6 +124,19 @@ def test_signature_pairs_are_every_pair_within_the_distance(max_distance: int) -
         zip(ids[a].tolist(), ids[b].tolist(), expected_bits[a, b].tolist(), strict=True)
     )
     assert ((firsts < seconds) & (bits == signature_distance(signatures[a], signatures[b]))).all()
+
+
+def test_signatures_stored_with_fewer_views_are_compared_on_the_views_all_have() -> None:
+    """An index signed before views were added holds four-view signatures beside today's longer ones."""
+    signatures = planted_signatures(60)
+    longer = np.concatenate([signatures, signatures[:, :3] ^ np.uint64(0xFFFF)], axis=1)
+    stored = {i: (longer[i] if i % 2 else signatures[i]).tobytes() for i in range(60)}
+    table = SignatureTable(stored)
+    assert table.rows.shape == (60, 4)
+    np.testing.assert_array_equal(table.rows, signatures)
+    firsts, seconds, bits = signature_pairs(table, 4)
+    expected = SignatureTable({i: row.tobytes() for i, row in enumerate(signatures)})
+    assert [x.tolist() for x in (firsts, seconds, bits)] == [x.tolist() for x in signature_pairs(expected, 4)]
 
 
 def test_signed_items_pair_by_cosine_and_signature(tmp_path: Path) -> None:

@@ -1,0 +1,574 @@
+"""Duplicate tiers: precision and recall per tier on real photos with generated copies, and the time for all
+groups of 100k items.
+
+    python bench/duplicate_tiers.py --data CARS196 --model MODEL.onnx
+
+1. Quality. Photos: Cars196 test photos of ``--classes`` car models (``--per-class`` photos each) and the
+   demo gallery's source photos (engine.demo_gallery). The Cars196 models are split in two halves, A and
+   B; ``--sources`` photos of each half get copies:
+   - exact: the same pixels saved again as PNG with a text chunk (other bytes);
+   - edited, one copy per kind: re-encoded (JPEG q=50), resized to half, centre-cropped to 90%, cropped
+     to 88% off-centre, rotated 3 degrees (cropped to the rotated frame), rotated 90 degrees, mirrored,
+     colour-adjusted (saturation 1.3, brightness 1.1, contrast 0.9), watermarked (a translucent
+     text banner and a logo box);
+   - similar (a second take, simulated): an 80% window of the photo shifted by 15% to the right and 10%
+     down, 5% brighter. The demo's stereo motorcycle (a left and a right view of one scene) is a real
+     second take.
+   Different photos of the same car model are the near-but-different pairs: never a tier.
+   Every image is embedded and signed as build-index does (the photo decoded with the JPEG draft). A
+   pair's true tier: exact for the photo and its PNG copy, similar where a take is involved, edited for
+   any other two images made from one photo; pairs of different photos have none.
+   The tier thresholds are chosen on half A (the edited tier: the highest recall with precision >= 0.98,
+   and images in a false edited group <= 1%; the similar tier: the highest min(precision, recall)), and
+   everything is reported on half B (plus the demo photos and their copies), by ``find_tiered`` itself
+   at the library's defaults.
+2. Speed. ``find_tiered`` for the edited and the similar tier over bench/duplicates.py's synthetic index
+   of 100k vectors made from this bench's real embeddings (random signatures, planted copies).
+
+Writes ``bench/results/duplicate_tiers.{json,md}``. Embeddings are cached in ``--cache``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageEnhance, ImageOps
+from tqdm import tqdm
+
+from bench.duplicates import synthetic_index
+from engine.demo_gallery import PHOTOS
+from engine.embedder import Embedder
+from engine.images import decode_image
+from engine.signature import perceptual_signature
+from index.duplicate_tiers import (
+    EDITED_BITS,
+    EDITED_COSINE,
+    SIMILAR_BITS,
+    SIMILAR_COSINE,
+    Tier,
+    TierSettings,
+    classify,
+    find_tiered,
+    tier_pairs,
+)
+from index.duplicates import group_pairs
+from index.gallery import GalleryIndex
+
+EDITS = (
+    "reencoded",
+    "resized",
+    "cropped90",
+    "cropped88_offset",
+    "rotated3",
+    "rotated90",
+    "mirrored",
+    "colour",
+    "watermark",
+)
+KINDS = ("original", "lossless", *EDITS, "take")
+NO_TIER = len(Tier)
+EDITED_COSINES = np.round(np.arange(0.50, 0.951, 0.05), 2)
+EDITED_BITS_TRIED = (4, 6, 8, 10)
+SIMILAR_COSINES = np.round(np.arange(0.70, 0.981, 0.02), 2)
+PRECISION_GOAL, FALSE_IMAGE_GOAL = 0.98, 0.01
+RESULTS = Path(__file__).parent / "results"
+
+
+def make_copy(image: Image.Image, kind: str) -> Image.Image:
+    w, h = image.size
+    if kind == "reencoded":
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG", quality=50)
+        return Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
+    if kind == "resized":
+        return image.resize((max(1, w // 2), max(1, h // 2)), Image.Resampling.LANCZOS)
+    if kind == "cropped90":
+        return image.crop((round(w * 0.05), round(h * 0.05), round(w * 0.95), round(h * 0.95)))
+    if kind == "cropped88_offset":
+        return image.crop((round(w * 0.12), round(h * 0.02), w, round(h * 0.90)))
+    if kind == "rotated3":
+        turned = image.rotate(3, resample=Image.Resampling.BICUBIC)
+        return turned.crop((round(w * 0.05), round(h * 0.05), round(w * 0.95), round(h * 0.95)))
+    if kind == "rotated90":
+        return image.transpose(Image.Transpose.ROTATE_90)
+    if kind == "mirrored":
+        return ImageOps.mirror(image)
+    if kind == "colour":
+        image = ImageEnhance.Color(image).enhance(1.3)
+        return ImageEnhance.Contrast(ImageEnhance.Brightness(image).enhance(1.1)).enhance(0.9)
+    if kind == "watermark":
+        marked = image.convert("RGBA")
+        layer = Image.new("RGBA", marked.size, (0, 0, 0, 0))
+        draw = ImageDraw.Draw(layer)
+        draw.rectangle((0, round(h * 0.85), w, h), fill=(255, 255, 255, 110))
+        draw.text((round(w * 0.05), round(h * 0.88)), "(c) dmlsearch bench 2026", fill=(0, 0, 0, 200))
+        draw.rectangle(
+            (round(w * 0.85), round(h * 0.03), round(w * 0.97), round(h * 0.15)), fill=(200, 0, 0, 140)
+        )
+        return Image.alpha_composite(marked, layer).convert("RGB")
+    if kind == "take":
+        window = image.crop((round(w * 0.15), round(h * 0.10), round(w * 0.95), round(h * 0.90)))
+        return ImageEnhance.Brightness(window).enhance(1.05)
+    raise ValueError(kind)
+
+
+def pixel_digest(image: Image.Image) -> str:
+    return hashlib.sha256(f"{image.width}x{image.height}".encode() + image.tobytes()).hexdigest()
+
+
+def photo_list(data: Path, classes: int, per_class: int, seed: int) -> list[tuple[str, int]]:
+    """``(path, class)`` of ``per_class`` test photos of each of ``classes`` car models."""
+    by_class: dict[int, list[str]] = {}
+    with (data / "labels.csv").open() as handle:
+        for row in csv.DictReader(handle):
+            if row["dml_split"] == "test":
+                by_class.setdefault(int(row["class_id"]), []).append(row["path"])
+    rng = np.random.default_rng(seed)
+    chosen = rng.choice(sorted(by_class), size=classes, replace=False)
+    return [
+        (path, int(label))
+        for label in sorted(chosen.tolist())
+        for path in rng.choice(by_class[label], size=min(per_class, len(by_class[label])), replace=False)
+    ]
+
+
+def build_items(args: argparse.Namespace, embedder: Embedder) -> dict:
+    """Every image's vector, signature, pixel digest and ground truth (source photo, kind, class, half)."""
+    draft = embedder.card.preprocessing.resize_size
+    photos = photo_list(args.data, args.classes, args.per_class, args.seed)
+    labels = sorted({label for _, label in photos})
+    half_a = set(labels[: len(labels) // 2])
+    rng = np.random.default_rng(args.seed + 1)
+    sources = {
+        half: set(
+            rng.choice(
+                [i for i, (_, c) in enumerate(photos) if (c in half_a) == (half == "A")],
+                size=args.sources,
+                replace=False,
+            ).tolist()
+        )
+        for half in ("A", "B")
+    }
+    records: list[dict] = []
+    images: list[Image.Image] = []
+
+    def add(image: Image.Image, source: str, kind: str, label: int, half: str) -> None:
+        records.append(
+            {
+                "source": source,
+                "kind": kind,
+                "label": label,
+                "half": half,
+                "signature": perceptual_signature(image).hex(),
+                "digest": pixel_digest(image),
+            }
+        )
+        images.append(image)
+
+    def with_copies(full: Image.Image, embedded: Image.Image, source: str, label: int, half: str) -> None:
+        add(embedded, source, "original", label, half)
+        add(embedded, source, "lossless", label, half)  # same pixels: as decoded from its PNG
+        for kind in (*EDITS, "take"):
+            add(make_copy(full, kind), source, kind, label, half)
+
+    vectors = []
+    for position, (path, label) in enumerate(tqdm(photos, desc="photos", unit="img")):
+        half = "A" if label in half_a else "B"
+        encoded = (args.data / path).read_bytes()
+        photo = decode_image(encoded, draft_size=draft)
+        if position in sources[half]:
+            with_copies(decode_image(encoded), photo, path, label, half)
+        else:
+            add(photo, path, "original", label, half)
+        if len(images) >= 32:
+            vectors.append(embedder.embed(images))
+            images.clear()
+    for number, demo in enumerate(PHOTOS):
+        photo = Image.fromarray(demo.load()).convert("RGB")
+        # The motorcycle's two views are one scene: the right view is the left view's second take.
+        source = "demo:motorcycle" if demo.label == "motorcycle" else f"demo:{demo.label}"
+        if source == "demo:motorcycle" and any(r["source"] == source for r in records):
+            add(photo, source, "take", -1, "B")
+        else:
+            with_copies(photo, photo, source, -1 - number, "B")
+        vectors.append(embedder.embed(images))
+        images.clear()
+    if images:
+        vectors.append(embedder.embed(images))
+    return {"records": records, "vectors": np.concatenate(vectors)}
+
+
+def true_tiers(records: list[dict], firsts: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """Each pair's true tier (``NO_TIER`` for images of different photos)."""
+    out = np.full(len(firsts), NO_TIER)
+    for n, (a, b) in enumerate(zip(firsts.tolist(), seconds.tolist(), strict=True)):
+        first, second = records[a], records[b]
+        if first["source"] != second["source"]:
+            continue
+        kinds = {first["kind"], second["kind"]}
+        if "take" in kinds:
+            out[n] = Tier.SIMILAR
+        elif kinds <= {"original", "lossless"}:
+            out[n] = Tier.EXACT
+        else:
+            out[n] = Tier.EDITED
+    return out
+
+
+def all_true_pairs(records: list[dict], members: list[int]) -> np.ndarray:
+    """How many true pairs of each tier the images ``members`` hold."""
+    by_source: dict[str, list[int]] = {}
+    for i in members:
+        by_source.setdefault(records[i]["source"], []).append(i)
+    counts = np.zeros(NO_TIER, dtype=np.int64)
+    for group in by_source.values():
+        pairs = np.array([(a, b) for x, a in enumerate(group) for b in group[x + 1 :]], dtype=np.int64)
+        if len(pairs):
+            counts += np.bincount(true_tiers(records, pairs[:, 0], pairs[:, 1]), minlength=NO_TIER + 1)[
+                :NO_TIER
+            ]
+    return counts
+
+
+def half_index(data: dict, half: str, work: Path) -> tuple[GalleryIndex, list[int]]:
+    """An index of the images of ``half`` (item path = the record number)."""
+    members = [i for i, r in enumerate(data["records"]) if r["half"] == half]
+    index = GalleryIndex.create(
+        work, dim=data["vectors"].shape[1], model_fingerprint="bench", gallery_root=None
+    )
+    entries = [(str(i), None, f"item{i}") for i in members]
+    signatures = [bytes.fromhex(data["records"][i]["signature"]) for i in members]
+    index.add(data["vectors"][members], entries, signatures)
+    index.save()
+    return index, members
+
+
+def digests_for(data: dict):
+    def digests(items):
+        return {item.id: data["records"][int(item.path)]["digest"] for item in items}
+
+    return digests
+
+
+def record_of(index: GalleryIndex, ids: np.ndarray) -> np.ndarray:
+    items = index.items.get_many([int(i) for i in np.unique(ids)])
+    lookup = {i: int(item.path) for i, item in items.items()}
+    return np.array([lookup[int(i)] for i in ids], dtype=np.int64)
+
+
+def pair_scores(found_tiers: np.ndarray, truth: np.ndarray, true_counts: np.ndarray) -> dict:
+    """Per tier: precision (pairs classified that tier that truly are) and recall (true pairs of that tier
+    classified so); ``at_most``: the same for 'this tier or stricter'."""
+    scores = {}
+    for tier in Tier:
+        found = found_tiers == tier
+        correct = int((found & (truth == tier)).sum())
+        wider = found_tiers <= tier
+        wider_true = truth <= tier
+        scores[tier.label] = {
+            "precision": correct / found.sum() if found.sum() else 1.0,
+            "recall": correct / true_counts[tier] if true_counts[tier] else 1.0,
+            "found_pairs": int(found.sum()),
+            "true_pairs": int(true_counts[tier]),
+            "at_most_precision": int((wider & wider_true).sum()) / wider.sum() if wider.sum() else 1.0,
+            "at_most_recall": int((wider & wider_true).sum()) / true_counts[: tier + 1].sum(),
+        }
+    return scores
+
+
+def false_edited_images(records: list[dict], groups) -> tuple[int, int]:
+    """Cars196 photos (originals) in an edited-or-stricter group with another Cars196 photo's image, and
+    how many Cars196 photos there are."""
+    bad = 0
+    for group in groups:
+        sources = {records[i]["source"] for i in group}
+        if len(sources) > 1:
+            bad += sum(
+                1
+                for i in group
+                if records[i]["kind"] == "original" and not records[i]["source"].startswith("demo:")
+            )
+    return bad, sum(1 for r in records if r["kind"] == "original" and not r["source"].startswith("demo:"))
+
+
+def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None = None) -> dict:
+    """Half A (``chosen`` None): the grids of settings; half B: everything at ``chosen``."""
+    index, members = half_index(data, half, work)
+    records = data["records"]
+    loosest = TierSettings(
+        edited_cosine=float(EDITED_COSINES[0]),
+        edited_bits=max(EDITED_BITS_TRIED),
+        similar_cosine=float(SIMILAR_COSINES[0]),
+    )
+    true_counts = all_true_pairs(records, members)
+    result: dict = {"images": len(members), "true_pairs": {t.label: int(true_counts[t]) for t in Tier}}
+    if chosen is None:
+        pairs, _ = tier_pairs(index, Tier.SIMILAR, loosest, digests_for(data))
+        firsts, seconds = record_of(index, pairs.firsts), record_of(index, pairs.seconds)
+        truth = true_tiers(records, firsts, seconds)
+        exact = pairs.tiers == Tier.EXACT
+        grid = {}
+        for bits in EDITED_BITS_TRIED:
+            for cosine in EDITED_COSINES:
+                settings = TierSettings(
+                    edited_cosine=float(cosine), edited_bits=bits, similar_cosine=float(SIMILAR_COSINES[0])
+                )
+                tiers = np.where(exact, Tier.EXACT, classify(pairs.bits, pairs.cosines, settings))
+                scores = pair_scores(tiers, truth, true_counts)
+                keep = tiers <= Tier.EDITED
+                groups = [
+                    record_of(index, g.ids)
+                    for g in group_pairs(pairs.firsts[keep], pairs.seconds[keep], pairs.cosines[keep])
+                ]
+                bad, photos = false_edited_images(records, groups)
+                grid[f"{cosine:.2f}/{bits}"] = scores["edited"] | {"false_edited_images": bad / photos}
+        similar_grid = {}
+        for cosine in SIMILAR_COSINES:
+            settings = TierSettings(
+                similar_cosine=float(cosine), edited_cosine=EDITED_COSINE, edited_bits=EDITED_BITS
+            )
+            tiers = np.where(exact, Tier.EXACT, classify(pairs.bits, pairs.cosines, settings))
+            similar_grid[f"{cosine:.2f}"] = pair_scores(tiers, truth, true_counts)["similar"]
+        result |= {"edited_grid": grid, "similar_grid": similar_grid}
+    else:
+        started = time.perf_counter()
+        found = find_tiered(index, Tier.SIMILAR, chosen, digests=digests_for(data))
+        pairs, _ = tier_pairs(index, Tier.SIMILAR, chosen, digests_for(data))
+        result["find_tiered_s"] = round(time.perf_counter() - started, 2)
+        firsts, seconds = record_of(index, pairs.firsts), record_of(index, pairs.seconds)
+        truth = true_tiers(records, firsts, seconds)
+        result["pairs"] = pair_scores(pairs.tiers, truth, true_counts)
+        # Recall of each kind of copy: its pair with its photo classified edited or stricter.
+        by_kind = {}
+        for kind in ("lossless", *EDITS, "take"):
+            wanted = Tier.EXACT if kind == "lossless" else Tier.SIMILAR if kind == "take" else Tier.EDITED
+            copies = [
+                i
+                for i in members
+                if records[i]["kind"] == kind and not records[i]["source"].startswith("demo:motorcycle")
+            ]
+            hit = 0
+            for i in copies:
+                original = next(
+                    j
+                    for j in members
+                    if records[j]["source"] == records[i]["source"] and records[j]["kind"] == "original"
+                )
+                a, b = min(i, original), max(i, original)
+                match = (firsts == a) & (seconds == b) | (firsts == b) & (seconds == a)
+                hit += bool(match.any() and pairs.tiers[match].min() <= wanted)
+            by_kind[kind] = {
+                "copies": len(copies),
+                "found_at_its_tier_or_stricter": hit / len(copies) if copies else None,
+            }
+        result["by_kind"] = by_kind
+        edited = find_tiered(index, Tier.EDITED, chosen, digests=digests_for(data))
+        groups = [record_of(index, g.ids) for g in edited.groups]
+        bad, photos = false_edited_images(records, groups)
+        result["false_edited_images"] = {"images": bad, "photos": photos, "share": bad / photos}
+        result["groups"] = {
+            tier.label: len(find_tiered(index, tier, chosen, digests=digests_for(data)).groups)
+            for tier in Tier
+        }
+        result["similar_groups_found"] = len(found.groups)
+    index.close()
+    return result
+
+
+def choose(half_a: dict) -> dict:
+    grid = half_a["edited_grid"]
+    allowed = [
+        k
+        for k, r in grid.items()
+        if r["precision"] >= PRECISION_GOAL and r["false_edited_images"] <= FALSE_IMAGE_GOAL
+    ]
+    pool = allowed or list(grid)
+    edited = max(pool, key=lambda k: (grid[k]["recall"], grid[k]["precision"], -int(k.split("/")[1])))
+    similar = max(
+        half_a["similar_grid"],
+        key=lambda k: min(half_a["similar_grid"][k]["precision"], half_a["similar_grid"][k]["recall"]),
+    )
+    cosine, bits = edited.split("/")
+    return {
+        "edited_cosine": float(cosine),
+        "edited_bits": int(bits),
+        "similar_cosine": float(similar),
+        "edited_goals_met_on_a": bool(allowed),
+    }
+
+
+def speed(data: dict, count: int, seed: int, work: Path, settings: TierSettings) -> dict:
+    index, planted, built_s = synthetic_index(data["vectors"], count, seed, work)
+    result = {
+        "items": len(index),
+        "dim": index.manifest.dim,
+        "index": index.manifest.built.index_spec,
+        "build_s": round(built_s, 1),
+        "planted_copies": planted,
+    }
+    for tier in (Tier.EDITED, Tier.SIMILAR):
+        started = time.perf_counter()
+        found = find_tiered(index, tier, settings)
+        result[f"{tier.label}_s"] = round(time.perf_counter() - started, 2)
+        result[f"{tier.label}_groups"] = len(found.groups)
+    index.close()
+    return result
+
+
+def write_markdown(result: dict, path: Path) -> None:
+    b, chosen, args = result["half_b"], result["chosen_on_a"], result["args"]
+    pairs = b["pairs"]
+    lines = [
+        "# Duplicate tiers (bench/duplicate_tiers.py)",
+        "",
+        f"Command: `{result['command']}` (load average when it started: {result['load']}; the machine "
+        "was shared with other jobs: times are indicative)",
+        "",
+        f"Images: half A {result['half_a']['images']}, half B {b['images']} (Cars196 test photos of "
+        f"{args['classes']} car models, {args['per_class']} each, models split in two halves; "
+        f"{args['sources']} photos per half with {len(KINDS) - 1} copies each; half B also the demo "
+        "gallery's photos with their copies).",
+        "",
+        f"Chosen on half A: edited cosine >= {chosen['edited_cosine']}, signatures within "
+        f"{chosen['edited_bits']} bits; similar cosine >= {chosen['similar_cosine']} (edited goals met on A: "
+        f"{chosen['edited_goals_met_on_a']}). "
+        f"Library defaults when measured: edited {EDITED_COSINE}/{EDITED_BITS}, similar {SIMILAR_COSINE} "
+        f"(bits <= {SIMILAR_BITS}).",
+        "",
+        "## Half B, at the settings chosen on half A (find_tiered)",
+        "",
+        "Pairs classified per tier (each pair its strictest tier):",
+        "",
+        "| tier | precision | recall | pairs found | true pairs | precision, this tier or stricter "
+        "| recall, this tier or stricter |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for tier, row in pairs.items():
+        lines.append(
+            f"| {tier} | {row['precision']:.4f} | {row['recall']:.4f} | {row['found_pairs']} "
+            f"| {row['true_pairs']} "
+            f"| {row['at_most_precision']:.4f} | {row['at_most_recall']:.4f} |"
+        )
+    false = b["false_edited_images"]
+    lines += [
+        "",
+        f"Cars196 photos in an edited group with another photo (goal <= 1%): **{false['images']} of "
+        f"{false['photos']} = {100 * false['share']:.2f}%**.",
+        "",
+        "Each kind of copy found with its photo at its tier or stricter (lossless: exact; take: similar; "
+        "others: edited):",
+        "",
+        "| kind | copies | found |",
+        "|---|---|---|",
+    ]
+    for kind, row in b["by_kind"].items():
+        share = (
+            "-"
+            if row["found_at_its_tier_or_stricter"] is None
+            else f"{row['found_at_its_tier_or_stricter']:.3f}"
+        )
+        lines.append(f"| {kind} | {row['copies']} | {share} |")
+    lines += [
+        "",
+        f"Groups per tier on half B: {b['groups']}.",
+        "",
+        "## Half A: the edited tier by cosine / bits",
+        "",
+        "| cosine/bits | precision | recall | false edited images |",
+        "|---|---|---|---|",
+    ]
+    for key, row in result["half_a"]["edited_grid"].items():
+        lines.append(
+            f"| {key} | {row['precision']:.4f} | {row['recall']:.4f} "
+            f"| {100 * row['false_edited_images']:.2f}% |"
+        )
+    lines += [
+        "",
+        "## Half A: the similar tier by cosine",
+        "",
+        "| cosine | precision | recall |",
+        "|---|---|---|",
+    ]
+    for key, row in result["half_a"]["similar_grid"].items():
+        lines.append(f"| {key} | {row['precision']:.4f} | {row['recall']:.4f} |")
+    s = result["speed"]
+    lines += [
+        "",
+        "## Speed",
+        "",
+        f"{s['items']} synthetic vectors ({s['dim']}-d, from this bench's embeddings; index `{s['index']}`, "
+        f"built in {s['build_s']} s, not counted): all groups of the edited tier in **{s['edited_s']} s** "
+        f"({s['edited_groups']} groups), of the similar tier in **{s['similar_s']} s** "
+        f"({s['similar_groups']} groups); "
+        "goal < 60 s.",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--classes", type=int, default=98)
+    parser.add_argument("--per-class", type=int, default=8)
+    parser.add_argument("--sources", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--speed-items", type=int, default=100_000)
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "duplicate_tiers.npz")
+    parser.add_argument("--out", type=Path, default=RESULTS / "duplicate_tiers")
+    args = parser.parse_args()
+    sizes = f"{args.classes}|{args.per_class}|{args.sources}|{args.seed}"
+    key = f"{args.data.resolve()}|{args.model.resolve()}|{sizes}"
+    if args.cache.exists() and str(np.load(args.cache)["key"]) == key:
+        cached = np.load(args.cache)
+        data = {"records": json.loads(str(cached["records"])), "vectors": cached["vectors"]}
+    else:
+        data = build_items(args, Embedder(args.model))
+        np.savez(
+            args.cache,
+            key=np.array(key),
+            records=np.array(json.dumps(data["records"])),
+            vectors=data["vectors"],
+        )
+    result = {
+        "command": "python " + " ".join(sys.argv),
+        "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "args": {
+            "classes": args.classes,
+            "per_class": args.per_class,
+            "sources": args.sources,
+            "seed": args.seed,
+        },
+    }
+    with tempfile.TemporaryDirectory() as work:
+        result["half_a"] = evaluate_half(data, "A", Path(work) / "a")
+        result["chosen_on_a"] = choose(result["half_a"])
+        result["library_defaults"] = {
+            "edited_cosine": EDITED_COSINE,
+            "edited_bits": EDITED_BITS,
+            "similar_cosine": SIMILAR_COSINE,
+        }
+        chosen = result["chosen_on_a"]
+        settings = TierSettings(chosen["edited_cosine"], chosen["edited_bits"], chosen["similar_cosine"])
+        result["half_b"] = evaluate_half(data, "B", Path(work) / "b", settings)
+        result["speed"] = speed(data, args.speed_items, args.seed, Path(work) / "speed", settings)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    write_markdown(result, args.out.with_suffix(".md"))
+    print(args.out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""``dmlsearch duplicates --tier/--plan/--apply/--undo``: tiered groups with their evidence, and the review
+flow (engine.duplicate_review)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from cli.common import fail
+
+
+def tiered(
+    index: Path,
+    tier_name: str,
+    *,
+    plan: Path | None,
+    keep_by: str,
+    threshold: float | None,
+    max_distance: int | None,
+    neighbours: int,
+    as_json: bool,
+    as_csv: bool,
+) -> None:
+    """Print (or write as a plan) the groups of ``tier_name``; ``threshold`` and ``max_distance`` are the
+    edited tier's cosine and signature bits when given."""
+    from engine.duplicate_review import check_rule, make_plan, pixel_digests, write_plan
+    from index.duplicate_tiers import EDITED_BITS, EDITED_COSINE, Tier, TierSettings, find_tiered
+    from index.gallery import GalleryIndex
+
+    tier = Tier.parse(tier_name)
+    rule = check_rule([key.strip() for key in keep_by.split(",") if key.strip()])
+    settings = TierSettings(
+        edited_cosine=EDITED_COSINE if threshold is None else threshold,
+        edited_bits=EDITED_BITS if max_distance is None else max_distance,
+        neighbours=neighbours,
+    )
+    gallery = GalleryIndex.open(index)
+    try:
+        root = gallery.manifest.gallery_root
+        digests = pixel_digests(Path(root)) if root else None
+        found = find_tiered(gallery, tier, settings, digests=digests)
+        items = gallery.items.get_many([int(i) for group in found.groups for i in group.ids])
+    finally:
+        gallery.close()
+    if found.unsigned:
+        typer.echo(
+            f"note: {found.unsigned} of {found.items} items have no perceptual signature: they can be "
+            "edited copies by cosine alone, never exact copies by pixels",
+            err=True,
+        )
+    if plan is not None:
+        if root is None:
+            raise fail(f"{index} records no gallery folder: its images cannot be set aside")
+        written = make_plan(found, items, index_dir=index, root=Path(root), rule=rule)
+        write_plan(written, plan)
+        aside = sum(m["action"] == "set_aside" for g in written["groups"] for m in g["members"])
+        typer.echo(
+            f"wrote {plan}: {len(written['groups'])} {tier.label}-tier groups, {aside} images to set aside; "
+            f"keeper rule {' > '.join(rule)} (change with --keep-by, or edit each member's action: keep or "
+            f"set_aside), then: dmlsearch duplicates --index {index} --apply {plan}"
+        )
+        return
+    groups = [
+        {
+            "tier": group.tier.label,
+            "items": [
+                {
+                    "id": int(item_id),
+                    "path": items[int(item_id)].path,
+                    "label": items[int(item_id)].label,
+                    "pairs_with": evidence.other,
+                    "tier": evidence.tier.label,
+                    "signature_bits": evidence.bits,
+                    "cosine": evidence.cosine,
+                    "hash": evidence.digest,
+                }
+                for item_id, evidence in zip(group.ids, group.evidence, strict=True)
+                if int(item_id) in items
+            ],
+        }
+        for group in found.groups
+    ]
+    if as_json:
+        payload = {
+            "tier": tier.label,
+            "criteria": found.criteria,
+            "unsigned": found.unsigned,
+            "groups": groups,
+        }
+        typer.echo(json.dumps(payload, indent=2))
+    elif as_csv:
+        writer = csv.writer(sys.stdout)
+        writer.writerow(["group", "group_tier", "id", "tier", "signature_bits", "cosine", "hash", "path"])
+        for number, group in enumerate(groups, start=1):
+            writer.writerows(
+                [
+                    number,
+                    group["tier"],
+                    row["id"],
+                    row["tier"],
+                    row["signature_bits"],
+                    f"{row['cosine']:.4f}",
+                    row["hash"] or "",
+                    row["path"],
+                ]
+                for row in group["items"]
+            )
+    else:
+        for number, group in enumerate(groups, start=1):
+            typer.echo(f"group {number}: {group['tier']}, {len(group['items'])} images")
+            for row in group["items"]:
+                bits = "-" if row["signature_bits"] is None else row["signature_bits"]
+                evidence = f"{row['tier']:<7} bits {bits!s:>2} cosine {row['cosine']:.4f}"
+                typer.echo(f"  {evidence}  {row['path']}" + (f"  {row['hash'][:20]}" if row["hash"] else ""))
+        typer.echo(f"{len(groups)} groups up to the {tier.label} tier: {found.criteria}")
+
+
+def apply_or_undo(index: Path, apply: Path | None, undo: Path | None, *, progress: bool) -> None:
+    from engine.bundle import resolve_model
+    from engine.duplicate_review import apply_plan, undo_plan
+    from engine.embedder import Embedder
+
+    path = apply or undo
+    assert path is not None
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise fail(f"cannot read the plan {path}: {err}") from None
+    if apply is not None:
+        report = apply_plan(index, plan, on_move=lambda moved: typer.echo(f"set aside {moved}"))
+    else:
+        report = undo_plan(index, plan, Embedder(resolve_model(index)), progress=progress)
+        for moved in report.moved:
+            typer.echo(f"put back {moved}")
+    for where, why in report.left:
+        typer.echo(f"left {where}: {why}", err=True)
+    if apply is not None:
+        typer.echo(
+            f"set aside {len(report.moved)} images ({len(report.already)} were already), removed "
+            f"{report.removed} items from the index; undo with: dmlsearch duplicates --index {index} "
+            f"--undo {path}"
+        )
+    else:
+        typer.echo(
+            f"put back {len(report.moved)} images ({len(report.already)} were already in place), indexed "
+            f"{report.reindexed} again"
+        )

@@ -1,0 +1,277 @@
+"""Duplicate tiers: every pair of images that belong together is classified as the strictest tier it meets.
+
+- **exact**: the same bytes (same content hash) or the same decoded pixels (a digest the engine computes
+  from the files, asked for only for pairs whose perceptual signatures are identical);
+- **edited**: one photo re-encoded, resized, lightly cropped, mirrored, colour-adjusted or watermarked:
+  perceptual signatures within ``edited_bits`` and cosine >= ``edited_cosine`` (``index.duplicates``'s
+  pairs: the signature tells a copy from another photo of the same thing, the embedding rules out
+  different images whose thumbnails happen to agree);
+- **similar**: the same scene, as in a burst or a second take: cosine >= ``similar_cosine`` among each
+  item's nearest neighbours, and signatures within ``similar_bits`` (looser than an edit).
+
+Asking for a tier gives the groups that pairs of that tier *or stricter* join (``--tier edited`` includes
+exact copies); each group is labelled with the loosest tier among its pairs, and each member carries the
+evidence of its strongest pair (the other item, the signature distance, the cosine, the shared digest).
+Items without a signature (indexed before signatures were stored; Milvus) can be neither exact nor
+edited by pixels: an edited pair with one of them needs ``index.duplicates.EMBEDDING_ONLY_THRESHOLD``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from index.duplicates import (
+    DEFAULT_NEIGHBOURS,
+    EMBEDDING_ONLY_THRESHOLD,
+    SignatureTable,
+    candidate_pairs,
+    check_max_distance,
+    check_threshold,
+    group_pairs,
+    pair_cosines,
+    signature_distance,
+    signature_pairs,
+)
+from index.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from index.gallery import GalleryIndex
+    from index.protocol import Item
+
+
+class Tier(IntEnum):
+    """Strictest first: a lower value is a closer copy."""
+
+    EXACT = 0
+    EDITED = 1
+    SIMILAR = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, name: str) -> Tier:
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise InvalidInputError(f"unknown tier {name!r}: choose exact, edited or similar") from None
+
+
+TIER_NAMES = tuple(tier.label for tier in Tier)
+
+# Chosen by bench/duplicate_tiers.py on its first split and measured on the second:
+# bench/results/duplicate_tiers.md.
+EDITED_COSINE = 0.75
+EDITED_BITS = 6
+SIMILAR_COSINE = 0.85
+SIMILAR_BITS = 64  # no signature limit: a second take moves the thumbnail as much as another photo
+
+# Reads the pixel digests of items (engine.pixel_digest): id -> digest, absent where a file cannot be read.
+PixelDigests = Callable[[Sequence["Item"]], dict[int, str]]
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    edited_cosine: float = EDITED_COSINE
+    edited_bits: int = EDITED_BITS
+    similar_cosine: float = SIMILAR_COSINE
+    similar_bits: int = SIMILAR_BITS
+    neighbours: int = DEFAULT_NEIGHBOURS
+
+    def check(self) -> None:
+        check_threshold(self.edited_cosine)
+        check_threshold(self.similar_cosine)
+        check_max_distance(self.edited_bits)
+        if not 0 <= self.similar_bits <= 64:
+            raise InvalidInputError(f"similar_bits must be in [0, 64], got {self.similar_bits}")
+
+    def criteria(self, tier: Tier) -> str:
+        rules = ["exact: same bytes or same decoded pixels"]
+        if tier >= Tier.EDITED:
+            bits, cosine = self.edited_bits, self.edited_cosine
+            rules.append(f"edited: signatures within {bits} bits and cosine >= {cosine}")
+        if tier >= Tier.SIMILAR:
+            bits = "" if self.similar_bits >= 64 else f" and signatures within {self.similar_bits} bits"
+            rules.append(f"similar: cosine >= {self.similar_cosine}{bits}")
+        return "; ".join(rules)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Why a member is in its group: its strongest pair."""
+
+    other: int  # the item it pairs with
+    tier: Tier
+    bits: int | None  # perceptual-signature distance (None: either item has no signature)
+    cosine: float
+    digest: str | None  # the content hash or pixel digest both share (exact pairs only)
+
+
+@dataclass(frozen=True)
+class TieredGroup:
+    tier: Tier  # the loosest tier among the pairs that joined it
+    ids: np.ndarray  # ascending
+    evidence: list[Evidence]  # one per member, in ``ids`` order
+
+
+@dataclass(frozen=True)
+class TieredDuplicates:
+    tier: Tier  # the loosest tier asked for
+    groups: list[TieredGroup]  # largest first
+    settings: TierSettings
+    unsigned: int
+    items: int
+
+    @property
+    def criteria(self) -> str:
+        return self.settings.criteria(self.tier)
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """Candidate pairs (first id < second id) with their evidence and tier."""
+
+    firsts: np.ndarray
+    seconds: np.ndarray
+    bits: np.ndarray  # -1 where either item has no signature
+    cosines: np.ndarray
+    tiers: np.ndarray
+    digests: list[str | None]
+
+
+def _pair_bits(signatures: SignatureTable, firsts: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    first_signed, first_rows = signatures.lookup(firsts)
+    second_signed, second_rows = signatures.lookup(seconds)
+    both = first_signed & second_signed
+    bits = np.full(len(firsts), -1, dtype=np.int64)
+    bits[both] = signature_distance(first_rows[both[first_signed]], second_rows[both[second_signed]])
+    return bits
+
+
+def _distinct(firsts: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """Positions of the first occurrence of each (first, second) pair."""
+    keys = firsts.astype(np.int64) * (1 << 32) + seconds.astype(np.int64)  # ids are far below 2**31 here
+    return np.sort(np.unique(keys, return_index=True)[1])
+
+
+def classify(bits: np.ndarray, cosines: np.ndarray, settings: TierSettings) -> np.ndarray:
+    """Each pair's tier by its signature distance (-1: unsigned) and cosine: EDITED or SIMILAR, or
+    ``len(Tier)`` for a pair of no tier (exact copies are told by their bytes or pixels, not here)."""
+    signed = bits >= 0
+    edited = np.where(
+        signed,
+        (bits <= settings.edited_bits) & (cosines >= settings.edited_cosine),
+        cosines >= EMBEDDING_ONLY_THRESHOLD,
+    )
+    similar = (cosines >= settings.similar_cosine) & (~signed | (bits <= settings.similar_bits))
+    return np.where(edited, int(Tier.EDITED), np.where(similar, int(Tier.SIMILAR), len(Tier)))
+
+
+def tier_pairs(
+    index: GalleryIndex, tier: Tier, settings: TierSettings, digests: PixelDigests | None = None
+) -> tuple[Pairs, int]:
+    """Every pair of the tiers up to ``tier`` with its evidence, and how many items have no signature.
+
+    ``digests``: reads the pixel digests of items whose signatures are identical (None: exact copies are
+    told by their content hash alone)."""
+    settings.check()
+    signatures = SignatureTable(index.signatures())
+    unsigned = len(index) - len(signatures)
+    firsts, seconds, _ = signature_pairs(signatures, settings.edited_bits)
+    looser = [firsts], [seconds]
+    cut = None  # the kNN search's cosine: for similar pairs, and for edited pairs without signatures
+    if tier >= Tier.SIMILAR:
+        cut = min(settings.similar_cosine, EMBEDDING_ONLY_THRESHOLD) if unsigned else settings.similar_cosine
+    elif unsigned:
+        cut = EMBEDDING_ONLY_THRESHOLD
+    if cut is not None:
+        near, other, _ = candidate_pairs(index, cut, neighbours=settings.neighbours)
+        looser[0].append(near)
+        looser[1].append(other)
+    firsts, seconds = np.concatenate(looser[0]), np.concatenate(looser[1])
+    keep = _distinct(firsts, seconds)
+    firsts, seconds = firsts[keep], seconds[keep]
+    bits = _pair_bits(signatures, firsts, seconds)
+    cosines = pair_cosines(index, firsts, seconds)
+    tiers = classify(bits, cosines, settings)
+    pair_digests: list[str | None] = [None] * len(firsts)
+    # Only identical thumbnails can be identical pixels.
+    candidates = np.flatnonzero((tiers == int(Tier.EDITED)) & (bits == 0))
+    if len(candidates):
+        wanted = np.unique(np.concatenate([firsts[candidates], seconds[candidates]]))
+        items = index.items.get_many(wanted.tolist())
+        pixel = digests([items[int(i)] for i in wanted if int(i) in items]) if digests else {}
+        for position in candidates:
+            a, b = items.get(int(firsts[position])), items.get(int(seconds[position]))
+            if a is None or b is None:
+                continue
+            if a.content_hash == b.content_hash:
+                pair_digests[position] = f"sha256:{a.content_hash}"
+            elif pixel.get(a.id) is not None and pixel.get(a.id) == pixel.get(b.id):
+                pair_digests[position] = f"pixels:{pixel[a.id]}"
+            if pair_digests[position] is not None:
+                tiers[position] = int(Tier.EXACT)
+    wanted_pairs = tiers <= int(tier)
+    pairs = Pairs(
+        firsts[wanted_pairs],
+        seconds[wanted_pairs],
+        bits[wanted_pairs],
+        cosines[wanted_pairs],
+        tiers[wanted_pairs],
+        [digest for digest, wanted in zip(pair_digests, wanted_pairs, strict=True) if wanted],
+    )
+    return pairs, unsigned
+
+
+def _evidence(pairs: Pairs) -> dict[int, Evidence]:
+    """Each item's strongest pair: the strictest tier, then the highest cosine."""
+    ends = np.concatenate([pairs.firsts, pairs.seconds])
+    others = np.concatenate([pairs.seconds, pairs.firsts])
+    rows = np.concatenate([np.arange(len(pairs.firsts))] * 2)
+    order = np.lexsort((-pairs.cosines[rows], pairs.tiers[rows], ends))
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = ends[order][1:] != ends[order][:-1]
+    evidence = {}
+    for position in order[first]:
+        row = rows[position]
+        bits = int(pairs.bits[row])
+        evidence[int(ends[position])] = Evidence(
+            int(others[position]),
+            Tier(int(pairs.tiers[row])),
+            bits if bits >= 0 else None,
+            float(pairs.cosines[row]),
+            pairs.digests[row],
+        )
+    return evidence
+
+
+def find_tiered(
+    index: GalleryIndex,
+    tier: Tier,
+    settings: TierSettings | None = None,
+    *,
+    digests: PixelDigests | None = None,
+) -> TieredDuplicates:
+    """Groups joined by pairs of ``tier`` or stricter (see the module's doc), largest first."""
+    settings = settings or TierSettings()
+    pairs, unsigned = tier_pairs(index, tier, settings, digests)
+    evidence = _evidence(pairs)
+    found = group_pairs(pairs.firsts, pairs.seconds, pairs.cosines)
+    # The loosest tier per group, from the group each pair's first member is in.
+    members = np.concatenate([group.ids for group in found]) if found else np.zeros(0, np.int64)
+    group_of = np.repeat(np.arange(len(found)), [len(group.ids) for group in found])
+    order = np.argsort(members)
+    of_pair = group_of[order][np.searchsorted(members[order], pairs.firsts)]
+    loosest = np.zeros(len(found), dtype=np.int64)
+    np.maximum.at(loosest, of_pair, pairs.tiers)
+    groups = [
+        TieredGroup(Tier(int(tier_of)), group.ids, [evidence[int(i)] for i in group.ids])
+        for group, tier_of in zip(found, loosest, strict=True)
+    ]
+    return TieredDuplicates(tier, groups, settings, unsigned, len(index))

@@ -1,0 +1,279 @@
+"""Duplicate tiers and the review flow, through ``dmlsearch duplicates`` on real indexes of real files:
+tiers with their evidence, a plan with the keeper rule, apply and undo, and an apply killed (SIGKILL) in
+the middle then re-run or undone without losing a file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image, ImageEnhance, PngImagePlugin
+from typer.testing import CliRunner
+
+from cli.main import app
+from engine.defaults import TRASH_FOLDER
+from engine.embedder import Embedder
+from engine.indexing import build_index
+from index.gallery import GalleryIndex
+from tests.helpers import make_image
+
+runner = CliRunner()
+
+
+def _png_with_note(image: Image.Image, path: Path, note: str) -> None:
+    """The same pixels in different bytes (a text chunk)."""
+    info = PngImagePlugin.PngInfo()
+    info.add_text("note", note)
+    image.save(path, pnginfo=info)
+
+
+@pytest.fixture(scope="module")
+def gallery_and_index(
+    tmp_path_factory: pytest.TempPathFactory, exported_model: Path, demo_gallery: Path
+) -> tuple[Path, Path]:
+    """The cat with a same-pixels copy (exact), a JPEG copy and a darker copy (edited) and a shifted 80%
+    crop, as a second take (similar); the coffee with a half-size copy (edited); the astronaut alone."""
+    gallery = tmp_path_factory.mktemp("review_gallery")
+    names = ["cat", "coffee", "astronaut"]
+    photos = {name: Image.open(demo_gallery / name / f"{i:02d}_original.jpg") for i, name in enumerate(names)}
+    cat = photos["cat"]
+    cat.save(gallery / "cat.png")
+    _png_with_note(cat, gallery / "cat_same_pixels.png", "copy")
+    cat.save(gallery / "cat_copy.jpg", quality=70)
+    ImageEnhance.Brightness(cat).enhance(0.85).save(gallery / "cat_dark.jpg")
+    w, h = cat.size
+    cat.crop((int(0.2 * w), int(0.1 * h), w, int(0.9 * h))).save(gallery / "cat_take2.png")
+    photos["coffee"].save(gallery / "coffee.png")
+    coffee = photos["coffee"]
+    coffee.resize((coffee.width // 2, coffee.height // 2)).save(gallery / "coffee_small.png")
+    photos["astronaut"].save(gallery / "astronaut.png")
+    out = tmp_path_factory.mktemp("review_index") / "index"
+    build_index(gallery, Embedder(exported_model, threads=1), out, progress=False)
+    return gallery, out
+
+
+def _groups(index: Path, tier: str) -> list[dict]:
+    result = runner.invoke(app, ["duplicates", "--index", str(index), "--tier", tier, "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["tier"] == tier
+    return payload["groups"]
+
+
+def test_each_tier_groups_what_it_names_with_its_evidence(gallery_and_index: tuple[Path, Path]) -> None:
+    _, index = gallery_and_index
+    exact = _groups(index, "exact")
+    assert [(g["tier"], {i["path"] for i in g["items"]}) for g in exact] == [
+        ("exact", {"cat.png", "cat_same_pixels.png"})
+    ]
+    assert all(i["hash"].startswith("pixels:") and i["signature_bits"] == 0 for i in exact[0]["items"])
+
+    edited = {frozenset(i["path"] for i in g["items"]): g for g in _groups(index, "edited")}
+    cats = frozenset({"cat.png", "cat_same_pixels.png", "cat_copy.jpg", "cat_dark.jpg"})
+    assert set(edited) == {cats, frozenset({"coffee.png", "coffee_small.png"})}
+    assert edited[cats]["tier"] == "edited"
+    for item in edited[cats]["items"]:  # each member's strongest pair
+        assert item["tier"] in {"exact", "edited"} and item["signature_bits"] is not None
+        assert item["cosine"] > 0.75
+
+    similar = {frozenset(i["path"] for i in g["items"]): g for g in _groups(index, "similar")}
+    grown = next(group for members, group in similar.items() if cats < members)
+    assert "cat_take2.png" in {i["path"] for i in grown["items"]}
+    assert grown["tier"] == "similar"
+    assert not any("astronaut.png" in members for members in similar)
+
+
+def _files(root: Path) -> dict[str, str]:
+    """Every file under ``root`` by relative path, as its SHA-256 (the trash included)."""
+    return {
+        path.relative_to(root).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in root.rglob("*")
+        if path.is_file()
+    }
+
+
+def _contents(root: Path) -> list[str]:
+    return sorted(_files(root).values())
+
+
+def _accounted(gallery: Path, trash: Path, before: dict[str, str]) -> None:
+    """Every file of ``before`` is whole at its place or in the trash (an apply killed between the link and
+    the unlink leaves both names: one file with two names)."""
+    for path, digest in before.items():
+        names = [place / path for place in (gallery, trash) if (place / path).exists()]
+        assert names, f"{path} is lost"
+        assert all(hashlib.sha256(name.read_bytes()).hexdigest() == digest for name in names)
+        assert len(names) == 1 or os.path.samefile(*names)
+
+
+def test_plan_apply_and_undo_put_every_file_back(
+    gallery_and_index: tuple[Path, Path], tmp_path: Path
+) -> None:
+    source_gallery, source_index = gallery_and_index
+    gallery, index = tmp_path / "gallery", tmp_path / "index"
+    shutil.copytree(source_gallery, gallery)
+    shutil.copytree(source_index, index)
+    manifest = json.loads((index / "manifest.json").read_text())
+    manifest["gallery_root"] = str(gallery.resolve())
+    (index / "manifest.json").write_text(json.dumps(manifest))
+    before = _files(gallery)
+
+    plan_path = tmp_path / "plan.json"
+    result = runner.invoke(
+        app, ["duplicates", "--index", str(index), "--tier", "edited", "--plan", str(plan_path)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "keeper rule pixels > bytes > date" in result.output
+    plan = json.loads(plan_path.read_text())
+    cats = next(g for g in plan["groups"] if any(m["path"] == "cat.png" for m in g["members"]))
+    keepers = [m["path"] for m in cats["members"] if m["action"] == "keep"]
+    # Full size beats the others on pixels; of the two full-size PNGs with the same pixels the larger file.
+    largest = max(["cat.png", "cat_same_pixels.png"], key=lambda name: (gallery / name).stat().st_size)
+    assert keepers == [largest]
+    by_bytes_only = runner.invoke(
+        app, ["duplicates", "--index", str(index), "--plan", str(tmp_path / "p2.json"), "--keep-by", "date"]
+    )
+    assert by_bytes_only.exit_code == 0, by_bytes_only.output
+
+    # A person changes their mind on the coffee: keep the small copy too.
+    coffee = next(g for g in plan["groups"] if any(m["path"] == "coffee.png" for m in g["members"]))
+    for member in coffee["members"]:
+        member["action"] = "keep"
+    plan_path.write_text(json.dumps(plan))
+
+    result = runner.invoke(app, ["duplicates", "--index", str(index), "--apply", str(plan_path)])
+    assert result.exit_code == 0, result.output
+    aside = {m["path"] for g in plan["groups"] for m in g["members"] if m["action"] == "set_aside"}
+    assert len(aside) == 3 and "coffee_small.png" not in aside
+    trash = gallery / TRASH_FOLDER / plan["plan_id"]
+    assert {p.relative_to(trash).as_posix() for p in trash.rglob("*") if p.is_file()} == aside
+    assert _contents(gallery) == sorted(before.values())  # moved, not lost
+    opened = GalleryIndex.open(index)
+    try:
+        assert aside.isdisjoint(item.path for item in opened.items.scan())
+        assert len(opened) == len(before) - len(aside)
+    finally:
+        opened.close()
+    # The trash is not part of the gallery: a sync does not index it again.
+    result = runner.invoke(app, ["index", "add", str(index), str(gallery)])
+    assert result.exit_code == 0, result.output
+    assert len(GalleryIndex.open(index)) == len(before) - len(aside)
+    # Applying again changes nothing.
+    again = runner.invoke(app, ["duplicates", "--index", str(index), "--apply", str(plan_path)])
+    assert again.exit_code == 0 and "set aside 0 images (3 were already)" in again.output
+
+    result = runner.invoke(app, ["duplicates", "--index", str(index), "--undo", str(plan_path)])
+    assert result.exit_code == 0, result.output
+    assert "indexed 3 again" in result.output
+    after = {path: digest for path, digest in _files(gallery).items()}
+    assert after == before
+    opened = GalleryIndex.open(index)
+    try:
+        assert {item.path for item in opened.items.scan()} == set(before)
+    finally:
+        opened.close()
+
+
+def test_a_bad_plan_is_refused_and_moves_nothing(
+    gallery_and_index: tuple[Path, Path], tmp_path: Path
+) -> None:
+    gallery, index = gallery_and_index
+    plan_path = tmp_path / "plan.json"
+    assert runner.invoke(app, ["duplicates", "--index", str(index), "--plan", str(plan_path)]).exit_code == 0
+    plan = json.loads(plan_path.read_text())
+    for member in plan["groups"][0]["members"]:
+        member["action"] = "set_aside"
+    plan_path.write_text(json.dumps(plan))
+    before = _files(gallery)
+    result = runner.invoke(app, ["duplicates", "--index", str(index), "--apply", str(plan_path)])
+    assert result.exit_code == 2 and "keeps no image" in result.output
+    plan["groups"][0]["members"][0] |= {"action": "keep"}
+    plan["groups"][0]["members"][1] |= {"path": "../outside.png"}
+    plan_path.write_text(json.dumps(plan))
+    result = runner.invoke(app, ["duplicates", "--index", str(index), "--apply", str(plan_path)])
+    assert result.exit_code == 2 and "not a path inside the gallery" in result.output
+    plan_path.write_text("{not json")
+    result = runner.invoke(app, ["duplicates", "--index", str(index), "--apply", str(plan_path)])
+    assert result.exit_code == 2 and "cannot read the plan" in result.output
+    result = runner.invoke(app, ["duplicates", "--index", str(index), "--tier", "nearly"])
+    assert result.exit_code == 2 and "unknown tier" in result.output
+    result = runner.invoke(app, ["duplicates", "--index", str(index), "--plan", "a", "--undo", "b"])
+    assert result.exit_code == 2
+    assert _files(gallery) == before
+
+
+COPIES = 120  # same pixels, different bytes: one group of exact copies, all but one set aside
+
+
+@pytest.fixture
+def many_copies(tmp_path: Path, small_model: Path) -> tuple[Path, Path]:
+    gallery = tmp_path / "gallery"
+    (gallery / "burst").mkdir(parents=True)
+    image = make_image(3, size=(48, 40))
+    for number in range(COPIES):
+        _png_with_note(image, gallery / "burst" / f"copy_{number:03d}.png", str(number))
+    make_image(4, size=(48, 40)).save(gallery / "other.png")
+    index = tmp_path / "index"
+    build_index(gallery, Embedder(small_model, threads=1), index, progress=False)
+    return gallery, index
+
+
+def _apply_killed(index: Path, plan: Path, trash: Path) -> None:
+    """Run ``--apply`` in a child process and SIGKILL it once it has moved some files, before it has moved
+    them all."""
+    command = [sys.executable, "-m", "cli.main", "duplicates", "--index", str(index), "--apply", str(plan)]
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    child = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (trash.exists() and any(trash.rglob("*.png"))):
+            assert child.poll() is None, "the apply ended before it moved a file"
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait()
+    moved = sum(1 for _ in trash.rglob("*.png"))
+    assert 0 < moved < COPIES - 1, moved  # killed in the middle of the moves
+
+
+def test_an_apply_killed_midway_can_be_rerun_or_undone(
+    many_copies: tuple[Path, Path], tmp_path: Path
+) -> None:
+    gallery, index = many_copies
+    before = _files(gallery)
+    plan_path = tmp_path / "plan.json"
+    result = runner.invoke(
+        app, ["duplicates", "--index", str(index), "--tier", "exact", "--plan", str(plan_path)]
+    )
+    assert result.exit_code == 0, result.output
+    plan = json.loads(plan_path.read_text())
+    assert [len(g["members"]) for g in plan["groups"]] == [COPIES]
+    trash = gallery / TRASH_FOLDER / plan["plan_id"]
+
+    _apply_killed(index, plan_path, trash)
+    _accounted(gallery, trash, before)
+    result = runner.invoke(app, ["duplicates", "--index", str(index), "--undo", str(plan_path)])
+    assert result.exit_code == 0, result.output
+    assert _files(gallery) == before
+
+    _apply_killed(index, plan_path, trash)
+    _accounted(gallery, trash, before)
+    result = runner.invoke(app, ["duplicates", "--index", str(index), "--apply", str(plan_path)])
+    assert result.exit_code == 0, result.output
+    assert sum(1 for _ in trash.rglob("*.png")) == COPIES - 1
+    assert _contents(gallery) == sorted(before.values())
+    assert len(GalleryIndex.open(index)) == 2  # the keeper and the other image
+
+    result = runner.invoke(app, ["duplicates", "--index", str(index), "--undo", str(plan_path)])
+    assert result.exit_code == 0, result.output
+    assert _files(gallery) == before
+    assert len(GalleryIndex.open(index)) == COPIES + 1
