@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
@@ -97,7 +98,8 @@ class Reloader:
             except IndexMismatchError:
                 index.close()
                 return self._reload(directory, None)
-            return self._swap(bundle, directory, started, partial(prove_index, stored_vectors=False))
+            self._prove(bundle, directory, partial(prove_index, stored_vectors=False))
+            return self._serve(bundle, directory, started)
 
     def _reload(self, index_path: Path | None, model_path: Path | None) -> Reloaded:
         started = time.perf_counter()
@@ -107,30 +109,60 @@ class Reloader:
         try:
             index_path, model_path = EngineState.locate(settings, index_path, model_path)
             if service is not None and ModelCard.load(model_path).fingerprint == service.model_fingerprint:
-                # The model served already (the same bytes): its loaded session serves the new index.
+                output = None  # the model served already (the same bytes): its session serves the new index
+            else:
+                output = probe_output(model_path, settings.reload_probe_seconds)  # before it is loaded here
+        except Exception as err:  # whatever is wrong with the new bundle, keep serving the old one
+            log.error("reload of %s failed, still serving the loaded index: %s", where, err)
+            raise ReloadError.of(err) from err
+        # No write of the served index saves while the new bundle is read and probed: a save replaces
+        # items.sqlite's rows before the FAISS file, and a snapshot of the two in between is torn (the
+        # probe then finds only items the store no longer holds). Searches go on meanwhile; a write
+        # acknowledged after this and before the swap is read again by the swap.
+        with service.current.reading() if service is not None else contextlib.nullcontext():
+            bundle, prove = self._load(service, index_path, model_path, output, where)
+            self._prove(bundle, where, prove)
+        return self._serve(bundle, where, started)
+
+    def _load(
+        self,
+        service: SearchService | None,
+        index_path: Path,
+        model_path: Path,
+        output: np.ndarray | None,
+        where: Path,
+    ) -> tuple[LoadedBundle, Callable[[LoadedBundle], None]]:
+        """The new bundle, beside the served one, and how to prove it (``output``: the new model's probe
+        output; None: the served model's session is kept)."""
+        settings = self.app.state.settings
+        try:
+            if service is not None and output is None:
                 index = EngineState.open_index(settings, index_path)
                 try:
                     bundle = service.current.bundle.with_index(index)
                 except ValueError:
                     index.close()
                     raise
-                prove: Callable[[LoadedBundle], None] = partial(prove_index, stored_vectors=True)
-            else:
-                output = probe_output(model_path, settings.reload_probe_seconds)  # before it is loaded here
-                bundle = EngineState.open_bundle(settings, index_path, model_path)
-                prove = partial(prove_bundle, output=output)
+                return bundle, partial(prove_index, stored_vectors=True)
+            bundle = EngineState.open_bundle(settings, index_path, model_path)
+            return bundle, partial(prove_bundle, output=output)
         except Exception as err:  # whatever is wrong with the new bundle, keep serving the old one
             log.error("reload of %s failed, still serving the loaded index: %s", where, err)
             raise ReloadError.of(err) from err
-        return self._swap(bundle, where, started, prove)
 
-    def _swap(
-        self, bundle: LoadedBundle, where: Path, started: float, prove: Callable[[LoadedBundle], None]
-    ) -> Reloaded:
+    @staticmethod
+    def _prove(bundle: LoadedBundle, where: Path, prove: Callable[[LoadedBundle], None]) -> None:
+        try:
+            prove(bundle)
+        except Exception as err:  # whatever is wrong with the new bundle, keep serving the old one
+            bundle.index.close()
+            log.error("reload of %s failed, still serving the loaded index: %s", where, err)
+            raise ReloadError.of(err) from err
+
+    def _serve(self, bundle: LoadedBundle, where: Path, started: float) -> Reloaded:
         state: EngineState = self.app.state.engine
         previous = state.service.model_fingerprint if state.service is not None else None
         try:
-            prove(bundle)
             if state.service is not None:
                 served = state.service.swap(bundle)
             else:  # nothing served yet (the start-up load failed): this bundle is the first

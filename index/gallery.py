@@ -67,7 +67,7 @@ class GalleryIndex:
         self.manifest = manifest
         self._backend = backend
         manifest.built = backend.built_index()  # a server's index type is read when connecting
-        self.stamp = self._disk_stamp()  # the manifest as this object last read or wrote it
+        self.stamp = _disk_stamp(directory)  # the manifest as this object last read or wrote it
         self._labels: frozenset[str] | None = None  # the stored labels, as last read (see _match_labels)
 
     @classmethod
@@ -105,7 +105,7 @@ class GalleryIndex:
         manifest.set_options(options or IndexOptions())
         index = cls(directory, manifest, _connect(directory, manifest, create=True))
         manifest.save(directory)
-        index.stamp = index._disk_stamp()
+        index.stamp = _disk_stamp(directory)
         return index
 
     @classmethod
@@ -128,13 +128,17 @@ class GalleryIndex:
         """
         if not read_only:
             remove_abandoned(directory)  # before loading: a killed writer's half-written copies are litter
+        # Stamped before reading: a save that lands while the files are read makes saved_elsewhere() true.
+        stamp = _disk_stamp(directory)
         manifest = Manifest.load(directory)
         if backend is not None and backend != manifest.backend:
             raise ValueError(f"{directory} is a {manifest.backend} index, not {backend}")
         connection = _connect(
             directory, manifest, create=False, milvus_uri=milvus_uri, mapped=mapped, read_only=read_only
         )
-        return cls(directory, manifest, connection)
+        index = cls(directory, manifest, connection)
+        index.stamp = stamp
+        return index
 
     @property
     def items(self) -> ItemCatalog:
@@ -319,23 +323,24 @@ class GalleryIndex:
         self.manifest.count = len(self)
         self.manifest.updated = now_utc()
         self.manifest.save(self.directory)
-        self.stamp = self._disk_stamp()  # our own save: nothing to reload
-
-    def _disk_stamp(self) -> tuple[int, int] | None:
-        """Identifies the manifest on disk: every save replaces it atomically (a new inode)."""
-        try:
-            stat = (self.directory / MANIFEST_NAME).stat()
-        except OSError:
-            return None
-        return stat.st_ino, stat.st_mtime_ns
+        self.stamp = _disk_stamp(self.directory)  # our own save: nothing to reload
 
     def saved_elsewhere(self) -> bool:
         """Whether another process (or another object) saved this index since this one read or saved it."""
-        stamp = self._disk_stamp()
+        stamp = _disk_stamp(self.directory)
         return stamp is not None and stamp != self.stamp
 
     def close(self) -> None:
         self._backend.close()
+
+
+def _disk_stamp(directory: Path) -> tuple[int, int] | None:
+    """Identifies the manifest on disk: every save replaces it atomically (a new inode)."""
+    try:
+        stat = (directory / MANIFEST_NAME).stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
 
 
 def _absolute_local(uri: str | None) -> str | None:

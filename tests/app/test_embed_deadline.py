@@ -20,8 +20,10 @@ from tests.hostile_bundles import with_hostile_model
 def test_a_search_over_its_embedding_deadline_is_503_and_frees_its_slot(
     make_client: Callable[..., TestClient],
 ) -> None:
-    # Before: no deadline on embedding at all (only decoding had one). A deadline no real run can meet.
-    client = make_client(embed_run_seconds=1e-6)
+    # Before: no deadline on embedding at all (only decoding had one). A deadline no real run can meet,
+    # set once the server is up (the start-up probe runs under the same deadline and would not pass).
+    client = make_client()
+    client.app.state.engine.service.current.bundle.embedder.run_seconds = 1e-6
     query = {"image": ("q.png", image_bytes(make_image(5, (64, 48)), "PNG"))}
     for _ in range(3):  # more than the compute slots: each answer gave its slot back
         response = client.post("/v1/search", files=query)

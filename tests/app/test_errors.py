@@ -35,7 +35,7 @@ CASES = [
     (ImageDecodeError("empty_image", "the file is empty"), 400, "empty_image", {}),
     (ItemNotFoundError("no item with id 7"), 404, "item_not_found", {}),
     (RerankUnavailableError("this model has no PDDM unit"), 422, "rerank_unavailable", {}),
-    (UnknownLabelError("no item has the label 'x'"), 422, "unknown_label", {}),
+    (UnknownLabelError("no item has the label 'x'"), 404, "unknown_label", {}),
     (InvalidItemError("bad label"), 422, "invalid_item", {}),
     (DuplicateItemError("already indexed as item 3"), 409, "duplicate_item", {}),
     (DecodeCancelledError("the client went away"), 499, "client_closed_request", {}),
