@@ -20,7 +20,7 @@ groups of 100k items.
    any other two images made from one photo; pairs of different photos have none.
    The tier thresholds are chosen on half A (the edited tier: the highest recall with precision >= 0.98,
    and images in a false edited group <= 1%, the strictest among equals; then the similar tier, at that
-   edited setting, by cosine and signature bits: the highest min(precision, recall)), and
+   edited setting: the highest min(precision, recall)), and
    everything is reported on half B (plus the demo photos and their copies), by ``find_tiered`` itself
    at the library's defaults.
 2. Speed. ``find_tiered`` for the edited and the similar tier over bench/duplicates.py's synthetic index
@@ -83,7 +83,6 @@ NO_TIER = len(Tier)
 EDITED_COSINES = np.round(np.arange(0.30, 0.951, 0.05), 2)  # a quarter-turned copy: ~0.35-0.6
 EDITED_BITS_TRIED = (4, 6, 8, 10)
 SIMILAR_COSINES = np.round(np.arange(0.70, 0.981, 0.02), 2)
-SIMILAR_BITS_TRIED = (16, 20, 24, 28, 64)  # 64: no signature limit
 PRECISION_GOAL, FALSE_IMAGE_GOAL = 0.98, 0.01
 RESULTS = Path(__file__).parent / "results"
 
@@ -313,7 +312,6 @@ def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None
         edited_cosine=float(EDITED_COSINES[0]),
         edited_bits=max(EDITED_BITS_TRIED),
         similar_cosine=float(SIMILAR_COSINES[0]),
-        similar_bits=max(SIMILAR_BITS_TRIED),
     )
     true_counts = all_true_pairs(records, members)
     result: dict = {"images": len(members), "true_pairs": {t.label: int(true_counts[t]) for t in Tier}}
@@ -326,10 +324,7 @@ def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None
         for bits in EDITED_BITS_TRIED:
             for cosine in EDITED_COSINES:
                 settings = TierSettings(
-                    edited_cosine=float(cosine),
-                    edited_bits=bits,
-                    similar_cosine=float(SIMILAR_COSINES[0]),
-                    similar_bits=max(SIMILAR_BITS_TRIED),
+                    edited_cosine=float(cosine), edited_bits=bits, similar_cosine=float(SIMILAR_COSINES[0])
                 )
                 tiers = np.where(exact, Tier.EXACT, classify(pairs.bits, pairs.cosines, settings))
                 scores = pair_scores(tiers, truth, true_counts)
@@ -343,16 +338,14 @@ def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None
         # The similar tier holds the pairs the edited tier leaves: tried at the edited settings chosen here.
         edited = choose_edited(grid)
         similar_grid = {}
-        for bits in SIMILAR_BITS_TRIED:
-            for cosine in SIMILAR_COSINES:
-                settings = TierSettings(
-                    similar_cosine=float(cosine),
-                    similar_bits=bits,
-                    edited_cosine=edited["edited_cosine"],
-                    edited_bits=edited["edited_bits"],
-                )
-                tiers = np.where(exact, Tier.EXACT, classify(pairs.bits, pairs.cosines, settings))
-                similar_grid[f"{cosine:.2f}/{bits}"] = pair_scores(tiers, truth, true_counts)["similar"]
+        for cosine in SIMILAR_COSINES:
+            settings = TierSettings(
+                similar_cosine=float(cosine),
+                edited_cosine=edited["edited_cosine"],
+                edited_bits=edited["edited_bits"],
+            )
+            tiers = np.where(exact, Tier.EXACT, classify(pairs.bits, pairs.cosines, settings))
+            similar_grid[f"{cosine:.2f}"] = pair_scores(tiers, truth, true_counts)["similar"]
         result |= {"edited_grid": grid, "similar_grid": similar_grid}
     else:
         started = time.perf_counter()
@@ -423,8 +416,7 @@ def choose(half_a: dict) -> dict:
         half_a["similar_grid"],
         key=lambda k: min(half_a["similar_grid"][k]["precision"], half_a["similar_grid"][k]["recall"]),
     )
-    cosine, bits = similar.split("/")
-    return choose_edited(half_a["edited_grid"]) | {"similar_cosine": float(cosine), "similar_bits": int(bits)}
+    return choose_edited(half_a["edited_grid"]) | {"similar_cosine": float(similar)}
 
 
 def speed(data: dict, count: int, seed: int, work: Path, settings: TierSettings) -> dict:
@@ -460,8 +452,7 @@ def write_markdown(result: dict, path: Path) -> None:
         "gallery's photos with their copies).",
         "",
         f"Chosen on half A: edited cosine >= {chosen['edited_cosine']}, signatures within "
-        f"{chosen['edited_bits']} bits; similar cosine >= {chosen['similar_cosine']}, signatures within "
-        f"{chosen['similar_bits']} bits (edited goals met on A: "
+        f"{chosen['edited_bits']} bits; similar cosine >= {chosen['similar_cosine']} (edited goals met on A: "
         f"{chosen['edited_goals_met_on_a']}). "
         f"Library defaults when measured: edited {EDITED_COSINE}/{EDITED_BITS}, similar {SIMILAR_COSINE} "
         f"(bits <= {SIMILAR_BITS}).",
@@ -515,9 +506,9 @@ def write_markdown(result: dict, path: Path) -> None:
         )
     lines += [
         "",
-        "## Half A: the similar tier by cosine / signature bits (64: no limit)",
+        "## Half A: the similar tier by cosine",
         "",
-        "| cosine/bits | precision | recall |",
+        "| cosine | precision | recall |",
         "|---|---|---|",
     ]
     for key, row in result["half_a"]["similar_grid"].items():
@@ -582,12 +573,9 @@ def main() -> None:
             "edited_cosine": EDITED_COSINE,
             "edited_bits": EDITED_BITS,
             "similar_cosine": SIMILAR_COSINE,
-            "similar_bits": SIMILAR_BITS,
         }
         chosen = result["chosen_on_a"]
-        settings = TierSettings(
-            chosen["edited_cosine"], chosen["edited_bits"], chosen["similar_cosine"], chosen["similar_bits"]
-        )
+        settings = TierSettings(chosen["edited_cosine"], chosen["edited_bits"], chosen["similar_cosine"])
         result["half_b"] = evaluate_half(data, "B", Path(work) / "b", settings)
         result["speed"] = speed(data, args.speed_items, args.seed, Path(work) / "speed", settings)
     args.out.parent.mkdir(parents=True, exist_ok=True)
