@@ -19,7 +19,8 @@ groups of 100k items.
    pair's true tier: exact for the photo and its PNG copy, similar where a take is involved, edited for
    any other two images made from one photo; pairs of different photos have none.
    The tier thresholds are chosen on half A (the edited tier: the highest recall with precision >= 0.98,
-   and images in a false edited group <= 1%; the similar tier: the highest min(precision, recall)), and
+   and images in a false edited group <= 1%, the strictest among equals; then the similar tier, at that
+   edited setting: the highest min(precision, recall)), and
    everything is reported on half B (plus the demo photos and their copies), by ``find_tiered`` itself
    at the library's defaults.
 2. Speed. ``find_tiered`` for the edited and the similar tier over bench/duplicates.py's synthetic index
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
+import inspect
 import io
 import json
 import os
@@ -46,6 +48,7 @@ from PIL import Image, ImageDraw, ImageEnhance, ImageOps
 from tqdm import tqdm
 
 from bench.duplicates import synthetic_index
+from engine import signature as signature_module
 from engine.demo_gallery import PHOTOS
 from engine.embedder import Embedder
 from engine.images import decode_image
@@ -77,7 +80,7 @@ EDITS = (
 )
 KINDS = ("original", "lossless", *EDITS, "take")
 NO_TIER = len(Tier)
-EDITED_COSINES = np.round(np.arange(0.50, 0.951, 0.05), 2)
+EDITED_COSINES = np.round(np.arange(0.30, 0.951, 0.05), 2)  # a quarter-turned copy: ~0.35-0.6
 EDITED_BITS_TRIED = (4, 6, 8, 10)
 SIMILAR_COSINES = np.round(np.arange(0.70, 0.981, 0.02), 2)
 PRECISION_GOAL, FALSE_IMAGE_GOAL = 0.98, 0.01
@@ -332,10 +335,14 @@ def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None
                 ]
                 bad, photos = false_edited_images(records, groups)
                 grid[f"{cosine:.2f}/{bits}"] = scores["edited"] | {"false_edited_images": bad / photos}
+        # The similar tier holds the pairs the edited tier leaves: tried at the edited settings chosen here.
+        edited = choose_edited(grid)
         similar_grid = {}
         for cosine in SIMILAR_COSINES:
             settings = TierSettings(
-                similar_cosine=float(cosine), edited_cosine=EDITED_COSINE, edited_bits=EDITED_BITS
+                similar_cosine=float(cosine),
+                edited_cosine=edited["edited_cosine"],
+                edited_bits=edited["edited_bits"],
             )
             tiers = np.where(exact, Tier.EXACT, classify(pairs.bits, pairs.cosines, settings))
             similar_grid[f"{cosine:.2f}"] = pair_scores(tiers, truth, true_counts)["similar"]
@@ -385,26 +392,31 @@ def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None
     return result
 
 
-def choose(half_a: dict) -> dict:
-    grid = half_a["edited_grid"]
+def choose_edited(grid: dict) -> dict:
+    """The edited setting of the highest recall among those meeting the goals (the highest precision where
+    none does); among equals the strictest (fewest bits, then highest cosine): the margin costs nothing
+    on A and guards B."""
     allowed = [
         k
         for k, r in grid.items()
         if r["precision"] >= PRECISION_GOAL and r["false_edited_images"] <= FALSE_IMAGE_GOAL
     ]
     pool = allowed or list(grid)
-    edited = max(pool, key=lambda k: (grid[k]["recall"], grid[k]["precision"], -int(k.split("/")[1])))
+
+    def rank(key: str) -> tuple:
+        cosine, bits = key.split("/")
+        return grid[key]["recall"], grid[key]["precision"], -int(bits), float(cosine)
+
+    cosine, bits = max(pool, key=rank).split("/")
+    return {"edited_cosine": float(cosine), "edited_bits": int(bits), "edited_goals_met_on_a": bool(allowed)}
+
+
+def choose(half_a: dict) -> dict:
     similar = max(
         half_a["similar_grid"],
         key=lambda k: min(half_a["similar_grid"][k]["precision"], half_a["similar_grid"][k]["recall"]),
     )
-    cosine, bits = edited.split("/")
-    return {
-        "edited_cosine": float(cosine),
-        "edited_bits": int(bits),
-        "similar_cosine": float(similar),
-        "edited_goals_met_on_a": bool(allowed),
-    }
+    return choose_edited(half_a["edited_grid"]) | {"similar_cosine": float(similar)}
 
 
 def speed(data: dict, count: int, seed: int, work: Path, settings: TierSettings) -> dict:
@@ -530,7 +542,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "duplicate_tiers")
     args = parser.parse_args()
     sizes = f"{args.classes}|{args.per_class}|{args.sources}|{args.seed}"
-    key = f"{args.data.resolve()}|{args.model.resolve()}|{sizes}"
+    # The signatures are as current as the module that computes them.
+    signature_code = hashlib.sha256(inspect.getsource(signature_module).encode()).hexdigest()
+    key = f"{args.data.resolve()}|{args.model.resolve()}|{sizes}|{signature_code}"
     if args.cache.exists() and str(np.load(args.cache)["key"]) == key:
         cached = np.load(args.cache)
         data = {"records": json.loads(str(cached["records"])), "vectors": cached["vectors"]}

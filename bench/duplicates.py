@@ -225,7 +225,8 @@ def synthetic_index(real: np.ndarray, count: int, seed: int, work: Path) -> tupl
     noise *= 0.6 / np.linalg.norm(noise, axis=1, keepdims=True)
     base = real[rng.integers(len(real), size=originals)] + noise
     base /= np.linalg.norm(base, axis=1, keepdims=True)
-    signatures = rng.integers(0, 2**63, size=(originals, 4), dtype=np.int64).view(np.uint64)
+    views = len(perceptual_signature(Image.new("L", (32, 32)))) // 8  # as many as the engine's signatures
+    signatures = rng.integers(0, 2**63, size=(originals, views), dtype=np.int64).view(np.uint64)
     duplicated = rng.choice(originals, size=count // 20, replace=False)
     copies = np.repeat(duplicated, rng.integers(2, 4, size=len(duplicated)))
     noise = rng.standard_normal((len(copies), dim)).astype(np.float32)

@@ -22,6 +22,7 @@ from cli.main import app
 from engine.defaults import TRASH_FOLDER
 from engine.embedder import Embedder
 from engine.indexing import build_index
+from index.duplicate_tiers import EDITED_BITS
 from index.gallery import GalleryIndex
 from tests.helpers import make_image
 
@@ -89,6 +90,24 @@ def test_each_tier_groups_what_it_names_with_its_evidence(gallery_and_index: tup
     assert "cat_take2.png" in {i["path"] for i in grown["items"]}
     assert grown["tier"] == "similar"
     assert not any("astronaut.png" in members for members in similar)
+
+
+def test_a_quarter_turned_copy_is_an_edited_copy(
+    tmp_path: Path, exported_model: Path, demo_gallery: Path
+) -> None:
+    """Its signature matches a turned view of the photo's, though it embeds far from the photo."""
+    gallery = tmp_path / "gallery"
+    gallery.mkdir()
+    cat = Image.open(demo_gallery / "cat" / "00_original.jpg")
+    cat.save(gallery / "cat.png")
+    cat.transpose(Image.Transpose.ROTATE_90).save(gallery / "cat_turned.jpg", quality=90)
+    Image.open(demo_gallery / "coffee" / "01_original.jpg").save(gallery / "coffee.png")
+    build_index(gallery, Embedder(exported_model, threads=1), tmp_path / "index", progress=False)
+    groups = _groups(tmp_path / "index", "edited")
+    assert [(g["tier"], {i["path"] for i in g["items"]}) for g in groups] == [
+        ("edited", {"cat.png", "cat_turned.jpg"})
+    ]
+    assert all(i["signature_bits"] <= EDITED_BITS and i["cosine"] < 0.9 for i in groups[0]["items"])
 
 
 def _files(root: Path) -> dict[str, str]:
