@@ -6,7 +6,7 @@ import base64
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from engine.explain import Heatmap
 from engine.labels import LABEL_PATTERN, MAX_LABEL_CHARS
@@ -175,13 +175,28 @@ class DuplicatesOut(BaseModel):
 
 
 # A gallery-relative path: not absolute, no ".." part, not inside the trash folder (ECMA and Python regex).
-PLAN_PATH_PATTERN = r"^(?!/)(?!\.dmlsearch-trash(/|$))(?!(.*/)?\.\.(/|$)).+$"
+# [^\x00], not ".": the same in both engines (ECMA's "." stops at line breaks, Python's with re.S does not),
+# and a NUL is in no file name.
+# Segments "." and "" name no folder: "./.dmlsearch-trash/x" is in the trash, "./" is the gallery itself.
+PLAN_PATH_PATTERN = (
+    r"^(?!/)(?!(\.?/)*\.dmlsearch-trash(/|$))(?!([^\x00]*/)?\.\.(/|$))(?!(\.?/)*\.?$)[^\x00]+$"
+)
+
+
+def _json_number(value: object) -> object:
+    """JSON's integers include 3.0 (JSON Schema's rule, which lax parsing follows), never true, false or
+    a string of digits."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("must be an integer")
+    return value
+
+
+PlanInteger = Annotated[int, BeforeValidator(_json_number)]
 
 
 class PlanMemberIn(BaseModel):
-    model_config = ConfigDict(strict=True)
-
-    id: int = Field(ge=0, le=2**63 - 1)
+    # JSON's safe integers: a number read as a double (3.0 is an integer to JSON Schema) stays exact.
+    id: PlanInteger = Field(ge=0, le=2**53 - 1)
     path: str = Field(
         min_length=1,
         max_length=4096,
@@ -194,14 +209,12 @@ class PlanMemberIn(BaseModel):
     @field_validator("path")
     @classmethod
     def _inside_the_gallery(cls, path: str) -> str:
-        if not re.match(PLAN_PATH_PATTERN, path, flags=re.S):
+        if not re.match(PLAN_PATH_PATTERN, path):
             raise ValueError("must be a path inside the gallery, outside its trash folder")
         return path
 
 
 class PlanGroupIn(BaseModel):
-    model_config = ConfigDict(strict=True)
-
     # No item count: the request body's byte limit bounds a plan (a schema limit of thousands of items
     # had the contract test build arrays that long for every boundary case).
     members: list[PlanMemberIn] = Field(
@@ -221,9 +234,7 @@ class PlanGroupIn(BaseModel):
 class PlanIn(BaseModel):
     """A duplicates plan, as ``dmlsearch duplicates --plan`` writes it (other fields are ignored)."""
 
-    model_config = ConfigDict(strict=True)
-
-    version: int = Field(ge=1, le=1, description="the plan format's version: 1")
+    version: PlanInteger = Field(ge=1, le=1, description="the plan format's version: 1")
     plan_id: str = Field(
         pattern="^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$", description="names its trash folder inside the gallery"
     )

@@ -79,7 +79,8 @@ class Box:
                     f"box {self} reaches outside the {width}x{height} image (upright, after EXIF rotation): "
                     f"pixels run from 0,0 to {width},{height}",
                 )
-        if box[2] - box[0] < min_side or box[3] - box[1] < min_side:
+        # A side as long as the image's is never too small (a whole small image is a fine query).
+        if (box[2] - box[0] < min(min_side, width)) or (box[3] - box[1] < min(min_side, height)):
             size = f"{box[2] - box[0]:g}x{box[3] - box[1]:g}"
             raise BoxError(
                 "box_too_small",

@@ -13,6 +13,7 @@ import pytest
 
 from tests.helpers import API_KEY, Served, uvicorn_server
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMATHESIS = shutil.which("schemathesis", path=os.path.dirname(sys.executable))
 # Examples per operation, and a fixed seed: the same requests on every run.
 MAX_EXAMPLES = 25
@@ -51,7 +52,12 @@ def test_the_api_keeps_its_openapi_contract(served_module: Served, tmp_path: Pat
             text=True,
             timeout=900,
             cwd=tmp_path,
-            env={**os.environ, "SCHEMATHESIS_HOOKS": "tests.app.schemathesis_hooks"},
+            # The hooks module is found from the repository root (tests/ is not an installed package).
+            env={
+                **os.environ,
+                "SCHEMATHESIS_HOOKS": "tests.app.schemathesis_hooks",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+            },
         )
     (tmp_path / "report.txt").write_text(run.stdout)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jsonschema_rs
+import pytest
 from fastapi.testclient import TestClient
 
 from index.duplicates import DEFAULT_MAX_DISTANCE, DEFAULT_THRESHOLD
@@ -133,3 +135,37 @@ def test_a_plan_is_applied_with_the_api_key_and_nothing_is_deleted(
         assert client.get(f"/v1/items/{item_id}").status_code == 404
     again = client.post("/v1/duplicates/apply", json=plan, headers={"X-API-Key": "secret"}).json()
     assert again["moved"] == [] and sorted(again["already"]) == sorted(aside) and again["removed"] == 0
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        ".",
+        "./",
+        "./.",
+        "a/.",
+        "./a",
+        ".//.dmlsearch-trash/x",
+        "./.dmlsearch-trash",
+        ".dmlsearch-trash2/x",
+        "a/../b",
+        "..",
+        "a/b..c",
+        ".hidden/x",
+        "a//b",
+        "a\nb",
+        "x/.dmlsearch-trash/y",
+        "/etc/passwd",
+        "a\x00b",
+    ],
+)
+def test_the_plan_path_pattern_is_the_rule_apply_enforces(path: str) -> None:
+    """The schema's pattern (as the contract's validator, Rust's regex, reads it), the API's check and
+    the apply's own check agree on which paths a plan may set aside."""
+    import re
+
+    from app.schemas import PLAN_PATH_PATTERN
+    from engine.duplicate_review import _inside
+
+    schema_says = jsonschema_rs.validator_for({"type": "string", "pattern": PLAN_PATH_PATTERN}).is_valid(path)
+    assert schema_says == bool(re.match(PLAN_PATH_PATTERN, path)) == (_inside(path) and "\x00" not in path)

@@ -45,3 +45,15 @@ def test_fractions_and_pixels_name_the_same_region() -> None:
     assert Box.parse("0.25,0.5,0.75,1").pixels(800, 600) == (200, 300, 600, 600)
     assert Box.parse("200,300,600,600").pixels(800, 600) == (200, 300, 600, 600)
     assert not Box.parse("0,0,1,1.5").fractional  # pixels: 1.5 px high, then too small
+
+
+def test_a_side_as_long_as_a_small_images_is_never_too_small() -> None:
+    from engine.defaults import MIN_BOX_SIDE
+    from engine.regions import BoxError
+
+    assert Box.parse("0,0,1,1").pixels(8, 40) == (0, 0, 8, 40)  # the whole of a small image
+    assert Box.parse("0,0,8,20").pixels(8, 40) == (0, 0, 8, 20)  # a full-width strip of it
+    with pytest.raises(BoxError, match="less than the minimum"):
+        Box.parse("0,0,8,10").pixels(8, 40)  # shorter than both the minimum and the image
+    with pytest.raises(BoxError, match="less than the minimum"):
+        Box.parse(f"0,0,{MIN_BOX_SIDE - 1},{MIN_BOX_SIDE}").pixels(100, 100)
