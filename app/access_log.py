@@ -28,9 +28,10 @@ class RedactQueryValues(logging.Filter):
     """Rewrites uvicorn's access records: ``(client, method, path with query, http version, status)``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, tuple) and len(record.args) == 5 and isinstance(record.args[2], str):
+        if isinstance(record.args, tuple) and len(record.args) == 5:
             client, method, target, version, status = record.args
-            record.args = (client, method, redact_query(target), version, status)
+            if isinstance(target, str):
+                record.args = (client, method, redact_query(target), version, status)
         return True
 
 

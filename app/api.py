@@ -115,7 +115,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             RateLimitMiddleware,
             limiter=TokenBucketLimiter(settings.rate_limit_per_second, settings.rate_limit_burst),
             metrics=metrics,
-            api_key=settings.api_key.get_secret_value() if settings.writes_enabled else None,
+            api_key=settings.write_key,
         )
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     if settings.cors_origins:

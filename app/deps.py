@@ -187,7 +187,7 @@ async def query_boxes(
     return None if box is None else [Box.parse(text) for text in box]
 
 
-def boxes_for(boxes: list[Box] | None, count: int) -> list[Box | None] | None:
+def boxes_for(boxes: list[Box] | None, count: int) -> list[Box] | None:
     """One box per query: a single box applies to every image; any other count must match."""
     if boxes is None or len(boxes) == count:
         return boxes
@@ -203,13 +203,14 @@ async def require_api_key(
     x_api_key: Annotated[str | None, Header(description="The server's API key (writes only).")] = None,
 ) -> None:
     """Writes need the configured key; with no key configured, writes are off altogether."""
-    if not settings.writes_enabled:
+    key = settings.write_key
+    if key is None:
         raise ApiError(
             ErrorKind.FORBIDDEN, "writes_disabled", "this server accepts no writes (no API key is configured)"
         )
     if x_api_key is None:
         raise ApiError(ErrorKind.UNAUTHORIZED, "missing_api_key", "send the API key in the X-API-Key header")
-    if not secrets.compare_digest(x_api_key.encode(), settings.api_key.get_secret_value().encode()):
+    if not secrets.compare_digest(x_api_key.encode(), key.encode()):
         raise ApiError(
             ErrorKind.UNAUTHORIZED, "invalid_api_key", "the X-API-Key header does not match the server's key"
         )

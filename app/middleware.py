@@ -134,7 +134,7 @@ class BodySizeLimitMiddleware:
                     )
             return message
 
-        await self.app(scope, receive=limited_receive, send=send)
+        await self.app(scope, limited_receive, send)
 
 
 class UploadLimitMiddleware:

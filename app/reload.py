@@ -214,4 +214,8 @@ def reload_on_sighup(reloader: Reloader) -> Callable[[], None]:
         task.add_done_callback(tasks.discard)
 
     loop.add_signal_handler(signal.SIGHUP, on_sighup)
-    return lambda: loop.remove_signal_handler(signal.SIGHUP)
+
+    def stop_listening() -> None:
+        loop.remove_signal_handler(signal.SIGHUP)
+
+    return stop_listening

@@ -343,6 +343,10 @@ class ErrorOut(BaseModel):
     error: ErrorBody
 
 
+# A route's documented responses by status, as FastAPI types its ``responses`` argument.
+Responses = dict[int | str, dict[str, Any]]
+
+
 class ReloadIn(BaseModel):
     index_path: str | None = Field(
         None,

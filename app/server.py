@@ -21,6 +21,7 @@ import logging
 import signal
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -151,7 +152,7 @@ def log_config() -> dict:
     return config
 
 
-def run_server(app: ASGIApp, settings: Settings, **uvicorn_options: object) -> None:
+def run_server(app: ASGIApp, settings: Settings, **uvicorn_options: Any) -> None:
     """Serve ``app`` under the connection limits and shutdown grace of ``settings``; returns after a stop."""
     protocol = type(
         "ServeProtocol",
@@ -166,7 +167,8 @@ def run_server(app: ASGIApp, settings: Settings, **uvicorn_options: object) -> N
         app,
         http=protocol,
         timeout_keep_alive=settings.keep_alive_seconds,
-        timeout_graceful_shutdown=settings.shutdown_grace_seconds,
+        # uvicorn annotates an int, but waits with asyncio.wait_for, which takes fractions of seconds too.
+        timeout_graceful_shutdown=settings.shutdown_grace_seconds,  # type: ignore[arg-type]
         log_config=log_config(),
         **uvicorn_options,
     )

@@ -159,5 +159,10 @@ class Settings(BaseSettings):
         return DecodeLimits(self.decode_cpu_seconds, self.decode_wall_seconds, memory)
 
     @property
+    def write_key(self) -> str | None:
+        """The key writes need; None when writes are off (no key, or an empty one)."""
+        return (self.api_key.get_secret_value() if self.api_key is not None else "") or None
+
+    @property
     def writes_enabled(self) -> bool:
-        return self.api_key is not None and bool(self.api_key.get_secret_value())
+        return self.write_key is not None

@@ -88,6 +88,7 @@ class EngineState:
         except Exception as err:  # any load failure leaves the process up and not ready
             log.error("search engine not ready: %s", err)
             return cls(None, f"{type(err).__name__}: {err}", isinstance(err, BackendUnavailableError))
+        assert state.service is not None  # open returns a ready state or raises
         if state.service.index.manifest.gallery_root is not None:
             _remove_abandoned_uploads(Path(state.service.index.manifest.gallery_root))
         return state

@@ -216,7 +216,7 @@ def run_query(params: dict) -> tuple[dict, Callable[[int], dict]] | None:
             return None
         if shown is not None and box is None:
             st.image(shown, caption="query", width=240)
-        return body, partial(client.explain, upload=(upload.name, data), **box_param)
+        return body, partial(client.explain, upload=(upload.name, data), box=box)
     items = fetch_items(API_URL)
     options = sorted(items)
     if st.session_state.get("item_id") not in items and st.session_state.get("item_id") is not None:
@@ -242,7 +242,7 @@ def run_query(params: dict) -> tuple[dict, Callable[[int], dict]] | None:
     except ApiCallError as err:
         st.error(f"Search by item {item_id} failed: {plain(err)}")
         return None
-    return body, partial(client.explain, query_item=item_id, **box_param)
+    return body, partial(client.explain, query_item=item_id, box=box)
 
 
 def main() -> None:

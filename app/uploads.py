@@ -84,7 +84,7 @@ def bound_upload_counts(body: dict[str, Any], max_batch: int) -> None:
     ``max_batch`` images. (That labels number none, one or one per image is in words: a JSON Schema
     cannot tie one array's length to another's, and one branch per count is more than generators take.)"""
     properties = body.get("properties", {})
-    images = next((properties[name] for name in _IMAGE_FIELDS if name in properties), {})
+    images: dict[str, Any] = next((properties[name] for name in _IMAGE_FIELDS if name in properties), {})
     for schema in [images, *images.get("anyOf", [])]:
         if schema.get("type") == "array":
             schema["maxItems"] = max_batch
@@ -144,6 +144,7 @@ class _ImagePartsParser(MultiPartParser):
     def on_headers_finished(self) -> None:
         _, options = parse_options_header(self._current_part.content_disposition)
         if options.get(b"name") == self.image_field and b"filename" not in options:
+            assert self._current_part.content_disposition is not None  # it named the field
             self._current_part.content_disposition += b'; filename=""'
         super().on_headers_finished()
 
@@ -184,11 +185,12 @@ async def _read_multipart(
                 "invalid_request",
                 f"unknown form fields {unknown[:5]}: send {field!r} (and label)",
             )
-        if any(not isinstance(part, UploadFile) for part in parts):
+        files = [part for part in parts if isinstance(part, UploadFile)]
+        if len(files) < len(parts):
             raise ApiError(ErrorKind.INVALID, "invalid_request", f"the field {field!r} must be a file upload")
-        _check_count(len(parts), max_count)  # before reading any of them
+        _check_count(len(files), max_count)  # before reading any of them
         images = []
-        for part in parts:
+        for part in files:
             data = await part.read(max_bytes + 1)
             if len(data) > max_bytes:
                 raise ApiError(
@@ -197,8 +199,9 @@ async def _read_multipart(
                     f"{part.filename or field} is over {max_bytes} bytes",
                 )
             images.append(data)
-        labels = form.getlist(_LABEL_FIELD)
-        if any(not isinstance(label, str) for label in labels):
+        fields = form.getlist(_LABEL_FIELD)
+        labels: list[str | None] = [label for label in fields if isinstance(label, str)]
+        if len(labels) < len(fields):
             raise ApiError(
                 ErrorKind.INVALID, "invalid_request", f"the field {_LABEL_FIELD!r} must be text, not a file"
             )

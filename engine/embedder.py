@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any, TypeAlias
 
 import numpy as np
 from PIL import Image
@@ -16,6 +17,8 @@ from index.protocol import normalize_rows
 
 # How onnxruntime's arena reports an allocation it could not make (bfc_arena.cc).
 ONNX_ALLOCATION_FAILED = "Failed to allocate memory"
+# onnxruntime ships no type information: its InferenceSession is untyped.
+OnnxSession: TypeAlias = Any
 
 
 class EmbedTimeoutError(DmlsearchError, RuntimeError):
@@ -131,7 +134,9 @@ class Embedder:
             yield self.embed(batch)
 
 
-def onnx_session(path: Path, *, threads: int = 0, device: str = "auto", spinning: bool = False) -> object:
+def onnx_session(
+    path: Path, *, threads: int = 0, device: str = "auto", spinning: bool = False
+) -> OnnxSession:
     """An onnxruntime session with every graph optimisation; ``threads=0`` lets it use every core.
 
     ``spinning``: whether idle intra-op threads busy-wait for the next operator (onnxruntime's default).

@@ -235,7 +235,8 @@ def list_images(root: Path) -> list[Path]:
     to (``TRASH_FOLDER`` at the top). Whether a file outside ``root`` may be indexed is
     the caller's call: build-index skips, and lists, those.
     """
-    found, top = [], os.fspath(root)
+    found: list[Path] = []
+    top = os.fspath(root)
     inside = os.path.realpath(top)
     # Each walked folder's real path and those of the folders above it: a link to one of them is a loop.
     above: dict[str, frozenset[str]] = {}

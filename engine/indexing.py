@@ -111,6 +111,7 @@ def hash_files(
             report.skipped.append((relative, f"links outside the gallery folder (to {path.resolve()})"))
     # On ``workers`` threads (hashlib and file reads release the GIL), as the model waits for every hash
     # before it embeds the first file: the plan needs them all. Or by ``hasher`` (a cluster's workers).
+    hashes: Iterable[tuple[Path, str | Exception]]
     if hasher is None:
         hashes = prefetch(inside, file_hash, workers=workers, depth=2 * max(workers, 1))
     else:

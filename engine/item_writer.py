@@ -137,6 +137,7 @@ class ItemWriter:
             images=len(new_items),
         )
         files: list[_NewFile] = []
+        assert decoded.capture_times is not None  # asked for above
         for position, (new, image_format) in enumerate(zip(new_items, decoded.formats, strict=True)):
             label = _label_folder(bundle, root, new.label, position)
             digest = hashlib.sha256(new.data).hexdigest()

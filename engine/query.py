@@ -183,4 +183,5 @@ class QueryService:
 def _pddm_scores(bundle: LoadedBundle, query: np.ndarray, hits: Sequence[Hit]) -> np.ndarray:
     """S(query, candidate) for each hit, from the candidates' stored (exact, not re-embedded) vectors."""
     ids = [hit.item.id for hit in hits]
+    assert bundle.reranker is not None  # _check refuses rerank for a model without its PDDM unit
     return bundle.reranker.score(query, bundle.index.vectors(ids))

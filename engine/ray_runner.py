@@ -228,9 +228,12 @@ class EmbedActor:
             depth=len(batch["path"]),
         )
         for _, result in loaded:
-            failed = isinstance(result, Exception)
-            decoded.append(None if failed else result)
-            errors.append(str(result) if failed else "")
+            if isinstance(result, Exception):
+                decoded.append(None)
+                errors.append(str(result))
+            else:
+                decoded.append(result)
+                errors.append("")
         arrays = [d.array for d in decoded if d is not None]
         vectors = np.zeros((len(decoded), self.embedder.dim), dtype=np.float32)
         if arrays:

@@ -101,8 +101,9 @@ class Crop:
     def apply(self, image: Image.Image) -> Image.Image:
         scale_x, scale_y = image.width / self.full_size[0], image.height / self.full_size[1]
         x0, y0, x1, y1 = self.box
-        edges = (x0 * scale_x, y0 * scale_y, x1 * scale_x, y1 * scale_y)
-        return image.crop(tuple(round(edge) for edge in edges))
+        return image.crop(
+            (round(x0 * scale_x), round(y0 * scale_y), round(x1 * scale_x), round(y1 * scale_y))
+        )
 
 
 def upright_size(header: Image.Image) -> tuple[int, int]:

@@ -102,8 +102,8 @@ class TierSettings:
             bits, cosine = self.edited_bits, self.edited_cosine
             rules.append(f"edited: signatures within {bits} bits and cosine >= {cosine}")
         if tier >= Tier.SIMILAR:
-            bits = "" if self.similar_bits >= 64 else f" and signatures within {self.similar_bits} bits"
-            rules.append(f"similar: cosine >= {self.similar_cosine}{bits}")
+            within = "" if self.similar_bits >= 64 else f" and signatures within {self.similar_bits} bits"
+            rules.append(f"similar: cosine >= {self.similar_cosine}{within}")
         return "; ".join(rules)
 
 

@@ -131,7 +131,7 @@ def _exact_scores(manifest: Manifest) -> bool:
     """Whether the gallery's index scores with the stored vectors themselves (not through codes)."""
     built = manifest.built
     if built.index_spec is not None:  # FAISS: its index_factory string says
-        return IndexSpec(built.index_type, built.index_spec, manifest.dim).exact_scores
+        return IndexSpec.parse(built.index_type, built.index_spec, manifest.dim).exact_scores
     return built.index_type not in MILVUS_QUANTISED
 
 

@@ -83,7 +83,7 @@ class FaissBackend:
         index = None
         built = manifest.built
         if built.index_spec is not None and (directory / cls.FILE_NAME).exists():
-            spec = IndexSpec(built.index_type, built.index_spec, manifest.dim)
+            spec = IndexSpec.parse(built.index_type, built.index_spec, manifest.dim)
             try:
                 index = FaissIndex.load(directory / cls.FILE_NAME, spec, mmap=mapped)
             except RuntimeError as err:  # faiss reports a short or garbled file as RuntimeError
@@ -96,7 +96,7 @@ class FaissBackend:
                 index.set_search_params(built.search_params)
         backend = cls(directory, manifest, store, index)
         if index is not None and len(index) != len(store):
-            backend._reconcile()
+            backend._reconcile(index)
         return backend
 
     @property
@@ -143,7 +143,7 @@ class FaissBackend:
             self.index.remove(present)
             # Tombstones are not saved (open marks them again from the store): only other indexes change.
             self._dirty = self._dirty or self.index.spec.index_type is not IndexType.HNSW
-            self._compact_graph()
+            self._compact_graph(self.index)
         return removed
 
     def copy_in(
@@ -275,20 +275,20 @@ class FaissBackend:
             }
         )
 
-    def _compact_graph(self) -> None:
-        if self.index.spec.index_type is IndexType.HNSW and self.index.removed_fraction > HNSW_MAX_REMOVED:
+    def _compact_graph(self, index: FaissIndex) -> None:
+        if index.spec.index_type is IndexType.HNSW and index.removed_fraction > HNSW_MAX_REMOVED:
             log.info(
                 "%.0f%% of the HNSW graph are removed items: rebuilding it from %d stored vectors",
-                100 * self.index.removed_fraction,
+                100 * index.removed_fraction,
                 len(self.store),
             )
-            self._build(self.index.spec)
+            self._build(index.spec)
 
-    def _reconcile(self) -> None:
-        stored, indexed = self.store.ids(), self.index.ids()
+    def _reconcile(self, index: FaissIndex) -> None:
+        stored, indexed = self.store.ids(), index.ids()
         missing = np.setdiff1d(stored, indexed)
         extra = np.setdiff1d(indexed, stored)
-        graph = self.index.spec.index_type is IndexType.HNSW
+        graph = index.spec.index_type is IndexType.HNSW
         if len(missing) or not graph:  # an HNSW graph's removed items are expected: its tombstones
             log.warning(
                 "%s: FAISS index out of step with items.sqlite (an interrupted update): adding %d, "
@@ -298,11 +298,11 @@ class FaissBackend:
                 len(extra),
             )
         if len(extra):
-            self.index.remove(extra)
+            index.remove(extra)
         for ids, vectors in self.store.iter_vectors(65_536, missing):
-            self.index.add(ids, vectors)
+            index.add(ids, vectors)
         self._dirty = bool(len(missing)) or (bool(len(extra)) and not graph)
-        self._compact_graph()
+        self._compact_graph(index)
 
     def save(self) -> None:
         if self.index is not None and self._dirty:

@@ -19,6 +19,7 @@ import math
 import os
 from functools import cache
 from pathlib import Path
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -43,6 +44,9 @@ PQ_POINTS_PER_CENTROID = 64
 # iteration against 0.005 s here, so training switches to the fast path at any size.
 TRAIN_BLAS_THRESHOLD = 20
 
+# faiss ships no type information: its SWIG objects (indexes, selectors, search parameters) are untyped.
+FaissObject: TypeAlias = Any
+
 
 def faiss_module():
     # faiss's OpenMP threads spin while they wait for work. With more runnable threads than cores (a
@@ -60,7 +64,7 @@ def faiss_module():
 
 
 @cache
-def _gpu_resources() -> object | None:
+def _gpu_resources() -> FaissObject | None:
     faiss = faiss_module()
     if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
         return None
@@ -68,17 +72,17 @@ def _gpu_resources() -> object | None:
 
 
 class FaissIndex:
-    def __init__(self, index: object, spec: IndexSpec, *, source: Path | None = None) -> None:
+    def __init__(self, index: FaissObject, spec: IndexSpec, *, source: Path | None = None) -> None:
         if index.d != spec.dim:
             raise InvalidInputError(f"FAISS index has dimension {index.d}, expected {spec.dim}")
         self.index = index
         self.spec = spec
         self.search_params: dict[str, int] = {}
         self._source = source  # the file a memory-mapped (read-only) index was mapped from
-        self._gpu_index: object | None = None  # the copy searched on the GPU, made at the first search
+        self._gpu_index: FaissObject | None = None  # the copy searched on the GPU, made at the first search
         self._gpu_refused = False  # the GPU could not take this index as it is: search on the CPU
         self._removed = np.zeros(0, dtype=np.int64)  # HNSW tombstones, sorted
-        self._live: object | None = None  # HNSW: the selector that skips the tombstones, built once
+        self._live: FaissObject | None = None  # HNSW: the selector that skips the tombstones, built once
         self._id_order: tuple[np.ndarray, np.ndarray] | None = None  # HNSW: sorted ids, their positions
 
     @classmethod
@@ -225,19 +229,21 @@ class FaissIndex:
             held &= ~np.isin(ids, self._removed)
         return order[where[held]], ids[held]
 
-    def _graph_storage(self) -> object:
+    def _graph_storage(self) -> FaissObject:
         """An HNSW graph's vectors, by position: a flat index (float32 or, by default, fp16 codes)."""
         faiss = faiss_module()
         return faiss.downcast_index(faiss.downcast_index(self.index.index).storage)
 
-    def _search_numpy(self, queries: np.ndarray, k: int, params: object) -> tuple[np.ndarray, np.ndarray]:
+    def _search_numpy(
+        self, queries: np.ndarray, k: int, params: FaissObject
+    ) -> tuple[np.ndarray, np.ndarray]:
         # faiss.contrib.torch_utils (imported by pytorch-metric-learning, for one) replaces ``search`` with a
         # version that takes no ``params`` and keeps faiss's own as ``search_numpy``.
         search = getattr(self.index, "search_numpy", self.index.search)
         return search(queries, k, params=params)
 
     def _exhaustive_search(
-        self, queries: np.ndarray, k: int, selector: object | None = None
+        self, queries: np.ndarray, k: int, selector: FaissObject | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         faiss = faiss_module()
         if self.spec.index_type is IndexType.HNSW:  # brute force over the graph's storage
@@ -252,7 +258,7 @@ class FaissIndex:
             return scores, np.where(positions >= 0, id_map[positions], -1)
         return self._search_numpy(queries, k, self._params(selector, exhaustive=True))
 
-    def _params(self, selector: object | None, *, exhaustive: bool, widen: float = 1.0) -> object:
+    def _params(self, selector: FaissObject | None, *, exhaustive: bool, widen: float = 1.0) -> FaissObject:
         """Per-call faiss search parameters (thread-safe, unlike setting nprobe on the index): the tuned
         ones, or every inverted list when ``exhaustive``; restricted to ``selector``'s ids when given.
 
@@ -269,6 +275,7 @@ class FaissIndex:
             params = faiss.SearchParametersHNSW()
             params.efSearch = tuned.get("efSearch", params.efSearch)
         else:
+            assert self.spec.nlist is not None  # every other family is an IVF index, with lists
             params = faiss.SearchParametersIVF()
             probes = self.spec.nlist if exhaustive else math.ceil(tuned.get("nprobe", params.nprobe) * widen)
             params.nprobe = min(probes, self.spec.nlist)
@@ -287,7 +294,7 @@ class FaissIndex:
         wrapped.index_params = params
         return wrapped
 
-    def _not_removed(self) -> object:
+    def _not_removed(self) -> FaissObject:
         """A selector of every id but the tombstones: a bitmap up to the largest one (one bit an id, a
         lookup per candidate, cheaper than hashing when a search meets thousands of nodes)."""
         if self._live is None:
@@ -376,7 +383,7 @@ class FaissIndex:
         self._gpu_index = None
         self._gpu_refused = False
 
-    def _searcher(self) -> object:
+    def _searcher(self) -> FaissObject:
         resources = _gpu_resources()
         if resources is None or self.spec.index_type is IndexType.HNSW or self._gpu_refused:
             return self.index

@@ -90,7 +90,8 @@ class ItemFilter:
 
     def sql(self) -> tuple[str, list[str]]:
         """A WHERE condition over the ``items`` table and its parameters (each part uses an index)."""
-        parts, values = [], []
+        parts: list[str] = []
+        values: list[str] = []
         if self.labels:
             parts.append(f"label IN ({','.join('?' * len(self.labels))})")
             values.extend(self.labels)

@@ -305,7 +305,7 @@ class GalleryIndex:
         info.update(self._backend.stats())
         info["capabilities"] = asdict(self.capabilities)
         if built.index_spec is not None:
-            spec = IndexSpec(built.index_type, built.index_spec, self.manifest.dim)
+            spec = IndexSpec.parse(built.index_type, built.index_spec, self.manifest.dim)
             info["estimated_memory_bytes"] = spec.memory_bytes(len(self))
         return info
 

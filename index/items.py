@@ -103,6 +103,7 @@ class ItemStore:
                     f"INSERT INTO items ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
                     (item_id, entry.path, entry.label, entry.content_hash, time, entry.taken),
                 )
+                assert cursor.lastrowid is not None  # the row id of the INSERT just run
                 new_ids.append(int(cursor.lastrowid))
                 cursor.execute(
                     "INSERT INTO vectors (id, vector) VALUES (?, ?)", (new_ids[-1], vector.tobytes())

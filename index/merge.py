@@ -28,6 +28,7 @@ COPY_CHUNK = 4096
 
 def _check_shards(manifests: Sequence[Manifest], directories: Sequence[Path]) -> None:
     first = manifests[0]
+    shards = []
     for manifest, directory in zip(manifests, directories, strict=True):
         if manifest.backend != "faiss":
             raise InvalidInputError(
@@ -39,7 +40,7 @@ def _check_shards(manifests: Sequence[Manifest], directories: Sequence[Path]) ->
             raise InvalidInputError(f"{directory} was built with another model than {directories[0]}")
         if manifest.gallery_root != first.gallery_root:
             raise InvalidInputError(f"{directory} indexes {manifest.gallery_root}, not {first.gallery_root}")
-    shards = [Shard.parse(manifest.shard) for manifest in manifests]
+        shards.append(Shard.parse(manifest.shard))
     count = shards[0].count
     if sorted(shard.index for shard in shards) != list(range(count)) or any(s.count != count for s in shards):
         got = ", ".join(str(shard) for shard in shards)
@@ -108,9 +109,9 @@ def _copy_items(stores: Sequence[GalleryIndex], target: GalleryIndex, progress: 
             if positions:
                 shard_ids = [chunk[i][1].id for i in positions]
                 vectors[positions] = store.vectors(shard_ids)
-                kept = store.signatures(shard_ids)
+                stored = store.signatures(shard_ids)
                 for position, shard_id in zip(positions, shard_ids, strict=True):
-                    signatures[position] = kept.get(shard_id)
+                    signatures[position] = stored.get(shard_id)
         ids = target.copy_in(
             vectors,
             [Entry(item.path, item.label, item.content_hash, item.taken) for _, item in chunk],

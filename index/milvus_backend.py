@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -151,15 +152,16 @@ class _Server:
     """The pymilvus client with a deadline on every request and every Milvus failure raised as a
     :class:`BackendUnavailableError` that carries the server's own message."""
 
-    def __init__(self, client: object, where: str) -> None:
+    def __init__(self, client: Any, where: str) -> None:
         self._client = client
         self.where = where
 
-    def __getattr__(self, name: str) -> Callable[..., object]:
+    # pymilvus ships no type information: its client takes and returns untyped dicts, lists and objects.
+    def __getattr__(self, name: str) -> Callable[..., Any]:
         method = getattr(self._client, name)
 
         @functools.wraps(method)
-        def call(*args: object, **kwargs: object) -> object:
+        def call(*args: object, **kwargs: object) -> Any:
             if name not in _LOCAL_METHODS:  # pymilvus's own default is no deadline and 75 retries
                 kwargs.setdefault("timeout", REQUEST_TIMEOUT_S)
             try:

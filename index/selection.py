@@ -88,7 +88,11 @@ class IndexOptions:
 
     def with_changes(self, changes: IndexChanges) -> IndexOptions:
         """These options with the fields that ``changes`` sets replaced (and checked again)."""
-        return dataclasses.replace(self, **changes.set_fields())
+        return IndexOptions(
+            self.index_type if isinstance(changes.index_type, Keep) else changes.index_type,
+            self.memory_budget if isinstance(changes.memory_budget, Keep) else changes.memory_budget,
+            self.target_recall if isinstance(changes.target_recall, Keep) else changes.target_recall,
+        )
 
 
 def _index_type(name: str) -> IndexType:
@@ -165,6 +169,11 @@ class IndexSpec:
         }
         for name, value in facts.items():
             object.__setattr__(self, name, value)
+
+    @classmethod
+    def parse(cls, index_type: str, factory: str, dim: int) -> IndexSpec:
+        """The spec a manifest records, its family a string (checked here)."""
+        return cls(_index_type(index_type), factory, dim)
 
     def memory_bytes(self, count: int) -> int:
         """Estimated RAM of this index holding ``count`` vectors (autofaiss-style arithmetic)."""

@@ -156,6 +156,7 @@ def _parameters(index: FaissIndex, k: int) -> tuple[list[int], Callable[[int], d
     spec = index.spec
     if spec.index_type is IndexType.HNSW:
         return _ladder(max(16, k), 4096), lambda ef: {"efSearch": ef}
+    assert spec.nlist is not None  # a flat index needs no tuning: the others are IVF indexes, with lists
     if spec.hnsw_quantizer:
         return _ladder(1, spec.nlist), lambda n: {"nprobe": n, "quantizer_efSearch": max(16, 2 * n)}
     return _ladder(1, spec.nlist), lambda n: {"nprobe": n}

@@ -16,6 +16,7 @@ from app.schemas import (
     EvidenceOut,
     LeftOut,
     PlanIn,
+    Responses,
     ReviewOut,
     TierName,
 )
@@ -24,7 +25,7 @@ from index.duplicate_tiers import Tier
 from index.duplicates import DEFAULT_MAX_DISTANCE, MAX_DISTANCE_LIMIT
 
 router = APIRouter(tags=["duplicates"])
-ERRORS = {code: {"model": ErrorOut} for code in (422, 429, 503)}
+ERRORS: Responses = {code: {"model": ErrorOut} for code in (422, 429, 503)}
 
 
 @router.get("/v1/duplicates", response_model=DuplicatesOut, responses=ERRORS)

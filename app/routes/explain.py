@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 
 from app.deps import INT64_MAX, AppSettings, Compute, QueryBox, Service
-from app.schemas import ErrorOut, ExplainOut, HeatmapOut, ImageJsonIn
+from app.schemas import ErrorOut, ExplainOut, HeatmapOut, ImageJsonIn, Responses
 from app.uploads import read_uploads, request_body_spec
 from engine.heatmap_image import overlay, png_bytes
 from engine.query import ItemQuery
@@ -16,7 +16,7 @@ from engine.regions import Box
 from engine.search import SearchService
 
 router = APIRouter(tags=["explain"])
-ERRORS = {code: {"model": ErrorOut} for code in (400, 404, 413, 415, 422, 429, 503)}
+ERRORS: Responses = {code: {"model": ErrorOut} for code in (400, 404, 413, 415, 422, 429, 503)}
 ItemParam = Annotated[int, Query(ge=0, le=INT64_MAX, description="The result to explain: an item id.")]
 
 

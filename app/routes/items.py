@@ -19,14 +19,17 @@ from app.schemas import (
     LabelCountOut,
     LabelsOut,
     NewItemsJsonIn,
+    Responses,
 )
 from app.uploads import read_uploads, request_body_spec
 from engine import defaults
 from engine.item_writer import NewItem
 
 router = APIRouter(tags=["items"])
-ERRORS = {code: {"model": ErrorOut} for code in (400, 404, 422, 429, 503)}
-WRITE_ERRORS = {code: {"model": ErrorOut} for code in (400, 401, 403, 404, 409, 413, 415, 422, 429, 503)}
+ERRORS: Responses = {code: {"model": ErrorOut} for code in (400, 404, 422, 429, 503)}
+WRITE_ERRORS: Responses = {
+    code: {"model": ErrorOut} for code in (400, 401, 403, 404, 409, 413, 415, 422, 429, 503)
+}
 # Thumbnails are derived from immutable content (the file name is its hash), so clients may keep them.
 THUMBNAIL_CACHE = "public, max-age=86400"
 

@@ -18,13 +18,13 @@ from app.deps import (
     boxes_for,
 )
 from app.metrics import Metrics
-from app.schemas import BatchSearchOut, ErrorOut, ImageJsonIn, ImagesJsonIn, SearchOut
+from app.schemas import BatchSearchOut, ErrorOut, ImageJsonIn, ImagesJsonIn, Responses, SearchOut
 from app.uploads import read_uploads, request_body_spec
 from engine.query import ItemQuery
 
 router = APIRouter(tags=["search"])
 AnswerT = TypeVar("AnswerT", SearchOut, BatchSearchOut)
-ERRORS = {code: {"model": ErrorOut} for code in (400, 404, 413, 415, 422, 429, 503)}
+ERRORS: Responses = {code: {"model": ErrorOut} for code in (400, 404, 413, 415, 422, 429, 503)}
 
 
 @router.post(
