@@ -136,16 +136,17 @@ class Reloader:
         output; None: the served model's session is kept)."""
         settings = self.app.state.settings
         try:
-            if service is not None and output is None:
-                index = EngineState.open_index(settings, index_path)
-                try:
-                    bundle = service.current.bundle.with_index(index)
-                except ValueError:
-                    index.close()
-                    raise
-                return bundle, partial(prove_index, stored_vectors=True)
-            bundle = EngineState.open_bundle(settings, index_path, model_path)
-            return bundle, partial(prove_bundle, output=output)
+            if output is not None:
+                bundle = EngineState.open_bundle(settings, index_path, model_path)
+                return bundle, partial(prove_bundle, output=output)
+            assert service is not None  # no probe output only where a model is served already
+            index = EngineState.open_index(settings, index_path)
+            try:
+                bundle = service.current.bundle.with_index(index)
+            except ValueError:
+                index.close()
+                raise
+            return bundle, partial(prove_index, stored_vectors=True)
         except Exception as err:  # whatever is wrong with the new bundle, keep serving the old one
             log.error("reload of %s failed, still serving the loaded index: %s", where, err)
             raise ReloadError.of(err) from err
