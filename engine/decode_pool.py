@@ -123,6 +123,10 @@ def cancelled_by(event: threading.Event) -> Iterator[None]:
 
 class _Worker:
     def __init__(self, context: Any, memory_bytes: int, niceness: int) -> None:
+        # The pool's close and a request replacing this worker may end it at once: closing a pipe twice
+        # at the same moment closes a file descriptor number another thread may already reuse.
+        self._ending = threading.Lock()
+        self._ended = False
         tasks, self.tasks = context.Pipe(duplex=False)
         self.results, results = context.Pipe(duplex=False)
         shared = os.memfd_create("dmlsearch-decode", os.MFD_CLOEXEC)
@@ -153,6 +157,10 @@ class _Worker:
         return status, value, retire
 
     def end(self) -> None:
+        with self._ending:
+            if self._ended:
+                return
+            self._ended = True
         self.process.kill()
         self.process.join()
         self.tasks.close()

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from training.config import TrainConfig
 
 API_KEY = "test-key-0123456789"
+# Ray's command beside the tests' interpreter: `make test` runs without the venv on PATH.
+RAY_COMMAND = str(Path(sys.executable).with_name("ray"))
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 INDEX_FILES = ("manifest.json", "vectors.faiss", "items.sqlite")
 
@@ -613,7 +615,7 @@ class RayCluster:
         with log:
             node = subprocess.Popen(
                 [
-                    shutil.which("ray") or "ray",
+                    RAY_COMMAND,
                     "start",
                     "--block",
                     "--num-cpus",

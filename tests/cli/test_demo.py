@@ -12,7 +12,6 @@ from pathlib import Path
 from engine import defaults
 from engine.embedder import Embedder
 from engine.indexing import build_index
-from engine.model_card import ModelCard
 from index.manifest import Manifest
 from tests.helpers import index_digest, make_image
 
@@ -32,9 +31,7 @@ def test_the_demo_never_touches_the_users_model_or_index(
     for i in range(3):
         make_image(i, size=(64, 56)).save(photos / "hummer" / f"IMG_{i}.png")
     model, index = tmp_path / defaults.MODEL_PATH, tmp_path / defaults.INDEX_PATH
-    model.parent.mkdir(parents=True)
-    shutil.copy(exported_model, model)
-    shutil.copy(ModelCard.path_for(exported_model), ModelCard.path_for(model))
+    shutil.copytree(exported_model.parent, model.parent)  # model.onnx, its card and its explainer
     build_index(photos, Embedder(model, threads=1), index, progress=False)
     index_before, model_before = index_digest(index), _digest(model)
     # A few demo photos already in place: the demo's build is not what is tested.

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,7 +69,18 @@ def _cli_build(
     cluster: RayCluster, gallery: Path, model: Path, out: Path, *options: str, ray: bool = True
 ) -> subprocess.CompletedProcess[str]:
     """build-index in a process of its own (Ray reads its settings from the environment it starts in)."""
-    command = ["dmlsearch", "build-index", str(gallery), "--out", str(out), "--model", str(model), *options]
+    command = [
+        sys.executable,
+        "-m",
+        "cli.main",
+        "build-index",
+        str(gallery),
+        "--out",
+        str(out),
+        "--model",
+        str(model),
+        *options,
+    ]
     command += ["--no-progress", *(["--ray", cluster.address] if ray else [])]
     done = subprocess.run(command, env=cluster.env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -148,7 +160,17 @@ def _count(out: Path) -> int:
 
 
 def _start_cli_build(cluster: RayCluster, gallery: Path, model: Path, out: Path) -> subprocess.Popen:
-    command = ["dmlsearch", "build-index", str(gallery), "--out", str(out), "--model", str(model)]
+    command = [
+        sys.executable,
+        "-m",
+        "cli.main",
+        "build-index",
+        str(gallery),
+        "--out",
+        str(out),
+        "--model",
+        str(model),
+    ]
     command += ["--ray", cluster.address, "--batch-size", "4", "--no-progress"]
     return subprocess.Popen(
         command, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
