@@ -113,8 +113,7 @@ class Reloader:
             else:
                 output = probe_output(model_path, settings.reload_probe_seconds)  # before it is loaded here
         except Exception as err:  # whatever is wrong with the new bundle, keep serving the old one
-            log.error("reload of %s failed, still serving the loaded index: %s", where, err)
-            raise ReloadError.of(err) from err
+            raise _refused(where, err) from err
         # No write of the served index saves while the new bundle is read and probed: a save replaces
         # items.sqlite's rows before the FAISS file, and a snapshot of the two in between is torn (the
         # probe then finds only items the store no longer holds). Searches go on meanwhile; a write
@@ -148,8 +147,7 @@ class Reloader:
                 raise
             return bundle, partial(prove_index, stored_vectors=True)
         except Exception as err:  # whatever is wrong with the new bundle, keep serving the old one
-            log.error("reload of %s failed, still serving the loaded index: %s", where, err)
-            raise ReloadError.of(err) from err
+            raise _refused(where, err) from err
 
     @staticmethod
     def _prove(bundle: LoadedBundle, where: Path, prove: Callable[[LoadedBundle], None]) -> None:
@@ -157,8 +155,7 @@ class Reloader:
             prove(bundle)
         except Exception as err:  # whatever is wrong with the new bundle, keep serving the old one
             bundle.index.close()
-            log.error("reload of %s failed, still serving the loaded index: %s", where, err)
-            raise ReloadError.of(err) from err
+            raise _refused(where, err) from err
 
     def _serve(self, bundle: LoadedBundle, where: Path, started: float) -> Reloaded:
         state: EngineState = self.app.state.engine
@@ -174,8 +171,7 @@ class Reloader:
                 served = bundle
         except Exception as err:  # whatever is wrong with the new bundle, keep serving the old one
             bundle.index.close()
-            log.error("reload of %s failed, still serving the loaded index: %s", where, err)
-            raise ReloadError.of(err) from err
+            raise _refused(where, err) from err
         result = Reloaded(
             index_path=Path(where),
             model_fingerprint=served.embedder.fingerprint,
@@ -191,6 +187,12 @@ class Reloader:
             result.took_ms,
         )
         return result
+
+
+def _refused(where: Path, err: Exception) -> ReloadError:
+    """A new bundle that failed to load, prove itself or swap in: logged, and the served one stays."""
+    log.error("reload of %s failed, still serving the loaded index: %s", where, err)
+    return ReloadError.of(err)
 
 
 def reload_on_sighup(reloader: Reloader) -> Callable[[], None]:
