@@ -65,23 +65,17 @@ def _big_gallery(root: Path, count: int) -> Path:
     return root
 
 
+def _build_command(gallery: Path, model: Path, out: Path, *options: str) -> list[str]:
+    """The ``dmlsearch build-index`` command line, run by the tests' own interpreter (no PATH needed)."""
+    command = [sys.executable, "-m", "cli.main", "build-index", str(gallery), "--out", str(out)]
+    return [*command, "--model", str(model), *options, "--no-progress"]
+
+
 def _cli_build(
     cluster: RayCluster, gallery: Path, model: Path, out: Path, *options: str, ray: bool = True
 ) -> subprocess.CompletedProcess[str]:
     """build-index in a process of its own (Ray reads its settings from the environment it starts in)."""
-    command = [
-        sys.executable,
-        "-m",
-        "cli.main",
-        "build-index",
-        str(gallery),
-        "--out",
-        str(out),
-        "--model",
-        str(model),
-        *options,
-    ]
-    command += ["--no-progress", *(["--ray", cluster.address] if ray else [])]
+    command = _build_command(gallery, model, out, *options, *(["--ray", cluster.address] if ray else []))
     done = subprocess.run(command, env=cluster.env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
     return done
@@ -160,18 +154,7 @@ def _count(out: Path) -> int:
 
 
 def _start_cli_build(cluster: RayCluster, gallery: Path, model: Path, out: Path) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "cli.main",
-        "build-index",
-        str(gallery),
-        "--out",
-        str(out),
-        "--model",
-        str(model),
-    ]
-    command += ["--ray", cluster.address, "--batch-size", "4", "--no-progress"]
+    command = _build_command(gallery, model, out, "--ray", cluster.address, "--batch-size", "4")
     return subprocess.Popen(
         command, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
