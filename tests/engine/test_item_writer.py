@@ -63,9 +63,7 @@ def _files(gallery: Path) -> set[Path]:
     return {path.relative_to(gallery) for path in gallery.rglob("*") if path.is_file()}
 
 
-def test_added_images_are_stored_by_label_and_content_and_indexed_and_saved(
-    writable: Writable, small_model: Path
-) -> None:
+def test_added_images_are_stored_by_label_and_content_and_indexed_and_saved(writable: Writable) -> None:
     data = [_png(1), _png(2)]
     added = writable.writer.add([NewItem(data[0], "cats"), NewItem(data[1])])
     digests = [hashlib.sha256(d).hexdigest() for d in data]
