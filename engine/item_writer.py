@@ -64,10 +64,7 @@ class NewItem:
 
 @dataclass(frozen=True)
 class _NewFile:
-    relative: str  # gallery-relative path, as the index stores it
-    label: str | None
-    digest: str
-    taken: str  # when the photo was taken (index.protocol.Item.taken)
+    entry: Entry  # what the index is told: the gallery-relative path, label, content hash, capture time
     target: Path
     data: bytes
 
@@ -101,8 +98,8 @@ class ItemWriter:
             if served is not bundle:
                 prepared = self._prepare(served, new_items)
             for file in prepared.files:
-                if served.index.items.get_by_path(file.relative) is not None:
-                    raise DuplicateItemError(f"{file.relative} is already indexed")
+                if served.index.items.get_by_path(file.entry.path) is not None:
+                    raise DuplicateItemError(f"{file.entry.path} is already indexed")
             written = []
             try:
                 with _storage("nothing was added"):
@@ -112,7 +109,7 @@ class ItemWriter:
                             written.append(file.target)
                     ids = served.index.add(
                         prepared.vectors,
-                        [Entry(f.relative, f.label, f.digest, f.taken) for f in prepared.files],
+                        [file.entry for file in prepared.files],
                         prepared.signatures,
                     )
             except BaseException:
@@ -145,11 +142,11 @@ class ItemWriter:
             target = root / relative
             if target.exists() and (not target.is_file() or target.read_bytes() != new.data):
                 raise InvalidItemError(f"image {position}: {relative} already holds another file")
-            if any(relative.as_posix() == earlier.relative for earlier in files):
+            if any(relative.as_posix() == earlier.entry.path for earlier in files):
                 raise DuplicateItemError(f"image {position} repeats an earlier image of this request")
             # The photo's capture time (read from its header in the decode), else now: the file is new.
             taken = decoded.capture_times[position] or clock_now()
-            files.append(_NewFile(relative.as_posix(), label, digest, taken, target, new.data))
+            files.append(_NewFile(Entry(relative.as_posix(), label, digest, taken), target, new.data))
         vectors = bundle.embedder.embed_tensor(decoded.tensor, run_size=RUN_IMAGES)
         return _Prepared(files, vectors, decoded.signatures or [])
 

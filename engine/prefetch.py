@@ -21,8 +21,9 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -45,7 +46,8 @@ MAX_NICENESS = 19
 FILE_ERRORS = (ImageDecodeError, OSError)
 
 
-class DecodedFile(NamedTuple):
+@dataclass(frozen=True)
+class DecodedFile:
     array: np.ndarray  # the model's input
     signature: bytes  # engine.signature's perceptual signature
     taken: str  # when the photo was taken (engine.capture_time)

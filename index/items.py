@@ -98,7 +98,6 @@ class ItemStore:
             cursor = self.connection.cursor()
             rows = zip(vectors, entries, times, given, marks, strict=True)
             for vector, entry, time, item_id, signature in rows:
-                entry = Entry(*entry)
                 cursor.execute(
                     f"INSERT INTO items ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
                     (item_id, entry.path, entry.label, entry.content_hash, time, entry.taken),

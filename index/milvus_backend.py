@@ -312,10 +312,9 @@ class MilvusBackend:
         added = now_utc()
         rows = []
         for vector, entry in zip(vectors, entries, strict=True):
-            path, label, content_hash, taken = Entry(*entry)
-            if len(path.encode()) > MAX_PATH:
-                raise InvalidInputError(f"path {path[:60]}... is longer than Milvus's {MAX_PATH} bytes")
-            rows.append(self._row(vector, path, label, content_hash, added, taken))
+            if len(entry.path.encode()) > MAX_PATH:
+                raise InvalidInputError(f"path {entry.path[:60]}... is longer than Milvus's {MAX_PATH} bytes")
+            rows.append(self._row(vector, entry.path, entry.label, entry.content_hash, added, entry.taken))
         if not rows:
             return []
         if not self.auto_id:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 UNIT_TOLERANCE = 1e-6  # a few float32 ulps around 1.0
 
 
-class Entry(NamedTuple):
+@dataclass(frozen=True)
+class Entry:
     """What an index is told about a new item."""
 
     path: str  # relative to the gallery folder
@@ -40,7 +41,8 @@ class Item:
     taken: str | None = None
 
 
-class Move(NamedTuple):
+@dataclass(frozen=True)
+class Move:
     """An item whose file was renamed or moved: same content, so same id and vector, new path and label."""
 
     id: int

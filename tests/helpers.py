@@ -31,6 +31,7 @@ from PIL import Image, ImageOps
 
 from engine.model_card import ModelCard
 from index.manifest import Manifest
+from index.protocol import Entry
 
 if TYPE_CHECKING:
     from training.config import TrainConfig
@@ -150,9 +151,11 @@ def clustered_vectors(
     return points.astype(np.float32)
 
 
-def entries(count: int, prefix: str = "img") -> list[tuple[str, str | None, str]]:
-    """``(path, label, content_hash)`` rows with distinct paths and hashes."""
-    return [(f"{prefix}/{i:05d}.png", f"class{i % 7}", f"{prefix}-hash-{i}") for i in range(count)]
+def entries(count: int, prefix: str = "img", taken: str | None = None) -> list[Entry]:
+    """Entries with distinct paths and hashes (seven labels), all taken at ``taken``."""
+    return [
+        Entry(f"{prefix}/{i:05d}.png", f"class{i % 7}", f"{prefix}-hash-{i}", taken) for i in range(count)
+    ]
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from engine.reranker import PDDMReranker
 from engine.search import SearchService
 from engine.serving import LoadedBundle
 from index.gallery import GalleryIndex
-from index.protocol import normalize_rows
+from index.protocol import Entry, normalize_rows
 from tests.helpers import Served
 from training.export import export_pddm_unit, pddm_path_for
 from training.losses.pddm import PDDMUnit
@@ -186,7 +186,7 @@ def test_a_milvus_index_reranks_from_its_stored_vectors(
     )
     try:
         vectors = np.random.default_rng(0).normal(size=(6, card.embedding_dim)).astype(np.float32)
-        ids = index.add(vectors, [(f"{i}.jpg", None, f"{i:064x}") for i in range(6)])
+        ids = index.add(vectors, [Entry(f"{i}.jpg", None, f"{i:064x}") for i in range(6)])
         stored = index.vectors(ids[::-1])  # Milvus gives back the vectors it stores, in the order asked
         np.testing.assert_allclose(stored, normalize_rows(vectors)[::-1], rtol=0, atol=1e-6)
         reranker = PDDMReranker.for_model(pddm_model.path, card, threads=1)

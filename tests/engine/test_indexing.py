@@ -21,6 +21,7 @@ from engine.indexing import (
 )
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
+from index.protocol import Entry
 from index.selection import IndexChanges
 from index.sharding import Shard
 from tests.helpers import make_image
@@ -173,18 +174,18 @@ def test_batches_are_committed_in_order_off_the_calling_thread_and_their_errors_
         def add(
             self,
             vectors: np.ndarray,
-            entries: Sequence[tuple[str, str | None, str]],
+            entries: Sequence[Entry],
             signatures: Sequence[bytes],
         ) -> object:
             self.threads.add(threading.get_ident())
-            if entries[0][0] == "bad":
+            if entries[0].path == "bad":
                 raise OSError("disk full")
-            self.batches.append([path for path, _, _ in entries])
+            self.batches.append([entry.path for entry in entries])
             return None
 
-    def batch(*paths: str) -> tuple[np.ndarray, list[tuple[str, str | None, str]], list[bytes]]:
+    def batch(*paths: str) -> tuple[np.ndarray, list[Entry], list[bytes]]:
         vectors = np.ones((len(paths), 4), dtype=np.float32)
-        return vectors, [(path, None, "h") for path in paths], [b"s"] * len(paths)
+        return vectors, [Entry(path, None, "h") for path in paths], [b"s"] * len(paths)
 
     sink, report = Sink(), BuildReport()
     with BatchCommitter(sink, report) as committer:

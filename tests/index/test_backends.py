@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from index.gallery import GalleryIndex, IndexMismatchError
-from index.protocol import Move
+from index.protocol import Entry, Move
 from index.selection import IndexOptions
 from tests.helpers import MILVUS_BACKENDS, clustered_vectors, entries, milvus_target
 
@@ -72,7 +72,7 @@ def test_ids_are_distinct_and_metadata_is_kept(filled: tuple[GalleryIndex, list[
     index, ids, _ = filled
     assert len(set(ids)) == COUNT == len(index)
     item = index.items.get(ids[5])
-    assert (item.path, item.label, item.content_hash) == entries(COUNT)[5]
+    assert Entry(item.path, item.label, item.content_hash) == entries(COUNT)[5]
     assert index.items.get_by_path("img/00007.png").id == ids[7]
     assert index.items.get_by_path("img/missing.png") is None
     assert [i.id for i in index.items.page(0, 3)] == sorted(ids)[:3]
@@ -143,9 +143,9 @@ def test_moved_items_keep_their_id_and_vector(filled: tuple[GalleryIndex, list[i
     assert (item.path, item.label, item.content_hash) == (
         "elsewhere/x.png",
         "elsewhere",
-        entries(COUNT)[3][2],
+        entries(COUNT)[3].content_hash,
     )
-    assert index.items.get_by_path(entries(COUNT)[3][0]) is None
+    assert index.items.get_by_path(entries(COUNT)[3].path) is None
     ((best, *_),) = index.search(vectors[3:4], 3)
     assert best.item.id == ids[3] and best.item.path == "elsewhere/x.png"
 
@@ -188,7 +188,6 @@ def test_a_milvus_collection_from_before_capture_times_keeps_working(tmp_path: P
     from index.filters import ItemFilter
     from index.manifest import MILVUS_COLLECTION
     from index.milvus_backend import MODEL_PROPERTY
-    from index.protocol import Entry
 
     directory = tmp_path / "index"
     directory.mkdir()
@@ -213,7 +212,7 @@ def test_a_milvus_collection_from_before_capture_times_keeps_working(tmp_path: P
     try:
         assert index._backend.has_taken is False
         vectors = clustered_vectors(20, DIM)
-        ids = index.add(vectors, [Entry(*entry, "2001-01-01T00:00:00") for entry in entries(20)])
+        ids = index.add(vectors, entries(20, taken="2001-01-01T00:00:00"))
         index.save()
         assert index.items.get(ids[0]).taken is None and index.set_taken({ids[0]: "2001-01-01T00:00:00"}) == 0
         today = dt.datetime.now(dt.UTC).replace(tzinfo=None) - dt.timedelta(days=1)

@@ -214,7 +214,7 @@ def test_prefix_ranges_at_the_ends_of_unicode(tmp_path: Path, prefix: str, insid
     """The range's upper end steps over the surrogates and past the last code point (both were errors)."""
     store = ItemStore(tmp_path, 2)
     vectors = np.eye(2, dtype=np.float32)
-    store.add(vectors, [(inside, None, "h1"), (outside, None, "h2")])
+    store.add(vectors, [Entry(inside, None, "h1"), Entry(outside, None, "h2")])
     condition, values = ItemFilter(path_prefix=prefix).sql()
     rows = store.connection.execute(f"SELECT path FROM items WHERE {condition}", values).fetchall()
     assert [path for (path,) in rows] == [inside]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 from index.gallery import GalleryIndex
 from index.merge import merge_shards
+from index.protocol import Entry
 from index.selection import IndexOptions
 from index.sharding import Shard
 from tests.helpers import clustered_vectors, entries
@@ -17,16 +19,16 @@ DIM = 16
 COUNT = 1500
 
 
-def _gallery() -> tuple[list[tuple[str, str | None, str]], np.ndarray]:
+def _gallery() -> tuple[list[Entry], np.ndarray]:
     rows, vectors = entries(COUNT), clustered_vectors(COUNT, DIM)
     # Two files with the same content in different shards: the merged index keeps the first path only.
     first, twin = next(
         (a, b)
         for a in range(COUNT)
         for b in range(a + 1, COUNT)
-        if Shard(0, 2).owns(rows[a][0]) != Shard(0, 2).owns(rows[b][0])
+        if Shard(0, 2).owns(rows[a].path) != Shard(0, 2).owns(rows[b].path)
     )
-    rows[twin] = (rows[twin][0], rows[twin][1], rows[first][2])
+    rows[twin] = replace(rows[twin], content_hash=rows[first].content_hash)
     vectors[twin] = vectors[first]
     return rows, vectors
 
@@ -37,9 +39,9 @@ def _create(directory: Path, options: IndexOptions, shard: str | None = None) ->
     )
 
 
-def _signatures(rows: list[tuple[str, str | None, str]]) -> list[bytes]:
+def _signatures(rows: list[Entry]) -> list[bytes]:
     """A perceptual signature per item, derived from its content (twins share it)."""
-    return [row[2].encode().ljust(32, b"-")[:32] for row in rows]
+    return [row.content_hash.encode().ljust(32, b"-")[:32] for row in rows]
 
 
 def _snapshot(index: GalleryIndex, queries: np.ndarray) -> tuple[list, list, tuple]:
@@ -55,14 +57,14 @@ def test_two_shards_merge_into_the_single_process_index(tmp_path: Path, index_ty
     rows, vectors = _gallery()
     options = IndexOptions(index_type, target_recall=0.9)
     seen: set[str] = set()
-    unique = [i for i, row in enumerate(rows) if not (row[2] in seen or seen.add(row[2]))]
+    unique = [i for i, row in enumerate(rows) if not (row.content_hash in seen or seen.add(row.content_hash))]
     single = _create(tmp_path / "single", options)
     single_rows = [rows[i] for i in unique]
     single.add(vectors[unique], single_rows, _signatures(single_rows))  # a build adds files in path order
     single.save()
     for number in range(2):
         shard = Shard(number, 2)
-        mine = [i for i, row in enumerate(rows) if shard.owns(row[0])]
+        mine = [i for i, row in enumerate(rows) if shard.owns(row.path)]
         part = _create(tmp_path / f"shard{number}", options, shard=str(shard))
         part.add(vectors[mine], [rows[i] for i in mine], _signatures([rows[i] for i in mine]))
         part.save()
