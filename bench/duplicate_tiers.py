@@ -66,6 +66,7 @@ from index.duplicate_tiers import (
 )
 from index.duplicates import group_pairs
 from index.gallery import GalleryIndex
+from index.protocol import Entry
 
 EDITS = (
     "reencoded",
@@ -249,7 +250,7 @@ def half_index(data: dict, half: str, work: Path) -> tuple[GalleryIndex, list[in
     index = GalleryIndex.create(
         work, dim=data["vectors"].shape[1], model_fingerprint="bench", gallery_root=None
     )
-    entries = [(str(i), None, f"item{i}") for i in members]
+    entries = [Entry(str(i), None, f"item{i}") for i in members]
     signatures = [bytes.fromhex(data["records"][i]["signature"]) for i in members]
     index.add(data["vectors"][members], entries, signatures)
     index.save()

@@ -60,6 +60,7 @@ from index.duplicates import (
     signature_pairs,
 )
 from index.gallery import GalleryIndex
+from index.protocol import Entry
 
 VARIANTS = ("reencoded", "resized", "cropped90", "mirrored", "brighter15", "darker15")
 THRESHOLDS = np.round(np.arange(0.70, 0.991, 0.01), 2)  # cosine cuts tried
@@ -157,7 +158,7 @@ def gallery(data: dict, in_half: np.ndarray, work: Path) -> tuple[GalleryIndex, 
     # Ground truth: the photo each vector was made from (originals: themselves).
     source = np.concatenate([np.arange(len(data["originals"])), data["copy_source"][in_half]])
     index = GalleryIndex.create(work, dim=vectors.shape[1], model_fingerprint="bench", gallery_root=None)
-    entries = [(f"{i}.jpg", None, str(i)) for i in range(len(vectors))]
+    entries = [Entry(f"{i}.jpg", None, str(i)) for i in range(len(vectors))]
     ids = index.add(vectors, entries, [row.tobytes() for row in signatures])
     index.save()
     return index, dict(zip(ids, source.tolist(), strict=True))
@@ -238,7 +239,7 @@ def synthetic_index(real: np.ndarray, count: int, seed: int, work: Path) -> tupl
     index = GalleryIndex.create(work, dim=dim, model_fingerprint="bench", gallery_root=None)
     for start in range(0, len(vectors), 20_000):
         chunk = slice(start, start + 20_000)
-        entries = [(f"{start + i}", None, f"{start + i}") for i in range(len(vectors[chunk]))]
+        entries = [Entry(f"{start + i}", None, f"{start + i}") for i in range(len(vectors[chunk]))]
         index.add(vectors[chunk], entries, [row.tobytes() for row in all_signatures[chunk]])
     started = time.perf_counter()
     index.save()  # builds and tunes the index the automatic choice picks

@@ -24,6 +24,7 @@ import numpy as np
 
 from index.filters import ItemFilter
 from index.gallery import GalleryIndex
+from index.protocol import Entry
 
 RESULTS = Path(__file__).parent / "results"
 LABELS = 100
@@ -75,7 +76,7 @@ def main() -> None:
         added: list[int] = []
         for start in range(0, args.items, 20_000):
             chunk = range(start, min(start + 20_000, args.items))
-            entries = [(f"{i}.jpg", f"label{labels[i]:03d}", f"{i}") for i in chunk]
+            entries = [Entry(f"{i}.jpg", f"label{labels[i]:03d}", f"{i}") for i in chunk]
             added += index.add(vectors[chunk.start : chunk.stop], entries)
         started = time.perf_counter()
         index.save()

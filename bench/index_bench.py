@@ -56,6 +56,7 @@ from index import tuning as tuning_module
 from index.atomic import atomic_write_text
 from index.faiss_build import build_faiss_index
 from index.faiss_index import faiss_module
+from index.protocol import Entry
 from index.selection import IndexOptions, IndexSpec, choose_index, format_bytes, parse_size
 from index.sources import ArraySource
 from index.tuning import exact_neighbours, recall_at_k
@@ -195,7 +196,7 @@ def bench_milvus(
         milvus_ids = []
         for start in tqdm(range(0, len(base), 5000), desc="inserting into Milvus Lite", unit="batch"):
             chunk = base[start : start + 5000]
-            milvus_ids += backend.add(chunk, [(f"v{start + i}", None, "") for i in range(len(chunk))])
+            milvus_ids += backend.add(chunk, [Entry(f"v{start + i}", None, "") for i in range(len(chunk))])
         backend.save()
         while backend.client.describe_index(backend.collection, "vector").get("pending_index_rows", 0):
             time.sleep(0.5)  # searches are brute force over segments still being indexed
