@@ -106,7 +106,6 @@ def fold_config(args: argparse.Namespace, loss: str, candidate: str, fold: int) 
     return resolved.config(
         loss,
         str(args.data.resolve()),
-        mode="frozen",
         fold=fold,
         folds=args.folds,
         cache_dir=str(args.cache_dir.resolve()),

@@ -1,13 +1,15 @@
 """Train every registered loss on Cars196 with the same budget and tabulate the results.
 
     OMP_NUM_THREADS=1 python bench/train_all.py --data CARS196/images \\
-        [--mode frozen|partial] [--cache-dir ~/.cache/dmlsearch] [--runs-dir ~/.cache/dmlsearch/bench-runs] \\
+        [--mode frozen|partial|finetune] [--time-budget MIN] \\
+        [--cache-dir ~/.cache/dmlsearch] [--runs-dir ~/.cache/dmlsearch/bench-runs] \\
         [--methods almn magnet ...] [--recipe recommended|paper] [--max-steps N] [--patience N] [--seed 0] \\
         [--set views=2 ...]
 
 ``--mode frozen`` trains the head on cached pooled features; ``--mode partial`` also trains the backbone's
 last stage on cached maps entering it (about 0.6 s a 128-image step on one core instead of milliseconds,
-so it is meant for a few ``--methods``).
+so it is meant for a few ``--methods``); ``--mode finetune`` trains the whole network on augmented images
+(minutes per epoch on a CPU: give ``--time-budget`` and run it without OMP_NUM_THREADS=1).
 
 (One torch thread: on a small shared CPU the head's tiny matrix products run several times faster than
 with OpenMP threads competing for the cores.)
@@ -39,6 +41,7 @@ import platform
 import shlex
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +53,7 @@ from pytorch_metric_learning import miners as pml_miners
 from engine.defaults import CACHE_DIR
 from index.atomic import atomic_write_text
 from training.comparison import validation_gain
-from training.config import TrainConfig
+from training.config import Mode, TrainConfig
 from training.losses import LOSSES, MetricLoss, register_loss
 from training.recipes import (
     DEFAULT_RECIPE,
@@ -65,7 +68,11 @@ from training.recipes import (
 from training.trainer import train
 
 RESULTS = Path(__file__).parent / "results"
-STAGE_LR = {"frozen": "", "partial": "; the backbone's last stage at 1e-5"}
+STAGE_LR = {
+    "frozen": "",
+    "partial": "; the backbone's last stage at 1e-5",
+    "finetune": "; the whole backbone at 1e-5",
+}
 METRICS = ("recall@1", "recall@2", "recall@4", "recall@8", "nmi", "f1", "map@r")
 
 
@@ -130,11 +137,11 @@ class Method:
     def run_name(self) -> str:
         return "".join(char if char.isalnum() or char in "-_." else "_" for char in self.label)
 
-    def resolved(self, recipe_name: RecipeName, budget: dict[str, Any]) -> Resolved:
-        return resolve(self.loss, recipe_name, {**budget, **self.overrides})
+    def resolved(self, recipe_name: RecipeName, budget: dict[str, Any], mode: Mode) -> Resolved:
+        return resolve(self.loss, recipe_name, {**budget, **self.overrides}, mode)
 
-    def describe(self, recipe_name: RecipeName) -> str:
-        values = {key: choice.value for key, choice in recipe(self.loss, recipe_name).items()}
+    def describe(self, recipe_name: RecipeName, mode: Mode) -> str:
+        values = {key: choice.value for key, choice in recipe(self.loss, recipe_name, mode).items()}
         return format_values({**values, **self.overrides})
 
 
@@ -150,31 +157,38 @@ def all_methods() -> list[Method]:
 
 
 def run_method(method: Method, args: argparse.Namespace) -> dict[str, Any]:
-    resolved = method.resolved(args.recipe, budget_overrides(args, method.loss))
+    resolved = method.resolved(args.recipe, budget_overrides(args, method.loss), args.mode)
     config = resolved.config(
         method.loss,
         str(args.data.resolve()),
-        mode=args.mode,
         cache_dir=str(args.cache_dir.resolve()),
         device="cpu",
         seed=args.seed,
     )
     path = args.runs_dir / args.mode / args.recipe / method.run_name
+    finished_before = (path / "summary.json").exists()
+    started = time.perf_counter()
     summary = train(config, path, progress=True)
+    # Wall time of the whole run (features from the cache, validation and test included); none for a run
+    # finished before this invocation.
+    wall = None if finished_before else round(time.perf_counter() - started)
     gain = validation_gain(path)  # as the trainer recorded it, or computed for a run finished before that
     return {
         "method": method.label,
         "loss": method.loss,
-        "settings": method.describe(args.recipe),
+        "settings": method.describe(args.recipe, args.mode),
         **summary,
         "beats_backbone": gain.improved,
         "validation_gain": gain.interval.to_dict(),
+        "wall_seconds": wall,
     }
 
 
 def budget_overrides(args: argparse.Namespace, loss: str) -> dict[str, Any]:
     """What the command line sets over every recipe: the budget flags given and ``--set`` values."""
     given = {key: getattr(args, key) for key in ("max_steps", "patience") if getattr(args, key) is not None}
+    if args.time_budget is not None:
+        given["time_budget"] = 60 * args.time_budget
     return {**given, **parse_assignments(loss, args.set)}
 
 
@@ -185,12 +199,13 @@ def percent(metrics: dict[str, float]) -> dict[str, float]:
 def markdown(
     rows: list[dict[str, Any]], baseline: dict[str, float], command: str, budget: str, mode: str
 ) -> str:
-    header = "| method | " + " | ".join(METRICS) + " | best step | validation | train s | settings |"
+    header = "| method | " + " | ".join(METRICS) + " | best step | validation | train s | wall s | settings |"
     note = (
         "best step: the step selected on validation (0 = the untrained PCA head kept); validation: the "
         "selected model against the untrained backbone on the validation classes, the paired bootstrap "
         "verdict on the Recall@1 difference (only `better` is exported without --force; - for rows run "
-        "before it was recorded); train s: seconds in training steps, validation excluded."
+        "before it was recorded); train s: seconds in training steps, validation excluded; wall s: the "
+        "whole run (validation and test included, the feature cache already filled; - where not recorded)."
     )
     lines = [
         f"# {mode.capitalize()}-mode training on Cars196 (unseen classes 99-196)",
@@ -202,15 +217,22 @@ def markdown(
         note,
         "",
         header,
-        "|" + "---|" * (len(METRICS) + 5),
+        "|" + "---|" * (len(METRICS) + 6),
         "| pretrained, no training | "
         + " | ".join(f"{v:.2f}" for v in baseline.values())
-        + " | - | - | - | - |",
+        + " | - | - | - | - | - |",
     ]
     for row in rows:
         cells = [row["method"], *(f"{v:.2f}" for v in row["test"].values())]
         verdict = row.get("validation_gain", {}).get("verdict", "-")
-        cells += [str(row["best_step"]), verdict, f"{row['train_seconds']:.0f}", row["settings"]]
+        wall = row.get("wall_seconds")
+        cells += [
+            str(row["best_step"]),
+            verdict,
+            f"{row['train_seconds']:.0f}",
+            "-" if wall is None else str(wall),
+            row["settings"],
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -235,8 +257,9 @@ def budget_text(args: argparse.Namespace) -> str:
     defaults = TrainConfig.model_fields
     max_steps = args.max_steps or defaults["max_steps"].default
     patience = args.patience or defaults["patience"].default
+    minutes = f", at most {args.time_budget:g} minutes of steps" if args.time_budget is not None else ""
     return (
-        f"Budget per method: at most {max_steps} Adam steps (lr {defaults['lr'].default}"
+        f"Budget per method: at most {max_steps} Adam steps{minutes} (lr {defaults['lr'].default}"
         f"{STAGE_LR[args.mode]} unless the recipe sets it), validation every epoch, early stopping after "
         f"{patience} validations without improvement (not before the recipe's min_steps); each loss's "
         f"{args.recipe} recipe (training/recipes.py; its values in the settings column)"
@@ -334,7 +357,10 @@ def main() -> None:
     parser.add_argument("--recipe", choices=RECIPE_NAMES, default=DEFAULT_RECIPE)
     parser.add_argument("--max-steps", type=int, help="override every recipe's step budget")
     parser.add_argument("--patience", type=int, help="override every recipe's early-stopping patience")
-    parser.add_argument("--mode", choices=("frozen", "partial"), default="frozen")
+    parser.add_argument("--mode", choices=("frozen", "partial", "finetune"), default="frozen")
+    parser.add_argument(
+        "--time-budget", type=float, help="minutes of training steps per method (the run then stops)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="override every recipe, e.g. views=2"

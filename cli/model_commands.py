@@ -12,6 +12,7 @@ from cli.common import fail, reports_errors, require_training
 from engine import defaults
 
 if TYPE_CHECKING:
+    from training.config import TrainConfig
     from training.recipes import Resolved
 
 commands = typer.Typer()
@@ -206,12 +207,18 @@ def train(
                 )
                 typer.echo(f"race (validation recall@1): {scores}; kept {race['winner']}: {race['reason']}")
             else:
-                resolved = resolve(loss, recipe or DEFAULT_RECIPE, parse_assignments(loss, hparam or []))
+                recipe_name = recipe or DEFAULT_RECIPE
+                overrides = parse_assignments(loss, hparam or [])
                 if time_budget is not None:
                     fields["time_budget"] = 60 * time_budget
                 if mode is None and not torch.cuda.is_available():
-                    fields.update(_plan_cpu_mode(resolved, loss, data, out, fields, time_budget))
-                summary = run_training(resolved.config(loss, str(data.resolve()), **fields), out)
+                    plan_on = resolve(loss, recipe_name, overrides, "finetune")
+                    fields.update(_plan_cpu_mode(plan_on, loss, data, out, fields, time_budget))
+                resolved = resolve(loss, recipe_name, overrides, fields.pop("mode"))
+                config = resolved.config(loss, str(data.resolve()), **fields)
+                if mode == "finetune" and not torch.cuda.is_available():
+                    _say_estimate(config, out)
+                summary = run_training(config, out)
     except ValidationError as err:
         raise fail(f"invalid training setting: {err}") from None
     except StopRequested as stop:
@@ -252,7 +259,7 @@ def _plan_cpu_mode(
         return {"mode": saved.mode, "time_budget": saved.time_budget, "max_steps": saved.max_steps}
     budget_s = 60 * (minutes or DEFAULT_TIME_BUDGET_MINUTES)
     typer.echo("no --mode and no GPU: measuring a fine-tuning step on this CPU to choose the mode ...")
-    config = resolved.config(loss, str(data.resolve()), **{**fields, "mode": "finetune"})
+    config = resolved.config(loss, str(data.resolve()), **{k: v for k, v in fields.items() if k != "mode"})
     plan = plan_for(config, budget_s)
     typer.echo(plan.reason)
     if plan.mode == "finetune":
@@ -260,12 +267,22 @@ def _plan_cpu_mode(
     return {"mode": plan.mode}
 
 
+def _say_estimate(config: TrainConfig, out: Path) -> None:
+    """Before a fine-tuning run starts on a CPU: how long it will take, from a step measured here."""
+    from training.budget import estimate
+    from training.run_dir import RunDirectory
+
+    if RunDirectory(out).read_config() is None:  # a resumed run already said it
+        typer.echo("measuring a fine-tuning step on this CPU ...")
+        typer.echo(estimate(config))
+
+
 @commands.command()
 def losses() -> None:
     """Every loss: its paper, the batch layout it trains on, and its recommended recipe (`--recipe`)."""
     require_training()
     from training.losses import LOSSES
-    from training.recipes import format_values, recipe
+    from training.recipes import FINETUNE, format_values, recipe
 
     for name, spec in sorted(LOSSES.items()):
         layout = spec.layout
@@ -279,3 +296,6 @@ def losses() -> None:
         typer.echo("  recommended recipe (default):")
         for key, choice in recipe(name).items():
             typer.echo(f"    {key}={choice.value}: {choice.reason}")
+    typer.secho("every loss, fine-tuning (--mode finetune), also:", bold=True)
+    for key, choice in FINETUNE.items():
+        typer.echo(f"    {key}={choice.value}: {choice.reason}")

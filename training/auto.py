@@ -27,7 +27,9 @@ def race_configs(
     """Each candidate's full-budget config: its recommended recipe, ``overrides`` (trainer settings
     only: the candidates' losses take different hyperparameters) and ``fields``, with one shared cache."""
     fields = {"cache_dir": str(out / "cache"), **{k: v for k, v in fields.items() if v is not None}}
-    return {loss: resolve(loss, overrides=overrides).config(loss, data, **fields) for loss in candidates}
+    mode = fields.pop("mode", "frozen")
+    resolved = {loss: resolve(loss, overrides=overrides, mode=mode) for loss in candidates}
+    return {loss: recipe.config(loss, data, **fields) for loss, recipe in resolved.items()}
 
 
 def _settings(record: dict[str, Any]) -> str:

@@ -46,7 +46,7 @@ def measure_finetune_speed(config: TrainConfig, batch: int, *, steps: int = 1) -
     compute = resolve_compute(finetune.precision, finetune.channels_last, torch.device("cpu"))
     objective = compute.prepare_module(build_objective(finetune, BACKBONES[config.backbone].feature_dim))
     objective.train()
-    size = BACKBONES[config.backbone].preprocessing.input_size
+    size = config.train_size or BACKBONES[config.backbone].preprocessing.input_size
     images = model_inputs(torch.randn(batch, 3, size, size), compute.channels_last)
     labels = torch.arange(batch) // 4  # classes of 4 images
     optimizer = torch.optim.Adam(objective.parameters(), lr=1e-9)
@@ -62,41 +62,61 @@ def measure_finetune_speed(config: TrainConfig, batch: int, *, steps: int = 1) -
     return batch * steps / elapsed
 
 
-def finetune_seconds(steps: int, *, img_per_s: float, batch: int, images: dict[str, int]) -> float:
+def finetune_seconds(
+    steps: int, *, img_per_s: float, batch: int, images: dict[str, int], eval_area: float = 1.0
+) -> float:
     """Estimated seconds of a fine-tuning run: its steps, a validation per epoch of training images and
-    at the start and the end, the test images, and the backbone features of all images (cached once)."""
-    forward_per_s = img_per_s / FORWARD_SHARE
+    at the start and the end, the test images, and the backbone features of all images (cached once).
+    ``eval_area``: pixels of an evaluated image over those of a training crop (``train_size``)."""
+    forward_per_s = img_per_s / FORWARD_SHARE / eval_area
     validations = 2 + steps * batch / max(1, images["train"])
     evaluated = validations * images["val"] + images["test"] + sum(images.values())
     return steps * batch / img_per_s + evaluated / forward_per_s
 
 
-def plan_mode(
-    *, img_per_s: float, batch: int, images: dict[str, int], budget_s: float, max_steps: int
-) -> Plan:
-    """Fine-tune when :data:`MIN_FINETUNE_STEPS` steps (or ``max_steps``, if fewer) fit in ``budget_s``,
-    with as many steps as fit, at most ``max_steps``; else the frozen mode. ``images``: train/val/test."""
+@dataclass(frozen=True)
+class Speed:
+    """A fine-tuning step measured on this CPU, and the images a run of it trains on and evaluates."""
 
-    def cost(steps: int) -> float:
-        return finetune_seconds(steps, img_per_s=img_per_s, batch=batch, images=images)
+    img_per_s: float
+    batch: int
+    images: dict[str, int]  # train / val / test
+    eval_area: float  # pixels of an evaluated image over those of a training crop
+
+    def seconds(self, steps: int) -> float:
+        return finetune_seconds(
+            steps, img_per_s=self.img_per_s, batch=self.batch, images=self.images, eval_area=self.eval_area
+        )
+
+    def describe(self) -> str:
+        return f"a fine-tuning step of {self.batch} images measured at {self.img_per_s:.1f} img/s on this CPU"
+
+
+def plan_mode(speed: Speed, *, budget_s: float, max_steps: int) -> Plan:
+    """Fine-tune when :data:`MIN_FINETUNE_STEPS` steps (or ``max_steps``, if fewer) fit in ``budget_s``,
+    with as many steps as fit, at most ``max_steps``; else the frozen mode."""
+    cost = speed.seconds
 
     per_step = cost(1) - cost(0)
     steps = min(max_steps, max(0, math.floor((budget_s - cost(0)) / per_step)))
-    speed = f"a fine-tuning step of {batch} images measured at {img_per_s:.1f} img/s on this CPU"
     minutes = f"{budget_s / 60:.0f}-minute budget"
-    if steps >= min(MIN_FINETUNE_STEPS, max_steps):
-        reason = f"finetune: {steps} steps fit the {minutes} (about {cost(steps) / 60:.0f} minutes; {speed})"
+    fewest = min(MIN_FINETUNE_STEPS, max_steps)
+    if steps >= fewest:
+        reason = (
+            f"finetune: {steps} steps fit the {minutes} (about {cost(steps) / 60:.0f} minutes; "
+            f"{speed.describe()})"
+        )
         return Plan("finetune", steps, reason)
     reason = (
-        f"frozen: {MIN_FINETUNE_STEPS} fine-tuning steps would take about "
-        f"{cost(MIN_FINETUNE_STEPS) / 60:.0f} minutes, over the {minutes} ({speed}); "
+        f"frozen: {fewest} fine-tuning steps would take about "
+        f"{cost(fewest) / 60:.0f} minutes, over the {minutes} ({speed.describe()}); "
         "raise --time-budget to fine-tune"
     )
     return Plan("frozen", max_steps, reason)
 
 
-def plan_for(config: TrainConfig, budget_s: float) -> Plan:
-    """:func:`plan_mode` for ``config``'s data and batch, with the step speed measured here."""
+def measure(config: TrainConfig) -> Speed:
+    """The speed of ``config``'s fine-tuning step on this CPU, with its data's split sizes."""
     layout = LOSSES[config.loss].layout
     batch = (config.classes_per_batch or layout.classes) * (
         config.samples_per_class or layout.samples_per_class
@@ -109,7 +129,21 @@ def plan_for(config: TrainConfig, budget_s: float) -> Plan:
         folds=config.folds,
     )
     images = {name: len(split[name]) for name in ("train", "val", "test")}
-    speed = measure_finetune_speed(config, batch)
-    return plan_mode(
-        img_per_s=speed, batch=batch, images=images, budget_s=budget_s, max_steps=config.max_steps
-    )
+    input_size = BACKBONES[config.backbone].preprocessing.input_size
+    eval_area = (input_size / (config.train_size or input_size)) ** 2
+    return Speed(measure_finetune_speed(config, batch), batch, images, eval_area)
+
+
+def plan_for(config: TrainConfig, budget_s: float) -> Plan:
+    """:func:`plan_mode` for ``config``'s data and batch, with the step speed measured here."""
+    return plan_mode(measure(config), budget_s=budget_s, max_steps=config.max_steps)
+
+
+def estimate(config: TrainConfig) -> str:
+    """What a fine-tuning run of ``config`` will take on this CPU, measured: said before it starts."""
+    speed = measure(config)
+    minutes = speed.seconds(config.max_steps) / 60
+    text = f"estimate: about {minutes:.0f} minutes for {config.max_steps} steps ({speed.describe()})"
+    if config.time_budget is not None and speed.seconds(config.max_steps) > config.time_budget:
+        text += f"; the time budget stops it after {config.time_budget / 60:.0f} minutes of steps"
+    return text

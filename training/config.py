@@ -10,6 +10,7 @@ from engine import defaults
 from training.precision import Precision
 
 Mode = Literal["frozen", "partial", "finetune"]
+AUGMENT_MIN_AREA = 0.35  # random resized crops' smallest area fraction, as in the papers' crop augmentation
 
 # Fields that may change when a run is resumed (they do not change what the steps already taken computed).
 RESUMABLE_FIELDS = frozenset(
@@ -89,6 +90,23 @@ class TrainConfig(BaseModel):
         ge=0,
         description="finetune: images per backbone pass, activations recomputed in backward (bounds memory; "
         "the loss still sees the whole batch); 0 = the whole batch at once",
+    )
+    frozen_first: bool = Field(
+        False,
+        description="finetune: first train the head alone on cached features (the frozen mode, its own step "
+        "budget), then fine-tune the whole network from that head",
+    )
+    train_size: int | None = Field(
+        None,
+        ge=32,
+        description="finetune: side in pixels of the augmented training crops (default: the backbone's input "
+        "size); validation, test and the exported model keep the input size",
+    )
+    min_crop_area: float = Field(
+        AUGMENT_MIN_AREA,
+        gt=0,
+        le=1,
+        description="finetune: smallest area fraction of an augmented training crop (random resized crop)",
     )
     workers: int = Field(2, ge=0, description="finetune: image loading processes")
     eval_batch_size: int = Field(64, ge=1)

@@ -40,12 +40,12 @@ from engine.model_card import Preprocessing
 from engine.preprocess import to_tensor
 from index.atomic import atomic_path
 from training.backbone import BACKBONES, create_backbone, split_backbone
+from training.config import AUGMENT_MIN_AREA
 from training.export import export_onnx
 from training.model import EmbeddingModel
 
 Stage = Literal["pooled", "trunk"]
 SHARD_SIZE = 512
-AUGMENT_SCALE = (0.35, 1.0)  # RandomResizedCrop area range, as in the papers' crop augmentation
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,9 @@ def backbone_model(cache_dir: Path, backbone: str, stage: Stage = "pooled") -> P
     return path
 
 
-def augment_transform(preprocessing: Preprocessing) -> v2.Compose:
-    """The training augmentation: random resized crop to the resize size and a horizontal flip.
+def augment_transform(preprocessing: Preprocessing, min_area: float = AUGMENT_MIN_AREA) -> v2.Compose:
+    """The training augmentation: random resized crop (``min_area`` to all of the image) to the resize size
+    and a horizontal flip.
 
     Its output is then centre-cropped by the serving preprocessing (a no-op when both sizes agree).
     """
@@ -81,7 +82,7 @@ def augment_transform(preprocessing: Preprocessing) -> v2.Compose:
         [
             v2.RandomResizedCrop(
                 preprocessing.resize_size,
-                scale=AUGMENT_SCALE,
+                scale=(min_area, 1.0),
                 interpolation=v2.InterpolationMode.BICUBIC,
                 antialias=True,
             ),

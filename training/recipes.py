@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from index.errors import InvalidInputError
-from training.config import TrainConfig
+from training.config import Mode, TrainConfig
 from training.losses import LOSSES
 
 RecipeName = Literal["recommended", "paper"]
@@ -32,7 +32,7 @@ DEFAULT_RECIPE: RecipeName = "recommended"
 # Of the order of an hour: Cars196's 8,054 training images take about 3 minutes an epoch at 42 img/s
 # (bfloat16 CPU, issue 25), so 20 epochs; a CPU without bfloat16 fits fewer, and may fall back to frozen.
 DEFAULT_TIME_BUDGET_MINUTES = 60.0
-FIXED_KEYS = frozenset({"loss", "data", "loss_hparams", "recipe"})  # never set through a recipe or -p
+FIXED_KEYS = frozenset({"loss", "data", "loss_hparams", "recipe", "mode"})  # never set by a recipe or -p
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,28 @@ COMMON: dict[str, Choice] = {
         "no cached augmented views (random resized crops + flips): in class-fold CV, 4 views lowered the "
         "mean gain of 8 of 9 paper methods (by 0.1-1.4 points) and took ALMN and PDDM below untrained on "
         "fold 2 (recipes_cv_views4.md, recipes_cv_views4_3000.md against recipes_cv.md)",
+    ),
+}
+
+# Settings every loss's recommended recipe adds when the whole network trains (mode=finetune).
+# Chosen on Cars196 class fold 0 (bench/results/finetune_pilots.md: angular, 30 minutes of steps, one core,
+# validation classes of the fold; untrained validation Recall@1 72.92).
+FINETUNE: dict[str, Choice] = {
+    "backbone_lr_factor": Choice(
+        0.01,
+        "backbone at lr x 0.01: validation after one epoch 75.11 vs 71.00 at the papers' 0.1 (which kept "
+        "falling, 69.90 after two epochs): a pretrained backbone forgets faster than the head learns",
+    ),
+    "train_size": Choice(
+        160,
+        "160-pixel training crops, evaluated at 224: 2.6-3x the images per second of 224-pixel crops on a "
+        "CPU, and validation after one epoch 71.18 vs 70.08 at 224 (evaluating at 224 beat evaluating at "
+        "160 by 4.2 points: larger test than training images suit random-resized-crop training)",
+    ),
+    "min_crop_area": Choice(
+        0.8,
+        "mild crops (80-100% of the image): the papers' 35% lowered 8 of 9 methods' class-fold gains as "
+        "cached views (recipes_cv_views4.md); fine-tuning at the papers' backbone rate, 71.00 vs 71.18",
     ),
 }
 
@@ -125,14 +147,15 @@ AUTO_CANDIDATES: tuple[str, ...] = ("ms", "angular", "npair-angular", "loop-lift
 AUTO_RACE_STEPS = 600
 
 
-def recipe(loss: str, name: RecipeName = DEFAULT_RECIPE) -> dict[str, Choice]:
-    """The choices ``name`` makes for ``loss`` (empty for ``paper``: the printed defaults apply)."""
+def recipe(loss: str, name: RecipeName = DEFAULT_RECIPE, mode: Mode = "frozen") -> dict[str, Choice]:
+    """The choices ``name`` makes for ``loss`` trained in ``mode`` (empty for ``paper``: the printed
+    defaults apply)."""
     LOSSES[loss]  # an unknown loss fails here, with the known names
     if name not in RECIPE_NAMES:
         raise InvalidInputError(f"unknown recipe {name!r}; choose one of {list(RECIPE_NAMES)}")
     if name == "paper":
         return {}
-    return {**COMMON, **RECIPES.get(loss, {})}
+    return {**COMMON, **(FINETUNE if mode == "finetune" else {}), **RECIPES.get(loss, {})}
 
 
 def split_values(loss: str, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -194,12 +217,17 @@ class Resolved:
 
 
 def resolve(
-    loss: str, name: RecipeName = DEFAULT_RECIPE, overrides: dict[str, Any] | None = None
+    loss: str,
+    name: RecipeName = DEFAULT_RECIPE,
+    overrides: dict[str, Any] | None = None,
+    mode: Mode = "frozen",
 ) -> Resolved:
-    """The recipe ``name`` for ``loss`` with ``overrides`` (e.g. from ``-p``) on top."""
-    chosen = {key: choice.value for key, choice in recipe(loss, name).items()}
+    """The recipe ``name`` for ``loss`` in ``mode``, with ``overrides`` (e.g. from ``-p``) on top; the
+    settings include the mode."""
+    chosen = {key: choice.value for key, choice in recipe(loss, name, mode).items()}
     overrides = dict(overrides or {})
     settings, hparams = split_values(loss, {**chosen, **overrides})
+    settings["mode"] = mode
     record = {"name": name, "values": chosen, "overrides": overrides}
     return Resolved(settings, hparams, record)
 
@@ -209,6 +237,6 @@ def format_values(values: dict[str, Any]) -> str:
     return ", ".join(f"{key}={value}" for key, value in values.items()) or "-"
 
 
-def describe(loss: str, name: RecipeName = DEFAULT_RECIPE) -> str:
+def describe(loss: str, name: RecipeName = DEFAULT_RECIPE, mode: Mode = "frozen") -> str:
     """``key=value, ...`` of a recipe, or ``-`` when it changes nothing."""
-    return format_values({key: choice.value for key, choice in recipe(loss, name).items()})
+    return format_values({key: choice.value for key, choice in recipe(loss, name, mode).items()})

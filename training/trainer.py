@@ -45,6 +45,7 @@ from training.workloads import CachedWorkload, FinetuneWorkload
 
 SELECTION_METRIC = "recall@1"
 MAX_NONFINITE_STEPS = 20  # consecutive non-finite losses before a run is declared diverged
+FROZEN_STAGE = "frozen-stage"  # the run directory, inside a fine-tuning run's, of its frozen first stage
 
 
 @dataclass(frozen=True)
@@ -183,10 +184,40 @@ def run_compute(config: TrainConfig, device: torch.device) -> Compute:
     return resolve_compute(config.precision, config.channels_last, device)
 
 
+def frozen_stage(config: TrainConfig, out: Path, *, progress: bool) -> dict[str, Any]:
+    """The first stage of a ``frozen_first`` fine-tuning run: the head (and the loss's own parameters)
+    trained on cached features in frozen mode, in ``out/frozen-stage``, with the frozen mode's step budget.
+
+    Fine-tuning from a head that already fits the pretrained features changes those features less than
+    fine-tuning from an untrained head (LP-FT: Kumar et al. 2022, "Fine-Tuning can Distort Pretrained
+    Features"), and costs the frozen mode's minutes; the fine-tuning run then validates from its result.
+    Returns the stage's best weights and summary.
+    """
+    defaults = TrainConfig.model_fields
+    stage = config.model_copy(
+        update={
+            "mode": "frozen",
+            "frozen_first": False,
+            "max_steps": defaults["max_steps"].default,
+            "time_budget": None,
+            "compute": None,
+        }
+    )
+    path = out / FROZEN_STAGE
+    summary = train(stage, path, progress=progress)
+    best = RunDirectory(path).load_checkpoint("best")
+    if best is None:
+        raise RunDirError(f"{path} finished without checkpoints/best.pt: remove it and run again")
+    return {"weights": best["objective"], "summary": summary}
+
+
 def train(config: TrainConfig, out: Path, *, progress: bool = True) -> dict[str, Any]:
     """Train (or continue training) the run in ``out``; returns its summary (also in summary.json)."""
     spec = LOSSES[config.loss]  # an unknown loss fails here, before the run directory is touched
     run = RunDirectory(out)
+    first = None
+    if config.mode == "finetune" and config.frozen_first and run.load_checkpoint("last") is None:
+        first = frozen_stage(config, out, progress=progress)
     with distributed_from_env(config.device) as dist:
         device = dist.device(config.device)  # a missing GPU fails before any work
         last = run.load_checkpoint("last")
@@ -203,7 +234,10 @@ def train(config: TrainConfig, out: Path, *, progress: bool = True) -> dict[str,
             run.write_config(config)
         progress = progress and dist.is_main
         data = prepare_data(config, cache_directory(config, run.path), dist, progress=progress)
-        return _Training(config, spec, run, dist, compute, data, progress=progress).run(last)
+        training = _Training(config, spec, run, dist, compute, data, progress=progress)
+        if first is not None:
+            training.start_from(first["weights"], first["summary"])
+        return training.run(last)
 
 
 class _Training:
@@ -248,6 +282,16 @@ class _Training:
         self.state = TrainState()
         self.records: list[dict[str, Any]] = []  # one per validation, as in metrics.jsonl
         self.best: dict[str, Any] | None = None  # best.pt: weights, step and validation metrics
+        self.first_stage: dict[str, Any] | None = None  # frozen_first: what the frozen stage reached
+
+    def start_from(self, weights: dict[str, torch.Tensor], summary: dict[str, Any]) -> None:
+        """Start from a frozen stage's head and loss parameters instead of the PCA-initialised head."""
+        missing, unexpected = self.objective.load_state_dict(weights, strict=False)
+        if unexpected or any(not key.startswith("backbone.") for key in missing):
+            raise RunDirError(f"the frozen stage's weights do not fit this run: {unexpected or missing}")
+        self.first_stage = {
+            key: summary[key] for key in ("best_step", "steps", "train_seconds", "val", "beats_backbone")
+        }
 
     def run(self, last: dict[str, Any] | None) -> dict[str, Any]:
         if last is not None:
@@ -277,9 +321,11 @@ class _Training:
             )
 
     def _initialise(self) -> None:
-        """Start a run: validate the untrained model (step 0, the first best) and save it."""
+        """Start a run: validate the starting model (step 0, the first best) and save it."""
         self.records.append(self._validate(step=0, train_loss=None))
         self.records[-1]["val_backbone"] = self._backbone_metrics("val")
+        if self.first_stage is not None:
+            self.records[-1]["frozen_stage"] = self.first_stage
         self._save()
 
     def _backbone_metrics(self, split: str) -> dict[str, float]:
@@ -315,6 +361,8 @@ class _Training:
             workers=self.config.workers,
             batch_size=self.config.eval_batch_size,
             channels_last=self.compute.channels_last,
+            train_size=self.config.train_size,
+            min_crop_area=self.config.min_crop_area,
         )
 
     def _param_groups(self) -> list[dict[str, Any]]:
@@ -461,6 +509,8 @@ class _Training:
             "test_backbone": self._backbone_metrics("test"),
             "skipped_images": int(len(self.data.images) - sum(len(v) for v in self.data.indices.values())),
         }
+        if self.records[0].get("frozen_stage"):
+            summary["frozen_stage"] = self.records[0]["frozen_stage"]
         if self.dist.is_main:
             self.run_dir.write_summary(summary)
         if not gain.improved:

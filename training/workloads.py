@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from engine.images import load_image_file
 from engine.model_card import Preprocessing
 from engine.preprocess import to_tensor
+from training.config import AUGMENT_MIN_AREA
 from training.features import augment_transform
 from training.model import TrainingObjective
 from training.precision import model_inputs
@@ -85,10 +86,13 @@ class CachedWorkload:
 class ImageFiles(Dataset):
     """Decoded, preprocessed images; augmented (random resized crop + flip) for training."""
 
-    def __init__(self, files: Sequence[Path], preprocessing: Preprocessing, *, augment: bool) -> None:
+    def __init__(
+        self, files: Sequence[Path], preprocessing: Preprocessing, *, augment: float | None = None
+    ) -> None:
+        """``augment``: the smallest area fraction of the random resized crops; None: no augmentation."""
         self.files = list(files)
         self.preprocessing = preprocessing
-        self.augment = augment_transform(preprocessing) if augment else None
+        self.augment = None if augment is None else augment_transform(preprocessing, augment)
 
     def __len__(self) -> int:
         return len(self.files)
@@ -99,6 +103,18 @@ class ImageFiles(Dataset):
         if self.augment is not None:
             image = self.augment(image)
         return index, torch.from_numpy(to_tensor([image], self.preprocessing)[0])
+
+
+def training_preprocessing(preprocessing: Preprocessing, train_size: int | None) -> Preprocessing:
+    """The preprocessing of training crops: ``preprocessing`` at ``train_size`` pixels when one is given.
+
+    Smaller training crops make a step cheaper in proportion to their area. Evaluating at a larger size
+    than training suits random-resized-crop training, whose crops show objects larger than whole images
+    do (Touvron et al. 2019, "Fixing the train-test resolution discrepancy").
+    """
+    if train_size is None:
+        return preprocessing
+    return preprocessing.model_copy(update={"input_size": train_size, "resize_size": train_size})
 
 
 def _endless(sampler: ClassBalancedSampler) -> Iterator[list[int]]:
@@ -119,10 +135,14 @@ class FinetuneWorkload:
         workers: int = 2,
         batch_size: int = 64,
         channels_last: bool = False,
+        train_size: int | None = None,
+        min_crop_area: float = AUGMENT_MIN_AREA,
     ) -> None:
         self.objective = objective
         self.files = files
         self.preprocessing = preprocessing
+        self.train_preprocessing = training_preprocessing(preprocessing, train_size)
+        self.min_crop_area = min_crop_area
         self.device = device
         self.workers = workers
         self.batch_size = batch_size
@@ -130,7 +150,7 @@ class FinetuneWorkload:
 
     def batches(self, sampler: ClassBalancedSampler, rng: np.random.Generator) -> Iterator[Batch]:
         loader = DataLoader(
-            ImageFiles(self.files["train"], self.preprocessing, augment=True),
+            ImageFiles(self.files["train"], self.train_preprocessing, augment=self.min_crop_area),
             batch_sampler=_endless(sampler),
             num_workers=self.workers,
             pin_memory=self.device.type == "cuda",
@@ -142,7 +162,7 @@ class FinetuneWorkload:
     @torch.no_grad()
     def embed(self, split: str) -> np.ndarray:
         loader = DataLoader(
-            ImageFiles(self.files[split], self.preprocessing, augment=False),
+            ImageFiles(self.files[split], self.preprocessing),
             batch_size=self.batch_size,
             num_workers=self.workers,
         )

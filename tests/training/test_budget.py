@@ -3,38 +3,46 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from typer.testing import CliRunner
 
 from cli.main import app
 from tests.helpers import tiny_train_config
-from training.budget import MIN_FINETUNE_STEPS, finetune_seconds, plan_mode
+from training.budget import MIN_FINETUNE_STEPS, Speed, finetune_seconds, plan_mode
 from training.run_dir import RunDirectory
 from training.trainer import train
 
 IMAGES = {"train": 4000, "val": 1000, "test": 4000}  # about half of Cars196
 
 
+def speed(img_per_s: float, batch: int = 128, eval_area: float = 1.0) -> Speed:
+    return Speed(img_per_s, batch, IMAGES, eval_area)
+
+
 def test_finetune_is_chosen_when_enough_steps_fit_and_its_steps_follow_the_budget() -> None:
-    hour = plan_mode(img_per_s=42.0, batch=128, images=IMAGES, budget_s=3600, max_steps=3000)
-    two = plan_mode(img_per_s=42.0, batch=128, images=IMAGES, budget_s=7200, max_steps=3000)
+    hour = plan_mode(speed(42.0), budget_s=3600, max_steps=3000)
+    two = plan_mode(speed(42.0), budget_s=7200, max_steps=3000)
     assert hour.mode == two.mode == "finetune"
     assert MIN_FINETUNE_STEPS <= hour.max_steps < two.max_steps <= 3000
     assert two.max_steps > 2 * hour.max_steps - 10  # the fixed cost (features, test) is paid once
     assert finetune_seconds(hour.max_steps, img_per_s=42.0, batch=128, images=IMAGES) <= 3600
     assert finetune_seconds(hour.max_steps + 1, img_per_s=42.0, batch=128, images=IMAGES) > 3600
     assert "fit the 60-minute budget" in hour.reason and "42.0 img/s" in hour.reason
-    capped = plan_mode(img_per_s=42.0, batch=128, images=IMAGES, budget_s=10**6, max_steps=3000)
+    # Smaller training crops (train_size) make steps cheaper but not the evaluation at the input size.
+    small_crops = plan_mode(speed(84.0, eval_area=2.0), budget_s=3600, max_steps=3000)
+    assert hour.max_steps < small_crops.max_steps < 2 * hour.max_steps
+    capped = plan_mode(speed(42.0), budget_s=10**6, max_steps=3000)
     assert capped.max_steps == 3000
 
 
 def test_frozen_is_chosen_when_fine_tuning_would_not_fit() -> None:
-    slow = plan_mode(img_per_s=5.0, batch=128, images=IMAGES, budget_s=3600, max_steps=3000)
+    slow = plan_mode(speed(5.0), budget_s=3600, max_steps=3000)
     assert slow.mode == "frozen" and slow.max_steps == 3000
     assert "over the 60-minute budget" in slow.reason and "--time-budget" in slow.reason
     # A short run (max_steps below the threshold) is fine-tuned when it fits.
-    short = plan_mode(img_per_s=5.0, batch=16, images=IMAGES, budget_s=3600, max_steps=20)
+    short = plan_mode(speed(5.0, batch=16), budget_s=3600, max_steps=20)
     assert (short.mode, short.max_steps) == ("finetune", 20)
 
 
@@ -69,3 +77,19 @@ def test_cli_chooses_the_mode_by_the_measured_speed_and_says_why(
     assert "finetune: 2 steps fit the 30-minute budget" in result.output
     saved = json.loads((tmp_path / "t" / "config.json").read_text())
     assert (saved["mode"], saved["max_steps"], saved["time_budget"]) == ("finetune", 2, 1800.0)
+
+
+def test_cli_says_how_long_an_explicit_fine_tuning_run_will_take(
+    labelled_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    command = ["train", "--loss", "ms", "--mode", "finetune", "--data", str(labelled_folder)]
+    command += ["--cache-dir", str(feature_cache), "--out", str(tmp_path / "run"), "-p", "max_steps=1"]
+    command += ["-p", "classes_per_batch=2", "-p", "samples_per_class=2", "-p", "train_size=64"]
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 0, result.output
+    assert re.search(
+        r"estimate: about \d+ minutes for 1 steps \(a fine-tuning step of 4 images measured at "
+        r"[\d.]+ img/s on this CPU\)",
+        result.output,
+    ), result.output
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["train_size"] == 64

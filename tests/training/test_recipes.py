@@ -17,7 +17,7 @@ from training.bootstrap import Interval
 from training.config import TrainConfig
 from training.losses import LOSSES
 from training.model import build_objective
-from training.recipes import COMMON, RECIPES, parse_assignments, recipe, resolve
+from training.recipes import COMMON, FINETUNE, RECIPES, parse_assignments, recipe, resolve
 from training.run_dir import RunDirectory
 
 runner = CliRunner()
@@ -65,6 +65,19 @@ def test_recommended_paper_and_overrides() -> None:
         resolve("no-such-loss")
 
 
+def test_finetune_choices_apply_only_when_the_whole_network_trains() -> None:
+    frozen = resolve("angular").config("angular", "data")
+    finetune = resolve("angular", mode="finetune").config("angular", "data")
+    assert (frozen.mode, frozen.train_size) == ("frozen", None)
+    assert (finetune.mode, finetune.train_size) == ("finetune", FINETUNE["train_size"].value)
+    assert finetune.embedding_scale == frozen.embedding_scale == RECIPES["angular"]["embedding_scale"].value
+    assert all(choice.reason.strip() for choice in FINETUNE.values())
+    assert resolve("angular", "paper", mode="finetune").settings == {"mode": "finetune"}
+    assert resolve("angular", overrides={"train_size": 224}, mode="finetune").settings["train_size"] == 224
+    with pytest.raises(ValueError, match="unknown hyperparameter 'mode'"):
+        resolve("ms", overrides={"mode": "finetune"})  # the mode is --mode's, never a recipe's
+
+
 def test_cli_and_benches_build_the_same_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """`dmlsearch train`, bench/train_all.py and bench/recipes_cv.py all read training/recipes.py."""
     seen: list[TrainConfig] = []
@@ -95,7 +108,7 @@ def test_cli_and_benches_build_the_same_config(monkeypatch: pytest.MonkeyPatch, 
     args = train_all.argparse.Namespace(
         data=data, cache_dir=tmp_path, runs_dir=tmp_path, mode="frozen", seed=0, recipe="recommended", set=[]
     )
-    args.max_steps = args.patience = None
+    args.max_steps = args.patience = args.time_budget = None
     almn = next(method for method in train_all.all_methods() if method.label == "almn")
     with pytest.raises(SystemExit):
         train_all.run_method(almn, args)
@@ -218,6 +231,8 @@ def test_losses_command_lists_every_loss_with_paper_layout_and_recipe() -> None:
             blocks[name] = ""
         else:
             blocks[name] += line + "\n"
+    finetune = blocks.pop("every loss, fine-tuning (--mode finetune), also:")
+    assert all(f"{key}={choice.value}: {choice.reason}" in finetune for key, choice in FINETUNE.items())
     assert set(blocks) == set(LOSSES)
     for name, spec in LOSSES.items():
         text = blocks[name]
