@@ -18,13 +18,14 @@ import pytest
 
 from index.gallery import GalleryIndex
 from tests.helpers import (
-    ADDRESS_SPACE_CAP,
     API_KEY,
     Served,
     ServerProcess,
+    capped_serving,
     image_bytes,
     make_image,
-    serving,
+    reset_peak,
+    search,
     wait_until,
     write_labelled_folder,
 )
@@ -39,6 +40,7 @@ from tests.hostile_images import (
 KEY = {"X-API-Key": API_KEY}
 MB = 1024**2
 SMALL_REQUEST_BUDGET = 150 * MB  # what a request may add to the server process itself
+NO_RATE_LIMIT = ["--rate-limit", "0"]
 # Tight limits, so that each refusal takes about a second of CPU.
 TIGHT = ["--decode-cpu-seconds", "1", "--decode-wall-seconds", "8"]
 # No time limit to speak of: only a disconnect or a stop can end a decode.
@@ -51,26 +53,17 @@ def scans(repeats: int) -> bytes:
     return jpeg_repeated_scan(repeats)
 
 
-def served_args(served: Served, *extra: str) -> list[str]:
-    return ["--index", str(served.index), "--model", str(served.model), "--rate-limit", "0", *extra]
-
-
 @pytest.fixture(scope="module")
 def tight(served_module: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("tight") / "server.log"
-    env = {"DMLSEARCH_API_KEY": API_KEY}
-    with serving(served_args(served_module, *TIGHT), env, address_space=ADDRESS_SPACE_CAP, log=log) as server:
+    with capped_serving(served_module, *NO_RATE_LIMIT, *TIGHT, log=log) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def default_limits(served_module: Served) -> Iterator[ServerProcess]:
-    with serving(served_args(served_module), address_space=ADDRESS_SPACE_CAP) as server:
+    with capped_serving(served_module, *NO_RATE_LIMIT) as server:
         yield server
-
-
-def search(server: ServerProcess, data: bytes, timeout: float = 120, **params: object) -> httpx.Response:
-    return httpx.post(f"{server.url}/v1/search", params=params, files={"image": ("q", data)}, timeout=timeout)
 
 
 def normal_search(server: ServerProcess) -> httpx.Response:
@@ -80,11 +73,6 @@ def normal_search(server: ServerProcess) -> httpx.Response:
 def assert_refused_as_costly(response: httpx.Response) -> None:
     assert response.status_code == 422, response.text
     assert response.json()["error"]["code"] == "image_too_costly"
-
-
-def reset_peak(server: ServerProcess) -> int:
-    Path(f"/proc/{server.process.pid}/clear_refs").write_text("5")
-    return server.status("VmRSS")
 
 
 def descendants(pid: int) -> list[int]:
@@ -148,7 +136,7 @@ def test_a_thumbnail_over_budget_is_refused_once_then_at_once(
 
 def test_a_client_that_gives_up_stops_its_decode(served_module: Served) -> None:
     """Before: a client that gave up did not stop the decode (242 s for 10,000 scans) nor free its slot."""
-    with serving(served_args(served_module, *PATIENT), address_space=ADDRESS_SPACE_CAP) as server:
+    with capped_serving(served_module, *NO_RATE_LIMIT, *PATIENT) as server:
         with pytest.raises(httpx.ReadTimeout):
             search(server, scans(10_000), timeout=2)
         started = time.monotonic()
@@ -159,8 +147,7 @@ def test_a_client_that_gives_up_stops_its_decode(served_module: Served) -> None:
 
 def test_sigterm_ends_the_server_within_its_grace_with_a_decode_in_flight(served_module: Served) -> None:
     """Before: the port closed at once, but the process exited only after 320 s."""
-    args = served_args(served_module, *PATIENT, "--shutdown-grace-seconds", "1")
-    with serving(args, address_space=ADDRESS_SPACE_CAP) as server:
+    with capped_serving(served_module, *NO_RATE_LIMIT, *PATIENT, "--shutdown-grace-seconds", "1") as server:
         attacker = threading.Thread(target=lambda: search(server, scans(10_000), timeout=60))
         attacker.start()
         time.sleep(2)  # received and decoding
@@ -217,8 +204,7 @@ def test_memory_over_the_decode_limit_is_422_and_a_decoder_killed_from_outside_i
     """What the decoder really allocates is capped (here 300 MB: the 49-MP WebP needs ~760 MB), whatever
     the header says; and a decode process the kernel kills (the OOM killer: SIGKILL) is the server's
     shortage, 503 with Retry-After, never a 400 blaming the image. A fresh process takes its place."""
-    args = served_args(served_module, "--decode-memory-mb", "300", *PATIENT)
-    with serving(args, address_space=ADDRESS_SPACE_CAP) as server:
+    with capped_serving(served_module, *NO_RATE_LIMIT, "--decode-memory-mb", "300", *PATIENT) as server:
         response = search(server, LEGIT["webp-lossless-RGBA-49mp"]())
         assert_refused_as_costly(response)
         assert "300 MB" in response.json()["error"]["message"]
