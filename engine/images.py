@@ -192,9 +192,12 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def thumbnail_jpeg(data: bytes, size: int, *, max_pixels: int = MAX_IMAGE_PIXELS) -> bytes:
-    """A JPEG at most ``size`` pixels on its longer side, EXIF orientation applied."""
+    """A JPEG at most ``size`` pixels on its longer side, EXIF orientation applied, of the pixels only."""
     image = decode_image(data, max_pixels=max_pixels, draft_size=size)
     image.thumbnail((size, size), Image.Resampling.LANCZOS)
+    # The source's metadata is the uploader's: Pillow writes an ``info["comment"]`` into the JPEG, and one
+    # over JPEG's 64 KB segment (a GIF comment, a PNG "comment" text) failed the save with a ValueError.
+    image.info.clear()
     buffer = io.BytesIO()
     image.save(buffer, format="JPEG", quality=85)
     return buffer.getvalue()
