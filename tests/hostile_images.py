@@ -550,6 +550,7 @@ HOSTILE_SECOND: dict[str, Maker] = {
     "gif-frame-at-65000": gif_frame_offset,
     "gif-1m-lzw-clear-codes": lambda: gif_lzw_clear_codes(1_000_000),
     "tiff-200k-strips": tiff_many_strips,
+    "tiff-2m-strips-16mb": lambda: tiff_many_strips(2_000_000),
     "tiff-ifd-loop": tiff_ifd_loop,
     "tiff-tag-declares-4gb": tiff_tag_declaring_4gb,
     "tiff-planar-separate-49mp": tiff_planar_separate_49mp,
