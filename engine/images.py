@@ -100,8 +100,11 @@ def open_image(
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
         raise ImageDecodeError("not_an_image", "the file is not a recognised image format") from None
-    except Image.DecompressionBombError as err:
-        raise ImageDecodeError("image_too_large", str(err)) from None
+    except Image.DecompressionBombError:
+        # Pillow's own bomb limit (twice its MAX_IMAGE_PIXELS), far above ours: its message named its limit.
+        declared = 2 * (Image.MAX_IMAGE_PIXELS or 0)
+        message = f"the image declares over {declared} pixels, more than the limit of {max_pixels}"
+        raise ImageDecodeError("image_too_large", message) from None
     except MemoryError:
         raise  # the server's limit, not the client's fault: answered 503, never blamed on the image
     except Exception as err:  # Pillow's plugins raise many types on malformed headers; all mean corrupt

@@ -9,7 +9,7 @@ from PIL import Image
 
 from engine.images import ImageDecodeError, decode_image, thumbnail_jpeg
 from tests.helpers import image_bytes, make_image
-from tests.hostile_images import gif_many_comment_blocks, png_comment_text
+from tests.hostile_images import gif_frame_offset, gif_many_comment_blocks, png_comment_text
 
 
 @pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P", "CMYK", "LA", "I;16"])
@@ -76,3 +76,12 @@ def test_a_thumbnail_carries_none_of_the_source_metadata(data: bytes) -> None:
     thumbnail = Image.open(io.BytesIO(thumbnail_jpeg(data, 64)))
     assert thumbnail.format == "JPEG"
     assert "comment" not in thumbnail.info
+
+
+def test_a_header_over_the_decoders_own_limit_is_refused_naming_ours() -> None:
+    """A 43-byte GIF whose 1x1 frame sits at (65000, 65000) declares 4.2 GP: Pillow refuses it at open,
+    and its message named Pillow's limit (178956970 pixels), not the server's."""
+    with pytest.raises(ImageDecodeError) as refused:
+        decode_image(gif_frame_offset(65000), max_pixels=1000)
+    assert refused.value.code == "image_too_large"
+    assert "more than the limit of 1000" in refused.value.message
