@@ -100,8 +100,11 @@ def open_image(
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
         raise ImageDecodeError("not_an_image", "the file is not a recognised image format") from None
-    except Image.DecompressionBombError as err:
-        raise ImageDecodeError("image_too_large", str(err)) from None
+    except Image.DecompressionBombError:
+        # Pillow's own bomb limit (twice its MAX_IMAGE_PIXELS), far above ours: its message named its limit.
+        declared = 2 * (Image.MAX_IMAGE_PIXELS or 0)
+        message = f"the image declares over {declared} pixels, more than the limit of {max_pixels}"
+        raise ImageDecodeError("image_too_large", message) from None
     except MemoryError:
         raise  # the server's limit, not the client's fault: answered 503, never blamed on the image
     except Exception as err:  # Pillow's plugins raise many types on malformed headers; all mean corrupt
@@ -192,9 +195,12 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def thumbnail_jpeg(data: bytes, size: int, *, max_pixels: int = MAX_IMAGE_PIXELS) -> bytes:
-    """A JPEG at most ``size`` pixels on its longer side, EXIF orientation applied."""
+    """A JPEG at most ``size`` pixels on its longer side, EXIF orientation applied, of the pixels only."""
     image = decode_image(data, max_pixels=max_pixels, draft_size=size)
     image.thumbnail((size, size), Image.Resampling.LANCZOS)
+    # The source's metadata is the uploader's: Pillow writes an ``info["comment"]`` into the JPEG, and one
+    # over JPEG's 64 KB segment (a GIF comment, a PNG "comment" text) failed the save with a ValueError.
+    image.info.clear()
     buffer = io.BytesIO()
     image.save(buffer, format="JPEG", quality=85)
     return buffer.getvalue()

@@ -271,6 +271,39 @@ def serving(
             server.process.wait(timeout=20)
 
 
+def serve_args(served: Served, *extra: str) -> list[str]:
+    """``serve``'s arguments for a served copy: its index and model, then ``extra``."""
+    return ["--index", str(served.index), "--model", str(served.model), *extra]
+
+
+@contextmanager
+def capped_serving(
+    served: Served,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    ready_path: str = "/readyz",
+) -> Iterator[ServerProcess]:
+    """The fault suite's server: ``serve`` over ``served`` (``extra`` arguments), writes enabled with
+    :data:`API_KEY`, under the :data:`ADDRESS_SPACE_CAP` memory cap."""
+    env = {"DMLSEARCH_API_KEY": API_KEY, **(env or {})}
+    args = serve_args(served, *extra)
+    with serving(args, env, ready_path, address_space=ADDRESS_SPACE_CAP, log=log) as server:
+        yield server
+
+
+def search(server: ServerProcess, data: bytes, timeout: float = 120, **params: object) -> httpx.Response:
+    """``POST /v1/search`` of one image (``params``: the query string)."""
+    files = {"image": ("q", data)}
+    return httpx.post(f"{server.url}/v1/search", params=params, files=files, timeout=timeout)
+
+
+def reset_peak(server: ServerProcess) -> int:
+    """Reset the server's peak RSS (``VmHWM``) to its current RSS, and return that."""
+    Path(f"/proc/{server.process.pid}/clear_refs").write_text("5")
+    return server.status("VmRSS")
+
+
 @contextmanager
 def uvicorn_server(
     args: list[str], env: dict[str, str] | None = None, ready_path: str = "/readyz", **options: object

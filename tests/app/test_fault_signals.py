@@ -18,13 +18,13 @@ import httpx
 import pytest
 
 from tests.helpers import (
-    ADDRESS_SPACE_CAP,
     Served,
     ServerProcess,
+    capped_serving,
     free_port,
     image_bytes,
     make_image,
-    serving,
+    serve_args,
     uvicorn_process,
     wait_until,
 )
@@ -43,10 +43,6 @@ LIMITS = [
     "--max-concurrent-uploads",
     "1",
 ]
-
-
-def _serve_args(served: Served, *extra: str) -> list[str]:
-    return ["--index", str(served.index), "--model", str(served.model), *extra]
 
 
 def _search_request(base: str) -> tuple[bytes, bytes]:
@@ -87,7 +83,7 @@ def _port_closed(base: str) -> bool:
 @pytest.fixture(scope="module")
 def limited_server(served_module: Served) -> Iterator[ServerProcess]:
     """A server with the short limits above, under the fault suite's 2 GB address-space cap."""
-    with serving(_serve_args(served_module, *LIMITS), address_space=ADDRESS_SPACE_CAP) as server:
+    with capped_serving(served_module, *LIMITS) as server:
         yield server
 
 
@@ -97,7 +93,7 @@ def limited(limited_server: ServerProcess) -> str:
 
 
 def test_sigterm_lets_an_in_flight_request_finish_then_exits_0(served: Served) -> None:
-    with uvicorn_process(_serve_args(served, "--shutdown-grace-seconds", "20")) as (base, process):
+    with uvicorn_process(serve_args(served, "--shutdown-grace-seconds", "20")) as (base, process):
         head, body = _search_request(base)
         sock = _connect(base)
         sock.sendall(head + body[: len(body) // 2])
@@ -112,7 +108,7 @@ def test_sigterm_lets_an_in_flight_request_finish_then_exits_0(served: Served) -
 
 def test_sigterm_with_a_stalled_client_exits_0_after_the_grace(served: Served) -> None:
     # No body timeout: only the shutdown grace can end the stalled upload.
-    args = _serve_args(served, "--shutdown-grace-seconds", "1", "--body-timeout-seconds", "0")
+    args = serve_args(served, "--shutdown-grace-seconds", "1", "--body-timeout-seconds", "0")
     with uvicorn_process(args) as (base, process):
         head, body = _search_request(base)
         sock = _connect(base)
@@ -124,7 +120,7 @@ def test_sigterm_with_a_stalled_client_exits_0_after_the_grace(served: Served) -
 
 
 def test_sigint_exits_0(served: Served) -> None:
-    with uvicorn_process(_serve_args(served)) as (base, process):
+    with uvicorn_process(serve_args(served)) as (base, process):
         assert httpx.get(f"{base}/healthz", timeout=10).status_code == 200
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=20) == 0

@@ -31,8 +31,12 @@ from tests.helpers import (
     API_KEY,
     Served,
     ServerProcess,
+    capped_serving,
     image_bytes,
     make_image,
+    reset_peak,
+    search,
+    serve_args,
     serving,
     wait_until,
     write_labelled_folder,
@@ -65,17 +69,12 @@ def big_png(mode: str = "L") -> bytes:
     return png(7000, 7000, mode)  # 49 MP, under the default limit of 50 MP
 
 
-def served_args(served: Served, *extra: str) -> list[str]:
-    return ["--index", str(served.index), "--model", str(served.model), *extra]
-
-
 @contextmanager
 def capped_server(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A server with default limits, writes enabled and its output in a log file, under the 2 GB cap."""
     log = tmp_path_factory.mktemp("capped") / "server.log"
-    env = {"DMLSEARCH_API_KEY": API_KEY, "DMLSEARCH_RELOAD_PROBE_SECONDS": str(PROBE_SECONDS)}
-    args = served_args(served, "--rate-limit", "0")
-    with serving(args, env, address_space=ADDRESS_SPACE_CAP, log=log) as server:
+    env = {"DMLSEARCH_RELOAD_PROBE_SECONDS": str(PROBE_SECONDS)}
+    with capped_serving(served, "--rate-limit", "0", env=env, log=log) as server:
         yield server
 
 
@@ -90,16 +89,6 @@ def fresh_capped(served_module: Served, tmp_path_factory: pytest.TempPathFactory
     """The same, new for one test: memory that the module's server freed before cannot serve its requests."""
     with capped_server(served_module, tmp_path_factory) as server:
         yield server
-
-
-def search(server: ServerProcess, data: bytes, **params: object) -> httpx.Response:
-    return httpx.post(f"{server.url}/v1/search", params=params, files={"image": ("q", data)}, timeout=120)
-
-
-def reset_peak(server: ServerProcess) -> int:
-    """Reset the server's peak RSS (``VmHWM``) to its current RSS, and return that."""
-    Path(f"/proc/{server.process.pid}/clear_refs").write_text("5")
-    return server.status("VmRSS")
 
 
 def assert_alive(server: ServerProcess) -> None:
@@ -244,7 +233,7 @@ def read_only_prefix(path: Path) -> list[str]:
 def test_a_read_only_index_refuses_writes_and_searches_go_on(served: Served) -> None:
     prefix = read_only_prefix(served.index)
     gallery_before = sorted(served.gallery.rglob("*"))
-    with serving(served_args(served), {"DMLSEARCH_API_KEY": API_KEY}, prefix=prefix) as server:
+    with serving(serve_args(served), {"DMLSEARCH_API_KEY": API_KEY}, prefix=prefix) as server:
         files = {"images": ("new.png", image_bytes(make_image(78)))}
         added = httpx.post(f"{server.url}/v1/items", files=files, headers=KEY, timeout=60)
         deleted = httpx.delete(f"{server.url}/v1/items/3", headers=KEY, timeout=60)
@@ -266,8 +255,8 @@ def test_a_truncated_index_is_not_ready_with_the_reason_and_forwarded_headers_ar
     when every request claims another one in X-Forwarded-For (before: 150 requests, 150 x 200)."""
     vectors = served.index / "vectors.faiss"
     vectors.write_bytes(vectors.read_bytes()[: vectors.stat().st_size // 2])
-    args = served_args(served, "--rate-limit", "0.01", "--rate-burst", "3")  # a token per 100 s
-    with serving(args, ready_path="/healthz", address_space=ADDRESS_SPACE_CAP) as server:
+    limits = ["--rate-limit", "0.01", "--rate-burst", "3"]  # a token per 100 s
+    with capped_serving(served, *limits, ready_path="/healthz") as server:
         ready = httpx.get(f"{server.url}/readyz", timeout=10)
         assert ready.status_code == 503
         assert "vectors.faiss cannot be read (truncated or corrupt?)" in ready.json()["error"]["message"]
@@ -282,10 +271,7 @@ def test_an_index_file_overwritten_in_place_does_not_kill_the_server(served: Ser
     the next search died with SIGBUS (exit 135, nothing in the log). The server reads its index into
     memory: searches go on from it, and a reload of the half-copied directory is refused."""
     log = tmp_path / "server.log"
-    env = {"DMLSEARCH_API_KEY": API_KEY}
-    with serving(
-        served_args(served, "--rate-limit", "0"), env, address_space=ADDRESS_SPACE_CAP, log=log
-    ) as server:
+    with capped_serving(served, "--rate-limit", "0", log=log) as server:
         assert search(server, png(64, 64), k=3).status_code == 200
         vectors = served.index / "vectors.faiss"
         with vectors.open("r+b") as handle:  # what cp does to its target: truncate, then write
@@ -324,9 +310,8 @@ def litter(served: Served) -> list[Path]:
 def test_kill_9_during_adds_loses_nothing_acknowledged_and_leaves_no_litter(
     served: Served, tmp_path: Path
 ) -> None:
-    env = {"DMLSEARCH_API_KEY": API_KEY}
     acknowledged: list[dict] = []
-    with serving(served_args(served), env, address_space=ADDRESS_SPACE_CAP) as server:
+    with capped_serving(served) as server:
         stop = threading.Event()
         writer = threading.Thread(target=add_until_killed, args=(server, acknowledged, stop))
         writer.start()
@@ -339,7 +324,7 @@ def test_kill_9_during_adds_loses_nothing_acknowledged_and_leaves_no_litter(
     for path in planted:
         path.write_bytes(b"half a file")
     log = tmp_path / "restarted.log"
-    with serving(served_args(served), env, address_space=ADDRESS_SPACE_CAP, log=log) as server:
+    with capped_serving(served, log=log) as server:
         for item in acknowledged:
             response = httpx.get(f"{server.url}/v1/items/{item['id']}", timeout=10)
             assert response.status_code == 200 and response.json()["path"] == item["path"]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from PIL import Image
 
-from engine.images import ImageDecodeError, decode_image
+from engine.images import ImageDecodeError, decode_image, thumbnail_jpeg
 from tests.helpers import image_bytes, make_image
+from tests.hostile_images import gif_frame_offset, gif_many_comment_blocks, png_comment_text
 
 
 @pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P", "CMYK", "LA", "I;16"])
@@ -60,3 +63,25 @@ def test_draft_decoding_keeps_enough_resolution() -> None:
     decoded = decode_image(data, draft_size=224)
     assert min(decoded.size) >= 224
     assert decoded.size[0] < 1600
+
+
+@pytest.mark.parametrize(
+    "data",
+    [gif_many_comment_blocks(100_000), png_comment_text(100)],
+    ids=["gif-comment-100kb", "png-comment-text-100kb"],
+)
+def test_a_thumbnail_carries_none_of_the_source_metadata(data: bytes) -> None:
+    """Pillow wrote the source's ``info["comment"]`` into the JPEG: over 64 KB, the save raised ValueError
+    (a 500 from /v1/items/{id}/thumbnail, no preview in the UI)."""
+    thumbnail = Image.open(io.BytesIO(thumbnail_jpeg(data, 64)))
+    assert thumbnail.format == "JPEG"
+    assert "comment" not in thumbnail.info
+
+
+def test_a_header_over_the_decoders_own_limit_is_refused_naming_ours() -> None:
+    """A 43-byte GIF whose 1x1 frame sits at (65000, 65000) declares 4.2 GP: Pillow refuses it at open,
+    and its message named Pillow's limit (178956970 pixels), not the server's."""
+    with pytest.raises(ImageDecodeError) as refused:
+        decode_image(gif_frame_offset(65000), max_pixels=1000)
+    assert refused.value.code == "image_too_large"
+    assert "more than the limit of 1000" in refused.value.message
