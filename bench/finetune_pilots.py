@@ -42,6 +42,12 @@ PILOTS: dict[str, dict[str, Any]] = {
     "papers-160": {"train_size": 160},
     "crop80-160": {"train_size": 160, "min_crop_area": 0.8},
     "crop80-160-backbone0.01": {"train_size": 160, "min_crop_area": 0.8, "backbone_lr_factor": 0.01},
+    "frozen-first": {
+        "train_size": 160,
+        "min_crop_area": 0.8,
+        "backbone_lr_factor": 0.01,
+        "frozen_first": True,
+    },
 }
 
 
