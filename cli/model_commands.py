@@ -259,7 +259,7 @@ def _plan_cpu_mode(
         return {"mode": saved.mode, "time_budget": saved.time_budget, "max_steps": saved.max_steps}
     budget_s = 60 * (minutes or DEFAULT_TIME_BUDGET_MINUTES)
     typer.echo("no --mode and no GPU: measuring a fine-tuning step on this CPU to choose the mode ...")
-    config = resolved.config(loss, str(data.resolve()), **{k: v for k, v in fields.items() if k != "mode"})
+    config = resolved.config(loss, str(data.resolve()), **fields)  # the recipe's mode (finetune) wins
     plan = plan_for(config, budget_s)
     typer.echo(plan.reason)
     if plan.mode == "finetune":

@@ -142,8 +142,8 @@ def plan_for(config: TrainConfig, budget_s: float) -> Plan:
 def estimate(config: TrainConfig) -> str:
     """What a fine-tuning run of ``config`` will take on this CPU, measured: said before it starts."""
     speed = measure(config)
-    minutes = speed.seconds(config.max_steps) / 60
-    text = f"estimate: about {minutes:.0f} minutes for {config.max_steps} steps ({speed.describe()})"
-    if config.time_budget is not None and speed.seconds(config.max_steps) > config.time_budget:
+    seconds = speed.seconds(config.max_steps)
+    text = f"estimate: about {seconds / 60:.0f} minutes for {config.max_steps} steps ({speed.describe()})"
+    if config.time_budget is not None and seconds > config.time_budget:
         text += f"; the time budget stops it after {config.time_budget / 60:.0f} minutes of steps"
     return text
