@@ -4,7 +4,7 @@
         [--mode frozen|partial|finetune] [--time-budget MIN] \\
         [--cache-dir ~/.cache/dmlsearch] [--runs-dir ~/.cache/dmlsearch/bench-runs] \\
         [--methods almn magnet ...] [--recipe recommended|paper] [--max-steps N] [--patience N] [--seed 0] \\
-        [--set views=2 ...]
+        [--set views=2 ...] [--device cpu|cuda] [--results-dir bench/results]
 
 ``--mode frozen`` trains the head on cached pooled features; ``--mode partial`` also trains the backbone's
 last stage on cached maps entering it (about 0.6 s a 128-image step on one core instead of milliseconds,
@@ -26,9 +26,10 @@ lists what the recipe set.
 
 Backbone features are extracted once into ``--cache-dir`` (minutes on a CPU) and reused by every run;
 each run directory under ``--runs-dir`` is resumed rather than retrained when it exists.
-Writes ``bench/results/train_all.{md,json}`` after every row (partial adds ``_partial``, the paper recipe
-``_paper``, a seed other than 0 ``_seed{N}``); the rows run replace those of the same method in an existing
-table made with the same budget, and the others are kept.
+Writes ``bench/results/train_all.{md,json}`` (or under ``--results-dir``) after every row (partial adds
+``_partial``, the paper recipe ``_paper``, ``--device cuda`` ``_gpu``, a seed other than 0 ``_seed{N}``);
+the rows run replace those of the same method in an existing table made with the same budget, and the
+others are kept.
 """
 
 from __future__ import annotations
@@ -140,9 +141,10 @@ class Method:
     def resolved(self, recipe_name: RecipeName, budget: dict[str, Any], mode: Mode) -> Resolved:
         return resolve(self.loss, recipe_name, {**budget, **self.overrides}, mode)
 
-    def describe(self, recipe_name: RecipeName, mode: Mode) -> str:
+    def describe(self, recipe_name: RecipeName, mode: Mode, given: list[str]) -> str:
+        """What the row trained with: the recipe's values, the row's overrides, ``--set`` ones on top."""
         values = {key: choice.value for key, choice in recipe(self.loss, recipe_name, mode).items()}
-        return format_values({**values, **self.overrides})
+        return format_values({**values, **self.overrides, **parse_assignments(self.loss, given)})
 
 
 def all_methods() -> list[Method]:
@@ -162,7 +164,7 @@ def run_method(method: Method, args: argparse.Namespace) -> dict[str, Any]:
         method.loss,
         str(args.data.resolve()),
         cache_dir=str(args.cache_dir.resolve()),
-        device="cpu",
+        device=args.device,
         seed=args.seed,
     )
     path = args.runs_dir / args.mode / args.recipe / method.run_name
@@ -176,7 +178,7 @@ def run_method(method: Method, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "method": method.label,
         "loss": method.loss,
-        "settings": method.describe(args.recipe, args.mode),
+        "settings": method.describe(args.recipe, args.mode, args.set),
         **summary,
         "beats_backbone": gain.improved,
         "validation_gain": gain.interval.to_dict(),
@@ -197,7 +199,12 @@ def percent(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def markdown(
-    rows: list[dict[str, Any]], baseline: dict[str, float], command: str, budget: str, mode: str
+    rows: list[dict[str, Any]],
+    baseline: dict[str, float],
+    command: str,
+    budget: str,
+    mode: str,
+    machine: str,
 ) -> str:
     header = "| method | " + " | ".join(METRICS) + " | best step | validation | train s | wall s | settings |"
     note = (
@@ -211,6 +218,8 @@ def markdown(
         f"# {mode.capitalize()}-mode training on Cars196 (unseen classes 99-196)",
         "",
         f"Command: `{command}`",
+        "",
+        f"Machine: {machine}.",
         "",
         budget,
         "",
@@ -246,11 +255,19 @@ def merged_rows(
     return sorted(by_method.values(), key=lambda row: order.index(row["method"]))
 
 
-def table_stem(mode: str, recipe_name: str, seed: int) -> str:
-    """Other modes, recipes and seeds get tables of their own, so a study never mixes into the main table."""
+def table_stem(mode: str, recipe_name: str, seed: int, device: str = "cpu") -> str:
+    """Other modes, recipes, seeds and devices get tables of their own, so a study never mixes into the main
+    table."""
     stem = "train_all" + ("" if mode == "frozen" else f"_{mode}")
     stem += "" if recipe_name == DEFAULT_RECIPE else f"_{recipe_name}"
+    stem += "" if device == "cpu" else "_gpu"
     return stem + (f"_seed{seed}" if seed else "")
+
+
+def machine_text(device: str) -> str:
+    """The machine a table was measured on; GPU tables name the GPU."""
+    cpu = f"{platform.machine()}, {torch.get_num_threads()} torch threads"
+    return f"{torch.cuda.get_device_name()}; {cpu}" if device == "cuda" else cpu
 
 
 def budget_text(args: argparse.Namespace) -> str:
@@ -273,22 +290,22 @@ def write_table(args: argparse.Namespace, rows: list[dict[str, Any]], baseline: 
     threads = os.environ.get("OMP_NUM_THREADS")
     command = shlex.join([*([f"OMP_NUM_THREADS={threads}"] if threads else []), "python", *sys.argv])
     budget = budget_text(args)
-    stem = table_stem(args.mode, args.recipe, args.seed)
-    previous = RESULTS / f"{stem}.json"
+    stem = table_stem(args.mode, args.recipe, args.seed, args.device)
+    previous = args.results_dir / f"{stem}.json"
     if previous.exists():
         rows = merged_rows(json.loads(previous.read_text()), rows, budget, [m.label for m in all_methods()])
     report = {
         "command": command,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        "machine": machine_text(args.device),
         "budget": budget,
         "pretrained": baseline,
         "rows": rows,
     }
-    RESULTS.mkdir(exist_ok=True)
-    table = markdown(rows, baseline, command, budget, args.mode)
-    atomic_write_text(RESULTS / f"{stem}.json", json.dumps(report, indent=2) + "\n")
-    atomic_write_text(RESULTS / f"{stem}.md", table)
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    table = markdown(rows, baseline, command, budget, args.mode, report["machine"])
+    atomic_write_text(args.results_dir / f"{stem}.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(args.results_dir / f"{stem}.md", table)
     return table
 
 
@@ -296,7 +313,7 @@ def seeds_table(args: argparse.Namespace) -> str:
     """``--mean-of-seeds``: Recall@1 per method averaged over the per-seed tables (no training)."""
     tables = {}
     for seed in args.mean_of_seeds:
-        path = RESULTS / f"{table_stem(args.mode, args.recipe, seed)}.json"
+        path = args.results_dir / f"{table_stem(args.mode, args.recipe, seed, args.device)}.json"
         if path.exists():
             tables[seed] = json.loads(path.read_text())
     untrained = statistics.fmean(table["pretrained"]["recall@1"] for table in tables.values())
@@ -341,8 +358,8 @@ def seeds_table(args: argparse.Namespace) -> str:
             f"{settings.pop() if len(settings) == 1 else 'differs: ' + ' / '.join(sorted(settings))} |"
         )
     table = "\n".join(lines) + "\n"
-    stem = table_stem(args.mode, args.recipe, 0) + "_seeds"
-    atomic_write_text(RESULTS / f"{stem}.md", table)
+    stem = table_stem(args.mode, args.recipe, 0, args.device) + "_seeds"
+    atomic_write_text(args.results_dir / f"{stem}.md", table)
     return table
 
 
@@ -363,8 +380,12 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: a GPU's rows, in tables of their own"
+    )
+    parser.add_argument(
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="override every recipe, e.g. views=2"
     )
+    parser.add_argument("--results-dir", type=Path, default=RESULTS, help="where the tables are written")
     parser.add_argument("--mean-of-seeds", nargs="*", type=int, help="only average these seeds' tables")
     args = parser.parse_args()
 

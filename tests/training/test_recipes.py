@@ -106,7 +106,14 @@ def test_cli_and_benches_build_the_same_config(monkeypatch: pytest.MonkeyPatch, 
     train_all = bench_module("train_all", monkeypatch)
     monkeypatch.setattr(train_all, "train", fake_train)
     args = train_all.argparse.Namespace(
-        data=data, cache_dir=tmp_path, runs_dir=tmp_path, mode="frozen", seed=0, recipe="recommended", set=[]
+        data=data,
+        cache_dir=tmp_path,
+        runs_dir=tmp_path,
+        mode="frozen",
+        seed=0,
+        recipe="recommended",
+        set=[],
+        device="cpu",
     )
     args.max_steps = args.patience = args.time_budget = None
     almn = next(method for method in train_all.all_methods() if method.label == "almn")
