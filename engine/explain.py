@@ -7,6 +7,9 @@ map's positions: ``e = sum_p c_p + r`` (``training.model.PositionContributions``
 e_b>`` over its positions, each one's exact share of the served cosine, and ``<r_a, e_b>`` is what no
 position carries (the head's biases). The same holds for ``b`` against ``e_a``. Everything runs through
 onnxruntime; both images are embedded in one run (two images: what one explanation costs).
+
+Each heatmap names its peak (:func:`peak_window`): the square window of positions whose shares add up to the
+most, itself an exact share of the cosine (a sum of positions' shares), not a smoothed or rescaled one.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.decoding import decode_uploads
+from engine.defaults import EXPLAIN_PEAK_POSITIONS
 from engine.item_reader import ItemReader, image_path
 from engine.model_card import ModelCard, Preprocessing
 from engine.query import ItemQuery, Query
@@ -32,6 +37,38 @@ class ExplainUnavailableError(DmlsearchError, ValueError):
 
 
 @dataclass(frozen=True)
+class Peak:
+    """The square window of grid positions that carries the largest share of the cosine."""
+
+    top: int  # grid row of its first position
+    left: int  # grid column of its first position
+    size: int  # positions on each side
+    share: float  # the sum of its positions' shares: the part of the cosine the window carries
+
+    def box(self, grid_shape: tuple[int, int], view_size: tuple[int, int]) -> tuple[int, int, int, int]:
+        """``(x0, y0, x1, y1)``: the window in pixels of the view ``(width, height)`` the grid covers."""
+        (rows, columns), (width, height) = grid_shape, view_size
+        return (
+            round(self.left * width / columns),
+            round(self.top * height / rows),
+            round((self.left + self.size) * width / columns),
+            round((self.top + self.size) * height / rows),
+        )
+
+
+def peak_window(grid: np.ndarray, size: int = EXPLAIN_PEAK_POSITIONS) -> Peak:
+    """The ``size`` x ``size`` window of ``grid`` (fewer on a smaller grid) whose shares add up to the most.
+
+    Windows lie inside the grid: each one is a region of the image, and its share is exactly what that
+    region carries of the cosine (the shares add up).
+    """
+    size = min(size, *grid.shape)
+    sums = sliding_window_view(grid, (size, size)).sum(axis=(-2, -1))
+    top, left = np.unravel_index(int(np.argmax(sums)), sums.shape)
+    return Peak(int(top), int(left), size, float(sums[top, left]))
+
+
+@dataclass(frozen=True)
 class Heatmap:
     """One image's share of the cosine: ``grid.sum() + rest`` is the cosine (within float rounding)."""
 
@@ -44,6 +81,15 @@ class Heatmap:
     @property
     def total(self) -> float:
         return float(self.grid.sum()) + self.rest
+
+    @property
+    def peak(self) -> Peak:
+        return peak_window(self.grid)
+
+    @property
+    def peak_box(self) -> tuple[int, int, int, int]:
+        """The peak window in pixels of the view."""
+        return self.peak.box(self.grid.shape, (self.view.shape[1], self.view.shape[0]))
 
 
 @dataclass(frozen=True)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from engine.embedder import Embedder
-from engine.explain import ExplainUnavailableError
+from engine.explain import ExplainUnavailableError, peak_window
 from engine.indexing import build_index
 from engine.item_reader import ItemNotFoundError
 from engine.query import ItemQuery, SearchOptions
@@ -52,3 +54,56 @@ def test_a_model_without_explainer_says_to_re_export(
     with pytest.raises(ExplainUnavailableError, match="has no explainer: re-export it"):
         old.explanations.explain(ItemQuery(item.id), item.id)
     old.close()
+
+
+def test_the_peak_is_the_window_that_carries_the_most() -> None:
+    grid = np.zeros((7, 7), np.float32)
+    grid[0, 6] = 0.5  # the largest single position, alone
+    grid[3:6, 1:4] = 0.1  # a region whose positions together carry more (0.9)
+    grid[4, 2] = 0.2
+    grid[1, 1] = -0.3  # negative shares count as they are
+    peak = peak_window(grid)
+    assert (peak.top, peak.left, peak.size) == (3, 1, 3)
+    assert peak.share == pytest.approx(grid[3:6, 1:4].sum())
+    assert peak.box((7, 7), (224, 224)) == (32, 96, 128, 192)
+    assert peak_window(grid, 1).share == pytest.approx(0.5)  # one position: the old peak
+    small = peak_window(np.array([[0.1, 0.2], [0.3, -0.1]]))  # a grid smaller than the window
+    assert (small.size, small.top, small.left) == (2, 0, 0) and small.share == pytest.approx(0.5)
+
+
+def _pasted(background: np.ndarray, thing: np.ndarray, x: int, y: int) -> bytes:
+    pixels = background.copy()
+    pixels[y : y + thing.shape[0], x : x + thing.shape[1]] = thing
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_the_peak_points_at_an_object_pasted_into_two_backgrounds(
+    exported_model: Path, tmp_path: Path
+) -> None:
+    """Real model, real onnxruntime: an 80-px object (a red and black checkerboard around a yellow disc)
+    pasted into two smooth, different backgrounds; the peak window of each heatmap holds the object's
+    centre, and its share is the sum of its positions' shares."""
+    yy, xx = np.mgrid[0:224, 0:224].astype(np.float32)
+    backgrounds = [
+        np.stack([80 + 0.3 * xx, 120 + 0.2 * yy, 160 - 0.2 * xx], -1).astype(np.uint8),
+        np.stack([200 - 0.4 * yy, 90 + 0.1 * xx, 60 + 0.3 * yy], -1).astype(np.uint8),
+    ]
+    ty, tx = np.mgrid[0:80, 0:80]
+    thing = np.where(((ty // 10 + tx // 10) % 2)[..., None] == 1, [200, 20, 20], [10, 10, 10])
+    thing[(ty - 40) ** 2 + (tx - 40) ** 2 < 15**2] = [250, 220, 0]
+    thing = thing.astype(np.uint8)
+    gallery = tmp_path / "gallery"
+    gallery.mkdir()
+    (gallery / "pasted.png").write_bytes(_pasted(backgrounds[1], thing, 130, 120))
+    build_index(gallery, Embedder(exported_model), tmp_path / "index", progress=False)
+    service = SearchService.open(None, tmp_path / "index", threads=1)
+    item = service.reader.page(0, 1)[0][0]
+    explanation = service.explanations.explain(_pasted(backgrounds[0], thing, 20, 40), item.id)
+    service.close()
+    for heatmap, (x, y) in ((explanation.query, (20, 40)), (explanation.item, (130, 120))):
+        x0, y0, x1, y1 = heatmap.peak_box
+        assert x0 <= x + 40 < x1 and y0 <= y + 40 < y1, (heatmap.peak_box, (x, y))
+        window = heatmap.grid[y0 // 32 : y1 // 32, x0 // 32 : x1 // 32]
+        assert heatmap.peak.share == pytest.approx(float(window.sum()), abs=1e-6)
