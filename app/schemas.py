@@ -403,10 +403,14 @@ class ModelCardOut(BaseModel):
 
 
 class PeakOut(BaseModel):
-    """The square window of grid positions (3 x 3 on the 7 x 7 grid) that carries the largest share."""
+    """This image's region of the two that matched: a square window of grid positions (3 x 3 on the 7 x 7
+    grid), one in each image, chosen so that their pairs of positions carry the largest share of the
+    cosine between them."""
 
     box: tuple[int, int, int, int] = Field(description="x0, y0, x1, y1 in pixels of the model's view.")
-    share: float = Field(description="The sum of its positions' shares of the cosine.")
+    share: float = Field(
+        description="The share of the cosine carried between this window and the other image's peak window."
+    )
 
 
 class HeatmapOut(BaseModel):

@@ -59,12 +59,13 @@ def measure(model: Path, threads: int, repeats: int) -> dict[str, float]:
     pair = np.random.default_rng(0).normal(size=(2, 3, size, size)).astype(np.float32)
 
     def explain() -> list[bytes]:
-        _, grids, rests = explain_tensor(bundle, pair)
+        _, grids, rests, peaks = explain_tensor(bundle, pair)
         views = [model_view(image, embedder.card.preprocessing) for image in pair]
-        return [png_bytes(overlay(Heatmap(g, r, v))) for g, r, v in zip(grids, rests, views, strict=True)]
+        heatmaps = map(Heatmap, grids, rests, views, peaks)
+        return [png_bytes(overlay(heatmap)) for heatmap in heatmaps]
 
     query_ms = best_ms(lambda: embedder.embed_tensor(pair[:1]), repeats)
-    heatmaps_ms = best_ms(lambda: explain_tensor(bundle, pair), repeats)  # the grids, no drawing
+    heatmaps_ms = best_ms(lambda: explain_tensor(bundle, pair), repeats)  # grids and peaks, no drawing
     explain_ms = best_ms(explain, repeats)
     return {
         "query_embedding_ms": query_ms,

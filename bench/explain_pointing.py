@@ -7,11 +7,17 @@ each image's heatmap (``engine.explain``) should fall inside the pasted object's
 Objects and backgrounds are the demo gallery's source photos (``engine.demo_gallery.PHOTOS``: real photos
 shipped in scikit-image and scikit-learn). Per pair: a random square crop of one photo, resized to 56-96
 px, is pasted at random places into random 224 x 224 crops of two other photos (the model sees all of a
-224-pixel square image). Two peaks of each heatmap are scored, each counted inside when its centre lies in
-the pasted box: the served one (``engine.explain.peak_window``: the 3 x 3 window of grid positions carrying
-the largest share) and the single position with the largest share. Baselines: a random peak of each kind
-(the fraction of windows, or positions, whose centre lies in the box: its exact expectation) and the image
-centre. Without ``--model`` the pretrained model is exported first.
+224-pixel square image). Three peaks of each image are scored, each counted inside when its centre lies in
+the pasted box:
+
+- ``matched``, the served one (``engine.explain.matched_windows``): the 3 x 3 windows of grid positions,
+  one in each image, whose pairs of positions carry the largest share of the cosine between them;
+- ``window``: the 3 x 3 window of the image's own heatmap whose shares add up to the most;
+- ``position``: the single grid position with the largest share.
+
+Baselines: a random peak of each size (the fraction of windows, or positions, whose centre lies in the
+box: its exact expectation) and the image centre. Without ``--model`` the pretrained model is exported
+first.
 """
 
 from __future__ import annotations
@@ -26,14 +32,15 @@ import numpy as np
 from explain_cost import pretrained_model  # bench/ scripts run from bench/ on sys.path
 from PIL import Image
 
+from engine.defaults import EXPLAIN_PEAK_POSITIONS
 from engine.demo_gallery import PHOTOS
 from engine.embedder import Embedder
-from engine.explain import Peak, explain_tensor, peak_window
+from engine.explain import Peak, explain_tensor, window_sums
 from engine.explainer import Explainer
 from index.atomic import atomic_write_text
 
 SIDE = 224
-PEAKS = {"window": None, "position": 1}  # the served peak (the default window) and one grid position
+SIZES = {"matched": EXPLAIN_PEAK_POSITIONS, "window": EXPLAIN_PEAK_POSITIONS, "position": 1}
 
 
 def random_crop(
@@ -66,9 +73,15 @@ def inside(box: tuple, point: tuple[float, float]) -> bool:
     return x0 <= x < x1 and y0 <= y < y1
 
 
-def random_peak_in_box(box: tuple, grid: np.ndarray, size: int | None) -> float:
-    """The chance that a peak of this kind, placed at random, falls inside ``box`` (exact)."""
-    size = min(size or peak_window(grid).size, *grid.shape)
+def heatmap_peak(grid: np.ndarray, size: int) -> Peak:
+    """The ``size`` x ``size`` window of one heatmap whose shares add up to the most."""
+    sums = window_sums(grid, size)
+    top, left = np.unravel_index(int(np.argmax(sums)), sums.shape)
+    return Peak(int(top), int(left), size, float(sums[top, left]))
+
+
+def random_peak_in_box(box: tuple, grid: np.ndarray, size: int) -> float:
+    """The chance that a peak of ``size`` x ``size`` positions, placed at random, falls inside ``box``."""
     rows, columns = grid.shape[0] - size + 1, grid.shape[1] - size + 1
     peaks = [Peak(top, left, size, 0.0) for top in range(rows) for left in range(columns)]
     return float(np.mean([inside(box, centre(peak, grid.shape)) for peak in peaks]))
@@ -81,8 +94,8 @@ def run(model: Path, pairs: int, seed: int) -> dict:
         raise SystemExit(f"{model} has no explainer: re-export it")
     photos = [Image.fromarray(photo.load()).convert("RGB") for photo in PHOTOS]
     rng = np.random.default_rng(seed)
-    hits = {kind: np.zeros((pairs, 2), bool) for kind in PEAKS}
-    random_peak = {kind: np.zeros((pairs, 2)) for kind in PEAKS}
+    hits = {kind: np.zeros((pairs, 2), bool) for kind in SIZES}
+    random_peak = {size: np.zeros((pairs, 2)) for size in set(SIZES.values())}
     at_centre = np.zeros((pairs, 2), bool)
     for pair in range(pairs):
         source, *backgrounds = rng.choice(len(photos), size=3, replace=False)
@@ -91,12 +104,17 @@ def run(model: Path, pairs: int, seed: int) -> dict:
             *(pasted(random_crop(photos[b], SIDE, rng, (0.5, 1.0)), thing, rng) for b in backgrounds),
             strict=True,
         )
-        _, grids, _ = explain_tensor(bundle, embedder.preprocess(list(images)))
+        _, grids, _, matched = explain_tensor(bundle, embedder.preprocess(list(images)))
         for side, (grid, box) in enumerate(zip(grids, boxes, strict=True)):
-            for kind, size in PEAKS.items():
-                peak = peak_window(grid) if size is None else peak_window(grid, size)
+            peaks = {
+                "matched": matched[side],
+                "window": heatmap_peak(grid, SIZES["window"]),
+                "position": heatmap_peak(grid, SIZES["position"]),
+            }
+            for kind, peak in peaks.items():
                 hits[kind][pair, side] = inside(box, centre(peak, grid.shape))
-                random_peak[kind][pair, side] = random_peak_in_box(box, grid, size)
+            for size, chance in random_peak.items():
+                chance[pair, side] = random_peak_in_box(box, grid, size)
             at_centre[pair, side] = inside(box, (SIDE / 2, SIDE / 2))
     return {
         "model": str(model),
@@ -107,8 +125,8 @@ def run(model: Path, pairs: int, seed: int) -> dict:
             for kind, hit in hits.items()
         },
         "random_peak_in_box": {
-            kind: {"query": chance[:, 0].mean(), "item": chance[:, 1].mean()}
-            for kind, chance in random_peak.items()
+            f"{size}x{size}": {"query": chance[:, 0].mean(), "item": chance[:, 1].mean()}
+            for size, chance in sorted(random_peak.items())
         },
         "centre_in_box": {"query": at_centre[:, 0].mean(), "item": at_centre[:, 1].mean()},
     }

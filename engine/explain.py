@@ -8,8 +8,10 @@ e_b>`` over its positions, each one's exact share of the served cosine, and ``<r
 position carries (the head's biases). The same holds for ``b`` against ``e_a``. Everything runs through
 onnxruntime; both images are embedded in one run (two images: what one explanation costs).
 
-Each heatmap names its peak (:func:`peak_window`): the square window of positions whose shares add up to the
-most, itself an exact share of the cosine (a sum of positions' shares), not a smoothed or rescaled one.
+The same split, taken on both sides at once, is over pairs of positions: ``<e_a, e_b> = sum_{p,q} <c_{a,p},
+c_{b,q}> + <r_a, e_b> + <sum_p c_{a,p}, r_b>``. Each heatmap names its peak, from that: the square window of
+positions in ``a`` and the one in ``b`` whose pairs carry the largest share of the cosine between each other
+(:func:`matched_windows`): the two regions that matched, an exact term of the served cosine.
 """
 
 from __future__ import annotations
@@ -38,12 +40,12 @@ class ExplainUnavailableError(DmlsearchError, ValueError):
 
 @dataclass(frozen=True)
 class Peak:
-    """The square window of grid positions that carries the largest share of the cosine."""
+    """A square window of grid positions: one of the two regions that matched (:func:`matched_windows`)."""
 
     top: int  # grid row of its first position
     left: int  # grid column of its first position
     size: int  # positions on each side
-    share: float  # the sum of its positions' shares: the part of the cosine the window carries
+    share: float  # the part of the cosine carried between this window and the other image's peak window
 
     def box(self, grid_shape: tuple[int, int], view_size: tuple[int, int]) -> tuple[int, int, int, int]:
         """``(x0, y0, x1, y1)``: the window in pixels of the view ``(width, height)`` the grid covers."""
@@ -56,16 +58,24 @@ class Peak:
         )
 
 
-def peak_window(grid: np.ndarray, size: int = EXPLAIN_PEAK_POSITIONS) -> Peak:
-    """The ``size`` x ``size`` window of ``grid`` (fewer on a smaller grid) whose shares add up to the most.
+def window_sums(values: np.ndarray, size: int) -> np.ndarray:
+    """Sums of ``values`` (h, w, ...) over each ``size`` x ``size`` window inside the grid, indexed by the
+    window's first position: (h - size + 1, w - size + 1, ...)."""
+    return sliding_window_view(values, (size, size), axis=(0, 1)).sum(axis=(-2, -1))
 
-    Windows lie inside the grid: each one is a region of the image, and its share is exactly what that
-    region carries of the cosine (the shares add up).
-    """
-    size = min(size, *grid.shape)
-    sums = sliding_window_view(grid, (size, size)).sum(axis=(-2, -1))
-    top, left = np.unravel_index(int(np.argmax(sums)), sums.shape)
-    return Peak(int(top), int(left), size, float(sums[top, left]))
+
+def matched_windows(
+    query: np.ndarray, item: np.ndarray, size: int = EXPLAIN_PEAK_POSITIONS
+) -> tuple[Peak, Peak]:
+    """The window of the query and the window of the item, ``size`` x ``size`` positions (fewer on a smaller
+    grid), whose pairs of positions carry the largest share of the cosine: the maximum over windows ``U``,
+    ``V`` of ``sum_{p in U, q in V} <query_p, item_q>``, from the contributions (h, w, d) of each image.
+    Both peaks get that share."""
+    size = min(size, *query.shape[:2], *item.shape[:2])
+    shares = np.einsum("ijd,kld->ijkl", window_sums(query, size), window_sums(item, size))
+    top_q, left_q, top_i, left_i = np.unravel_index(int(np.argmax(shares)), shares.shape)
+    share = float(shares[top_q, left_q, top_i, left_i])
+    return Peak(int(top_q), int(left_q), size, share), Peak(int(top_i), int(left_i), size, share)
 
 
 @dataclass(frozen=True)
@@ -77,14 +87,11 @@ class Heatmap:
     view: (
         np.ndarray
     )  # uint8 (s, s, 3): the image as the model saw it (the centre square of the upright image)
+    peak: Peak  # its window of the pair of windows that carry the most of the cosine between them
 
     @property
     def total(self) -> float:
         return float(self.grid.sum()) + self.rest
-
-    @property
-    def peak(self) -> Peak:
-        return peak_window(self.grid)
 
     @property
     def peak_box(self) -> tuple[int, int, int, int]:
@@ -115,8 +122,9 @@ def unavailable_message(model_path: Path, card: ModelCard) -> str:
 
 def explain_tensor(
     bundle: LoadedBundle, tensor: np.ndarray
-) -> tuple[float, tuple[np.ndarray, np.ndarray], tuple[float, float]]:
-    """The cosine of two preprocessed images (2, 3, s, s) and each one's grid and rest against the other."""
+) -> tuple[float, tuple[np.ndarray, np.ndarray], tuple[float, float], tuple[Peak, Peak]]:
+    """The cosine of two preprocessed images (2, 3, s, s), each one's grid and rest against the other and
+    their matched peak windows."""
     if bundle.explainer is None:
         raise ExplainUnavailableError(unavailable_message(bundle.embedder.model_path, bundle.embedder.card))
     embeddings, maps = bundle.embedder.embed_with_maps(tensor)
@@ -124,7 +132,9 @@ def explain_tensor(
     others = embeddings[::-1]  # each image against the other one's embedding
     grids = np.einsum("nhwd,nd->nhw", contributions, others)
     rests = np.einsum("nd,nd->n", rest, others)
-    return float(embeddings[0] @ embeddings[1]), (grids[0], grids[1]), (float(rests[0]), float(rests[1]))
+    peaks = matched_windows(contributions[0], contributions[1])
+    cosine = float(embeddings[0] @ embeddings[1])
+    return cosine, (grids[0], grids[1]), (float(rests[0]), float(rests[1])), peaks
 
 
 def model_view(image: np.ndarray, preprocessing: Preprocessing) -> np.ndarray:
@@ -166,9 +176,9 @@ class ExplainService:
             boxes=[box, None],
             images=len(images),
         )
-        cosine, grids, rests = explain_tensor(bundle, decoded.tensor)
+        cosine, grids, rests, peaks = explain_tensor(bundle, decoded.tensor)
         query_map, item_map = (
-            Heatmap(grid, rest, model_view(image, preprocessing))
-            for grid, rest, image in zip(grids, rests, decoded.tensor, strict=True)
+            Heatmap(grid, rest, model_view(image, preprocessing), peak)
+            for grid, rest, image, peak in zip(grids, rests, decoded.tensor, peaks, strict=True)
         )
         return Explanation(cosine, query_map, item_map, bundle.embedder.fingerprint)

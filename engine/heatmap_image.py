@@ -22,7 +22,7 @@ def overlay(heatmap: Heatmap) -> Image.Image:
 
     Positions that raised the similarity are coloured, the most by the largest share; those that lowered
     it (negative shares) stay as they are. The grid is upsampled bilinearly to the view's pixels. The peak
-    window (the positions that together carry the most, ``engine.explain.peak_window``) is outlined.
+    window (this image's region of the two that matched, ``engine.explain.matched_windows``) is outlined.
     """
     view = heatmap.view
     raised = np.clip(heatmap.grid, 0.0, None).astype(np.float32)

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from engine.embedder import Embedder
-from engine.explain import ExplainUnavailableError, peak_window
+from engine.explain import ExplainUnavailableError, matched_windows
 from engine.indexing import build_index
 from engine.item_reader import ItemNotFoundError
 from engine.query import ItemQuery, SearchOptions
@@ -56,19 +56,25 @@ def test_a_model_without_explainer_says_to_re_export(
     old.close()
 
 
-def test_the_peak_is_the_window_that_carries_the_most() -> None:
-    grid = np.zeros((7, 7), np.float32)
-    grid[0, 6] = 0.5  # the largest single position, alone
-    grid[3:6, 1:4] = 0.1  # a region whose positions together carry more (0.9)
-    grid[4, 2] = 0.2
-    grid[1, 1] = -0.3  # negative shares count as they are
-    peak = peak_window(grid)
-    assert (peak.top, peak.left, peak.size) == (3, 1, 3)
-    assert peak.share == pytest.approx(grid[3:6, 1:4].sum())
-    assert peak.box((7, 7), (224, 224)) == (32, 96, 128, 192)
-    assert peak_window(grid, 1).share == pytest.approx(0.5)  # one position: the old peak
-    small = peak_window(np.array([[0.1, 0.2], [0.3, -0.1]]))  # a grid smaller than the window
-    assert (small.size, small.top, small.left) == (2, 0, 0) and small.share == pytest.approx(0.5)
+def test_the_peaks_are_the_two_windows_that_carry_the_most_between_them() -> None:
+    rng = np.random.default_rng(0)
+    query = rng.normal(0, 0.01, (7, 7, 16)).astype(np.float32)
+    item = rng.normal(0, 0.01, (7, 7, 16)).astype(np.float32)
+    shared = np.zeros(16, np.float32)
+    shared[3] = 0.1
+    query[3:6, 1:4] += shared  # the same region in both images, at different places
+    item[0:3, 4:7] += shared
+    query[0, 0, 5] = item[6, 6, 5] = 0.5  # a stronger pair of single positions, alone
+    peak_q, peak_i = matched_windows(query, item)
+    assert (peak_q.top, peak_q.left, peak_q.size) == (3, 1, 3)
+    assert (peak_i.top, peak_i.left, peak_i.size) == (0, 4, 3)
+    pairs = np.einsum("ijd,kld->ijkl", query, item)  # every pair of positions, by brute force
+    assert peak_q.share == peak_i.share == pytest.approx(float(pairs[3:6, 1:4, 0:3, 4:7].sum()), rel=1e-5)
+    assert peak_q.box((7, 7), (224, 224)) == (32, 96, 128, 192)
+    single_q, single_i = matched_windows(query, item, 1)  # one position each: the strongest pair
+    assert (single_q.top, single_q.left, single_i.top, single_i.left) == (0, 0, 6, 6)
+    small = matched_windows(query[:2, :2], item[:2, :2])[0]  # a grid smaller than the window
+    assert (small.size, small.top, small.left) == (2, 0, 0)
 
 
 def _pasted(background: np.ndarray, thing: np.ndarray, x: int, y: int) -> bytes:
@@ -83,8 +89,8 @@ def test_the_peak_points_at_an_object_pasted_into_two_backgrounds(
     exported_model: Path, tmp_path: Path
 ) -> None:
     """Real model, real onnxruntime: an 80-px object (a red and black checkerboard around a yellow disc)
-    pasted into two smooth, different backgrounds; the peak window of each heatmap holds the object's
-    centre, and its share is the sum of its positions' shares."""
+    pasted into two smooth, different backgrounds at different places; the peak window of each image holds
+    the object's centre."""
     yy, xx = np.mgrid[0:224, 0:224].astype(np.float32)
     backgrounds = [
         np.stack([80 + 0.3 * xx, 120 + 0.2 * yy, 160 - 0.2 * xx], -1).astype(np.uint8),
@@ -105,5 +111,4 @@ def test_the_peak_points_at_an_object_pasted_into_two_backgrounds(
     for heatmap, (x, y) in ((explanation.query, (20, 40)), (explanation.item, (130, 120))):
         x0, y0, x1, y1 = heatmap.peak_box
         assert x0 <= x + 40 < x1 and y0 <= y + 40 < y1, (heatmap.peak_box, (x, y))
-        window = heatmap.grid[y0 // 32 : y1 // 32, x0 // 32 : x1 // 32]
-        assert heatmap.peak.share == pytest.approx(float(window.sum()), abs=1e-6)
+    assert 0 < explanation.query.peak.share == explanation.item.peak.share < explanation.cosine
