@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -100,24 +101,38 @@ def three_scenes(rng: np.random.Generator, any_photos: bool) -> list[int]:
     return [int(rng.choice(of_scene)) for of_scene in photos]
 
 
-def run(model: Path, pairs: int, seed: int, any_photos: bool = False) -> dict:
-    embedder = Embedder(model, threads=0)
-    bundle = SimpleNamespace(embedder=embedder, explainer=Explainer.for_model(model, embedder.card))
-    if bundle.explainer is None:
-        raise SystemExit(f"{model} has no explainer: re-export it")
+def pasted_pairs(
+    pairs: int, seed: int, any_photos: bool = False
+) -> Iterator[tuple[list[Image.Image], tuple[tuple, tuple]]]:
+    """Each pair's two images and the pasted object's box ``(x0, y0, x1, y1)`` in each."""
     photos = [Image.fromarray(photo.load()).convert("RGB") for photo in PHOTOS]
     rng = np.random.default_rng(seed)
-    hits = {kind: np.zeros((pairs, 2), bool) for kind in SIZES}
-    random_peak = {size: np.zeros((pairs, 2)) for size in set(SIZES.values())}
-    at_centre = np.zeros((pairs, 2), bool)
-    for pair in range(pairs):
+    for _ in range(pairs):
         source, *backgrounds = three_scenes(rng, any_photos)
         thing = random_crop(photos[source], int(rng.integers(56, 97)), rng, (0.3, 0.6))
         images, boxes = zip(
             *(pasted(random_crop(photos[b], SIDE, rng, (0.5, 1.0)), thing, rng) for b in backgrounds),
             strict=True,
         )
-        _, grids, _, matched = explain_tensor(bundle, embedder.preprocess(list(images)))
+        yield list(images), boxes
+
+
+def explainable_bundle(model: Path) -> SimpleNamespace:
+    """What ``engine.explain.explain_tensor`` needs of a served bundle: the embedder and the explainer."""
+    embedder = Embedder(model, threads=0)
+    bundle = SimpleNamespace(embedder=embedder, explainer=Explainer.for_model(model, embedder.card))
+    if bundle.explainer is None:
+        raise SystemExit(f"{model} has no explainer: re-export it")
+    return bundle
+
+
+def run(model: Path, pairs: int, seed: int, any_photos: bool = False) -> dict:
+    bundle = explainable_bundle(model)
+    hits = {kind: np.zeros((pairs, 2), bool) for kind in SIZES}
+    random_peak = {size: np.zeros((pairs, 2)) for size in set(SIZES.values())}
+    at_centre = np.zeros((pairs, 2), bool)
+    for pair, (images, boxes) in enumerate(pasted_pairs(pairs, seed, any_photos)):
+        _, grids, _, matched = explain_tensor(bundle, bundle.embedder.preprocess(images))
         for side, (grid, box) in enumerate(zip(grids, boxes, strict=True)):
             peaks = {
                 "matched": matched[side],
