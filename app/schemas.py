@@ -403,9 +403,9 @@ class ModelCardOut(BaseModel):
 
 
 class PeakOut(BaseModel):
-    """This image's region of the two that matched: a square window of grid positions (3 x 3 on the 7 x 7
-    grid), one in each image, chosen so that their pairs of positions carry the largest share of the
-    cosine between them."""
+    """This image's region of the two that matched: square windows of grid positions (3 x 3 on the 7 x 7
+    grid), one in each image, that carry more of the cosine between them than each carries with the other
+    image's windows on average (docs/architecture.md, "Why a result matched")."""
 
     box: tuple[int, int, int, int] = Field(description="x0, y0, x1, y1 in pixels of the model's view.")
     share: float = Field(

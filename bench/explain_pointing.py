@@ -14,7 +14,8 @@ of pairs had the same scene twice). Three peaks of each image are scored, each c
 centre lies in the pasted box:
 
 - ``matched``, the served one (``engine.explain.matched_windows``): the 3 x 3 windows of grid positions,
-  one in each image, whose pairs of positions carry the largest share of the cosine between them;
+  one in each image, whose pairs of positions carry more of the cosine between them than each window
+  carries with the other image's windows on average;
 - ``window``: the 3 x 3 window of the image's own heatmap whose shares add up to the most;
 - ``position``: the single grid position with the largest share.
 

@@ -12,10 +12,10 @@ scored to see what a non-exact choice would gain:
 - ``smoothed``: the heatmap's peak after a Gaussian blur (sigma one position; not a share any more);
 - ``contrast``: the heatmap against ``e_other - mean`` instead of ``e_other``, the mean being all the run's
   embeddings (a share of ``cos - <e, mean>``; the mean holds these very backgrounds, so it is optimistic);
-- ``matched1``, ``matched2``, ``matched3``: the pair of single positions, 2 x 2 or 3 x 3 windows, one in
-  each image, that carry the most of the cosine between them (exact; ``matched3`` is served);
-- ``matched3_centred``: the same pairs chosen after removing each window's average share with the other
-  image's windows (double centring: not a share of the cosine).
+- ``largest1``, ``largest2``, ``largest3``: the pair of single positions, 2 x 2 or 3 x 3 windows, one in
+  each image, that carry the largest share of the cosine between them (exact);
+- ``matched1``, ``matched2``, ``matched3``: the same pairs chosen after removing what each carries on
+  average with the other image's windows (``engine.explain.matched_windows``; ``matched3`` is served).
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ from engine.explain import Peak, matched_windows, window_sums
 from index.atomic import atomic_write_text
 
 
-def centred_pair(query: np.ndarray, item: np.ndarray, size: int) -> tuple[Peak, Peak]:
+def largest_pair(query: np.ndarray, item: np.ndarray, size: int) -> tuple[Peak, Peak]:
     shares = np.einsum("ijd,kld->ijkl", window_sums(query, size), window_sums(item, size))
-    shares = shares - shares.mean((2, 3), keepdims=True) - shares.mean((0, 1), keepdims=True) + shares.mean()
     top_q, left_q, top_i, left_i = np.unravel_index(int(np.argmax(shares)), shares.shape)
     return Peak(int(top_q), int(left_q), size, 0.0), Peak(int(top_i), int(left_i), size, 0.0)
 
@@ -58,8 +57,8 @@ def run(model: Path, pairs: int, seed: int, any_photos: bool) -> dict:
             "window3": [heatmap_peak(grid, 3) for grid in grids],
             "smoothed": [heatmap_peak(gaussian_filter(grid, 1.0, mode="nearest"), 1) for grid in grids],
             "contrast": [heatmap_peak(grid, 1) for grid in contrast],
+            **{f"largest{size}": largest_pair(*contributions, size) for size in (1, 2, 3)},
             **{f"matched{size}": matched_windows(*contributions, size) for size in (1, 2, 3)},
-            "matched3_centred": centred_pair(*contributions, 3),
         }
         for kind, pair in peaks.items():
             grid = grids[0].shape

@@ -10,8 +10,8 @@ onnxruntime; both images are embedded in one run (two images: what one explanati
 
 The same split, taken on both sides at once, is over pairs of positions: ``<e_a, e_b> = sum_{p,q} <c_{a,p},
 c_{b,q}> + <r_a, e_b> + <sum_p c_{a,p}, r_b>``. Each heatmap names its peak, from that: the square window of
-positions in ``a`` and the one in ``b`` whose pairs carry the largest share of the cosine between each other
-(:func:`matched_windows`): the two regions that matched, an exact term of the served cosine.
+positions in ``a`` and the one in ``b`` that match each other most specifically (:func:`matched_windows`),
+with the share of the cosine their pairs carry between them, an exact term of the served cosine.
 """
 
 from __future__ import annotations
@@ -68,12 +68,20 @@ def matched_windows(
     query: np.ndarray, item: np.ndarray, size: int = EXPLAIN_PEAK_POSITIONS
 ) -> tuple[Peak, Peak]:
     """The window of the query and the window of the item, ``size`` x ``size`` positions (fewer on a smaller
-    grid), whose pairs of positions carry the largest share of the cosine: the maximum over windows ``U``,
-    ``V`` of ``sum_{p in U, q in V} <query_p, item_q>``, from the contributions (h, w, d) of each image.
-    Both peaks get that share."""
+    grid), that match each other most specifically, from the contributions (h, w, d) of each image.
+
+    ``S[U, V] = sum_{p in U, q in V} <query_p, item_q>`` is the share of the cosine carried between windows
+    ``U`` and ``V``. The pair chosen maximises ``S[U, V]`` less what ``U`` carries on average with the item's
+    windows and ``V`` with the query's (``S`` centred on both sides): a salient region that is a little alike
+    everything in the other image (a busy background) carries much with every window, not with one. Both
+    peaks get the pair's own, uncentred share ``S[U, V]``.
+    """
     size = min(size, *query.shape[:2], *item.shape[:2])
     shares = np.einsum("ijd,kld->ijkl", window_sums(query, size), window_sums(item, size))
-    top_q, left_q, top_i, left_i = np.unravel_index(int(np.argmax(shares)), shares.shape)
+    query_mean = shares.mean(axis=(2, 3), keepdims=True)
+    item_mean = shares.mean(axis=(0, 1), keepdims=True)
+    specific = shares - query_mean - item_mean + shares.mean()
+    top_q, left_q, top_i, left_i = np.unravel_index(int(np.argmax(specific)), shares.shape)
     share = float(shares[top_q, left_q, top_i, left_i])
     return Peak(int(top_q), int(left_q), size, share), Peak(int(top_i), int(left_i), size, share)
 
@@ -87,7 +95,7 @@ class Heatmap:
     view: (
         np.ndarray
     )  # uint8 (s, s, 3): the image as the model saw it (the centre square of the upright image)
-    peak: Peak  # its window of the pair of windows that carry the most of the cosine between them
+    peak: Peak  # its window of the two that matched (matched_windows)
 
     @property
     def total(self) -> float:

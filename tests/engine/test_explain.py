@@ -65,10 +65,14 @@ def test_the_peaks_are_the_two_windows_that_carry_the_most_between_them() -> Non
     query[3:6, 1:4] += shared  # the same region in both images, at different places
     item[0:3, 4:7] += shared
     query[0, 0, 5] = item[6, 6, 5] = 0.5  # a stronger pair of single positions, alone
-    peak_q, peak_i = matched_windows(query, item)
-    assert (peak_q.top, peak_q.left, peak_q.size) == (3, 1, 3)
-    assert (peak_i.top, peak_i.left, peak_i.size) == (0, 4, 3)
+    item[..., 7] += 0.02  # a background all over the item ...
+    query[0:3, 4:7, 7] += 0.6  # ... and a salient query region a little alike all of it
     pairs = np.einsum("ijd,kld->ijkl", query, item)  # every pair of positions, by brute force
+    windows = np.lib.stride_tricks.sliding_window_view(pairs, (3, 3, 3, 3)).sum(axis=(4, 5, 6, 7))
+    assert np.unravel_index(np.argmax(windows), windows.shape)[:2] == (0, 4)  # the largest share: salient
+    peak_q, peak_i = matched_windows(query, item)
+    assert (peak_q.top, peak_q.left, peak_q.size) == (3, 1, 3)  # the most specific: the shared region
+    assert (peak_i.top, peak_i.left, peak_i.size) == (0, 4, 3)
     assert peak_q.share == peak_i.share == pytest.approx(float(pairs[3:6, 1:4, 0:3, 4:7].sum()), rel=1e-5)
     assert peak_q.box((7, 7), (224, 224)) == (32, 96, 128, 192)
     single_q, single_i = matched_windows(query, item, 1)  # one position each: the strongest pair
