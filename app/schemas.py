@@ -402,6 +402,17 @@ class ModelCardOut(BaseModel):
     plots: list[PlotOut] = Field(description="The plots of the run's `dmlsearch report`.")
 
 
+class PeakOut(BaseModel):
+    """This image's region of the two that matched: square windows of grid positions (3 x 3 on the 7 x 7
+    grid), one in each image, that carry more of the cosine between them than each carries with the other
+    image's windows on average (docs/architecture.md, "Why a result matched")."""
+
+    box: tuple[int, int, int, int] = Field(description="x0, y0, x1, y1 in pixels of the model's view.")
+    share: float = Field(
+        description="The share of the cosine carried between this window and the other image's peak window."
+    )
+
+
 class HeatmapOut(BaseModel):
     """One image's share of the cosine, over the model's view of it: the centre square of the upright image
     (shorter side), as the model saw it. ``grid`` has ``h`` rows of ``w`` positions (7 x 7 for a 224-pixel
@@ -410,8 +421,10 @@ class HeatmapOut(BaseModel):
     grid: list[list[float]]
     rest: float = Field(description="The share no position carries (the embedding head's biases).")
     total: float
+    peak: PeakOut
     overlay_png: str = Field(
-        description="The model's view with the positions that raised the similarity coloured (PNG, base64).",
+        description="The model's view with the positions that raised the similarity coloured and the peak "
+        "outlined (PNG, base64).",
         json_schema_extra={"contentEncoding": "base64", "contentMediaType": "image/png"},
     )
 
@@ -421,6 +434,7 @@ class HeatmapOut(BaseModel):
             grid=heatmap.grid.astype(float).tolist(),
             rest=heatmap.rest,
             total=heatmap.total,
+            peak=PeakOut(box=heatmap.peak_box, share=heatmap.peak.share),
             overlay_png=base64.b64encode(overlay_png).decode("ascii"),
         )
 

@@ -158,7 +158,8 @@ def render_explanation(explain: Callable[[int], dict], item_id: int) -> None:
     for side in ("query", "item"):
         heatmap = body[side]
         positions, rest = heatmap["total"] - heatmap["rest"], heatmap["rest"]
-        caption = f"why: {side} (positions {positions:+.3f}, rest {rest:+.3f})"
+        peak = heatmap["peak"]["share"]  # carried between the two outlined regions
+        caption = f"why: {side} (positions {positions:+.3f}, rest {rest:+.3f}; outlined pair {peak:+.3f})"
         st.image(base64.b64decode(heatmap["overlay_png"]), caption=caption, width="stretch")
 
 

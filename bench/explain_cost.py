@@ -1,12 +1,14 @@
 """What one explanation costs against one query's embedding, on the CPU, in one run (a ratio).
 
-    python bench/explain_cost.py [--model artifacts/model/model.onnx] [--threads 1] [--repeats 20]
+    python bench/explain_cost.py [--model artifacts/model/model.onnx] [--threads 1] [--repeats 20] [--noise]
 
 Both start from decoded, preprocessed images: a query embeds one image; an explanation embeds the query
-and the result in one batch with the feature maps, runs the explainer, takes both heatmaps and draws both
-PNG overlays (what ``/v1/explain`` does after decoding). Each figure is the minimum over ``--repeats``
-runs after a warm-up, so that other load on the machine inflates it as little as possible. Without
-``--model`` the pretrained model is exported to a temporary folder first.
+and the result in one batch with the feature maps, runs the explainer, takes both heatmaps and their
+peaks and draws both PNG overlays (what ``/v1/explain`` does after decoding). The pair is two demo-gallery
+photos (``engine.demo_gallery.PHOTOS``: the cat and the coffee); with ``--noise`` two images of Gaussian
+noise, whose overlays PNG compresses worst (the first runs' input). Each figure is the minimum over
+``--repeats`` runs after a warm-up, so that other load on the machine inflates it as little as possible.
+Without ``--model`` the pretrained model is exported to a temporary folder first.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+from PIL import Image
 
+from engine.demo_gallery import PHOTOS
 from engine.embedder import Embedder
 from engine.explain import Heatmap, explain_tensor, model_view
 from engine.explainer import Explainer
@@ -50,21 +54,31 @@ def pretrained_model(folder: Path) -> Path:
     return path
 
 
-def measure(model: Path, threads: int, repeats: int) -> dict[str, float]:
+def photo_pair(embedder: Embedder) -> np.ndarray:
+    photos = [Image.fromarray(photo.load()).convert("RGB") for photo in PHOTOS[:2]]
+    return embedder.preprocess(photos)
+
+
+def measure(model: Path, threads: int, repeats: int, noise: bool = False) -> dict[str, float]:
     embedder = Embedder(model, threads=threads)
     bundle = SimpleNamespace(
         embedder=embedder, explainer=Explainer.for_model(model, embedder.card, threads=threads)
     )
     size = embedder.card.preprocessing.input_size
-    pair = np.random.default_rng(0).normal(size=(2, 3, size, size)).astype(np.float32)
+    pair = (
+        np.random.default_rng(0).normal(size=(2, 3, size, size)).astype(np.float32)
+        if noise
+        else photo_pair(embedder)
+    )
 
     def explain() -> list[bytes]:
-        _, grids, rests = explain_tensor(bundle, pair)
+        _, grids, rests, peaks = explain_tensor(bundle, pair)
         views = [model_view(image, embedder.card.preprocessing) for image in pair]
-        return [png_bytes(overlay(Heatmap(g, r, v))) for g, r, v in zip(grids, rests, views, strict=True)]
+        heatmaps = map(Heatmap, grids, rests, views, peaks)
+        return [png_bytes(overlay(heatmap)) for heatmap in heatmaps]
 
     query_ms = best_ms(lambda: embedder.embed_tensor(pair[:1]), repeats)
-    heatmaps_ms = best_ms(lambda: explain_tensor(bundle, pair), repeats)  # the grids, no drawing
+    heatmaps_ms = best_ms(lambda: explain_tensor(bundle, pair), repeats)  # grids and peaks, no drawing
     explain_ms = best_ms(explain, repeats)
     return {
         "query_embedding_ms": query_ms,
@@ -82,11 +96,13 @@ def main() -> None:
     parser.add_argument("--model", type=Path)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--noise", action="store_true", help="two noise images instead of two photos")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         model = args.model or pretrained_model(Path(folder))
-        result = measure(model, args.threads, args.repeats)
-    print(json.dumps({"threads": args.threads, "repeats": args.repeats, **result}, indent=2))
+        result = measure(model, args.threads, args.repeats, args.noise)
+    pair = "noise" if args.noise else "photos"
+    print(json.dumps({"threads": args.threads, "repeats": args.repeats, "pair": pair, **result}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,27 @@
 """Does the heatmap point at the right place? One object pasted into two different backgrounds: the peak of
 each image's heatmap (``engine.explain``) should fall inside the pasted object's box.
 
-    python bench/explain_pointing.py [--model MODEL] [--pairs 240] [--seed 0]
+    python bench/explain_pointing.py [--model MODEL] [--pairs 240] [--seed 0] [--any-photos]
                                      [--out bench/results/explain_pointing.json]
 
 Objects and backgrounds are the demo gallery's source photos (``engine.demo_gallery.PHOTOS``: real photos
 shipped in scikit-image and scikit-learn). Per pair: a random square crop of one photo, resized to 56-96
 px, is pasted at random places into random 224 x 224 crops of two other photos (the model sees all of a
-224-pixel square image). Baselines: a random peak (the fraction of grid cells whose centre lies in the box,
-its exact expectation) and the image centre. Without ``--model`` the pretrained model is exported first.
+224-pixel square image). The three photos show three different scenes (labels): the two views of the
+stereo motorcycle are one scene, so they are never the two "different" backgrounds, nor an object and its
+background. ``--any-photos`` draws three different photos instead (the first runs' protocol, where 3-6%
+of pairs had the same scene twice). Three peaks of each image are scored, each counted inside when its
+centre lies in the pasted box:
+
+- ``matched``, the served one (``engine.explain.matched_windows``): the 3 x 3 windows of grid positions,
+  one in each image, whose pairs of positions carry more of the cosine between them than each window
+  carries with the other image's windows on average;
+- ``window``: the 3 x 3 window of the image's own heatmap whose shares add up to the most;
+- ``position``: the single grid position with the largest share.
+
+Baselines: a random peak of each size (the fraction of windows, or positions, whose centre lies in the
+box: its exact expectation) and the image centre. Without ``--model`` the pretrained model is exported
+first.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,13 +37,15 @@ import numpy as np
 from explain_cost import pretrained_model  # bench/ scripts run from bench/ on sys.path
 from PIL import Image
 
+from engine.defaults import EXPLAIN_PEAK_POSITIONS
 from engine.demo_gallery import PHOTOS
 from engine.embedder import Embedder
-from engine.explain import explain_tensor
+from engine.explain import Peak, explain_tensor, window_sums
 from engine.explainer import Explainer
 from index.atomic import atomic_write_text
 
 SIDE = 224
+SIZES = {"matched": EXPLAIN_PEAK_POSITIONS, "window": EXPLAIN_PEAK_POSITIONS, "position": 1}
 
 
 def random_crop(
@@ -51,53 +67,98 @@ def pasted(
     return image, (x, y, x + thing.width, y + thing.height)
 
 
-def cell_centres(grid: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    rows, columns = grid
-    ys = (np.arange(rows) + 0.5) * SIDE / rows
-    xs = (np.arange(columns) + 0.5) * SIDE / columns
-    return np.meshgrid(ys, xs, indexing="ij")
+def centre(peak: Peak, grid: tuple[int, int]) -> tuple[float, float]:
+    x0, y0, x1, y1 = peak.box(grid, (SIDE, SIDE))
+    return (x0 + x1) / 2, (y0 + y1) / 2
 
 
-def inside(box: tuple, ys: np.ndarray, xs: np.ndarray) -> np.ndarray:
+def inside(box: tuple, point: tuple[float, float]) -> bool:
     x0, y0, x1, y1 = box
-    return (xs >= x0) & (xs < x1) & (ys >= y0) & (ys < y1)
+    x, y = point
+    return x0 <= x < x1 and y0 <= y < y1
 
 
-def run(model: Path, pairs: int, seed: int) -> dict:
-    embedder = Embedder(model, threads=0)
-    bundle = SimpleNamespace(embedder=embedder, explainer=Explainer.for_model(model, embedder.card))
-    if bundle.explainer is None:
-        raise SystemExit(f"{model} has no explainer: re-export it")
+def heatmap_peak(grid: np.ndarray, size: int) -> Peak:
+    """The ``size`` x ``size`` window of one heatmap whose shares add up to the most."""
+    sums = window_sums(grid, size)
+    top, left = np.unravel_index(int(np.argmax(sums)), sums.shape)
+    return Peak(int(top), int(left), size, float(sums[top, left]))
+
+
+def random_peak_in_box(box: tuple, grid: np.ndarray, size: int) -> float:
+    """The chance that a peak of ``size`` x ``size`` positions, placed at random, falls inside ``box``."""
+    rows, columns = grid.shape[0] - size + 1, grid.shape[1] - size + 1
+    peaks = [Peak(top, left, size, 0.0) for top in range(rows) for left in range(columns)]
+    return float(np.mean([inside(box, centre(peak, grid.shape)) for peak in peaks]))
+
+
+def three_scenes(rng: np.random.Generator, any_photos: bool) -> list[int]:
+    """The photos (indices of ``PHOTOS``) of the object and the two backgrounds of one pair."""
+    if any_photos:
+        return [int(i) for i in rng.choice(len(PHOTOS), size=3, replace=False)]
+    labels = sorted({photo.label for photo in PHOTOS})
+    chosen = rng.choice(len(labels), size=3, replace=False)
+    photos = [[i for i, photo in enumerate(PHOTOS) if photo.label == labels[c]] for c in chosen]
+    return [int(rng.choice(of_scene)) for of_scene in photos]
+
+
+def pasted_pairs(
+    pairs: int, seed: int, any_photos: bool = False
+) -> Iterator[tuple[list[Image.Image], tuple[tuple, tuple]]]:
+    """Each pair's two images and the pasted object's box ``(x0, y0, x1, y1)`` in each."""
     photos = [Image.fromarray(photo.load()).convert("RGB") for photo in PHOTOS]
     rng = np.random.default_rng(seed)
-    hits = {"peak": np.zeros((pairs, 2), bool), "centre": np.zeros((pairs, 2), bool)}
-    random_peak = np.zeros((pairs, 2))
-    for pair in range(pairs):
-        source, *backgrounds = rng.choice(len(photos), size=3, replace=False)
+    for _ in range(pairs):
+        source, *backgrounds = three_scenes(rng, any_photos)
         thing = random_crop(photos[source], int(rng.integers(56, 97)), rng, (0.3, 0.6))
         images, boxes = zip(
             *(pasted(random_crop(photos[b], SIDE, rng, (0.5, 1.0)), thing, rng) for b in backgrounds),
             strict=True,
         )
-        _, grids, _ = explain_tensor(bundle, embedder.preprocess(list(images)))
-        ys, xs = cell_centres(grids[0].shape)
-        centre = (np.array([SIDE / 2]), np.array([SIDE / 2]))
+        yield list(images), boxes
+
+
+def explainable_bundle(model: Path) -> SimpleNamespace:
+    """What ``engine.explain.explain_tensor`` needs of a served bundle: the embedder and the explainer."""
+    embedder = Embedder(model, threads=0)
+    bundle = SimpleNamespace(embedder=embedder, explainer=Explainer.for_model(model, embedder.card))
+    if bundle.explainer is None:
+        raise SystemExit(f"{model} has no explainer: re-export it")
+    return bundle
+
+
+def run(model: Path, pairs: int, seed: int, any_photos: bool = False) -> dict:
+    bundle = explainable_bundle(model)
+    hits = {kind: np.zeros((pairs, 2), bool) for kind in SIZES}
+    random_peak = {size: np.zeros((pairs, 2)) for size in set(SIZES.values())}
+    at_centre = np.zeros((pairs, 2), bool)
+    for pair, (images, boxes) in enumerate(pasted_pairs(pairs, seed, any_photos)):
+        _, grids, _, matched = explain_tensor(bundle, bundle.embedder.preprocess(images))
         for side, (grid, box) in enumerate(zip(grids, boxes, strict=True)):
-            peak = np.unravel_index(int(np.argmax(grid)), grid.shape)
-            hits["peak"][pair, side] = inside(box, ys, xs)[peak]
-            hits["centre"][pair, side] = inside(box, *centre)[0]
-            random_peak[pair, side] = inside(box, ys, xs).mean()
+            peaks = {
+                "matched": matched[side],
+                "window": heatmap_peak(grid, SIZES["window"]),
+                "position": heatmap_peak(grid, SIZES["position"]),
+            }
+            for kind, peak in peaks.items():
+                hits[kind][pair, side] = inside(box, centre(peak, grid.shape))
+            for size, chance in random_peak.items():
+                chance[pair, side] = random_peak_in_box(box, grid, size)
+            at_centre[pair, side] = inside(box, (SIDE / 2, SIDE / 2))
     return {
         "model": str(model),
         "pairs": pairs,
         "seed": seed,
+        "scenes": "any three photos" if any_photos else "three different scenes",
         "peak_in_box": {
-            "query": hits["peak"][:, 0].mean(),
-            "item": hits["peak"][:, 1].mean(),
-            "both": hits["peak"].all(1).mean(),
+            kind: {"query": hit[:, 0].mean(), "item": hit[:, 1].mean(), "both": hit.all(1).mean()}
+            for kind, hit in hits.items()
         },
-        "random_peak_in_box": {"query": random_peak[:, 0].mean(), "item": random_peak[:, 1].mean()},
-        "centre_in_box": {"query": hits["centre"][:, 0].mean(), "item": hits["centre"][:, 1].mean()},
+        "random_peak_in_box": {
+            f"{size}x{size}": {"query": chance[:, 0].mean(), "item": chance[:, 1].mean()}
+            for size, chance in sorted(random_peak.items())
+        },
+        "centre_in_box": {"query": at_centre[:, 0].mean(), "item": at_centre[:, 1].mean()},
     }
 
 
@@ -108,11 +169,12 @@ def main() -> None:
     parser.add_argument("--model", type=Path)
     parser.add_argument("--pairs", type=int, default=240)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--any-photos", action="store_true", help="the first runs' protocol (see above)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         model = args.model or pretrained_model(Path(folder))
-        result = run(model, args.pairs, args.seed)
+        result = run(model, args.pairs, args.seed, args.any_photos)
     text = json.dumps(result, indent=2, default=float)
     print(text)
     if args.out:

@@ -26,7 +26,9 @@ def explain(
     model: StoredModelOption = None,
 ) -> None:
     """Write the query (or its box) and the item with the positions that carried their similarity coloured,
-    and print the cosine with each image's share of it (positions plus the head's biases; engine.explain)."""
+    and print the cosine with each image's share of it (positions plus the head's biases; engine.explain) and
+    each image's peak window (outlined): the two regions, one in each image, that match each other most
+    specifically, with the share of the cosine they carry between them."""
     from engine.heatmap_image import png_bytes, side_by_side
     from engine.images import ImageDecodeError
     from engine.search import SearchService
@@ -45,5 +47,8 @@ def explain(
     atomic_write_bytes(out, png_bytes(side_by_side(explanation)))
     typer.echo(f"cosine {explanation.cosine:.4f}")
     for name, heatmap in (("query", explanation.query), ("item", explanation.item)):
-        typer.echo(f"{name}: positions {heatmap.grid.sum():+.4f}, rest {heatmap.rest:+.4f}")
+        typer.echo(
+            f"{name}: positions {heatmap.grid.sum():+.4f}, rest {heatmap.rest:+.4f}, "
+            f"peak {heatmap.peak_box} (pixels of the model's view) {heatmap.peak.share:+.4f}"
+        )
     typer.echo(f"wrote {out}")

@@ -43,6 +43,13 @@ JPEG_DRAFT = True
 # the model resizes the region to its 224-px input, and a smaller one is upsampled 14x and more into blur.
 MIN_BOX_SIDE = 16
 
+# The peaks of a why-it-matched explanation (engine.explain.matched_windows): squares of this many x this
+# many grid positions, one in each image, that match each other most specifically. One
+# position of Lite0's 7 x 7 grid is a 32-px cell whose features see far beyond it: 3 x 3 windows (96 px of
+# the 224-px view) put the peak inside a pasted 56-96 px object far more often than one position or 2 x 2
+# (bench/results/explain_pointing.md).
+EXPLAIN_PEAK_POSITIONS = 3
+
 # Results per query, the most a client may ask for, and the cosine cut that keeps everything.
 TOP_K = 10
 MAX_K = 1000

@@ -7,6 +7,11 @@ map's positions: ``e = sum_p c_p + r`` (``training.model.PositionContributions``
 e_b>`` over its positions, each one's exact share of the served cosine, and ``<r_a, e_b>`` is what no
 position carries (the head's biases). The same holds for ``b`` against ``e_a``. Everything runs through
 onnxruntime; both images are embedded in one run (two images: what one explanation costs).
+
+The same split, taken on both sides at once, is over pairs of positions: ``<e_a, e_b> = sum_{p,q} <c_{a,p},
+c_{b,q}> + <r_a, e_b> + <sum_p c_{a,p}, r_b>``. Each heatmap names its peak, from that: the square window of
+positions in ``a`` and the one in ``b`` that match each other most specifically (:func:`matched_windows`),
+with the share of the cosine their pairs carry between them, an exact term of the served cosine.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.decoding import decode_uploads
+from engine.defaults import EXPLAIN_PEAK_POSITIONS
 from engine.item_reader import ItemReader, image_path
 from engine.model_card import ModelCard, Preprocessing
 from engine.query import ItemQuery, Query
@@ -32,6 +39,54 @@ class ExplainUnavailableError(DmlsearchError, ValueError):
 
 
 @dataclass(frozen=True)
+class Peak:
+    """A square window of grid positions: one of the two regions that matched (:func:`matched_windows`)."""
+
+    top: int  # grid row of its first position
+    left: int  # grid column of its first position
+    size: int  # positions on each side
+    share: float  # the part of the cosine carried between this window and the other image's peak window
+
+    def box(self, grid_shape: tuple[int, int], view_size: tuple[int, int]) -> tuple[int, int, int, int]:
+        """``(x0, y0, x1, y1)``: the window in pixels of the view ``(width, height)`` the grid covers."""
+        (rows, columns), (width, height) = grid_shape, view_size
+        return (
+            round(self.left * width / columns),
+            round(self.top * height / rows),
+            round((self.left + self.size) * width / columns),
+            round((self.top + self.size) * height / rows),
+        )
+
+
+def window_sums(values: np.ndarray, size: int) -> np.ndarray:
+    """Sums of ``values`` (h, w, ...) over each ``size`` x ``size`` window inside the grid, indexed by the
+    window's first position: (h - size + 1, w - size + 1, ...)."""
+    return sliding_window_view(values, (size, size), axis=(0, 1)).sum(axis=(-2, -1))
+
+
+def matched_windows(
+    query: np.ndarray, item: np.ndarray, size: int = EXPLAIN_PEAK_POSITIONS
+) -> tuple[Peak, Peak]:
+    """The window of the query and the window of the item, ``size`` x ``size`` positions (fewer on a smaller
+    grid), that match each other most specifically, from the contributions (h, w, d) of each image.
+
+    ``S[U, V] = sum_{p in U, q in V} <query_p, item_q>`` is the share of the cosine carried between windows
+    ``U`` and ``V``. The pair chosen maximises ``S[U, V]`` less what ``U`` carries on average with the item's
+    windows and ``V`` with the query's (``S`` centred on both sides): a salient region that is a little alike
+    everything in the other image (a busy background) carries much with every window, not with one. Both
+    peaks get the pair's own, uncentred share ``S[U, V]``.
+    """
+    size = min(size, *query.shape[:2], *item.shape[:2])
+    shares = np.einsum("ijd,kld->ijkl", window_sums(query, size), window_sums(item, size))
+    query_mean = shares.mean(axis=(2, 3), keepdims=True)
+    item_mean = shares.mean(axis=(0, 1), keepdims=True)
+    specific = shares - query_mean - item_mean + shares.mean()
+    top_q, left_q, top_i, left_i = np.unravel_index(int(np.argmax(specific)), shares.shape)
+    share = float(shares[top_q, left_q, top_i, left_i])
+    return Peak(int(top_q), int(left_q), size, share), Peak(int(top_i), int(left_i), size, share)
+
+
+@dataclass(frozen=True)
 class Heatmap:
     """One image's share of the cosine: ``grid.sum() + rest`` is the cosine (within float rounding)."""
 
@@ -40,10 +95,16 @@ class Heatmap:
     view: (
         np.ndarray
     )  # uint8 (s, s, 3): the image as the model saw it (the centre square of the upright image)
+    peak: Peak  # its window of the two that matched (matched_windows)
 
     @property
     def total(self) -> float:
         return float(self.grid.sum()) + self.rest
+
+    @property
+    def peak_box(self) -> tuple[int, int, int, int]:
+        """The peak window in pixels of the view."""
+        return self.peak.box(self.grid.shape, (self.view.shape[1], self.view.shape[0]))
 
 
 @dataclass(frozen=True)
@@ -69,8 +130,9 @@ def unavailable_message(model_path: Path, card: ModelCard) -> str:
 
 def explain_tensor(
     bundle: LoadedBundle, tensor: np.ndarray
-) -> tuple[float, tuple[np.ndarray, np.ndarray], tuple[float, float]]:
-    """The cosine of two preprocessed images (2, 3, s, s) and each one's grid and rest against the other."""
+) -> tuple[float, tuple[np.ndarray, np.ndarray], tuple[float, float], tuple[Peak, Peak]]:
+    """The cosine of two preprocessed images (2, 3, s, s), each one's grid and rest against the other and
+    their matched peak windows."""
     if bundle.explainer is None:
         raise ExplainUnavailableError(unavailable_message(bundle.embedder.model_path, bundle.embedder.card))
     embeddings, maps = bundle.embedder.embed_with_maps(tensor)
@@ -78,7 +140,9 @@ def explain_tensor(
     others = embeddings[::-1]  # each image against the other one's embedding
     grids = np.einsum("nhwd,nd->nhw", contributions, others)
     rests = np.einsum("nd,nd->n", rest, others)
-    return float(embeddings[0] @ embeddings[1]), (grids[0], grids[1]), (float(rests[0]), float(rests[1]))
+    peaks = matched_windows(contributions[0], contributions[1])
+    cosine = float(embeddings[0] @ embeddings[1])
+    return cosine, (grids[0], grids[1]), (float(rests[0]), float(rests[1])), peaks
 
 
 def model_view(image: np.ndarray, preprocessing: Preprocessing) -> np.ndarray:
@@ -120,9 +184,9 @@ class ExplainService:
             boxes=[box, None],
             images=len(images),
         )
-        cosine, grids, rests = explain_tensor(bundle, decoded.tensor)
+        cosine, grids, rests, peaks = explain_tensor(bundle, decoded.tensor)
         query_map, item_map = (
-            Heatmap(grid, rest, model_view(image, preprocessing))
-            for grid, rest, image in zip(grids, rests, decoded.tensor, strict=True)
+            Heatmap(grid, rest, model_view(image, preprocessing), peak)
+            for grid, rest, image, peak in zip(grids, rests, decoded.tensor, peaks, strict=True)
         )
         return Explanation(cosine, query_map, item_map, bundle.embedder.fingerprint)

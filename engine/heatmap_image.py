@@ -14,13 +14,16 @@ from engine.explain import Explanation, Heatmap
 COLOURMAP = "inferno"
 OPACITY = 0.7  # of the colour at the position that carried the most similarity
 CAPTION_HEIGHT = 24
+PNG_COMPRESS_LEVEL = 1
+PEAK_OUTLINE = (0, 255, 255)  # cyan: apart from the colour map's black-red-yellow
 
 
 def overlay(heatmap: Heatmap) -> Image.Image:
     """The model's view with each position tinted by its share of the cosine.
 
     Positions that raised the similarity are coloured, the most by the largest share; those that lowered
-    it (negative shares) stay as they are. The grid is upsampled bilinearly to the view's pixels.
+    it (negative shares) stay as they are. The grid is upsampled bilinearly to the view's pixels. The peak
+    window (this image's region of the two that matched, ``engine.explain.matched_windows``) is outlined.
     """
     view = heatmap.view
     raised = np.clip(heatmap.grid, 0.0, None).astype(np.float32)
@@ -29,14 +32,20 @@ def overlay(heatmap: Heatmap) -> Image.Image:
     size = (view.shape[1], view.shape[0])
     weights = np.asarray(Image.fromarray(scaled, mode="F").resize(size, Image.Resampling.BILINEAR))
     weights = np.clip(weights, 0.0, 1.0)[..., None]
-    colours = colormaps[COLOURMAP](weights[..., 0])[..., :3] * 255.0
+    # The colour map as uint8 (its table, rounded down): 20x faster than its float colours, < 1 level off.
+    colours = colormaps[COLOURMAP](weights[..., 0], bytes=True)[..., :3].astype(np.float32)
     blended = view * (1.0 - OPACITY * weights) + colours * (OPACITY * weights)
-    return Image.fromarray(np.clip(np.rint(blended), 0, 255).astype(np.uint8), "RGB")
+    image = Image.fromarray(np.clip(np.rint(blended), 0, 255).astype(np.uint8), "RGB")
+    x0, y0, x1, y1 = heatmap.peak_box
+    ImageDraw.Draw(image).rectangle((x0, y0, x1 - 1, y1 - 1), outline=PEAK_OUTLINE, width=2)
+    return image
 
 
 def png_bytes(image: Image.Image) -> bytes:
+    """PNG at zlib level 1: a 224-px photo overlay in ~5 ms instead of ~18 ms at the default 6, 10-17%
+    larger (measured on the demo photos); an explanation draws two per request."""
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
+    image.save(buffer, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
     return buffer.getvalue()
 
 

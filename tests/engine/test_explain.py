@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from engine.embedder import Embedder
-from engine.explain import ExplainUnavailableError
+from engine.explain import ExplainUnavailableError, matched_windows
 from engine.indexing import build_index
 from engine.item_reader import ItemNotFoundError
 from engine.query import ItemQuery, SearchOptions
@@ -52,3 +54,65 @@ def test_a_model_without_explainer_says_to_re_export(
     with pytest.raises(ExplainUnavailableError, match="has no explainer: re-export it"):
         old.explanations.explain(ItemQuery(item.id), item.id)
     old.close()
+
+
+def test_the_peaks_are_the_two_windows_that_carry_the_most_between_them() -> None:
+    rng = np.random.default_rng(0)
+    query = rng.normal(0, 0.01, (7, 7, 16)).astype(np.float32)
+    item = rng.normal(0, 0.01, (7, 7, 16)).astype(np.float32)
+    shared = np.zeros(16, np.float32)
+    shared[3] = 0.1
+    query[3:6, 1:4] += shared  # the same region in both images, at different places
+    item[0:3, 4:7] += shared
+    query[0, 0, 5] = item[6, 6, 5] = 0.5  # a stronger pair of single positions, alone
+    item[..., 7] += 0.02  # a background all over the item ...
+    query[0:3, 4:7, 7] += 0.6  # ... and a salient query region a little alike all of it
+    pairs = np.einsum("ijd,kld->ijkl", query, item)  # every pair of positions, by brute force
+    windows = np.lib.stride_tricks.sliding_window_view(pairs, (3, 3, 3, 3)).sum(axis=(4, 5, 6, 7))
+    assert np.unravel_index(np.argmax(windows), windows.shape)[:2] == (0, 4)  # the largest share: salient
+    peak_q, peak_i = matched_windows(query, item)
+    assert (peak_q.top, peak_q.left, peak_q.size) == (3, 1, 3)  # the most specific: the shared region
+    assert (peak_i.top, peak_i.left, peak_i.size) == (0, 4, 3)
+    assert peak_q.share == peak_i.share == pytest.approx(float(pairs[3:6, 1:4, 0:3, 4:7].sum()), rel=1e-5)
+    assert peak_q.box((7, 7), (224, 224)) == (32, 96, 128, 192)
+    single_q, single_i = matched_windows(query, item, 1)  # one position each: the strongest pair
+    assert (single_q.top, single_q.left, single_i.top, single_i.left) == (0, 0, 6, 6)
+    small = matched_windows(query[:2, :2], item[:2, :2])[0]  # a grid smaller than the window
+    assert (small.size, small.top, small.left) == (2, 0, 0)
+
+
+def _pasted(background: np.ndarray, thing: np.ndarray, x: int, y: int) -> bytes:
+    pixels = background.copy()
+    pixels[y : y + thing.shape[0], x : x + thing.shape[1]] = thing
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_the_peak_points_at_an_object_pasted_into_two_backgrounds(
+    exported_model: Path, tmp_path: Path
+) -> None:
+    """Real model, real onnxruntime: an 80-px object (a red and black checkerboard around a yellow disc)
+    pasted into two smooth, different backgrounds at different places; the peak window of each image holds
+    the object's centre."""
+    yy, xx = np.mgrid[0:224, 0:224].astype(np.float32)
+    backgrounds = [
+        np.stack([80 + 0.3 * xx, 120 + 0.2 * yy, 160 - 0.2 * xx], -1).astype(np.uint8),
+        np.stack([200 - 0.4 * yy, 90 + 0.1 * xx, 60 + 0.3 * yy], -1).astype(np.uint8),
+    ]
+    ty, tx = np.mgrid[0:80, 0:80]
+    thing = np.where(((ty // 10 + tx // 10) % 2)[..., None] == 1, [200, 20, 20], [10, 10, 10])
+    thing[(ty - 40) ** 2 + (tx - 40) ** 2 < 15**2] = [250, 220, 0]
+    thing = thing.astype(np.uint8)
+    gallery = tmp_path / "gallery"
+    gallery.mkdir()
+    (gallery / "pasted.png").write_bytes(_pasted(backgrounds[1], thing, 130, 120))
+    build_index(gallery, Embedder(exported_model), tmp_path / "index", progress=False)
+    service = SearchService.open(None, tmp_path / "index", threads=1)
+    item = service.reader.page(0, 1)[0][0]
+    explanation = service.explanations.explain(_pasted(backgrounds[0], thing, 20, 40), item.id)
+    service.close()
+    for heatmap, (x, y) in ((explanation.query, (20, 40)), (explanation.item, (130, 120))):
+        x0, y0, x1, y1 = heatmap.peak_box
+        assert x0 <= x + 40 < x1 and y0 <= y + 40 < y1, (heatmap.peak_box, (x, y))
+    assert 0 < explanation.query.peak.share == explanation.item.peak.share < explanation.cosine
