@@ -6,6 +6,7 @@ is given, the speed of one fine-tuning step is measured on this machine (random 
 and compute) and fine-tuning is chosen when at least :data:`MIN_FINETUNE_STEPS` steps, plus validating
 and testing, fit in the budget; otherwise the frozen mode. The steps then fill the budget, up to the
 recipe's ``max_steps``, and the run stops at the budget in any case (``TrainConfig.time_budget``).
+A ``frozen_first`` run's frozen stage is counted too, from a head step measured the same way.
 """
 
 from __future__ import annotations
@@ -62,6 +63,26 @@ def measure_finetune_speed(config: TrainConfig, batch: int, *, steps: int = 1) -
     return batch * steps / elapsed
 
 
+def measure_head_speed(config: TrainConfig, batch: int, *, steps: int = 5) -> float:
+    """Steps per second of the frozen mode's step (head and loss on cached features) on this CPU, after a
+    warm-up step: what a ``frozen_first`` run's frozen stage trains with."""
+    frozen = config.model_copy(update={"mode": "frozen", "frozen_first": False})
+    feature_dim = BACKBONES[config.backbone].feature_dim
+    objective = build_objective(frozen, feature_dim).train()
+    features = torch.randn(batch, feature_dim)
+    labels = torch.arange(batch) // 4
+    optimizer = torch.optim.Adam(objective.parameters(), lr=1e-9)
+    elapsed = 0.0
+    for step in range(steps + 1):
+        started = time.perf_counter()
+        value = objective(features, labels)
+        optimizer.zero_grad(set_to_none=True)
+        value.backward()
+        optimizer.step()
+        elapsed += (time.perf_counter() - started) if step else 0.0
+    return steps / elapsed
+
+
 def finetune_seconds(
     steps: int, *, img_per_s: float, batch: int, images: dict[str, int], eval_area: float = 1.0
 ) -> float:
@@ -82,14 +103,23 @@ class Speed:
     batch: int
     images: dict[str, int]  # train / val / test
     eval_area: float  # pixels of an evaluated image over those of a training crop
+    frozen_stage_s: float = 0.0  # a frozen_first run's frozen stage at its full step budget (0: none)
 
     def seconds(self, steps: int) -> float:
-        return finetune_seconds(
+        fine_tuning = finetune_seconds(
             steps, img_per_s=self.img_per_s, batch=self.batch, images=self.images, eval_area=self.eval_area
         )
+        return self.frozen_stage_s + fine_tuning
+
+    def steps_within(self, step_seconds: float) -> int:
+        """How many steps ``step_seconds`` of training steps hold (what ``time_budget`` counts)."""
+        return math.floor(step_seconds * self.img_per_s / self.batch)
 
     def describe(self) -> str:
-        return f"a fine-tuning step of {self.batch} images measured at {self.img_per_s:.1f} img/s on this CPU"
+        text = f"a fine-tuning step of {self.batch} images measured at {self.img_per_s:.1f} img/s on this CPU"
+        if self.frozen_stage_s:
+            text += f"; a frozen stage of at most {self.frozen_stage_s / 60:.0f} minutes first"
+        return text
 
 
 def plan_mode(speed: Speed, *, budget_s: float, max_steps: int) -> Plan:
@@ -131,7 +161,10 @@ def measure(config: TrainConfig) -> Speed:
     images = {name: len(split[name]) for name in ("train", "val", "test")}
     input_size = BACKBONES[config.backbone].preprocessing.input_size
     eval_area = (input_size / (config.train_size or input_size)) ** 2
-    return Speed(measure_finetune_speed(config, batch), batch, images, eval_area)
+    frozen_stage_s = 0.0
+    if config.frozen_first:  # the stage runs the frozen mode's step budget (trainer.frozen_stage)
+        frozen_stage_s = TrainConfig.model_fields["max_steps"].default / measure_head_speed(config, batch)
+    return Speed(measure_finetune_speed(config, batch), batch, images, eval_area, frozen_stage_s)
 
 
 def plan_for(config: TrainConfig, budget_s: float) -> Plan:
@@ -142,8 +175,13 @@ def plan_for(config: TrainConfig, budget_s: float) -> Plan:
 def estimate(config: TrainConfig) -> str:
     """What a fine-tuning run of ``config`` will take on this CPU, measured: said before it starts."""
     speed = measure(config)
-    seconds = speed.seconds(config.max_steps)
-    text = f"estimate: about {seconds / 60:.0f} minutes for {config.max_steps} steps ({speed.describe()})"
-    if config.time_budget is not None and seconds > config.time_budget:
-        text += f"; the time budget stops it after {config.time_budget / 60:.0f} minutes of steps"
+    steps = config.max_steps
+    if config.time_budget is not None:
+        steps = min(steps, speed.steps_within(config.time_budget))
+    text = f"estimate: about {speed.seconds(steps) / 60:.0f} minutes for {steps} steps ({speed.describe()})"
+    if steps < config.max_steps:
+        text += (
+            f"; the time budget's {config.time_budget / 60:.0f} minutes of steps hold {steps} of the "
+            f"{config.max_steps}"
+        )
     return text

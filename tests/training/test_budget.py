@@ -89,7 +89,28 @@ def test_cli_says_how_long_an_explicit_fine_tuning_run_will_take(
     assert result.exit_code == 0, result.output
     assert re.search(
         r"estimate: about \d+ minutes for 1 steps \(a fine-tuning step of 4 images measured at "
-        r"[\d.]+ img/s on this CPU\)",
+        r"[\d.]+ img/s on this CPU; a frozen stage of at most \d+ minutes first\)",
         result.output,
     ), result.output
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train_size"] == 64
+    # With a time budget the estimate counts the steps it holds, not the step budget.
+    budgeted = [*command[:-2], "-p", "max_steps=100000", "-p", "frozen_first=false", "--time-budget", "0.1"]
+    budgeted[budgeted.index(str(tmp_path / "run"))] = str(tmp_path / "budgeted")
+    result = CliRunner().invoke(app, budgeted)
+    assert result.exit_code == 0, result.output
+    held = re.search(
+        r"estimate: about \d+ minutes for (\d+) steps \(.*on this CPU\); the time budget's 0 "
+        r"minutes of steps hold (\d+) of the 100000",
+        result.output,
+    )
+    assert held and held[1] == held[2] and int(held[1]) < 100000, result.output
+
+
+def test_the_frozen_stage_is_a_fixed_cost_of_the_plan() -> None:
+    plain = plan_mode(speed(42.0), budget_s=3600, max_steps=3000)
+    staged = Speed(42.0, 128, IMAGES, 1.0, frozen_stage_s=600.0)
+    assert staged.seconds(100) == speed(42.0).seconds(100) + 600.0
+    with_stage = plan_mode(staged, budget_s=3600, max_steps=3000)
+    assert with_stage.mode == "finetune" and with_stage.max_steps < plain.max_steps
+    assert "a frozen stage of at most 10 minutes first" in with_stage.reason
+    assert speed(42.0).steps_within(60.0) == 19  # 60 s of 128-image steps at 42 img/s
