@@ -422,20 +422,20 @@ class HeatmapOut(BaseModel):
     rest: float = Field(description="The share no position carries (the embedding head's biases).")
     total: float
     peak: PeakOut
-    overlay_png: str = Field(
+    overlay_jpeg: str = Field(
         description="The model's view with the positions that raised the similarity coloured and the peak "
-        "outlined (PNG, base64).",
-        json_schema_extra={"contentEncoding": "base64", "contentMediaType": "image/png"},
+        "outlined (JPEG, base64).",
+        json_schema_extra={"contentEncoding": "base64", "contentMediaType": "image/jpeg"},
     )
 
     @classmethod
-    def of(cls, heatmap: Heatmap, overlay_png: bytes) -> HeatmapOut:
+    def of(cls, heatmap: Heatmap, overlay_jpeg: bytes) -> HeatmapOut:
         return cls(
             grid=heatmap.grid.astype(float).tolist(),
             rest=heatmap.rest,
             total=heatmap.total,
             peak=PeakOut(box=heatmap.peak_box, share=heatmap.peak.share),
-            overlay_png=base64.b64encode(overlay_png).decode("ascii"),
+            overlay_jpeg=base64.b64encode(overlay_jpeg).decode("ascii"),
         )
 
 

@@ -160,7 +160,7 @@ def render_explanation(explain: Callable[[int], dict], item_id: int) -> None:
         positions, rest = heatmap["total"] - heatmap["rest"], heatmap["rest"]
         peak = heatmap["peak"]["share"]  # carried between the two outlined regions
         caption = f"why: {side} (positions {positions:+.3f}, rest {rest:+.3f}; outlined pair {peak:+.3f})"
-        st.image(base64.b64decode(heatmap["overlay_png"]), caption=caption, width="stretch")
+        st.image(base64.b64decode(heatmap["overlay_jpeg"]), caption=caption, width="stretch")
 
 
 def render_results(body: dict, *, filtered: bool, explain: Callable[[int], dict]) -> None:

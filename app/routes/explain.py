@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Request
 from app.deps import INT64_MAX, AppSettings, Compute, QueryBox, Service
 from app.schemas import ErrorOut, ExplainOut, HeatmapOut, ImageJsonIn, Responses
 from app.uploads import read_uploads, request_body_spec
-from engine.heatmap_image import overlay, png_bytes
+from engine.heatmap_image import jpeg_bytes, overlay
 from engine.query import ItemQuery
 from engine.query import Query as SearchQuery
 from engine.regions import Box
@@ -75,7 +75,7 @@ def _explained(service: SearchService, query: SearchQuery, item: int, box: Box |
         item_id=item,
         query_item_id=query.item_id if isinstance(query, ItemQuery) else None,
         cosine=explanation.cosine,
-        query=HeatmapOut.of(explanation.query, png_bytes(overlay(explanation.query))),
-        item=HeatmapOut.of(explanation.item, png_bytes(overlay(explanation.item))),
+        query=HeatmapOut.of(explanation.query, jpeg_bytes(overlay(explanation.query))),
+        item=HeatmapOut.of(explanation.item, jpeg_bytes(overlay(explanation.item))),
         model_fingerprint=explanation.model_fingerprint,
     )

@@ -26,8 +26,8 @@ def _check(body: dict, cosine: float | None = None) -> None:
         assert heatmap["total"] == pytest.approx(body["cosine"], abs=2e-5)  # the shares add up to the cosine
         x0, y0, x1, y1 = heatmap["peak"]["box"]  # pixels of the 224-px view: 3 x 3 positions of 32 px
         assert (x1 - x0, y1 - y0) == (96, 96) and min(x0, y0) >= 0 and max(x1, y1) <= 224
-        overlay = Image.open(io.BytesIO(base64.b64decode(heatmap["overlay_png"])))
-        assert (overlay.format, overlay.size) == ("PNG", (224, 224))
+        overlay = Image.open(io.BytesIO(base64.b64decode(heatmap["overlay_jpeg"])))
+        assert (overlay.format, overlay.size) == ("JPEG", (224, 224))
     assert body["query"]["peak"]["share"] == body["item"]["peak"]["share"]  # the share between the two
     if cosine is not None:
         assert body["cosine"] == pytest.approx(cosine, abs=1e-3)
