@@ -48,6 +48,13 @@ PILOTS: dict[str, dict[str, Any]] = {
         "backbone_lr_factor": 0.01,
         "frozen_first": True,
     },
+    # After the frozen stage the head already fits, so the backbone may take a larger rate (LP-FT).
+    "frozen-first-backbone0.1": {
+        "train_size": 160,
+        "min_crop_area": 0.8,
+        "backbone_lr_factor": 0.1,
+        "frozen_first": True,
+    },
 }
 
 
