@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -213,6 +215,21 @@ def load_image_file(
     return decode_image(path.read_bytes(), max_pixels=max_pixels, draft_size=draft_size)
 
 
+@contextmanager
+def image_header(path: Path) -> Iterator[Image.Image | None]:
+    """The open header of an image file, for its format, size and EXIF (no pixel is decoded): None when
+    the file is unreadable or not of a supported format. Decoding goes through :func:`open_image`."""
+    try:
+        image = Image.open(path)
+    except Exception:  # unrecognised or unreadable: no header to read
+        image = None
+    if image is None:
+        yield None
+        return
+    with image:
+        yield image if image.format in ALLOWED_FORMATS else None
+
+
 def is_image_file(path: Path) -> bool:
     """Whether a gallery file is an image: by a known suffix, else by its header (Pillow's sniffing).
 
@@ -224,11 +241,8 @@ def is_image_file(path: Path) -> bool:
         return True
     if path.name.startswith("."):
         return False
-    try:
-        with Image.open(path) as image:  # reads the header only
-            return image.format in ALLOWED_FORMATS
-    except Exception:  # unrecognised or unreadable: not an image of the gallery
-        return False
+    with image_header(path) as image:
+        return image is not None
 
 
 def list_images(root: Path) -> list[Path]:
