@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,7 +12,7 @@ import numpy as np
 import pillow_heif
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from engine.defaults import MAX_IMAGE_PIXELS, TRASH_FOLDER
+from engine.defaults import MAX_IMAGE_PIXELS
 from index.errors import DmlsearchError, ErrorKind
 
 # HEIC/HEIF (phones' default) through pillow-heif's Pillow plugin; AVIF is built into Pillow >= 11.
@@ -228,46 +227,3 @@ def image_header(path: Path) -> Iterator[Image.Image | None]:
         return
     with image:
         yield image if image.format in ALLOWED_FORMATS else None
-
-
-def is_image_file(path: Path) -> bool:
-    """Whether a gallery file is an image: by a known suffix, else by its header (Pillow's sniffing).
-
-    Hidden files without an image suffix are not sniffed: they are atomic writes' temporary files.
-    """
-    if not path.is_file():
-        return False
-    if path.suffix.lower() in IMAGE_SUFFIXES:
-        return True
-    if path.name.startswith("."):
-        return False
-    with image_header(path) as image:
-        return image is not None
-
-
-def list_images(root: Path) -> list[Path]:
-    """All image files below ``root`` (see :func:`is_image_file`), sorted for a deterministic order.
-
-    A linked folder is followed when it leads outside ``root`` (training sets are often class folders
-    linked in from elsewhere); one that leads to a folder inside ``root`` is not, as its files are listed
-    at their own paths already (an alias would claim them, and name their label), nor is one that leads
-    back to a folder above it, which would never end; nor is the trash that duplicate plans move images
-    to (``TRASH_FOLDER`` at the top). Whether a file outside ``root`` may be indexed is
-    the caller's call: build-index skips, and lists, those.
-    """
-    found: list[Path] = []
-    top = os.fspath(root)
-    inside = os.path.realpath(top)
-    # Each walked folder's real path and those of the folders above it: a link to one of them is a loop.
-    above: dict[str, frozenset[str]] = {}
-    for folder, subfolders, names in os.walk(top, followlinks=True):
-        real, parents = os.path.realpath(folder), above.get(os.path.dirname(folder), frozenset())
-        alias = folder != top and os.path.islink(folder) and Path(real).is_relative_to(inside)
-        if alias or real in parents:
-            subfolders.clear()
-            continue
-        above[folder] = parents | {real}
-        if folder == top and TRASH_FOLDER in subfolders:
-            subfolders.remove(TRASH_FOLDER)
-        found.extend(path for path in (Path(folder, name) for name in names) if is_image_file(path))
-    return sorted(found)

@@ -26,7 +26,7 @@ from engine.capture_time import photo_time
 from engine.decode_pool import DecodePool
 from engine.defaults import BATCH_SIZE, DECODE_WORKERS
 from engine.embedder import Embedder
-from engine.images import list_images
+from engine.gallery_files import list_images, resolves_inside
 from engine.prefetch import WORKER_NICENESS, DecodedFile, decode_file, prefetch
 from index.errors import DmlsearchError, ErrorKind, InvalidInputError
 from index.gallery import GalleryIndex
@@ -101,10 +101,9 @@ def hash_files(
     could expose anything on the machine), so they would show in results as images that cannot be shown.
     """
     hashed = []
-    real_root = root.resolve()
     inside = []
     for path in files:
-        if path.resolve().is_relative_to(real_root):
+        if resolves_inside(path, root):
             inside.append(path)
         else:
             relative = path.relative_to(root).as_posix()
@@ -637,11 +636,11 @@ def add_images(
         root = Path(index.manifest.gallery_root)
         files: list[Path] = []
         for path in paths:
-            resolved = path.resolve()
-            if not resolved.is_relative_to(root):
+            if not resolves_inside(path, root):
                 raise InvalidInputError(
                     f"{path} is outside the index's gallery folder {root}: copy it there first"
                 )
+            resolved = path.resolve()
             files.extend(list_images(resolved) if resolved.is_dir() else [resolved])
         report = BuildReport()
         sync_files(
