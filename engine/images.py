@@ -48,10 +48,10 @@ IMAGE_MEDIA_TYPES = (
 # Files with these suffixes are taken as images without looking inside; any other file is recognised by
 # its content (see is_image_file). Either way decoding goes by content, never by the name.
 IMAGE_SUFFIXES = frozenset({*FORMAT_SUFFIXES.values(), ".jpeg", ".tiff", ".heif", ".hif"})
-# JPEG draft decoding keeps twice the final size and leaves the last step to Pillow's antialiased resize.
-# bench/jpeg_draft.py, Cars196 test classes as 1600-px JPEGs, 8,131 queries: decoding straight down to the
-# final size (margin 1) cost 0.5 points of Recall@1 (paired sign test p = 0.004); margin 2 was within
-# noise of full decoding (-0.2 points, p = 0.15) and still 2.6x faster to decode and preprocess.
+# JPEG draft decoding keeps twice the final size and leaves the last step to Pillow's antialiased resize:
+# decoding straight down to the final size (margin 1) lost Recall@1 beyond noise (paired sign test), while
+# margin 2 stayed within noise of full decoding and still decodes and preprocesses several times faster
+# (bench/jpeg_draft.py on Cars196 test classes as 1600-px JPEGs: bench/results/jpeg_draft_cars196.json).
 DRAFT_MARGIN = 2
 
 

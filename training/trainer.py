@@ -138,9 +138,9 @@ class ValidationGain:
     the Recall@1 of each and the paired bootstrap interval on their difference (queries resampled).
 
     A run improved on the backbone only if a trained step is *better* by that interval (all of it above
-    zero), not merely higher: of the 21 class-fold runs on Cars196 whose test Recall@1 ended below the
-    untrained model's, 20 had a validation gain inside the interval (bench/results/recipes_cv*.md), so a
-    gain validation cannot tell from noise is not served.
+    zero), not merely higher: on Cars196's class folds, nearly every run whose test Recall@1 ended below the
+    untrained model's had a validation gain inside the interval (bench/results/recipes_cv*.md), so a gain
+    validation cannot tell from noise is not served.
     """
 
     untrained: float
