@@ -34,7 +34,7 @@ from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item, Move
 from index.selection import IndexChanges, IndexOptions
 from index.sharding import Shard
-from index.staging import staged_write
+from index.staging import remove_leftover, staged_write
 
 
 @dataclass(frozen=True)
@@ -520,6 +520,7 @@ def build_index(
     if not replace:
         _check_gallery(out_dir, manifest, gallery_root, files)
     _check_kind(out_dir, manifest, backend, shard)
+    remove_leftover(out_dir)  # the old index, when a kill came right after the last staged write's exchange
     options = manifest.options.with_changes(changes) if changes else None  # None: what the index has
     if (manifest.model_fingerprint, manifest.dim) != (embedder.fingerprint, embedder.dim):
         _build_for_new_model(out_dir, manifest, gallery, report, options)

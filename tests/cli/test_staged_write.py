@@ -124,6 +124,7 @@ def test_build_index_with_a_new_model_killed_at_each_step(
     finished = _run("build-index", gallery, "--model", new, "--out", out)
     assert finished.returncode == 0, finished.stderr
     assert _complete(out) == _fingerprint(new)
+    assert not staging_directory(out).exists()  # nor the old index a kill after the exchange left there
 
 
 @pytest.mark.parametrize("step", ["build", "model", "save", "swap"])
