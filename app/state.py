@@ -9,6 +9,7 @@ from pathlib import Path
 from app.settings import Settings
 from engine.bundle import resolve_model
 from engine.decode_pool import Decoder
+from engine.gallery_files import own_folders
 from engine.probe import prove_index
 from engine.search import SearchService
 from engine.serving import LoadedBundle, ServingConfig
@@ -102,7 +103,7 @@ def _remove_abandoned_uploads(gallery: Path) -> None:
     folder and its label folders (the index folder cleans itself when opened)."""
     remove_abandoned(gallery)
     try:
-        folders = [path for path in gallery.iterdir() if path.is_dir() and not path.is_symlink()]
+        folders = own_folders(gallery)
     except OSError:
         return
     for folder in folders:

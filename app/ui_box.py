@@ -7,11 +7,10 @@ preview's smaller size does not move the box.
 
 from __future__ import annotations
 
-import io
-
 import streamlit as st
-from PIL import Image
 from streamlit_cropper import st_cropper
+
+from engine.images import open_image
 
 BOX_COLOUR = "#ff4b4b"
 
@@ -21,7 +20,7 @@ def region_box(shown: bytes, key: str) -> str | None:
     image)."""
     if not st.checkbox("Search by a region (draw a box on the query)", key=f"{key}-on"):
         return None
-    image = Image.open(io.BytesIO(shown))
+    image = open_image(shown)  # the page's own preview, through the same checked opener as any image
     rect = st_cropper(image, realtime_update=True, box_color=BOX_COLOUR, return_type="box", key=key)
     edges = (
         rect["left"] / image.width,

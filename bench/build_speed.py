@@ -50,7 +50,8 @@ from tqdm import tqdm
 from engine import defaults
 from engine import prefetch as prefetch_module
 from engine.embedder import Embedder
-from engine.images import list_images, load_image_file
+from engine.gallery_files import list_images
+from engine.images import load_image_file
 from engine.indexing import build_index, file_hash
 from engine.prefetch import decode_file, prefetch
 from engine.preprocess import to_array

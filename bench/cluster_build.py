@@ -33,7 +33,7 @@ from pathlib import Path
 from PIL import Image
 
 from engine.embedder import Embedder
-from engine.images import list_images
+from engine.gallery_files import list_images
 from engine.indexing import BuildReport, build_index
 from engine.ray_runner import RayRunner
 from index.atomic import atomic_write_text

@@ -85,11 +85,11 @@ def curve(path: Path) -> dict[str, Any]:
             {"step": record["step"], "val_recall@1": round(100 * record["val"]["recall@1"], 2)}
             for record in records
         ],
-        "test_recall@1": None if summary is None else round(100 * summary["test"]["recall@1"], 2),
+        "test_recall@1": None if summary is None else round(100 * summary.test["recall@1"], 2),
         "test_untrained_recall@1": None
         if summary is None
-        else round(100 * summary["test_backbone"]["recall@1"], 2),
-        "train_seconds": None if summary is None else summary["train_seconds"],
+        else round(100 * summary.test_backbone["recall@1"], 2),
+        "train_seconds": None if summary is None else summary.train_seconds,
     }
 
 
@@ -100,7 +100,10 @@ def eval_sizes(path: Path, sizes: list[int]) -> dict[int, float]:
     config = run.require_config()
     data = prepare_data(config, Path(config.cache_dir or path / "cache"), progress=False)
     objective = build_objective(config, data.features["train"].shape[1])
-    objective.load_state_dict(run.load_checkpoint("last")["objective"])
+    last = run.load_last()
+    if last is None:
+        raise SystemExit(f"{path} has no checkpoints/last.pt")
+    objective.load_state_dict(last.objective)
     results = {}
     for size in sizes:
         preprocessing = training_preprocessing(BACKBONES[config.backbone].preprocessing, size)

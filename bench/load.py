@@ -39,7 +39,8 @@ from PIL import Image
 
 from engine.demo_gallery import write_demo_gallery
 from engine.embedder import Embedder
-from engine.images import decode_image, list_images
+from engine.gallery_files import list_images
+from engine.images import decode_image
 from engine.indexing import build_index
 from index.gallery import GalleryIndex
 

@@ -61,11 +61,11 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         curve = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
         runs[precision] = {
             "compute": config["compute"],
-            "steps": summary["steps"],
-            "train_seconds": summary["train_seconds"],
+            "steps": summary.steps,
+            "train_seconds": summary.train_seconds,
             "curve": {str(point["step"]): round(100 * point["val"]["recall@1"], 2) for point in curve},
-            "test": {name: round(100 * value, 2) for name, value in summary["test"].items()},
-            "test_backbone_recall@1": round(100 * summary["test_backbone"]["recall@1"], 2),
+            "test": {name: round(100 * value, 2) for name, value in summary.test.items()},
+            "test_backbone_recall@1": round(100 * summary.test_backbone["recall@1"], 2),
         }
     return {"loss": args.loss, "max_steps": args.max_steps, "runs": runs, "queries": queries(args)}
 

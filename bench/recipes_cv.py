@@ -140,20 +140,20 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
                 summary = RunDirectory(path).read_summary()
                 if summary is None:
                     continue
-                untrained[str(fold)] = round(100 * summary["test_backbone"][SELECTION_METRIC], 2)
+                untrained[str(fold)] = round(100 * summary.test_backbone[SELECTION_METRIC], 2)
                 gain = round(
-                    100 * (summary["test"][SELECTION_METRIC] - summary["test_backbone"][SELECTION_METRIC]), 2
+                    100 * (summary.test[SELECTION_METRIC] - summary.test_backbone[SELECTION_METRIC]), 2
                 )
                 validation = validation_gain(path)  # recorded by the trainer, or computed for older runs
                 folds[str(fold)] = {
-                    "r1": round(100 * summary["test"][SELECTION_METRIC], 2),
+                    "r1": round(100 * summary.test[SELECTION_METRIC], 2),
                     "gain": gain,
-                    "val_r1": round(100 * summary["val"][SELECTION_METRIC], 2),
+                    "val_r1": round(100 * summary.val[SELECTION_METRIC], 2),
                     "validation": validation.interval.verdict,
                     "served_trained": validation.improved,  # export's decision: else the untrained is served
                     "served_gain": gain if validation.improved else 0.0,
-                    "best_step": summary["best_step"],
-                    "steps": summary["steps"],
+                    "best_step": summary.best_step,
+                    "steps": summary.steps,
                 }
             if folds:
                 methods.setdefault(loss, {})[candidate] = {
@@ -357,9 +357,7 @@ def main() -> None:
                         run_path(args.runs_dir, candidate, loss, fold),
                         progress=True,
                     )
-                    gain = 100 * (
-                        summary["test"][SELECTION_METRIC] - summary["test_backbone"][SELECTION_METRIC]
-                    )
+                    gain = 100 * (summary.test[SELECTION_METRIC] - summary.test_backbone[SELECTION_METRIC])
                     print(f"fold {fold} {loss} {candidate}: R@1 gain {gain:+.2f}", flush=True)
                     write_report(args)
     print(write_report(args))

@@ -179,7 +179,7 @@ def run_method(method: Method, args: argparse.Namespace) -> dict[str, Any]:
         "method": method.label,
         "loss": method.loss,
         "settings": method.describe(args.recipe, args.mode, args.set),
-        **summary,
+        **summary.to_dict(),
         "beats_backbone": gain.improved,
         "validation_gain": gain.interval.to_dict(),
         "wall_seconds": wall,

@@ -190,7 +190,7 @@ def train(
     }
     try:
         # SIGTERM/SIGINT: save last.pt after the current step and stop. The trainer's NoGainWarning is
-        # said plainly below, from summary["beats_backbone"], not as a Python warning with a source line.
+        # said plainly below, from the run's validation gain, not as a Python warning with a source line.
         with stop_on_signals(), warnings.catch_warnings():
             warnings.simplefilter("ignore", NoGainWarning)
             if loss == "auto":
@@ -198,10 +198,10 @@ def train(
                     raise fail(f"--loss auto races the {DEFAULT_RECIPE} recipes; drop --recipe")
                 race_steps = race_steps or AUTO_RACE_STEPS
                 overrides = parse_assignments(AUTO_CANDIDATES[0], hparam or [])
-                summary = train_auto(  # which says what it races, within each candidate's max_steps
+                auto_run = train_auto(  # which says what it races, within each candidate's max_steps
                     str(data.resolve()), out, overrides=overrides, race_steps=race_steps, **fields
                 )
-                race = summary["race"]
+                summary, race = auto_run.summary, auto_run.race
                 scores = ", ".join(
                     f"{name} {100 * value:.2f}" for name, value in race["val_recall@1"].items()
                 )
@@ -228,12 +228,10 @@ def train(
             saved = "the backbone features extracted so far are cached"
         typer.echo(f"{stop}: {saved}; run the same command again to continue")
         raise typer.Exit(stop.exit_code) from None
-    typer.echo(
-        f"best step {summary['best_step']} of {summary['steps']} ({summary['train_seconds']} s training)"
-    )
-    typer.echo(f"validation  {_metrics_line(summary['val'])}")
-    typer.echo(f"test        {_metrics_line(summary['test'])}")
-    typer.echo(f"untrained   {_metrics_line(summary['test_backbone'])}")
+    typer.echo(f"best step {summary.best_step} of {summary.steps} ({summary.train_seconds} s training)")
+    typer.echo(f"validation  {_metrics_line(summary.val)}")
+    typer.echo(f"test        {_metrics_line(summary.test)}")
+    typer.echo(f"untrained   {_metrics_line(summary.test_backbone)}")
     gain = validation_gain(out)
     if not gain.improved:
         typer.echo(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from PIL import ExifTags, Image
 
-from engine.images import ALLOWED_FORMATS  # (importing it registers the HEIF opener)
+from engine.images import image_header
 
 # (time, its UTC offset) tags of the EXIF sub-IFD, most telling first (EXIF 2.31 added the offsets).
 _CAPTURE_TAGS = (
@@ -57,11 +57,8 @@ def _header_exif(image: Image.Image) -> Image.Exif:
 def photo_time(path: Path) -> str:
     """When the photo in an image file was taken: its EXIF capture time (read from the header, no pixel is
     decoded), else the file's time."""
-    try:
-        with Image.open(path) as image:
-            taken = capture_time(image) if image.format in ALLOWED_FORMATS else None
-    except Exception:  # unreadable now: the file's time is all there is
-        taken = None
+    with image_header(path) as image:  # None when unreadable now: the file's time is all there is
+        taken = None if image is None else capture_time(image)
     return taken or file_time(path)
 
 

@@ -24,11 +24,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from PIL import Image
-
 from engine.defaults import TRASH_FOLDER
 from engine.embedder import Embedder
-from engine.images import decode_image
+from engine.images import decode_image, image_header
 from engine.indexing import add_images, file_hash
 from index.atomic import atomic_write_text
 from index.duplicate_tiers import TieredDuplicates
@@ -55,15 +53,12 @@ class FileFacts:
 
 def file_facts(root: Path | None, item: Item) -> FileFacts:
     """``root`` None: an index without a gallery folder, whose files cannot be looked at."""
-    try:
-        if root is None:
-            raise FileNotFoundError("no gallery folder")
+    size, pixels = 0, 0  # a file that cannot be read now wins by no size
+    if root is not None:
         path = root / item.path
-        size = path.stat().st_size
-        with Image.open(path) as image:  # the header only
-            pixels = image.width * image.height
-    except OSError:
-        size, pixels = 0, 0
+        with image_header(path) as image:
+            if image is not None:
+                size, pixels = path.stat().st_size, image.width * image.height
     return FileFacts(pixels, size, item.taken or item.added)
 
 

@@ -141,9 +141,8 @@ def onnx_session(
 
     ``spinning``: whether idle intra-op threads busy-wait for the next operator (onnxruntime's default).
     Off by default: the model always shares the cores with other work (build-index's decode threads, the
-    server's request threads), and spinning threads burn the CPU time that work needs: at batch 32 on 2
-    cores the model took 19.0 CPU-ms per image with spinning, 14.6 without, 13.5 on one thread
-    (bench/results/build_speed.md).
+    server's request threads), and spinning threads burn the CPU time that work needs: the model took more
+    CPU time per image with spinning than without (bench/results/build_speed.md).
     """
     ort = _onnxruntime()
     options = ort.SessionOptions()

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import io
-import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pillow_heif
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from engine.defaults import MAX_IMAGE_PIXELS, TRASH_FOLDER
+from engine.defaults import MAX_IMAGE_PIXELS
 from index.errors import DmlsearchError, ErrorKind
 
 # HEIC/HEIF (phones' default) through pillow-heif's Pillow plugin; AVIF is built into Pillow >= 11.
@@ -47,10 +48,10 @@ IMAGE_MEDIA_TYPES = (
 # Files with these suffixes are taken as images without looking inside; any other file is recognised by
 # its content (see is_image_file). Either way decoding goes by content, never by the name.
 IMAGE_SUFFIXES = frozenset({*FORMAT_SUFFIXES.values(), ".jpeg", ".tiff", ".heif", ".hif"})
-# JPEG draft decoding keeps twice the final size and leaves the last step to Pillow's antialiased resize.
-# bench/jpeg_draft.py, Cars196 test classes as 1600-px JPEGs, 8,131 queries: decoding straight down to the
-# final size (margin 1) cost 0.5 points of Recall@1 (paired sign test p = 0.004); margin 2 was within
-# noise of full decoding (-0.2 points, p = 0.15) and still 2.6x faster to decode and preprocess.
+# JPEG draft decoding keeps twice the final size and leaves the last step to Pillow's antialiased resize:
+# decoding straight down to the final size (margin 1) lost Recall@1 beyond noise (paired sign test), while
+# margin 2 stayed within noise of full decoding and still decodes and preprocesses several times faster
+# (bench/jpeg_draft.py on Cars196 test classes as 1600-px JPEGs: bench/results/jpeg_draft_cars196.json).
 DRAFT_MARGIN = 2
 
 
@@ -213,47 +214,16 @@ def load_image_file(
     return decode_image(path.read_bytes(), max_pixels=max_pixels, draft_size=draft_size)
 
 
-def is_image_file(path: Path) -> bool:
-    """Whether a gallery file is an image: by a known suffix, else by its header (Pillow's sniffing).
-
-    Hidden files without an image suffix are not sniffed: they are atomic writes' temporary files.
-    """
-    if not path.is_file():
-        return False
-    if path.suffix.lower() in IMAGE_SUFFIXES:
-        return True
-    if path.name.startswith("."):
-        return False
+@contextmanager
+def image_header(path: Path) -> Iterator[Image.Image | None]:
+    """The open header of an image file, for its format, size and EXIF (no pixel is decoded): None when
+    the file is unreadable or not of a supported format. Decoding goes through :func:`open_image`."""
     try:
-        with Image.open(path) as image:  # reads the header only
-            return image.format in ALLOWED_FORMATS
-    except Exception:  # unrecognised or unreadable: not an image of the gallery
-        return False
-
-
-def list_images(root: Path) -> list[Path]:
-    """All image files below ``root`` (see :func:`is_image_file`), sorted for a deterministic order.
-
-    A linked folder is followed when it leads outside ``root`` (training sets are often class folders
-    linked in from elsewhere); one that leads to a folder inside ``root`` is not, as its files are listed
-    at their own paths already (an alias would claim them, and name their label), nor is one that leads
-    back to a folder above it, which would never end; nor is the trash that duplicate plans move images
-    to (``TRASH_FOLDER`` at the top). Whether a file outside ``root`` may be indexed is
-    the caller's call: build-index skips, and lists, those.
-    """
-    found: list[Path] = []
-    top = os.fspath(root)
-    inside = os.path.realpath(top)
-    # Each walked folder's real path and those of the folders above it: a link to one of them is a loop.
-    above: dict[str, frozenset[str]] = {}
-    for folder, subfolders, names in os.walk(top, followlinks=True):
-        real, parents = os.path.realpath(folder), above.get(os.path.dirname(folder), frozenset())
-        alias = folder != top and os.path.islink(folder) and Path(real).is_relative_to(inside)
-        if alias or real in parents:
-            subfolders.clear()
-            continue
-        above[folder] = parents | {real}
-        if folder == top and TRASH_FOLDER in subfolders:
-            subfolders.remove(TRASH_FOLDER)
-        found.extend(path for path in (Path(folder, name) for name in names) if is_image_file(path))
-    return sorted(found)
+        image = Image.open(path)
+    except Exception:  # unrecognised or unreadable: no header to read
+        image = None
+    if image is None:
+        yield None
+        return
+    with image:
+        yield image if image.format in ALLOWED_FORMATS else None

@@ -26,15 +26,16 @@ from engine.capture_time import photo_time
 from engine.decode_pool import DecodePool
 from engine.defaults import BATCH_SIZE, DECODE_WORKERS
 from engine.embedder import Embedder
-from engine.images import list_images
+from engine.gallery_files import list_images, resolves_inside
 from engine.prefetch import WORKER_NICENESS, DecodedFile, decode_file, prefetch
 from index.errors import DmlsearchError, ErrorKind, InvalidInputError
+from index.families import Backend
 from index.gallery import GalleryIndex
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item, Move
 from index.selection import IndexChanges, IndexOptions
 from index.sharding import Shard
-from index.staging import staged_write
+from index.staging import remove_leftover, staged_write
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,9 @@ def hash_files(
     could expose anything on the machine), so they would show in results as images that cannot be shown.
     """
     hashed = []
-    real_root = root.resolve()
     inside = []
     for path in files:
-        if path.resolve().is_relative_to(real_root):
+        if resolves_inside(path, root):
             inside.append(path)
         else:
             relative = path.relative_to(root).as_posix()
@@ -504,23 +504,32 @@ def build_index(
             raise InvalidInputError(
                 f"refusing to write into {out_dir}: it is not empty and not an index directory"
             )
-        index = GalleryIndex.create(
-            out_dir,
-            dim=embedder.dim,
-            model_fingerprint=embedder.fingerprint,
-            gallery_root=gallery_root,
-            options=IndexOptions().with_changes(changes),
-            backend=backend or "faiss",
-            milvus_uri=milvus_uri,
-            milvus_collection=milvus_collection,
-            shard=str(shard) if shard else None,
-        )
-        _build_new(index, gallery, report)
+
+        def create(staging: Path) -> GalleryIndex:
+            return GalleryIndex.create(
+                staging,
+                dim=embedder.dim,
+                model_fingerprint=embedder.fingerprint,
+                gallery_root=gallery_root,
+                options=IndexOptions().with_changes(changes),
+                backend=backend or "faiss",
+                milvus_uri=milvus_uri,
+                milvus_collection=milvus_collection,
+                shard=str(shard) if shard else None,
+            )
+
+        if backend == Backend.MILVUS:
+            # Its vectors live in the Milvus server at a URI the user gave (milvus-lite's file may lie
+            # inside out_dir, held open): the directory cannot be written aside and swapped in whole.
+            _fill_in_place(create(out_dir), gallery, report)
+        else:
+            _build_new(out_dir, create, gallery, report, backend=backend, changes=changes, replace=replace)
         return report
     manifest = Manifest.load(out_dir)
     if not replace:
         _check_gallery(out_dir, manifest, gallery_root, files)
     _check_kind(out_dir, manifest, backend, shard)
+    remove_leftover(out_dir)  # the old index, when a kill came right after the last staged write's exchange
     options = manifest.options.with_changes(changes) if changes else None  # None: what the index has
     if (manifest.model_fingerprint, manifest.dim) != (embedder.fingerprint, embedder.dim):
         _build_for_new_model(out_dir, manifest, gallery, report, options)
@@ -537,9 +546,9 @@ def build_index(
     return report
 
 
-def _build_new(index: GalleryIndex, gallery: _Gallery, report: BuildReport) -> None:
-    """Fill a new index in place (an interrupted build resumes in it; it carries no model until done, and
-    has no search structure either: ``IndexNotBuiltError``)."""
+def _fill_in_place(index: GalleryIndex, gallery: _Gallery, report: BuildReport) -> None:
+    """Fill a new Milvus index in place (an interrupted build resumes in it; it carries no model until
+    done)."""
     discard = False
     try:
         gallery.sync(index, report)
@@ -553,6 +562,37 @@ def _build_new(index: GalleryIndex, gallery: _Gallery, report: BuildReport) -> N
         index.close()
         if discard:
             shutil.rmtree(index.directory)
+
+
+def _build_new(
+    out_dir: Path,
+    create: Callable[[Path], GalleryIndex],
+    gallery: _Gallery,
+    report: BuildReport,
+    *,
+    backend: str | None,
+    changes: IndexChanges,
+    replace: bool,
+) -> None:
+    """Write a new index aside and swap it in with its model (``index.staging``): ``out_dir`` holds no
+    index until it is complete. An interrupted build continues in the staging copy, checked and updated as
+    the index at ``out_dir`` would be (the same folder unless ``replace``, the same backend and shard,
+    ``changes`` to its options)."""
+    with staged_write(out_dir, fingerprint=gallery.embedder.fingerprint, create=create) as staged:
+        manifest = staged.index.manifest
+        if not replace:
+            _check_gallery(staged.directory, manifest, gallery.root, gallery.files)
+        _check_kind(staged.directory, manifest, backend, gallery.shard)
+        staged.index.set_gallery_root(gallery.root)
+        options = manifest.options.with_changes(changes) if changes else None
+        try:
+            gallery.sync(staged.index, report)
+        except NothingDecodedError:
+            staged.discard()  # leave no empty index behind
+            raise
+        report.rebuilt = staged.commit(
+            model_writer(gallery.embedder.model_path), options=options, retune=True, progress=gallery.progress
+        )
 
 
 def _build_for_new_model(
@@ -637,11 +677,11 @@ def add_images(
         root = Path(index.manifest.gallery_root)
         files: list[Path] = []
         for path in paths:
-            resolved = path.resolve()
-            if not resolved.is_relative_to(root):
+            if not resolves_inside(path, root):
                 raise InvalidInputError(
                     f"{path} is outside the index's gallery folder {root}: copy it there first"
                 )
+            resolved = path.resolve()
             files.extend(list_images(resolved) if resolved.is_dir() else [resolved])
         report = BuildReport()
         sync_files(

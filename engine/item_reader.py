@@ -8,6 +8,7 @@ from pathlib import Path
 from cachetools import LRUCache
 
 from engine.decode_pool import Decoder, InProcessDecoder
+from engine.gallery_files import resolves_inside
 from engine.images import ImageDecodeError, thumbnail_jpeg
 from engine.serving import CurrentBundle, LoadedBundle
 from index.errors import DmlsearchError, ErrorKind
@@ -36,12 +37,10 @@ def image_path(bundle: LoadedBundle, item_id: int) -> Path:
     root = bundle.index.manifest.gallery_root
     if root is None:
         raise ItemNotFoundError(f"item {item_id} has no stored image (the index records no gallery)")
-    root_path = Path(root).resolve()
-    path = (root_path / item.path).resolve()
-    # resolve() follows symlinks and "..", so a path or link pointing outside the gallery is refused.
-    if not path.is_relative_to(root_path) or not path.is_file():
+    path = Path(root, item.path)
+    if not resolves_inside(path, Path(root)) or not path.is_file():
         raise ItemNotFoundError(f"the image of item {item_id} is not available in the gallery")
-    return path
+    return path.resolve()
 
 
 # Thumbnails kept, by (content hash, size): every size asked for of an item is decoded once (an item that

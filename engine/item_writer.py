@@ -13,6 +13,7 @@ import numpy as np
 
 from engine.capture_time import clock_now
 from engine.decoding import RUN_IMAGES, decode_uploads
+from engine.gallery_files import is_writable_folder
 from engine.images import FORMAT_SUFFIXES
 from engine.item_reader import find_item
 from engine.labels import InvalidLabelError, check_label
@@ -170,8 +171,7 @@ def _label_folder(bundle: LoadedBundle, root: Path, label: str | None, position:
     except InvalidLabelError as err:
         raise InvalidItemError(f"image {position}: {err}") from None
     folder = root / label
-    # A symlinked folder could lead anywhere; a file (LICENSES.md) cannot hold images.
-    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+    if not is_writable_folder(folder):  # a link could lead anywhere; a file (LICENSES.md) holds no images
         raise InvalidItemError(f"image {position}: label {label!r} names a file in the gallery folder")
     if bundle.index.directory.resolve().is_relative_to(folder.resolve()):
         raise InvalidItemError(f"image {position}: label {label!r} names the index's own folder")

@@ -37,9 +37,9 @@ from engine.signature import perceptual_signature
 T = TypeVar("T")
 R = TypeVar("R")
 
-# Added to the workers' niceness (at most 19). bench/results/build_speed_niceness.md, build-index with 2
-# workers on 2 cores, 4 interleaved runs each: 224-px images 120.6 img/s against 115.1 without (higher in
-# every pair), 12-MP JPEGs 54.7 against 52.9 (within the runs' spread).
+# Added to the workers' niceness (at most 19). With it build-index was faster for 224-px images in every
+# interleaved pair of runs, and within the runs' spread for 12-MP JPEGs
+# (bench/results/build_speed_niceness.md).
 WORKER_NICENESS = 10
 MAX_NICENESS = 19
 # Errors that mean "this file is not a usable image": the file is skipped and reported, the build goes on.

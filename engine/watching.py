@@ -28,7 +28,7 @@ from engine.bundle import resolve_model
 from engine.changes import DEFAULT_MAX_BATCH, DEFAULT_SETTLE_SECONDS, ChangeBatcher
 from engine.defaults import BATCH_SIZE
 from engine.embedder import Embedder
-from engine.images import is_image_file, list_images
+from engine.gallery_files import is_image_file, list_images
 from engine.indexing import BuildReport, build_index, sync_files
 from engine.model_card import ModelCard
 from index.gallery import GalleryIndex

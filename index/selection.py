@@ -8,19 +8,18 @@ search engine that adds and removes items in place and builds on a few CPU cores
   millisecond at d=512), exact, and supports removal, so HNSW buys nothing here.
 - from ``HNSW_FROM`` vectors, ``hnsw`` (M=32, or autofaiss's smaller M) when it fits the budget, as
   autofaiss prefers it whenever it fits. An IVF search scans about sqrt(n) vectors at a fixed share of
-  probed lists, a graph walk grows with log(n). Both tuned to recall@10 0.95 (bench/results/index_bench_*):
-  on calibrated synthetic vectors HNSW32 (fp16 vectors) answered in 0.31 ms at 100k (recall 0.984;
-  IVF-Flat 1.3 ms, 0.969) and 1.4 ms at 1M (0.995; IVF-Flat 8.5 ms, 0.983); on 204k real Cars196 views in
-  0.53 ms (0.986; IVF-Flat 1.7 ms, 0.975). Below 100k, not measured: IVF answers there in about a
-  millisecond and builds faster. Removing from a graph leaves tombstones (index/faiss_index.py), rebuilt
-  away once they pile up; shards are built as one graph, as faiss cannot merge graphs.
+  probed lists, a graph walk grows with log(n). Both tuned to recall@10 0.95, HNSW32 (fp16 vectors)
+  answered several times faster than IVF-Flat, at a higher recall, on calibrated synthetic vectors at 100k
+  and 1M and on 204k real Cars196 views (bench/results/index_bench_*.md). Below 100k, not measured: IVF
+  answers there in about a millisecond and builds faster. Removing from a graph leaves tombstones
+  (index/faiss_index.py), rebuilt away once they pile up; shards are built as one graph, as faiss cannot
+  merge graphs.
 - otherwise ``ivf`` (IVF-Flat) when its raw vectors fit the memory budget (or there is none): it removes
   in place, merges shard files with faiss's own tools, loads memory-mapped, and trains in less time than
   a graph takes to build on 2 cores.
 - otherwise ``ivfsq`` (IVF with 8-bit scalar quantisation, d bytes a vector) when it fits. autofaiss
   goes straight to PQ; we add this tier because on embedding-like data (tight clusters) SQ8 keeps more
-  recall than any PQ code: at 1M x 512 in bench/results/index_bench.md, 0.967 recall@10 in 504 MiB
-  against 0.881 for the most accurate PQ code below (323 MiB).
+  recall than any PQ code, for more memory (1M x 512 vectors in bench/results/index_bench.md).
 - otherwise ``ivfpq``: IVF + product quantisation (no polysemous training: we never filter by Hamming
   distance) with the most accurate code whose index fits the budget, from: 2-dimensional sub-vectors
   with 10-bit codes (5 bits a dimension, from 39 * 1024 vectors on, so every codebook centroid gets
@@ -28,19 +27,18 @@ search engine that adds and removes items in place and builds on a few CPU cores
   8-bit codes of 128, 64, 48, ... sub-quantizers of at least 4 dimensions each behind an OPQ rotation.
   The fine codes come first because coarser ones cannot order the neighbours inside a tight cluster,
   whose distances differ by less than their quantisation error: on bench/index_bench.py's 100k
-  embedding-like vectors recall@10 reached 0.90 with ``PQ256x10``, 0.83 with ``PQ256x8`` and 0.56 with
-  ``PQ128x8`` with or without OPQ. The fine codes get no OPQ rotation: a rotation matters little to
+  embedding-like vectors recall@10 fell from ``PQ256x10`` to ``PQ256x8`` and far lower for ``PQ128x8``,
+  with or without OPQ. The fine codes get no OPQ rotation: a rotation matters little to
   2-dimensional sub-vectors, and faiss trains OPQ by training the whole PQ again at every iteration.
 - ``nlist`` = 4*sqrt(n) rounded to a power of two (autofaiss, below 1M vectors), at most n/39 so every
   centroid gets faiss's minimum of 39 training points; an HNSW coarse quantizer from 16,384 lists on,
   as autofaiss does for large quantizers.
 - ``hnsw`` (chosen or forced) uses M=32, or autofaiss's largest M that fits the budget (at least 8), and
   keeps its vectors as 16-bit floats (``SQfp16``): a graph walk's time goes to fetching the vectors of the
-  nodes it meets, and half the bytes walk faster at the same recall. On the 1M calibrated vectors
-  (bench/results/hnsw_tuning.md against hnsw_tuning_fp32.md, one run after the other): recall@10 the same
-  within 0.002 at every efSearch, 1.24-1.26x faster at efSearch 192-256; half the memory. Scores then carry
-  fp16's rounding (about 1e-4), as an SQ8 index's carry theirs: ``IndexSpec.exact_scores`` says which
-  indexes do. bf16 lost recall (0.978 against 0.986 on 200k clustered 512-d vectors).
+  nodes it meets, and half the bytes walk faster at the same recall, in half the memory (1M calibrated
+  vectors: bench/results/hnsw_tuning.md against hnsw_tuning_fp32.md, one run after the other). Scores
+  then carry fp16's rounding (about 1e-4), as an SQ8 index's carry theirs: ``IndexSpec.exact_scores`` says
+  which indexes do. bf16 lost recall (0.978 against 0.986 on 200k clustered 512-d vectors).
 """
 
 from __future__ import annotations

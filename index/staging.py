@@ -4,7 +4,10 @@
 their new index this way, so the directory they name holds either the old index or the new complete one,
 with its model, whenever the process is killed. The staging copy is ``.NAME.staging`` beside the target
 and belongs to one model: a killed write run again with the same model continues in it; one for another
-model is thrown away.
+model is thrown away. A staging copy in use carries ``STAGING_MARK`` until its commit: after the exchange of
+a swap the staging name holds the old index, without it, so a kill there leaves an index that a write
+which does not stage (``build-index`` with the index's own model) knows to remove (:func:`remove_leftover`),
+while a staged write of the old index's model may continue from it, as from any copy of its model.
 """
 
 from __future__ import annotations
@@ -23,12 +26,21 @@ from index.gallery import GalleryIndex, ModelWriter
 from index.manifest import MANIFEST_NAME, Manifest
 from index.selection import IndexOptions
 
+STAGING_MARK = ".staging"  # in a staging copy in use only: an index a swap moved to the staging name has none
 _RENAME_EXCHANGE = 2  # renameat2's flag: swap two paths in one step (Linux 3.15+)
 _AT_FDCWD = -100
 
 
 def staging_directory(target: Path) -> Path:
     return target.parent / f".{target.name}.staging"
+
+
+def remove_leftover(target: Path) -> None:
+    """Remove what a kill after a swap's exchange left under ``target``'s staging name: the old index (no
+    ``STAGING_MARK``). A staging copy being written is kept, for its model's next run."""
+    staging = staging_directory(target)
+    if staging.exists() and not (staging / STAGING_MARK).exists():
+        shutil.rmtree(staging)
 
 
 class StagedIndex:
@@ -60,6 +72,7 @@ class StagedIndex:
             self.index.store_model(model)
         self.index.save()
         self.index.close()
+        (self.directory / STAGING_MARK).unlink()  # a kill from here on leaves no copy to continue
         swap_in(self.directory, self.target)
         self.committed = True
         return rebuilt
@@ -95,10 +108,13 @@ def _open_or_create(
 ) -> GalleryIndex:
     resumable = resume and (staging / MANIFEST_NAME).exists()
     if resumable and Manifest.load(staging).model_fingerprint == fingerprint:
-        return GalleryIndex.open(staging)
-    if staging.exists():  # another model's, killed before its manifest was written, or not to resume
-        shutil.rmtree(staging)
-    return create(staging)
+        index = GalleryIndex.open(staging)
+    else:
+        if staging.exists():  # another model's, killed before its manifest was written, or not to resume
+            shutil.rmtree(staging)
+        index = create(staging)
+    (staging / STAGING_MARK).touch()
+    return index
 
 
 def swap_in(source: Path, target: Path) -> None:

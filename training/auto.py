@@ -12,13 +12,22 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from training.config import TrainConfig
 from training.recipes import AUTO_CANDIDATES, AUTO_RACE_STEPS, format_values, resolve
-from training.run_dir import RunDirectory
+from training.run_dir import RunDirectory, RunSummary
 from training.trainer import SELECTION_METRIC, NoGainWarning, train
+
+
+@dataclass(frozen=True)
+class AutoRun:
+    """The winner's summary and the race that chose it (also in the run's ``config.json`` recipe)."""
+
+    summary: RunSummary
+    race: dict[str, Any]
 
 
 def race_configs(
@@ -57,9 +66,9 @@ def train_auto(
     candidates: tuple[str, ...] = AUTO_CANDIDATES,
     progress: bool = True,
     **fields: Any,
-) -> dict[str, Any]:
+) -> AutoRun:
     """Race ``candidates`` for ``race_steps`` steps each, then train the winner to its full budget in
-    ``out``; returns the winner's summary with the race added under ``"race"``."""
+    ``out``; returns the winner's summary and the race."""
     configs = race_configs(data, out, dict(overrides or {}), fields, candidates)
     # What each candidate races: never past its budget (-p max_steps=300 under 600 race steps races 300).
     steps = {loss: min(race_steps, config.max_steps) for loss, config in configs.items()}
@@ -74,8 +83,8 @@ def train_auto(
         with warnings.catch_warnings():  # a candidate is only raced, never exported: the scores say enough
             warnings.simplefilter("ignore", NoGainWarning)
             summary = train(raced, out / "race" / loss, progress=progress)
-        scores[loss] = summary["val"][SELECTION_METRIC]
-        untrained = summary["val_backbone"][SELECTION_METRIC]  # the same classes for every candidate
+        scores[loss] = summary.val[SELECTION_METRIC]
+        untrained = summary.require_val_backbone()[SELECTION_METRIC]  # the same classes for every candidate
     winner = max(scores, key=scores.__getitem__)  # ties go to the earlier (stronger-listed) candidate
     race = {
         "budget_steps": max(steps.values()),
@@ -93,5 +102,4 @@ def train_auto(
             else:
                 shutil.copy2(item, out / item.name)
         run.write_config(final)  # also when the race run stopped early and training has nothing to add
-    summary = train(final, out, progress=progress)
-    return {**summary, "race": race}
+    return AutoRun(train(final, out, progress=progress), race)

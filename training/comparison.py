@@ -22,7 +22,7 @@ from training.bootstrap import DEFAULT_RESAMPLES, Interval, paired_bootstrap
 from training.evaluation import EvalSplit, RunEmbeddings, embed_run
 from training.losses.magnet import KNCClassifier
 from training.metrics import answerable, evaluate, top_hits
-from training.run_dir import RunDirectory, RunDirError
+from training.run_dir import RunDirectory
 from training.samplers import NeighbourhoodSampler
 from training.trainer import SELECTION_METRIC, ValidationGain
 
@@ -120,14 +120,14 @@ def compare_embeddings(
 def run_description(run_path: Path, embedded: RunEmbeddings) -> dict[str, Any]:
     """What the comparison is about: the run, its loss, mode and selected step."""
     config = embedded.config
-    summary = RunDirectory(run_path).read_summary() or {}
+    summary = RunDirectory(run_path).read_summary()
     return {
         "path": str(run_path.resolve()),
         "loss": config.loss,
         "mode": config.mode,
         "backbone": config.backbone,
-        "best_step": summary.get("best_step"),
-        "steps": summary.get("steps"),
+        "best_step": None if summary is None else summary.best_step,
+        "steps": None if summary is None else summary.steps,
     }
 
 
@@ -169,20 +169,18 @@ def validation_gain(run_path: Path) -> ValidationGain:
     run = RunDirectory(run_path)
     config = run.require_config()
     summary = run.read_summary()
-    if summary is not None and "validation_gain" in summary:
+    if summary is not None and summary.validation_gain is not None:
         return ValidationGain(
-            untrained=summary["val_backbone"][SELECTION_METRIC],
-            trained=summary["val"][SELECTION_METRIC],
-            best_step=int(summary["best_step"]),
-            interval=Interval.from_dict(summary["validation_gain"]),
+            untrained=summary.require_val_backbone()[SELECTION_METRIC],
+            trained=summary.val[SELECTION_METRIC],
+            best_step=summary.best_step,
+            interval=summary.validation_gain,
         )
-    best = run.load_checkpoint("best")
-    if best is None:
-        raise RunDirError(f"{run_path} has no checkpoints/best.pt yet")
+    best = run.require_best()
     comparison, _ = compare_run(run_path, split="val", seed=config.seed, progress=False)
     return ValidationGain(
         untrained=comparison.untrained[SELECTION_METRIC],
         trained=comparison.trained[SELECTION_METRIC],
-        best_step=int(best["step"]),
+        best_step=best.step,
         interval=comparison.recall_at_1,
     )

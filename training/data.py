@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.images import list_images
+from engine.gallery_files import list_images
 from index.errors import InvalidInputError
 
 SPLITS = ("train", "val", "test")

@@ -23,7 +23,7 @@ from training.config import TrainConfig
 from training.data import LabelledImages, load_labelled_images, split_classes
 from training.metrics import evaluate
 from training.model import TrainingObjective, build_objective
-from training.run_dir import RunDirectory, RunDirError
+from training.run_dir import RunDirectory
 from training.trainer import cache_directory, prepare_data
 from training.workloads import CachedWorkload, FinetuneWorkload
 
@@ -89,16 +89,14 @@ def embed_run(
     """Embed ``split`` of ``data`` (default: the data the run trained on) with the run's best checkpoint."""
     run = RunDirectory(run_path)
     config = run.require_config()
-    best = run.load_checkpoint("best")
-    if best is None:
-        raise RunDirError(f"{run_path} has no checkpoints/best.pt yet")
+    best = run.require_best()
     if data is not None:
         config = config.model_copy(update={"data": str(data)})
     # Embedding needs only the serving view: a run's augmented training views are not extracted again.
     serving_only = config.model_copy(update={"views": 0})
     prepared = prepare_data(serving_only, cache_directory(config, run_path), progress=progress)
     objective = build_objective(config, prepared.features["train"].shape[1])
-    objective.load_state_dict(best["objective"])
+    objective.load_state_dict(best.objective)
     names = ("train", "val", "test") if split == "all" else (split,)
     labels = np.concatenate([prepared.labels(name) for name in names])
     files = [file for name in names for file in prepared.files(name)]

@@ -41,7 +41,7 @@ from training.model import (
     build_objective,
     explainable,
 )
-from training.run_dir import RunDirectory, RunDirError
+from training.run_dir import RunDirectory
 
 ONNX_OPSET = 17
 
@@ -187,12 +187,10 @@ def export_run(run_path: Path, model_path: Path, *, check: ValidationCheck | Non
     """
     run = RunDirectory(run_path)
     config = run.require_config()
-    best = run.load_checkpoint("best")
-    if best is None:
-        raise RunDirError(f"{run_path} has no checkpoints/best.pt yet")
+    best = run.require_best()
     spec = BACKBONES[config.backbone]
     objective = build_objective(config, spec.feature_dim)
-    objective.load_state_dict(best["objective"])
+    objective.load_state_dict(best.objective)
     if config.mode == "finetune":
         backbone = objective.backbone
     else:
@@ -218,8 +216,8 @@ def export_run(run_path: Path, model_path: Path, *, check: ValidationCheck | Non
             "trained": dt.datetime.fromtimestamp(
                 run.checkpoint_path("best").stat().st_mtime, dt.UTC
             ).isoformat(timespec="seconds"),
-            "best_step": best["step"],
-            "val": best["val"],
+            "best_step": best.step,
+            "val": best.val,
         },
         reranker=reranker,
         validation_check=check,

@@ -29,7 +29,7 @@ def calibration_files(folder: Path, count: int, seed: int = 0) -> list[Path]:
     appear, not only the first ones in path order."""
     import numpy as np
 
-    from engine.images import list_images
+    from engine.gallery_files import list_images
 
     files = list_images(folder)
     if not files:

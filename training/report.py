@@ -245,7 +245,8 @@ def _metrics_table(comparison: Comparison) -> str:
 def _summary_html(run_path: Path, comparison: Comparison, embedded: RunEmbeddings) -> str:
     config = embedded.config
     interval = comparison.recall_at_1
-    summary = RunDirectory(run_path).read_summary() or {}
+    summary = RunDirectory(run_path).read_summary()
+    selected = "step ? of ?" if summary is None else f"step {summary.best_step} of {summary.steps}"
     recipe = (config.recipe or {}).get("name", "-")
     facts = {
         "run": str(run_path.resolve()),
@@ -253,7 +254,7 @@ def _summary_html(run_path: Path, comparison: Comparison, embedded: RunEmbedding
         "recipe": recipe,
         "mode": config.mode,
         "backbone": config.backbone,
-        "selected checkpoint": f"step {summary.get('best_step', '?')} of {summary.get('steps', '?')}",
+        "selected checkpoint": selected,
         "test images": f"{comparison.images} ({len(np.unique(embedded.labels))} classes unseen in training)",
     }
     items = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>" for k, v in facts.items())
@@ -289,7 +290,8 @@ def write_report(run_path: Path, comparison: Comparison, embedded: RunEmbeddings
         top_hits(embedded.trained, embedded.labels),
         top_hits(embedded.untrained, embedded.labels),
     )
-    best_step = (run.read_summary() or {}).get("best_step", 0)
+    summary = run.read_summary()
+    best_step = 0 if summary is None else summary.best_step
     figures = {
         "training": training_figure(records, best_step),
         "recall_at_k": recall_figure(embedded),

@@ -1,22 +1,161 @@
 """A training run directory: ``config.json``, ``metrics.jsonl``, ``checkpoints/{last,best}.pt`` and
-``summary.json``, every file written to a temporary name and renamed into place."""
+``summary.json``, every file written to a temporary name and renamed into place.
+
+Each file has one typed record and is read and written here only: :class:`RunSummary` (``summary.json``),
+:class:`BestCheckpoint` and :class:`LastCheckpoint` (with its :class:`TrainState`). On disk they stay the
+string-keyed JSON and ``torch.save`` dictionaries they always were, so runs written before the records
+load as they are.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_serializer, field_validator
 
 from index.atomic import atomic_path, atomic_write_text
 from index.errors import InvalidInputError
+from training.bootstrap import Interval
 from training.config import TrainConfig
+
+Metrics = dict[str, float]  # metric name -> value, as training.metrics.evaluate returns them
+StateDict = dict[str, Any]  # a component's own state_dict (weights, optimiser, sampler, ...)
 
 
 class RunDirError(InvalidInputError):
     """The directory is not a training run, or holds a run that cannot be continued as asked."""
+
+
+class FrozenStageSummary(BaseModel):
+    """What the frozen stage of a ``frozen_first`` fine-tuning run reached: its summary's ``frozen_stage``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    best_step: int
+    steps: int
+    train_seconds: float
+    val: Metrics
+    beats_backbone: bool
+
+
+class RunSummary(BaseModel):
+    """``summary.json``: the finished run, its selected step and its test evaluation.
+
+    Fields recorded later than the first runs are optional, so that those runs still load:
+    ``val_backbone`` and ``beats_backbone`` (commit 8556230), ``validation_gain`` (c31444f) and
+    ``frozen_stage`` (fine-tuning runs with a frozen first stage only). Written without the fields a run
+    lacks, in this order: the bytes the trainer always wrote.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    loss: str
+    mode: str
+    steps: int
+    stopped_early: bool
+    best_step: int
+    train_seconds: float
+    val: Metrics
+    val_backbone: Metrics | None = None
+    beats_backbone: bool | None = None
+    validation_gain: Interval | None = None
+    test: Metrics
+    test_backbone: Metrics
+    skipped_images: int
+    frozen_stage: FrozenStageSummary | None = None
+
+    @field_validator("validation_gain", mode="before")
+    @classmethod
+    def _read_interval(cls, value: Any) -> Any:
+        return Interval.from_dict(value) if isinstance(value, dict) else value
+
+    @field_serializer("validation_gain")
+    def _write_interval(self, interval: Interval | None) -> dict[str, Any] | None:
+        return None if interval is None else interval.to_dict()
+
+    def require_val_backbone(self) -> Metrics:
+        if self.val_backbone is None:
+            raise RunDirError(
+                f"a {self.loss} run written before summary.json recorded the untrained backbone's "
+                "validation metrics: train it again in a new directory"
+            )
+        return self.val_backbone
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of ``summary.json`` (the fields a run lacks left out)."""
+        return self.model_dump(exclude_none=True)
+
+
+@dataclass
+class TrainState:
+    """A run's progress: what ``checkpoints/last.pt`` holds besides the components' own states."""
+
+    step: int = 0
+    best_step: int = 0
+    best_score: float = -math.inf  # validation SELECTION_METRIC of the best step
+    since_best: int = 0  # validations since the best one (early stopping's patience)
+    stopped: bool = False  # early stopping ended the run
+    elapsed: float = 0.0  # seconds in training steps, validation excluded
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: dict[str, Any]) -> TrainState:
+        return cls(**{field.name: checkpoint[field.name] for field in fields(cls)})
+
+
+@dataclass(frozen=True)
+class BestCheckpoint:
+    """``checkpoints/best.pt``: the selected weights, their step and validation metrics."""
+
+    objective: StateDict
+    step: int
+    val: Metrics
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"objective": self.objective, "step": self.step, "val": self.val}
+
+    @classmethod
+    def from_dict(cls, checkpoint: dict[str, Any]) -> BestCheckpoint:
+        return cls(objective=checkpoint["objective"], step=checkpoint["step"], val=checkpoint["val"])
+
+
+@dataclass(frozen=True)
+class LastCheckpoint:
+    """``checkpoints/last.pt``: the progress and every component's state, all a run needs to continue.
+    On disk the progress's fields sit beside the components' states in one dictionary."""
+
+    progress: TrainState
+    objective: StateDict
+    optimizer: StateDict
+    sampler: StateDict
+    view_rng: Mapping[str, Any]  # numpy's bit generator state
+    scaler: StateDict
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self.progress),
+            "objective": self.objective,
+            "optimizer": self.optimizer,
+            "sampler": self.sampler,
+            "view_rng": self.view_rng,
+            "scaler": self.scaler,
+        }
+
+    @classmethod
+    def from_dict(cls, checkpoint: dict[str, Any]) -> LastCheckpoint:
+        return cls(
+            progress=TrainState.from_checkpoint(checkpoint),
+            objective=checkpoint["objective"],
+            optimizer=checkpoint["optimizer"],
+            sampler=checkpoint["sampler"],
+            view_rng=checkpoint["view_rng"],
+            scaler=checkpoint["scaler"],
+        )
 
 
 class RunDirectory:
@@ -56,18 +195,43 @@ class RunDirectory:
         """Rewrite the whole log (small): an append could leave a torn last line after a crash."""
         atomic_write_text(self.metrics_path, "".join(json.dumps(record) + "\n" for record in records))
 
-    def save_checkpoint(self, name: str, state: dict[str, Any]) -> None:
+    def _save_checkpoint(self, name: str, checkpoint: dict[str, Any]) -> None:
         with atomic_path(self.checkpoint_path(name)) as temporary:
-            torch.save(state, temporary)
+            torch.save(checkpoint, temporary)
 
-    def load_checkpoint(self, name: str) -> dict[str, Any] | None:
+    def _load_checkpoint(self, name: str) -> dict[str, Any] | None:
         path = self.checkpoint_path(name)
         if not path.exists():
             return None
         return torch.load(path, map_location="cpu", weights_only=True)
 
-    def read_summary(self) -> dict[str, Any] | None:
-        return json.loads(self.summary_path.read_text()) if self.summary_path.exists() else None
+    def save_best(self, best: BestCheckpoint) -> None:
+        self._save_checkpoint("best", best.to_dict())
 
-    def write_summary(self, summary: dict[str, Any]) -> None:
-        atomic_write_text(self.summary_path, json.dumps(summary, indent=2) + "\n")
+    def load_best(self) -> BestCheckpoint | None:
+        checkpoint = self._load_checkpoint("best")
+        return None if checkpoint is None else BestCheckpoint.from_dict(checkpoint)
+
+    def require_best(self) -> BestCheckpoint:
+        best = self.load_best()
+        if best is None:
+            raise RunDirError(f"{self.path} has no checkpoints/best.pt yet")
+        return best
+
+    def save_last(self, last: LastCheckpoint) -> None:
+        self._save_checkpoint("last", last.to_dict())
+
+    def load_last(self) -> LastCheckpoint | None:
+        checkpoint = self._load_checkpoint("last")
+        return None if checkpoint is None else LastCheckpoint.from_dict(checkpoint)
+
+    def read_summary(self) -> RunSummary | None:
+        if not self.summary_path.exists():
+            return None
+        try:
+            return RunSummary.model_validate(json.loads(self.summary_path.read_text()))
+        except ValidationError as err:  # not a run's summary.json: a damaged file, not a bug
+            raise RunDirError(f"{self.summary_path}: {err}") from err
+
+    def write_summary(self, summary: RunSummary) -> None:
+        atomic_write_text(self.summary_path, json.dumps(summary.to_dict(), indent=2) + "\n")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,15 @@ from training.losses import LOSSES, LossSpec
 from training.metrics import evaluate, top_hits
 from training.model import build_objective
 from training.precision import Compute, resolve_compute
-from training.run_dir import RunDirectory, RunDirError
+from training.run_dir import (
+    BestCheckpoint,
+    FrozenStageSummary,
+    LastCheckpoint,
+    RunDirectory,
+    RunDirError,
+    RunSummary,
+    TrainState,
+)
 from training.samplers import sampler_for
 from training.workloads import CachedWorkload, FinetuneWorkload
 
@@ -130,9 +138,9 @@ class ValidationGain:
     the Recall@1 of each and the paired bootstrap interval on their difference (queries resampled).
 
     A run improved on the backbone only if a trained step is *better* by that interval (all of it above
-    zero), not merely higher: of the 21 class-fold runs on Cars196 whose test Recall@1 ended below the
-    untrained model's, 20 had a validation gain inside the interval (bench/results/recipes_cv*.md), so a
-    gain validation cannot tell from noise is not served.
+    zero), not merely higher: on Cars196's class folds, nearly every run whose test Recall@1 ended below the
+    untrained model's had a validation gain inside the interval (bench/results/recipes_cv*.md), so a gain
+    validation cannot tell from noise is not served.
     """
 
     untrained: float
@@ -160,22 +168,6 @@ class NoGainWarning(UserWarning):
     silence it."""
 
 
-@dataclass
-class TrainState:
-    """A run's progress: what ``checkpoints/last.pt`` holds besides the components' own states."""
-
-    step: int = 0
-    best_step: int = 0
-    best_score: float = -math.inf  # validation SELECTION_METRIC of the best step
-    since_best: int = 0  # validations since the best one (early stopping's patience)
-    stopped: bool = False  # early stopping ended the run
-    elapsed: float = 0.0  # seconds in training steps, validation excluded
-
-    @classmethod
-    def from_checkpoint(cls, checkpoint: dict[str, Any]) -> TrainState:
-        return cls(**{field.name: checkpoint[field.name] for field in fields(cls)})
-
-
 def run_compute(config: TrainConfig, device: torch.device) -> Compute:
     """How the run computes: partial and finetune train a backbone, in the configured precision and
     memory format; frozen trains the head alone on cached features, in float32 (there is nothing to win)."""
@@ -184,7 +176,16 @@ def run_compute(config: TrainConfig, device: torch.device) -> Compute:
     return resolve_compute(config.precision, config.channels_last, device)
 
 
-def frozen_stage(config: TrainConfig, out: Path, *, progress: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class FrozenStage:
+    """What a fine-tuning run starts from after its frozen first stage: the stage's best weights and
+    summary."""
+
+    weights: dict[str, torch.Tensor]
+    summary: RunSummary
+
+
+def frozen_stage(config: TrainConfig, out: Path, *, progress: bool) -> FrozenStage:
     """The first stage of a ``frozen_first`` fine-tuning run: the head (and the loss's own parameters)
     trained on cached features in frozen mode, in ``out/frozen-stage``, with the frozen mode's step budget.
 
@@ -205,28 +206,29 @@ def frozen_stage(config: TrainConfig, out: Path, *, progress: bool) -> dict[str,
     )
     path = out / FROZEN_STAGE
     summary = train(stage, path, progress=progress)
-    best = RunDirectory(path).load_checkpoint("best")
+    best = RunDirectory(path).load_best()
     if best is None:
         raise RunDirError(f"{path} finished without checkpoints/best.pt: remove it and run again")
-    return {"weights": best["objective"], "summary": summary}
+    return FrozenStage(best.objective, summary)
 
 
-def train(config: TrainConfig, out: Path, *, progress: bool = True) -> dict[str, Any]:
+def train(config: TrainConfig, out: Path, *, progress: bool = True) -> RunSummary:
     """Train (or continue training) the run in ``out``; returns its summary (also in summary.json)."""
     spec = LOSSES[config.loss]  # an unknown loss fails here, before the run directory is touched
     run = RunDirectory(out)
-    first = None
-    if config.mode == "finetune" and config.frozen_first and run.load_checkpoint("last") is None:
+    first: FrozenStage | None = None
+    if config.mode == "finetune" and config.frozen_first and run.load_last() is None:
         first = frozen_stage(config, out, progress=progress)
     with distributed_from_env(config.device) as dist:
         device = dist.device(config.device)  # a missing GPU fails before any work
-        last = run.load_checkpoint("last")
+        last = run.load_last()
         if last is not None and (conflicts := config.resume_conflicts(run.require_config())):
             raise RunDirError(
                 f"{run.path} holds a run with a different {', '.join(conflicts)}; use a new --out directory"
             )
         summary = run.read_summary()
-        if last is not None and summary is not None and (last["stopped"] or last["step"] >= config.max_steps):
+        finished = last is not None and (last.progress.stopped or last.progress.step >= config.max_steps)
+        if finished and summary is not None:
             return summary
         compute = run_compute(config, device)  # precision=fp16 on a CPU fails here, before any work
         config = config.model_copy(update={"compute": compute.record()})
@@ -236,7 +238,7 @@ def train(config: TrainConfig, out: Path, *, progress: bool = True) -> dict[str,
         data = prepare_data(config, cache_directory(config, run.path), dist, progress=progress)
         training = _Training(config, spec, run, dist, compute, data, progress=progress)
         if first is not None:
-            training.start_from(first["weights"], first["summary"])
+            training.start_from(first)
         return training.run(last)
 
 
@@ -281,19 +283,18 @@ class _Training:
         self.scaler = torch.amp.GradScaler("cuda", enabled=compute.autocast == torch.float16)
         self.state = TrainState()
         self.records: list[dict[str, Any]] = []  # one per validation, as in metrics.jsonl
-        self.best: dict[str, Any] | None = None  # best.pt: weights, step and validation metrics
-        self.first_stage: dict[str, Any] | None = None  # frozen_first: what the frozen stage reached
+        self.best: BestCheckpoint | None = None
+        self.first_stage: FrozenStageSummary | None = None  # frozen_first: what the frozen stage reached
 
-    def start_from(self, weights: dict[str, torch.Tensor], summary: dict[str, Any]) -> None:
+    def start_from(self, stage: FrozenStage) -> None:
         """Start from a frozen stage's head and loss parameters instead of the PCA-initialised head."""
-        missing, unexpected = self.objective.load_state_dict(weights, strict=False)
+        missing, unexpected = self.objective.load_state_dict(stage.weights, strict=False)
         if unexpected or any(not key.startswith("backbone.") for key in missing):
             raise RunDirError(f"the frozen stage's weights do not fit this run: {unexpected or missing}")
-        self.first_stage = {
-            key: summary[key] for key in ("best_step", "steps", "train_seconds", "val", "beats_backbone")
-        }
+        reached = stage.summary.model_dump(include=set(FrozenStageSummary.model_fields))
+        self.first_stage = FrozenStageSummary.model_validate(reached)
 
-    def run(self, last: dict[str, Any] | None) -> dict[str, Any]:
+    def run(self, last: LastCheckpoint | None) -> RunSummary:
         if last is not None:
             self._restore(last)
         else:
@@ -301,16 +302,16 @@ class _Training:
         self._loop(self._wrap_for_ddp())
         return self._finish()
 
-    def _restore(self, last: dict[str, Any]) -> None:
+    def _restore(self, last: LastCheckpoint) -> None:
         """Continue from ``last.pt``: every component's state, the progress, the metrics and best.pt."""
-        self.objective.load_state_dict(last["objective"])
-        self.optimizer.load_state_dict(last["optimizer"])
-        self.sampler.load_state_dict(last["sampler"])
-        self.view_rng.bit_generator.state = last["view_rng"]
-        self.scaler.load_state_dict(last["scaler"])
-        self.state = TrainState.from_checkpoint(last)
+        self.objective.load_state_dict(last.objective)
+        self.optimizer.load_state_dict(last.optimizer)
+        self.sampler.load_state_dict(last.sampler)
+        self.view_rng.bit_generator.state = last.view_rng
+        self.scaler.load_state_dict(last.scaler)
+        self.state = replace(last.progress)  # the loop advances its own copy
         self.records = [record for record in self.run_dir.read_metrics() if record["step"] <= self.state.step]
-        self.best = self.run_dir.load_checkpoint("best")
+        self.best = self.run_dir.load_best()
         if self.best is None:
             raise RunDirError(f"{self.run_dir.path} has checkpoints/last.pt but no best.pt: start a new run")
         if self.progress:
@@ -325,7 +326,7 @@ class _Training:
         self.records.append(self._validate(step=0, train_loss=None))
         self.records[-1]["val_backbone"] = self._backbone_metrics("val")
         if self.first_stage is not None:
-            self.records[-1]["frozen_stage"] = self.first_stage
+            self.records[-1]["frozen_stage"] = self.first_stage.model_dump()
         self._save()
 
     def _backbone_metrics(self, split: str) -> dict[str, float]:
@@ -454,9 +455,9 @@ class _Training:
             weights = {
                 key: value.detach().cpu().clone() for key, value in self.objective.state_dict().items()
             }
-            self.best = {"objective": weights, "step": step, "val": metrics}
+            self.best = BestCheckpoint(objective=weights, step=step, val=metrics)
             if self.dist.is_main:
-                self.run_dir.save_checkpoint("best", self.best)
+                self.run_dir.save_best(self.best)
         elif step > 0:
             state.since_best += 1
             out_of_patience = state.since_best >= self.config.patience
@@ -467,21 +468,22 @@ class _Training:
         """``last.pt`` (progress and every component's state) and ``metrics.jsonl``, from the main rank."""
         if not self.dist.is_main:
             return
-        checkpoint = {
-            **asdict(self.state),
-            "objective": self.objective.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "sampler": self.sampler.state_dict(),
-            "view_rng": self.view_rng.bit_generator.state,
-            "scaler": self.scaler.state_dict(),
-        }
-        self.run_dir.save_checkpoint("last", checkpoint)
+        checkpoint = LastCheckpoint(
+            progress=replace(self.state),
+            objective=self.objective.state_dict(),
+            optimizer=self.optimizer.state_dict(),
+            sampler=self.sampler.state_dict(),
+            view_rng=self.view_rng.bit_generator.state,
+            scaler=self.scaler.state_dict(),
+        )
+        self.run_dir.save_last(checkpoint)
         self.run_dir.write_metrics(self.records)
 
-    def _finish(self) -> dict[str, Any]:
+    def _finish(self) -> RunSummary:
         """Evaluate the best weights on the unseen test classes and write summary.json."""
         best, state = self.best, self.state
-        self.objective.load_state_dict(best["objective"])
+        assert best is not None  # _initialise or _restore set it
+        self.objective.load_state_dict(best.objective)
         seed = self.config.seed
         # A run started before the baseline was recorded at step 0 gets it now.
         val_backbone = self.records[0].get("val_backbone") or self._backbone_metrics("val")
@@ -491,26 +493,24 @@ class _Training:
             top_hits(self.data.features["val"], labels).hit,
             seed=seed,
         )
-        gain = ValidationGain(
-            val_backbone[SELECTION_METRIC], best["val"][SELECTION_METRIC], best["step"], interval
+        gain = ValidationGain(val_backbone[SELECTION_METRIC], best.val[SELECTION_METRIC], best.step, interval)
+        first_stage = self.records[0].get("frozen_stage")
+        summary = RunSummary(
+            loss=self.config.loss,
+            mode=self.config.mode,
+            steps=state.step,
+            stopped_early=state.stopped,
+            best_step=best.step,
+            train_seconds=round(state.elapsed, 1),
+            val=best.val,
+            val_backbone=val_backbone,
+            beats_backbone=gain.improved,
+            validation_gain=interval,
+            test=evaluate(self.workload.embed("test"), self.data.labels("test"), seed=seed),
+            test_backbone=self._backbone_metrics("test"),
+            skipped_images=int(len(self.data.images) - sum(len(v) for v in self.data.indices.values())),
+            frozen_stage=FrozenStageSummary.model_validate(first_stage) if first_stage else None,
         )
-        summary = {
-            "loss": self.config.loss,
-            "mode": self.config.mode,
-            "steps": state.step,
-            "stopped_early": state.stopped,
-            "best_step": best["step"],
-            "train_seconds": round(state.elapsed, 1),
-            "val": best["val"],
-            "val_backbone": val_backbone,
-            "beats_backbone": gain.improved,
-            "validation_gain": interval.to_dict(),
-            "test": evaluate(self.workload.embed("test"), self.data.labels("test"), seed=seed),
-            "test_backbone": self._backbone_metrics("test"),
-            "skipped_images": int(len(self.data.images) - sum(len(v) for v in self.data.indices.values())),
-        }
-        if self.records[0].get("frozen_stage"):
-            summary["frozen_stage"] = self.records[0]["frozen_stage"]
         if self.dist.is_main:
             self.run_dir.write_summary(summary)
         if not gain.improved:

@@ -26,6 +26,7 @@ from PIL import Image
 from engine.probe import ProbeError, check_sampled_vectors
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
+from index.staging import staging_directory
 from tests.helpers import (
     ADDRESS_SPACE_CAP,
     API_KEY,
@@ -343,10 +344,11 @@ def test_kill_9_during_build_index_then_resume(tmp_path: Path, exported_model: P
     out = tmp_path / "index"
     command = [sys.executable, "-m", "cli.main", "build-index", str(gallery), "--model", str(exported_model)]
     command += ["--out", str(out), "--batch-size", "4", "--no-progress"]
+    staging = staging_directory(out)  # a new index is written aside until it is complete
 
     def committed() -> int:
         try:
-            with sqlite3.connect(f"file:{out / 'items.sqlite'}?mode=ro", uri=True, timeout=1) as db:
+            with sqlite3.connect(f"file:{staging / 'items.sqlite'}?mode=ro", uri=True, timeout=1) as db:
                 return db.execute("SELECT COUNT(*) FROM items").fetchone()[0]
         except sqlite3.Error:
             return 0
@@ -356,8 +358,8 @@ def test_kill_9_during_build_index_then_resume(tmp_path: Path, exported_model: P
     process.kill()
     process.wait()
     kept = committed()
-    assert kept >= 8
-    (out / ".vectors.faiss.abcd1234.tmp").write_bytes(b"half a file")
+    assert kept >= 8 and not out.exists()
+    (staging / ".vectors.faiss.abcd1234.tmp").write_bytes(b"half a file")
     finished = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert finished.returncode == 0, finished.stderr
     assert f"{kept} unchanged" in finished.stdout  # the committed batches were kept, not embedded again

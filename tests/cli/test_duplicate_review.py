@@ -20,10 +20,12 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from engine.defaults import TRASH_FOLDER
+from engine.duplicate_review import file_facts
 from engine.embedder import Embedder
 from engine.indexing import build_index
 from index.duplicate_tiers import EDITED_BITS
 from index.gallery import GalleryIndex
+from index.protocol import Item
 from tests.helpers import make_image
 
 runner = CliRunner()
@@ -296,3 +298,17 @@ def test_an_apply_killed_midway_can_be_rerun_or_undone(
     assert result.exit_code == 0, result.output
     assert _files(gallery) == before
     assert len(GalleryIndex.open(index)) == COPIES + 1
+
+
+def test_file_facts_count_a_file_whose_header_cannot_be_read_as_nothing(tmp_path: Path) -> None:
+    make_image(3, size=(40, 30)).save(tmp_path / "photo.png")
+    (tmp_path / "notes.txt").write_text("not an image")
+    facts = {
+        name: file_facts(tmp_path, Item(id=1, path=name, label=None, content_hash="h", added="2024-01-01"))
+        for name in ("photo.png", "notes.txt", "missing.png")
+    }
+    photo = facts["photo.png"]
+    assert (photo.pixels, photo.size) == (1200, (tmp_path / "photo.png").stat().st_size)
+    assert (facts["notes.txt"].pixels, facts["notes.txt"].size) == (0, 0)
+    assert (facts["missing.png"].pixels, facts["missing.png"].size) == (0, 0)
+    assert file_facts(None, Item(id=1, path="photo.png", label=None, content_hash="h", added="x")).pixels == 0

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from index.gallery import GalleryIndex
+from index.staging import staging_directory
 from tests.helpers import make_image, wait_until, write_labelled_folder
 
 BATCH = 4
@@ -34,12 +35,14 @@ def test_sigterm_of_build_index_stops_at_a_batch_and_the_rerun_continues(
     command = [sys.executable, "-m", "cli.main", "build-index", str(gallery), "--model", str(exported_model)]
     command += ["--out", str(out), "--batch-size", str(BATCH), "--no-progress", "--decode-workers", "0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wait_until(lambda: _committed(out) >= BATCH or process.poll() is not None, 120, "a committed batch")
+    staging = staging_directory(out)  # a new index is written aside until it is complete
+    wait_until(lambda: _committed(staging) >= BATCH or process.poll() is not None, 120, "a committed batch")
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGTERM, output  # before: killed outright, no message
     assert "run the same command again to continue" in output
-    kept = _committed(out)
+    assert not out.exists()
+    kept = _committed(staging)
     assert 0 < kept < 30 and kept % BATCH == 0  # whole batches only, and not the whole gallery
 
     finished = subprocess.run(command, capture_output=True, text=True, timeout=300)

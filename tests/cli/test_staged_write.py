@@ -1,6 +1,6 @@
-"""One staged write (``index.staging``): ``build-index`` with a new model, ``index rebuild`` and
-``index merge`` killed with SIGKILL after each step of the commit leave at the target the old index or the
-new complete one, always with its model, and a rerun finishes the job.
+"""One staged write (``index.staging``): ``build-index`` of a new index or with a new model, ``index
+rebuild`` and ``index merge`` killed with SIGKILL after each step of the commit leave at the target the old
+index (or none) or the new complete one, always with its model, and a rerun finishes the job.
 
 Each kill runs the real command in a child process that wraps one step of ``StagedIndex.commit`` so that the
 process kills itself (SIGKILL, nothing cleaned up) right after that step.
@@ -110,6 +110,24 @@ def _killed(result: subprocess.CompletedProcess[str]) -> None:
     assert result.returncode == -signal.SIGKILL, result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("step", ["build", "model", "save", "swap"])
+def test_the_first_build_index_killed_at_each_step(
+    step: str, models: tuple[Path, Path], gallery: Path, tmp_path: Path
+) -> None:
+    old, _ = models
+    out = tmp_path / "index"
+    _killed(_run("build-index", gallery, "--model", old, "--out", out, kill_after=step))
+    if step == "swap":
+        assert _complete(out) == _fingerprint(old)
+    else:
+        assert not out.exists()  # no index yet, not one without its model or search structure
+        assert staging_directory(out).exists()  # the staged copy, continued by the rerun
+    finished = _run("build-index", gallery, "--model", old, "--out", out)
+    assert finished.returncode == 0, finished.stderr
+    assert _complete(out) == _fingerprint(old)
+    assert not staging_directory(out).exists()
+
+
 @pytest.mark.parametrize("step", ["build", "model", "save", "exchange", "swap"])
 def test_build_index_with_a_new_model_killed_at_each_step(
     step: str, models: tuple[Path, Path], gallery: Path, tmp_path: Path
@@ -124,6 +142,7 @@ def test_build_index_with_a_new_model_killed_at_each_step(
     finished = _run("build-index", gallery, "--model", new, "--out", out)
     assert finished.returncode == 0, finished.stderr
     assert _complete(out) == _fingerprint(new)
+    assert not staging_directory(out).exists()  # nor the old index a kill after the exchange left there
 
 
 @pytest.mark.parametrize("step", ["build", "model", "save", "swap"])

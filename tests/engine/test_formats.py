@@ -9,7 +9,8 @@ import pytest
 from PIL import Image, features
 
 from engine.embedder import Embedder
-from engine.images import decode_image, list_images, open_image
+from engine.gallery_files import list_images
+from engine.images import decode_image, open_image
 from engine.indexing import build_index
 from index.gallery import GalleryIndex
 from tests.helpers import image_bytes, make_image

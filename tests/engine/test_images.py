@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from engine.images import ImageDecodeError, decode_image, thumbnail_jpeg
+from engine.images import ImageDecodeError, decode_image, image_header, thumbnail_jpeg
 from tests.helpers import image_bytes, make_image
 from tests.hostile_images import gif_frame_offset, gif_many_comment_blocks, png_comment_text
 
@@ -85,3 +86,17 @@ def test_a_header_over_the_decoders_own_limit_is_refused_naming_ours() -> None:
         decode_image(gif_frame_offset(65000), max_pixels=1000)
     assert refused.value.code == "image_too_large"
     assert "more than the limit of 1000" in refused.value.message
+
+
+def test_image_header_reads_a_supported_file_and_nothing_else(tmp_path: Path) -> None:
+    """The one opener of a file's header (is_image_file, photo_time, the duplicate review's file facts)."""
+    photo = tmp_path / "photo.png"
+    make_image(3, size=(40, 30)).save(photo)
+    with image_header(photo) as image:
+        assert image is not None and (image.format, image.size) == ("PNG", (40, 30))
+    unsupported = tmp_path / "photo.ppm"  # Pillow opens it; the gallery does not take it
+    make_image(3, size=(40, 30)).save(unsupported)
+    (tmp_path / "notes.txt").write_text("not an image")
+    for path in (unsupported, tmp_path / "notes.txt", tmp_path / "missing.png"):
+        with image_header(path) as image:
+            assert image is None

@@ -53,10 +53,10 @@ def test_a_run_stops_at_its_time_budget_with_its_best_checkpoint(
         labelled_folder, feature_cache, max_steps=500, eval_every=100, time_budget=1e-6
     )
     summary = train(config, tmp_path / "run", progress=False)
-    assert summary["steps"] == 1 and summary["stopped_early"]
+    assert summary.steps == 1 and summary.stopped_early
     run = RunDirectory(tmp_path / "run")
     assert [record["step"] for record in run.read_metrics()] == [0, 1]  # validated where it stopped
-    assert run.load_checkpoint("best")["step"] == summary["best_step"]
+    assert run.require_best().step == summary.best_step
 
 
 def test_cli_chooses_the_mode_by_the_measured_speed_and_says_why(

@@ -58,6 +58,6 @@ def test_two_cpu_processes_end_with_identical_weights(
     residual = rank0["head.residual.2.weight"]
     assert residual.abs().sum() > 0, "the zero-initialised residual branch trained"
     run = RunDirectory(out)
-    assert run.load_checkpoint("last")["step"] == 6
+    assert run.load_last().progress.step == 6
     assert [record["step"] for record in run.read_metrics()] == [0, 3, 6]
-    assert run.read_summary()["steps"] == 6
+    assert run.read_summary().steps == 6

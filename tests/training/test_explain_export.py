@@ -12,7 +12,8 @@ import torch
 
 from engine.embedder import Embedder
 from engine.explainer import Explainer
-from engine.images import list_images, load_image_file
+from engine.gallery_files import list_images
+from engine.images import load_image_file
 from engine.model_card import EMBEDDINGS_OUTPUT, MAPS_OUTPUT, ModelCard
 from training.backbone import BACKBONES, create_backbone
 from training.export import export_onnx

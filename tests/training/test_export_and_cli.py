@@ -35,18 +35,18 @@ def trained_run(labelled_folder: Path, feature_cache: Path, tmp_path_factory: py
     config = tiny_train_config(labelled_folder, feature_cache, max_steps=4, eval_every=2)
     train(config, out, progress=False)
     run = RunDirectory(out)
-    best = run.load_checkpoint("best")
+    best = run.require_best()
     generator = torch.Generator().manual_seed(0)
     for key in ("head.residual.2.weight", "head.residual.2.bias"):
-        best["objective"][key] = 0.05 * torch.randn(best["objective"][key].shape, generator=generator)
-    run.save_checkpoint("best", best)
+        best.objective[key] = 0.05 * torch.randn(best.objective[key].shape, generator=generator)
+    run.save_best(best)
     return out
 
 
 def _torch_model(run: Path) -> EmbeddingModel:
     config = RunDirectory(run).require_config()
     objective = build_objective(config, 1280)
-    objective.load_state_dict(RunDirectory(run).load_checkpoint("best")["objective"])
+    objective.load_state_dict(RunDirectory(run).require_best().objective)
     return EmbeddingModel(create_backbone(), objective.head).eval()
 
 
@@ -69,7 +69,7 @@ def test_exported_run_matches_torch_and_the_frozen_pipeline(
     # The head trained on cached features computes the same embedding as the exported graph.
     features = FeatureExtractor(feature_cache, progress=False).extract(files).features
     objective = build_objective(RunDirectory(trained_run).require_config(), 1280)
-    objective.load_state_dict(RunDirectory(trained_run).load_checkpoint("best")["objective"])
+    objective.load_state_dict(RunDirectory(trained_run).require_best().objective)
     with torch.no_grad():
         frozen = torch.nn.functional.normalize(objective.embed(torch.from_numpy(features)), dim=1).numpy()
     np.testing.assert_allclose(exported, frozen, atol=2e-4)
@@ -97,7 +97,7 @@ def test_truncated_jpeg_is_skipped_with_a_warning(
     config = tiny_train_config(data, feature_cache, max_steps=2, eval_every=2)
     with pytest.warns(UserWarning, match="skipped unreadable image .*broken.jpg"):
         summary = train(config, tmp_path / "run", progress=False)
-    assert summary["skipped_images"] == 1
+    assert summary.skipped_images == 1
 
 
 def test_cli_train_eval_export(labelled_folder: Path, feature_cache: Path, tmp_path: Path) -> None:
@@ -128,7 +128,7 @@ def test_cli_train_eval_export(labelled_folder: Path, feature_cache: Path, tmp_p
     )
     assert result.exit_code == 0, result.output
     assert "test        recall@1" in result.output
-    beats = RunDirectory(out).read_summary()["beats_backbone"]
+    beats = RunDirectory(out).read_summary().beats_backbone
     assert ("export it with" if beats else "NOT better than the untrained backbone") in result.output
     config = RunDirectory(out).require_config()
     assert config.loss_hparams == {"margin": 0.3} and config.max_steps == 3 and config.head_hidden == 32
@@ -136,8 +136,7 @@ def test_cli_train_eval_export(labelled_folder: Path, feature_cache: Path, tmp_p
     result = runner.invoke(app, ["eval", str(out), "--json"])
     assert result.exit_code == 0, result.output
     assert (
-        json.loads(result.output)["trained"]["recall@1"]
-        == RunDirectory(out).read_summary()["test"]["recall@1"]
+        json.loads(result.output)["trained"]["recall@1"] == RunDirectory(out).read_summary().test["recall@1"]
     )
 
     result = runner.invoke(app, ["export", str(out), "--force"])  # 3 steps may not beat the untrained model

@@ -40,15 +40,15 @@ def test_finetune_trains_the_backbone_slowly_and_keeps_batch_norm_statistics(
         eval_batch_size=8,
     )
     summary = train(config, tmp_path / "run", progress=False)
-    assert summary["mode"] == "finetune" and summary["steps"] == 2
+    assert summary.mode == "finetune" and summary.steps == 2
 
-    last = RunDirectory(tmp_path / "run").load_checkpoint("last")
-    groups = last["optimizer"]["param_groups"]
+    last = RunDirectory(tmp_path / "run").load_last()
+    groups = last.optimizer["param_groups"]
     assert [group["lr"] for group in groups] == [1e-3, 1e-4]
     pretrained = create_backbone().state_dict()
     trained = {
         key.removeprefix("backbone."): value
-        for key, value in last["objective"].items()
+        for key, value in last.objective.items()
         if key.startswith("backbone.")
     }
     assert trained.keys() == pretrained.keys()
@@ -117,21 +117,21 @@ def test_frozen_first_fine_tunes_from_the_head_the_frozen_mode_trained(
     stage = RunDirectory(out / "frozen-stage")
     stage_config = stage.require_config()
     assert (stage_config.mode, stage_config.max_steps, stage_config.frozen_first) == ("frozen", 3000, False)
-    assert first["summary"]["steps"] > 0, "the frozen stage trained"
+    assert first.summary.steps > 0, "the frozen stage trained"
     # Whatever the stage's best.pt holds is where fine-tuning starts: mark it to recognise it.
-    best = stage.load_checkpoint("best")
-    best["objective"]["head.projection.weight"] += 0.5
-    stage.save_checkpoint("best", best)
+    best = stage.require_best()
+    best.objective["head.projection.weight"] += 0.5
+    stage.save_best(best)
 
     # max_steps=0: the fine-tuning run only validates where it starts, so its best.pt is its start.
     summary = train(tiny_train_config(data, feature_cache, max_steps=0, **settings), out, progress=False)
-    assert summary["frozen_stage"]["best_step"] == best["step"]
-    started = RunDirectory(out).load_checkpoint("best")["objective"]
-    stage_head = {key: value for key, value in best["objective"].items() if key.startswith("head.")}
+    assert summary.frozen_stage.best_step == best.step
+    started = RunDirectory(out).require_best().objective
+    stage_head = {key: value for key, value in best.objective.items() if key.startswith("head.")}
     assert stage_head and all(torch.equal(started[key], value) for key, value in stage_head.items())
 
     # Continuing the run fine-tunes from there; the stage is not trained again.
     modified = (out / "frozen-stage" / "summary.json").stat().st_mtime_ns
     longer = train(tiny_train_config(data, feature_cache, max_steps=1, **settings), out, progress=False)
-    assert longer["steps"] == 1 and longer["frozen_stage"] == summary["frozen_stage"]
+    assert longer.steps == 1 and longer.frozen_stage == summary.frozen_stage
     assert (out / "frozen-stage" / "summary.json").stat().st_mtime_ns == modified

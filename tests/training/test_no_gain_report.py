@@ -40,7 +40,7 @@ def test_cli_train_says_so_without_a_python_warning(
     results = []
     assert _no_gain_warnings(lambda: results.append(runner.invoke(app, args))) == []
     assert results[0].exit_code == 0, results[0].output
-    assert RunDirectory(out).read_summary()["beats_backbone"] is False
+    assert RunDirectory(out).read_summary().beats_backbone is False
     assert "NOT better than the untrained backbone" in results[0].output
 
 
@@ -63,7 +63,7 @@ def test_auto_warns_about_the_run_it_keeps_only(
         )
 
     messages = _no_gain_warnings(race)
-    winner = summaries[0]["race"]["winner"]
+    winner = summaries[0].race["winner"]
     assert len(messages) == 1 and messages[0].startswith(f"{winner}: the selected model")
     printed = capsys.readouterr().out
     assert "race: ms for 2 steps (views=0, embedding_dim=16, head_hidden=32, eval_every=2, " in printed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -47,12 +48,12 @@ def test_partial_run_trains_the_last_stage_only_and_exports_it(
 
     out = tmp_path / "run"
     summary = train(config, out, progress=False)
-    assert summary["mode"] == "partial" and summary["steps"] == 3
+    assert summary.mode == "partial" and summary.steps == 3
     run = RunDirectory(out)
-    last = run.load_checkpoint("last")
-    assert [group["lr"] for group in last["optimizer"]["param_groups"]] == [1e-2, 1e-3]
+    last = run.load_last()
+    assert [group["lr"] for group in last.optimizer["param_groups"]] == [1e-2, 1e-3]
     pretrained = last_stage.state_dict()
-    objective_weights = last["objective"].items()
+    objective_weights = last.objective.items()
     trained = {k.removeprefix("backbone."): v for k, v in objective_weights if k.startswith("backbone.")}
     assert trained.keys() == pretrained.keys()
     changed = [key for key in pretrained if not torch.equal(trained[key], pretrained[key])]
@@ -61,7 +62,7 @@ def test_partial_run_trains_the_last_stage_only_and_exports_it(
 
     # Export the last checkpoint: backbone with the trained last stage + head in one graph, equal to the
     # objective run on the cached maps (float16 storage is the only difference).
-    run.save_checkpoint("best", {**run.load_checkpoint("best"), "objective": last["objective"]})
+    run.save_best(replace(run.require_best(), objective=last.objective))
     model_path = tmp_path / "model.onnx"
     card = export_run(out, model_path)
     assert card.extra["mode"] == "partial"
@@ -69,7 +70,7 @@ def test_partial_run_trains_the_last_stage_only_and_exports_it(
     exported = Embedder(model_path).embed([load_image_file(path) for path in files])
     maps = FeatureExtractor(feature_cache, stage="trunk", progress=False).extract(files).features
     objective = build_objective(config, 1280)
-    objective.load_state_dict(last["objective"])
+    objective.load_state_dict(last.objective)
     with torch.no_grad():
         cached = objective.eval().embed(torch.from_numpy(maps).float())
     np.testing.assert_allclose(exported, torch.nn.functional.normalize(cached, dim=1).numpy(), atol=5e-3)

@@ -47,13 +47,13 @@ def pddm_run(labelled_folder: Path, feature_cache: Path, tmp_path_factory: pytes
     )
     train(config, out, progress=False)
     run = RunDirectory(out)
-    best = run.load_checkpoint("best")
+    best = run.require_best()
     generator = torch.Generator().manual_seed(1)
-    unit_keys = [key for key in best["objective"] if key.startswith("loss.unit.")]
+    unit_keys = [key for key in best.objective if key.startswith("loss.unit.")]
     assert len(unit_keys) == 8  # four linear layers
     for key in unit_keys:
-        best["objective"][key] = 0.5 * torch.randn(best["objective"][key].shape, generator=generator)
-    run.save_checkpoint("best", best)
+        best.objective[key] = 0.5 * torch.randn(best.objective[key].shape, generator=generator)
+    run.save_best(best)
     return out
 
 
@@ -93,7 +93,7 @@ def test_export_of_a_pddm_run_writes_the_unit_and_names_it_in_the_card(pddm_run:
     # The exported graph is the run's best checkpoint's unit, not a fresh one.
     run = RunDirectory(pddm_run)
     objective = build_objective(run.require_config(), 1280)
-    objective.load_state_dict(run.load_checkpoint("best")["objective"])
+    objective.load_state_dict(run.require_best().objective)
     rng = np.random.default_rng(0)
     query, candidates = rng.normal(size=16).astype(np.float32), rng.normal(size=(20, 16)).astype(np.float32)
     np.testing.assert_allclose(

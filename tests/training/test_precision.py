@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import platform
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -200,11 +201,10 @@ def test_a_bf16_finetune_run_records_it_and_exports_float32_matching_torch(
     }
 
     run = RunDirectory(out)  # export the bf16-trained weights, whichever step validation selected
-    best = run.load_checkpoint("best")
-    best["objective"] = run.load_checkpoint("last")["objective"]
-    run.save_checkpoint("best", best)
+    best = replace(run.require_best(), objective=run.load_last().objective)
+    run.save_best(best)
     objective = build_objective(run.require_config(), 1280)
-    objective.load_state_dict(best["objective"])
+    objective.load_state_dict(best.objective)
     pretrained = create_backbone().state_dict()
     assert any(not torch.equal(v, pretrained[k]) for k, v in objective.backbone.state_dict().items())
 

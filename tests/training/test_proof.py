@@ -104,8 +104,8 @@ def test_cli_eval_compares_a_run_with_the_untrained_backbone(magnet_run: Path) -
     shown = json.loads(result.output)
     assert shown == json.loads((magnet_run / EVAL_FILE).read_text())
     summary = RunDirectory(magnet_run).read_summary()
-    assert shown["trained"]["recall@1"] == summary["test"]["recall@1"]
-    assert shown["untrained"]["recall@1"] == summary["test_backbone"]["recall@1"]
+    assert shown["trained"]["recall@1"] == summary.test["recall@1"]
+    assert shown["untrained"]["recall@1"] == summary.test_backbone["recall@1"]
     assert shown["verdict"] in ("better", "not distinguishable", "worse")
     assert set(shown["knc_accuracy"]) == {"trained", "untrained"}
     assert shown["run"]["loss"] == "magnet" and shown["images"] == 30
@@ -137,7 +137,7 @@ def _with_recorded_gain(run_path: Path, copy: Path, interval: Interval) -> Path:
     shutil.copytree(run_path, copy)
     run = RunDirectory(copy)
     summary = run.read_summary()
-    run.write_summary({**summary, "best_step": 2, "validation_gain": interval.to_dict()})
+    run.write_summary(summary.model_copy(update={"best_step": 2, "validation_gain": interval}))
     return copy
 
 
@@ -164,12 +164,12 @@ def test_validation_gain_of_a_run_without_the_record_is_computed_as_the_trainer_
 ) -> None:
     recorded = validation_gain(magnet_run)
     summary = RunDirectory(magnet_run).read_summary()
-    assert recorded.interval.to_dict() == summary["validation_gain"]
-    assert recorded.improved == summary["beats_backbone"]
+    assert recorded.interval == summary.validation_gain
+    assert recorded.improved == summary.beats_backbone
     copy = tmp_path / "run"
     shutil.copytree(magnet_run, copy)
-    del summary["validation_gain"]  # as a run finished before the trainer recorded it
-    RunDirectory(copy).write_summary(summary)
+    # As a run finished before the trainer recorded it.
+    RunDirectory(copy).write_summary(summary.model_copy(update={"validation_gain": None}))
     assert validation_gain(copy) == recorded
 
 
@@ -220,10 +220,7 @@ def test_served_model_shows_its_runs_card_and_report(
         assert card["loss"] == "magnet" and card["mode"] == "frozen" and card["run"] == magnet_run.name
         assert card["fingerprint"] == Embedder(model).fingerprint and card["embedding_dim"] == 16
         assert card["trained"] and card["exported"] and card["best_step"] is not None
-        assert (
-            card["validation"]["recall@1"]
-            == RunDirectory(magnet_run).load_checkpoint("best")["val"]["recall@1"]
-        )
+        assert card["validation"]["recall@1"] == RunDirectory(magnet_run).require_best().val["recall@1"]
         assert card["evaluation"] == json.loads((magnet_run / EVAL_FILE).read_text())
         assert card["report_available"] and [plot["name"] for plot in card["plots"]] == list(PLOTS)
         for plot in card["plots"]:

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from engine.embedder import Embedder
-from engine.images import list_images, load_image_file
+from engine.gallery_files import list_images
+from engine.images import load_image_file
 from engine.model_card import ModelCard
 from training.quantize import calibration_files, quantize_int8
 

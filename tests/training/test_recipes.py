@@ -18,7 +18,7 @@ from training.config import TrainConfig
 from training.losses import LOSSES
 from training.model import build_objective
 from training.recipes import COMMON, FINETUNE, RECIPES, parse_assignments, recipe, resolve
-from training.run_dir import RunDirectory
+from training.run_dir import RunDirectory, RunSummary
 
 runner = CliRunner()
 TINY = ["-p", "embedding_dim=16", "-p", "head_hidden=32", "-p", "views=0"]
@@ -161,7 +161,7 @@ def test_auto_races_candidates_and_records_the_winner(
 ) -> None:
     out = tmp_path / "auto"
     overrides = {"embedding_dim": 16, "head_hidden": 32, "views": 0, "eval_every": 2, "max_steps": 6}
-    summary = auto.train_auto(
+    auto_run = auto.train_auto(
         str(labelled_folder),
         out,
         overrides=overrides,
@@ -170,17 +170,17 @@ def test_auto_races_candidates_and_records_the_winner(
         progress=False,
         cache_dir=str(feature_cache),
     )
-    race = summary["race"]
+    summary, race = auto_run.summary, auto_run.race
     scores = race["val_recall@1"]
     assert set(scores) == {"contrastive", "ms", "angular"} and race["budget_steps"] == 2
     assert race["winner"] == max(scores, key=scores.__getitem__)
     for loss, score in scores.items():  # each candidate's score is its race run's best validation R@1
-        assert RunDirectory(out / "race" / loss).read_summary()["val"]["recall@1"] == score
-        assert RunDirectory(out / "race" / loss).read_summary()["steps"] == 2
+        assert RunDirectory(out / "race" / loss).read_summary().val["recall@1"] == score
+        assert RunDirectory(out / "race" / loss).read_summary().steps == 2
     config = RunDirectory(out).require_config()
     assert config.loss == race["winner"] and config.recipe["name"] == "auto"
     assert config.recipe["race"] == race and config.max_steps == 6
-    assert summary["steps"] == 6  # the winner went on from its race run to the full budget
+    assert summary.steps == 6  # the winner went on from its race run to the full budget
     assert [record["step"] for record in RunDirectory(out).read_metrics()] == [0, 2, 4, 6]
 
 
@@ -189,7 +189,7 @@ def test_a_race_never_runs_past_the_budget_and_says_so(
 ) -> None:
     """-p max_steps below the race's steps: the race is the whole run, and every line says that number."""
     overrides = {"embedding_dim": 16, "head_hidden": 32, "views": 0, "eval_every": 2, "max_steps": 2}
-    summary = auto.train_auto(
+    auto_run = auto.train_auto(
         str(labelled_folder),
         tmp_path / "auto",
         overrides=overrides,
@@ -200,9 +200,9 @@ def test_a_race_never_runs_past_the_budget_and_says_so(
     printed = capsys.readouterr().out
     assert "racing contrastive, ms: 2 steps each" in printed
     assert "race: ms for 2 steps (" in printed and "5 steps" not in printed
-    race = summary["race"]
+    race = auto_run.race
     assert race["budget_steps"] == 2 and "after at most 2 steps each" in race["reason"]
-    assert summary["steps"] == 2
+    assert auto_run.summary.steps == 2
 
 
 def test_auto_reason_says_when_the_winner_only_won_a_tie_or_gained_nothing() -> None:
@@ -268,15 +268,21 @@ def test_recipes_cv_prefers_the_candidate_that_helps_on_every_fold(
             # Validation tells the trained model from the untrained one only where it gained on test.
             low = 0.01 if gain > 0 else -0.01
             run.write_summary(
-                {
-                    "test": {"recall@1": untrained + gain / 100},
-                    "test_backbone": {"recall@1": untrained},
-                    "val": {"recall@1": 0.7},
-                    "val_backbone": {"recall@1": 0.68},
-                    "validation_gain": Interval(0.02, low, 0.03, 0.95, 2000).to_dict(),
-                    "best_step": 10,
-                    "steps": 20,
-                }
+                RunSummary(
+                    loss="ms",
+                    mode="frozen",
+                    steps=20,
+                    stopped_early=False,
+                    best_step=10,
+                    train_seconds=1.0,
+                    val={"recall@1": 0.7},
+                    val_backbone={"recall@1": 0.68},
+                    beats_backbone=low > 0,
+                    validation_gain=Interval(0.02, low, 0.03, 0.95, 2000),
+                    test={"recall@1": untrained + gain / 100},
+                    test_backbone={"recall@1": untrained},
+                    skipped_images=0,
+                )
             )
     results = cv.collect(args)["methods"]["ms"]
     assert results["steady"]["preferred"] and results["steady"]["helps_every_fold"]

@@ -44,18 +44,18 @@ def test_sigterm_of_train_saves_last_pt_and_the_rerun_resumes(
     # The step-0 validation writes best.pt, then last.pt; the next validation is 1000 steps away.
     wait_until(lambda: last.exists() or process.poll() is not None, 180, "training to start")
     assert best.exists()
-    assert RunDirectory(out).load_checkpoint("last")["step"] == 0
+    assert RunDirectory(out).load_last().progress.step == 0
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGTERM, output  # before: killed, nothing saved since step 0
     assert "last.pt is saved" in output
-    step = RunDirectory(out).load_checkpoint("last")["step"]
+    step = RunDirectory(out).load_last().progress.step
     assert 0 < step < 1000
 
     resumed = subprocess.run(
         [*command, "-p", f"max_steps={step + 3}"], capture_output=True, text=True, timeout=300
     )
     assert resumed.returncode == 0, resumed.stderr
-    assert RunDirectory(out).load_checkpoint("last")["step"] == step + 3
+    assert RunDirectory(out).load_last().progress.step == step + 3
     assert f"resuming from step {step} of {step + 3}" in resumed.stdout
     assert f"of {step + 3}" in resumed.stdout  # "best step B of N": the run went on from the saved step

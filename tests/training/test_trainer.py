@@ -34,23 +34,23 @@ def test_frozen_run_writes_a_complete_run_directory(
     assert records[0]["train_loss"] is None and records[1]["train_loss"] > 0
     # The kept model is the first step with the best validation Recall@1, step 0 included.
     scores = [record["val"]["recall@1"] for record in records]
-    best = run.load_checkpoint("best")
-    assert best["step"] == records[scores.index(max(scores))]["step"] == summary["best_step"]
-    assert summary["val"] == best["val"]
+    best = run.require_best()
+    assert best.step == records[scores.index(max(scores))]["step"] == summary.best_step
+    assert summary.val == best.val
     # Beating the backbone means better by the paired bootstrap interval on validation, not just higher.
-    gain = summary["validation_gain"]
-    assert gain["low"] <= gain["difference"] <= gain["high"]
-    observed = summary["val"]["recall@1"] - summary["val_backbone"]["recall@1"]
-    assert gain["difference"] == pytest.approx(observed)
-    assert summary["beats_backbone"] == (summary["best_step"] > 0 and gain["verdict"] == "better")
-    assert set(summary["test"]) == {"recall@1", "recall@2", "recall@4", "recall@8", "map@r", "nmi", "f1"}
+    gain = summary.validation_gain
+    assert gain.low <= gain.difference <= gain.high
+    observed = summary.val["recall@1"] - summary.val_backbone["recall@1"]
+    assert gain.difference == pytest.approx(observed)
+    assert summary.beats_backbone == (summary.best_step > 0 and gain.verdict == "better")
+    assert set(summary.test) == {"recall@1", "recall@2", "recall@4", "recall@8", "map@r", "nmi", "f1"}
     # The config as given, plus what the run computed with (frozen: the head alone, in float32).
     compute = {"device": "cpu", "precision": "fp32", "channels_last": False}
     saved = run.read_config()
     assert saved.model_copy(update={"compute": None}) == _config(labelled_folder, feature_cache)
     assert {key: saved.compute[key] for key in compute} == compute
-    assert json.loads(run.summary_path.read_text()) == summary
-    assert run.load_checkpoint("last")["step"] == 12
+    assert json.loads(run.summary_path.read_text()) == summary.to_dict()
+    assert run.load_last().progress.step == 12
     assert not list(out.rglob("*.tmp")), "no temporary files left behind"
 
 
@@ -78,14 +78,14 @@ def test_interrupted_run_resumes_to_the_same_weights(
     monkeypatch.setattr(ClassBalancedSampler, "after_step", crash_at_step_7)
     with pytest.raises(KeyboardInterrupt):
         train(config, tmp_path / "resumed", progress=False)
-    assert RunDirectory(tmp_path / "resumed").load_checkpoint("last")["step"] == 4
+    assert RunDirectory(tmp_path / "resumed").load_last().progress.step == 4
     monkeypatch.setattr(ClassBalancedSampler, "after_step", original)
     capsys.readouterr()
     train(config, tmp_path / "resumed", progress=True)
     assert f"resuming from step 4 of {config.max_steps} (" in capsys.readouterr().out
 
-    straight = RunDirectory(tmp_path / "straight").load_checkpoint("last")["objective"]
-    resumed = RunDirectory(tmp_path / "resumed").load_checkpoint("last")["objective"]
+    straight = RunDirectory(tmp_path / "straight").load_last().objective
+    resumed = RunDirectory(tmp_path / "resumed").load_last().objective
     assert straight.keys() == resumed.keys()
     for key in straight:
         torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)
@@ -104,7 +104,7 @@ def test_a_run_directory_refuses_a_different_config(
         train(_config(labelled_folder, feature_cache, max_steps=4, lr=1e-3), out, progress=False)
     # More steps is a continuation, not a conflict.
     summary = train(_config(labelled_folder, feature_cache, max_steps=8), out, progress=False)
-    assert summary["steps"] == 8
+    assert summary.steps == 8
 
 
 def test_magnet_trains_on_neighbourhood_batches_with_a_refreshed_cluster_index(
@@ -122,11 +122,11 @@ def test_magnet_trains_on_neighbourhood_batches_with_a_refreshed_cluster_index(
         samples_per_class=2,
     )
     summary = train(config, tmp_path / "run", progress=False)
-    sampler = RunDirectory(tmp_path / "run").load_checkpoint("last")["sampler"]
+    sampler = RunDirectory(tmp_path / "run").load_last().sampler
     assert int(sampler["refreshes"]) == 3  # before steps 0, 3 and 6
     assert len(sampler["centres"]) == 4 * 2  # 4 training classes x 2 clusters
     assert torch.isfinite(sampler["example_losses"]).any(), "the loss fed per-example losses back"
-    assert summary["steps"] == 7
+    assert summary.steps == 7
 
 
 def test_augmented_views_are_cached_reproducible_and_differ_from_the_serving_view(
@@ -154,7 +154,7 @@ def test_early_stopping_waits_for_min_steps(
     # min_steps allows: step 4 without it, the first validation at or after step 10 with it.
     config = _config(labelled_folder, feature_cache, lr=1e-12, patience=1, max_steps=40, min_steps=min_steps)
     summary = train(config, tmp_path / "run", progress=False)
-    assert summary["stopped_early"] and summary["steps"] == stop_step and summary["best_step"] == 0
+    assert summary.stopped_early and summary.steps == stop_step and summary.best_step == 0
 
 
 def test_view_seed_shares_augmented_views_across_run_seeds(
@@ -183,6 +183,6 @@ def test_the_raw_backbone_validation_baseline_is_recorded(
     data = prepare_data(config, feature_cache, progress=False)
     raw = evaluate(data.features["val"], data.labels("val"), seed=config.seed)
     records = RunDirectory(tmp_path / "run").read_metrics()
-    assert records[0]["val_backbone"] == summary["val_backbone"] == raw
-    assert summary["best_step"] == 0 and summary["beats_backbone"] is False
-    assert summary["test_backbone"] == evaluate(data.features["test"], data.labels("test"), seed=config.seed)
+    assert records[0]["val_backbone"] == summary.val_backbone == raw
+    assert summary.best_step == 0 and summary.beats_backbone is False
+    assert summary.test_backbone == evaluate(data.features["test"], data.labels("test"), seed=config.seed)
