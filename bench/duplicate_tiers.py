@@ -8,7 +8,9 @@ groups of 100k items.
    B; ``--sources`` photos of each half get copies:
    - exact: the same pixels saved again as PNG with a text chunk (other bytes);
    - edited, one copy per kind: re-encoded (JPEG q=50), resized to half, centre-cropped to 90%, cropped
-     to 88% off-centre, rotated 3 degrees (cropped to the rotated frame), rotated 90 degrees, mirrored,
+     off-centre (to 88%; 6% off two sides; to 82%x82% the other way; to 85% and re-encoded), rotated 3
+     degrees (cropped to the rotated frame), rotated -2 degrees and cropped off-centre, rotated 90 degrees,
+     mirrored,
      colour-adjusted (saturation 1.3, brightness 1.1, contrast 0.9), watermarked (a translucent
      text banner and a logo box);
    - similar (a second take, simulated): an 80% window of the photo shifted by 15% to the right and 10%
@@ -73,7 +75,11 @@ EDITS = (
     "resized",
     "cropped90",
     "cropped88_offset",
+    "cropped94_corner",
+    "cropped82_offset",
+    "cropped85_reencoded",
     "rotated3",
+    "rotated2_cropped",
     "rotated90",
     "mirrored",
     "colour",
@@ -100,6 +106,15 @@ def make_copy(image: Image.Image, kind: str) -> Image.Image:
         return image.crop((round(w * 0.05), round(h * 0.05), round(w * 0.95), round(h * 0.95)))
     if kind == "cropped88_offset":
         return image.crop((round(w * 0.12), round(h * 0.02), w, round(h * 0.90)))
+    if kind == "cropped94_corner":  # 6% off the left and the top
+        return image.crop((round(w * 0.06), round(h * 0.06), w, h))
+    if kind == "cropped82_offset":  # off-centre the other way, tighter
+        return image.crop((round(w * 0.03), round(h * 0.12), round(w * 0.85), round(h * 0.94)))
+    if kind == "cropped85_reencoded":
+        return make_copy(image.crop((round(w * 0.10), 0, round(w * 0.95), round(h * 0.85))), "reencoded")
+    if kind == "rotated2_cropped":  # turned the other way, then cropped off-centre
+        turned = image.rotate(-2, resample=Image.Resampling.BICUBIC)
+        return turned.crop((round(w * 0.08), round(h * 0.04), round(w * 0.98), round(h * 0.90)))
     if kind == "rotated3":
         turned = image.rotate(3, resample=Image.Resampling.BICUBIC)
         return turned.crop((round(w * 0.05), round(h * 0.05), round(w * 0.95), round(h * 0.95)))
@@ -542,7 +557,7 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "duplicate_tiers.npz")
     parser.add_argument("--out", type=Path, default=RESULTS / "duplicate_tiers")
     args = parser.parse_args()
-    sizes = f"{args.classes}|{args.per_class}|{args.sources}|{args.seed}"
+    sizes = f"{args.classes}|{args.per_class}|{args.sources}|{args.seed}|{','.join(KINDS)}"
     # The signatures are as current as the module that computes them.
     signature_code = hashlib.sha256(inspect.getsource(signature_module).encode()).hexdigest()
     key = f"{args.data.resolve()}|{args.model.resolve()}|{sizes}|{signature_code}"
