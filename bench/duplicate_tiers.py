@@ -43,6 +43,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -161,9 +162,9 @@ def photo_list(data: Path, classes: int, per_class: int, seed: int) -> list[tupl
     ]
 
 
-def build_items(args: argparse.Namespace, embedder: Embedder) -> dict:
-    """Every image's vector, signature, pixel digest and ground truth (source photo, kind, class, half)."""
-    draft = embedder.card.preprocessing.resize_size
+def bench_images(args: argparse.Namespace, draft: int) -> Iterator[tuple[Image.Image, dict]]:
+    """Every image with its ground truth (source photo, kind, class, half), in the bench's order; photos are
+    decoded with the JPEG draft for ``draft`` px, their copies made from the full decode."""
     photos = photo_list(args.data, args.classes, args.per_class, args.seed)
     labels = sorted({label for _, label in photos})
     half_a = set(labels[: len(labels) // 2])
@@ -178,50 +179,51 @@ def build_items(args: argparse.Namespace, embedder: Embedder) -> dict:
         )
         for half in ("A", "B")
     }
-    records: list[dict] = []
-    images: list[Image.Image] = []
 
-    def add(image: Image.Image, source: str, kind: str, label: int, half: str) -> None:
-        records.append(
-            {
-                "source": source,
-                "kind": kind,
-                "label": label,
-                "half": half,
-                "signature": perceptual_signature(image).hex(),
-                "digest": pixel_digest(image),
-            }
-        )
-        images.append(image)
+    def truth(source: str, kind: str, label: int, half: str) -> dict:
+        return {"source": source, "kind": kind, "label": label, "half": half}
 
-    def with_copies(full: Image.Image, embedded: Image.Image, source: str, label: int, half: str) -> None:
-        add(embedded, source, "original", label, half)
-        add(embedded, source, "lossless", label, half)  # same pixels: as decoded from its PNG
+    def with_copies(
+        full: Image.Image, embedded: Image.Image, source: str, label: int, half: str
+    ) -> Iterator[tuple[Image.Image, dict]]:
+        yield embedded, truth(source, "original", label, half)
+        yield embedded, truth(source, "lossless", label, half)  # same pixels: as decoded from its PNG
         for kind in (*EDITS, "take"):
-            add(make_copy(full, kind), source, kind, label, half)
+            yield make_copy(full, kind), truth(source, kind, label, half)
 
-    vectors = []
     for position, (path, label) in enumerate(tqdm(photos, desc="photos", unit="img")):
         half = "A" if label in half_a else "B"
         encoded = (args.data / path).read_bytes()
         photo = decode_image(encoded, draft_size=draft)
         if position in sources[half]:
-            with_copies(decode_image(encoded), photo, path, label, half)
+            yield from with_copies(decode_image(encoded), photo, path, label, half)
         else:
-            add(photo, path, "original", label, half)
-        if len(images) >= 32:
-            vectors.append(embedder.embed(images))
-            images.clear()
+            yield photo, truth(path, "original", label, half)
+    motorcycle = False
     for number, demo in enumerate(PHOTOS):
         photo = Image.fromarray(demo.load()).convert("RGB")
         # The motorcycle's two views are one scene: the right view is the left view's second take.
         source = "demo:motorcycle" if demo.label == "motorcycle" else f"demo:{demo.label}"
-        if source == "demo:motorcycle" and any(r["source"] == source for r in records):
-            add(photo, source, "take", -1, "B")
+        if source == "demo:motorcycle" and motorcycle:
+            yield photo, truth(source, "take", -1, "B")
         else:
-            with_copies(photo, photo, source, -1 - number, "B")
-        vectors.append(embedder.embed(images))
-        images.clear()
+            motorcycle = motorcycle or source == "demo:motorcycle"
+            yield from with_copies(photo, photo, source, -1 - number, "B")
+
+
+def build_items(args: argparse.Namespace, embedder: Embedder) -> dict:
+    """Every image's vector, signature, pixel digest and ground truth (source photo, kind, class, half)."""
+    records: list[dict] = []
+    images: list[Image.Image] = []
+    vectors = []
+    for image, record in bench_images(args, embedder.card.preprocessing.resize_size):
+        records.append(
+            record | {"signature": perceptual_signature(image).hex(), "digest": pixel_digest(image)}
+        )
+        images.append(image)
+        if len(images) >= 32:
+            vectors.append(embedder.embed(images))
+            images.clear()
     if images:
         vectors.append(embedder.embed(images))
     return {"records": records, "vectors": np.concatenate(vectors)}
