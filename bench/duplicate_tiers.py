@@ -8,7 +8,9 @@ groups of 100k items.
    B; ``--sources`` photos of each half get copies:
    - exact: the same pixels saved again as PNG with a text chunk (other bytes);
    - edited, one copy per kind: re-encoded (JPEG q=50), resized to half, centre-cropped to 90%, cropped
-     to 88% off-centre, rotated 3 degrees (cropped to the rotated frame), rotated 90 degrees, mirrored,
+     off-centre (to 88%; 6% off two sides; to 82%x82% the other way; to 85% and re-encoded), rotated 3
+     degrees (cropped to the rotated frame), rotated -2 degrees and cropped off-centre, rotated 90 degrees,
+     mirrored,
      colour-adjusted (saturation 1.3, brightness 1.1, contrast 0.9), watermarked (a translucent
      text banner and a logo box);
    - similar (a second take, simulated): an 80% window of the photo shifted by 15% to the right and 10%
@@ -41,6 +43,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +76,11 @@ EDITS = (
     "resized",
     "cropped90",
     "cropped88_offset",
+    "cropped94_corner",
+    "cropped82_offset",
+    "cropped85_reencoded",
     "rotated3",
+    "rotated2_cropped",
     "rotated90",
     "mirrored",
     "colour",
@@ -100,6 +107,15 @@ def make_copy(image: Image.Image, kind: str) -> Image.Image:
         return image.crop((round(w * 0.05), round(h * 0.05), round(w * 0.95), round(h * 0.95)))
     if kind == "cropped88_offset":
         return image.crop((round(w * 0.12), round(h * 0.02), w, round(h * 0.90)))
+    if kind == "cropped94_corner":  # 6% off the left and the top
+        return image.crop((round(w * 0.06), round(h * 0.06), w, h))
+    if kind == "cropped82_offset":  # off-centre the other way, tighter
+        return image.crop((round(w * 0.03), round(h * 0.12), round(w * 0.85), round(h * 0.94)))
+    if kind == "cropped85_reencoded":
+        return make_copy(image.crop((round(w * 0.10), 0, round(w * 0.95), round(h * 0.85))), "reencoded")
+    if kind == "rotated2_cropped":  # turned the other way, then cropped off-centre
+        turned = image.rotate(-2, resample=Image.Resampling.BICUBIC)
+        return turned.crop((round(w * 0.08), round(h * 0.04), round(w * 0.98), round(h * 0.90)))
     if kind == "rotated3":
         turned = image.rotate(3, resample=Image.Resampling.BICUBIC)
         return turned.crop((round(w * 0.05), round(h * 0.05), round(w * 0.95), round(h * 0.95)))
@@ -146,9 +162,9 @@ def photo_list(data: Path, classes: int, per_class: int, seed: int) -> list[tupl
     ]
 
 
-def build_items(args: argparse.Namespace, embedder: Embedder) -> dict:
-    """Every image's vector, signature, pixel digest and ground truth (source photo, kind, class, half)."""
-    draft = embedder.card.preprocessing.resize_size
+def bench_images(args: argparse.Namespace, draft: int) -> Iterator[tuple[Image.Image, dict]]:
+    """Every image with its ground truth (source photo, kind, class, half), in the bench's order; photos are
+    decoded with the JPEG draft for ``draft`` px, their copies made from the full decode."""
     photos = photo_list(args.data, args.classes, args.per_class, args.seed)
     labels = sorted({label for _, label in photos})
     half_a = set(labels[: len(labels) // 2])
@@ -163,50 +179,51 @@ def build_items(args: argparse.Namespace, embedder: Embedder) -> dict:
         )
         for half in ("A", "B")
     }
-    records: list[dict] = []
-    images: list[Image.Image] = []
 
-    def add(image: Image.Image, source: str, kind: str, label: int, half: str) -> None:
-        records.append(
-            {
-                "source": source,
-                "kind": kind,
-                "label": label,
-                "half": half,
-                "signature": perceptual_signature(image).hex(),
-                "digest": pixel_digest(image),
-            }
-        )
-        images.append(image)
+    def truth(source: str, kind: str, label: int, half: str) -> dict:
+        return {"source": source, "kind": kind, "label": label, "half": half}
 
-    def with_copies(full: Image.Image, embedded: Image.Image, source: str, label: int, half: str) -> None:
-        add(embedded, source, "original", label, half)
-        add(embedded, source, "lossless", label, half)  # same pixels: as decoded from its PNG
+    def with_copies(
+        full: Image.Image, embedded: Image.Image, source: str, label: int, half: str
+    ) -> Iterator[tuple[Image.Image, dict]]:
+        yield embedded, truth(source, "original", label, half)
+        yield embedded, truth(source, "lossless", label, half)  # same pixels: as decoded from its PNG
         for kind in (*EDITS, "take"):
-            add(make_copy(full, kind), source, kind, label, half)
+            yield make_copy(full, kind), truth(source, kind, label, half)
 
-    vectors = []
     for position, (path, label) in enumerate(tqdm(photos, desc="photos", unit="img")):
         half = "A" if label in half_a else "B"
         encoded = (args.data / path).read_bytes()
         photo = decode_image(encoded, draft_size=draft)
         if position in sources[half]:
-            with_copies(decode_image(encoded), photo, path, label, half)
+            yield from with_copies(decode_image(encoded), photo, path, label, half)
         else:
-            add(photo, path, "original", label, half)
-        if len(images) >= 32:
-            vectors.append(embedder.embed(images))
-            images.clear()
+            yield photo, truth(path, "original", label, half)
+    motorcycle = False
     for number, demo in enumerate(PHOTOS):
         photo = Image.fromarray(demo.load()).convert("RGB")
         # The motorcycle's two views are one scene: the right view is the left view's second take.
         source = "demo:motorcycle" if demo.label == "motorcycle" else f"demo:{demo.label}"
-        if source == "demo:motorcycle" and any(r["source"] == source for r in records):
-            add(photo, source, "take", -1, "B")
+        if source == "demo:motorcycle" and motorcycle:
+            yield photo, truth(source, "take", -1, "B")
         else:
-            with_copies(photo, photo, source, -1 - number, "B")
-        vectors.append(embedder.embed(images))
-        images.clear()
+            motorcycle = motorcycle or source == "demo:motorcycle"
+            yield from with_copies(photo, photo, source, -1 - number, "B")
+
+
+def build_items(args: argparse.Namespace, embedder: Embedder) -> dict:
+    """Every image's vector, signature, pixel digest and ground truth (source photo, kind, class, half)."""
+    records: list[dict] = []
+    images: list[Image.Image] = []
+    vectors = []
+    for image, record in bench_images(args, embedder.card.preprocessing.resize_size):
+        records.append(
+            record | {"signature": perceptual_signature(image).hex(), "digest": pixel_digest(image)}
+        )
+        images.append(image)
+        if len(images) >= 32:
+            vectors.append(embedder.embed(images))
+            images.clear()
     if images:
         vectors.append(embedder.embed(images))
     return {"records": records, "vectors": np.concatenate(vectors)}
@@ -542,7 +559,7 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "duplicate_tiers.npz")
     parser.add_argument("--out", type=Path, default=RESULTS / "duplicate_tiers")
     args = parser.parse_args()
-    sizes = f"{args.classes}|{args.per_class}|{args.sources}|{args.seed}"
+    sizes = f"{args.classes}|{args.per_class}|{args.sources}|{args.seed}|{','.join(KINDS)}"
     # The signatures are as current as the module that computes them.
     signature_code = hashlib.sha256(inspect.getsource(signature_module).encode()).hexdigest()
     key = f"{args.data.resolve()}|{args.model.resolve()}|{sizes}|{signature_code}"
