@@ -547,13 +547,15 @@ def build_index(
 
 
 def _fill_in_place(index: GalleryIndex, gallery: _Gallery, report: BuildReport) -> None:
-    """Fill a new Milvus index in place (an interrupted build resumes in it; it carries no model until
-    done)."""
+    """Fill a new Milvus index in place. Its model is stored before its first item, so the directory never
+    holds vectors without the model that embedded them; an interrupted build is an index with fewer items,
+    which the rerun completes."""
     discard = False
     try:
+        index.store_model(model_writer(gallery.embedder.model_path))
+        index.save()
         gallery.sync(index, report)
         report.rebuilt = index.build(retune=True, progress=gallery.progress)
-        index.store_model(model_writer(gallery.embedder.model_path))
         index.save()
     except NothingDecodedError:
         discard = True  # leave no empty index behind

@@ -165,6 +165,33 @@ def test_an_interrupted_build_resumes_where_it_stopped(
     assert _items(out) == _items(fresh)  # same ids as an uninterrupted build
 
 
+def test_an_interrupted_milvus_build_holds_its_model_and_resumes(
+    embedder: Embedder, gallery: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new Milvus index is filled in place (its vectors live in the server): killed, it is an index with
+    fewer items and its model, never items without the model that embedded them."""
+    pytest.importorskip("milvus_lite")
+    out = tmp_path / "index"
+    milvus = {"backend": "milvus", "milvus_uri": str(tmp_path / "milvus.db")}
+    calls = {"n": 0}
+    real_embed = Embedder.embed_tensor
+
+    def embed_then_die(self: Embedder, batch: np.ndarray) -> object:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # the process is killed during the third batch
+        return real_embed(self, batch)
+
+    monkeypatch.setattr(Embedder, "embed_tensor", embed_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        build_index(gallery, embedder, out, batch_size=2, progress=False, **milvus)
+    monkeypatch.setattr(Embedder, "embed_tensor", real_embed)
+    manifest = Manifest.load(out)
+    assert manifest.model_file and (out / manifest.model_file).exists()
+    resumed = build_index(gallery, embedder, out, batch_size=2, progress=False, **milvus)
+    assert resumed.indexed + resumed.unchanged == len(_items(out)) == 9
+
+
 def test_batches_are_committed_in_order_off_the_calling_thread_and_their_errors_surface() -> None:
     class Sink:
         def __init__(self) -> None:
