@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -138,20 +138,27 @@ def test_linked_folders_are_followed_and_what_they_lead_outside_the_gallery_is_l
     assert sorted(_items(tmp_path / "index"))[:3] == [f"alpha/alpha_{i}.png" for i in range(3)]
 
 
-def test_an_interrupted_build_resumes_where_it_stopped(
-    embedder: Embedder, gallery: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    out = tmp_path / "index"
+def _die_during_the_third_batch(monkeypatch: pytest.MonkeyPatch) -> Callable[..., object]:
+    """Make the embedder raise KeyboardInterrupt (the process killed) during its third batch; returns the
+    real ``embed_tensor`` to put back."""
     calls = {"n": 0}
     real_embed = Embedder.embed_tensor
 
     def embed_then_die(self: Embedder, batch: np.ndarray) -> object:
         calls["n"] += 1
         if calls["n"] == 3:
-            raise KeyboardInterrupt  # the process is killed during the third batch
+            raise KeyboardInterrupt
         return real_embed(self, batch)
 
     monkeypatch.setattr(Embedder, "embed_tensor", embed_then_die)
+    return real_embed
+
+
+def test_an_interrupted_build_resumes_where_it_stopped(
+    embedder: Embedder, gallery: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "index"
+    real_embed = _die_during_the_third_batch(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         build_index(gallery, embedder, out, batch_size=2, progress=False)
     monkeypatch.setattr(Embedder, "embed_tensor", real_embed)
@@ -173,16 +180,7 @@ def test_an_interrupted_milvus_build_holds_its_model_and_resumes(
     pytest.importorskip("milvus_lite")
     out = tmp_path / "index"
     milvus = {"backend": "milvus", "milvus_uri": str(tmp_path / "milvus.db")}
-    calls = {"n": 0}
-    real_embed = Embedder.embed_tensor
-
-    def embed_then_die(self: Embedder, batch: np.ndarray) -> object:
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt  # the process is killed during the third batch
-        return real_embed(self, batch)
-
-    monkeypatch.setattr(Embedder, "embed_tensor", embed_then_die)
+    real_embed = _die_during_the_third_batch(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         build_index(gallery, embedder, out, batch_size=2, progress=False, **milvus)
     monkeypatch.setattr(Embedder, "embed_tensor", real_embed)
