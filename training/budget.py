@@ -11,10 +11,14 @@ A ``frozen_first`` run's frozen stage is counted too, from a head step measured 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,17 +54,7 @@ def measure_finetune_speed(config: TrainConfig, batch: int, *, steps: int = 1) -
     size = config.train_size or BACKBONES[config.backbone].preprocessing.input_size
     images = model_inputs(torch.randn(batch, 3, size, size), compute.channels_last)
     labels = torch.arange(batch) // 4  # classes of 4 images
-    optimizer = torch.optim.Adam(objective.parameters(), lr=1e-9)
-    elapsed = 0.0
-    for step in range(steps + 1):
-        started = time.perf_counter()
-        with compute.autocast_context():
-            value = objective(images, labels)
-        optimizer.zero_grad(set_to_none=True)
-        value.backward()
-        optimizer.step()
-        elapsed += (time.perf_counter() - started) if step else 0.0
-    return batch * steps / elapsed
+    return batch / _seconds_per_step(objective, images, labels, steps, compute.autocast_context)
 
 
 def measure_head_speed(config: TrainConfig, batch: int, *, steps: int = 5) -> float:
@@ -71,16 +65,29 @@ def measure_head_speed(config: TrainConfig, batch: int, *, steps: int = 5) -> fl
     objective = build_objective(frozen, feature_dim).train()
     features = torch.randn(batch, feature_dim)
     labels = torch.arange(batch) // 4
+    return 1 / _seconds_per_step(objective, features, labels, steps)
+
+
+def _seconds_per_step(
+    objective: torch.nn.Module,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    steps: int,
+    forward_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> float:
+    """Mean seconds of ``steps`` training steps (forward in ``forward_context``, backward, Adam) after an
+    untimed warm-up step."""
     optimizer = torch.optim.Adam(objective.parameters(), lr=1e-9)
     elapsed = 0.0
     for step in range(steps + 1):
         started = time.perf_counter()
-        value = objective(features, labels)
+        with forward_context():
+            value = objective(inputs, labels)
         optimizer.zero_grad(set_to_none=True)
         value.backward()
         optimizer.step()
         elapsed += (time.perf_counter() - started) if step else 0.0
-    return steps / elapsed
+    return elapsed / steps
 
 
 def finetune_seconds(
