@@ -126,6 +126,7 @@ class RayRunner:
         ray = self._ray
         rows = [{"file": position, "path": str(f.path)} for position, f in enumerate(files)]
         model = {name: path.read_bytes() for name, path in _model_files(embedder).items()}
+        actors = self.actors or self._cluster_actors()
         embedded = ray.data.from_items(
             rows, override_num_blocks=math.ceil(len(rows) / batch_size)
         ).map_batches(
@@ -137,7 +138,9 @@ class RayRunner:
                 "threads": self.cpus_per_actor,
                 "decode_workers": self.decode_workers,
             },
-            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=self.actors or self._cluster_actors()),
+            # Every actor from the start (an autoscaled pool grows one actor at a time, which a build of a
+            # few thousand images spends on one node), and down to one where nodes leave.
+            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=actors, initial_size=actors),
             num_cpus=self.cpus_per_actor,
         )
         done: set[int] = set()
