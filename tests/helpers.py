@@ -578,10 +578,16 @@ class RayCluster:
     """A real Ray cluster on this machine: a head and worker nodes started by ``ray start --block``, each
     in a process group of its own (so one node can be removed, and the stop reaches every process a node
     spawned without touching another Ray on the machine), with token authentication and temporary
-    folders in ``root``."""
+    folders in ``root``.
+
+    ``pin_cores``: run node k on core k (modulo the machine's cores, by CPU affinity, which every process
+    the node starts inherits), so that a node's ``--num-cpus`` is also the compute it can use: two 1-CPU
+    nodes on one machine then stand for two 1-core machines (a bench of scaling needs that; Ray's CPU count
+    alone is only a scheduling label)."""
 
     root: Path
     cpus_per_node: int = 1
+    pin_cores: bool = False
     port: int = 0
     nodes: list[subprocess.Popen] = dataclass_field(default_factory=list)
 
@@ -648,9 +654,13 @@ class RayCluster:
 
     def _start_node(self, arguments: list[str]) -> None:
         log = (self.root / f"node{len(self.nodes)}.log").open("ab")
+        pinned = (
+            ["taskset", "--cpu-list", str(len(self.nodes) % (os.cpu_count() or 1))] if self.pin_cores else []
+        )
         with log:
             node = subprocess.Popen(
                 [
+                    *pinned,
                     RAY_COMMAND,
                     "start",
                     "--block",
