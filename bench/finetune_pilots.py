@@ -1,15 +1,17 @@
 """The pilot runs behind the fine-tuning recipe (training/recipes.py FINETUNE), and their validation curves.
 
     python bench/finetune_pilots.py --data CARS196/images [--runs-dir DIR] [--cache-dir DIR]
-                                    [--pilots NAME ...] [--minutes 30] [--threads 1]
+                                    [--pilots NAME ...] [--fold 0] [--minutes 30]
 
-Each pilot fine-tunes ``angular`` on Cars196 class fold 0 of the training classes (``fold=0``: classes 1-33
-of 1-98 are its test; its validation classes come from the rest, as the trainer carves them), changing one
-setting against the papers' values at a time, for ``--minutes`` of training steps; a run directory that
-exists is resumed or, when finished, only read. Pilots run one process each, so two can share a 2-core
-machine (``--threads 1``); compare them at equal steps and at equal minutes. Writes
-``bench/results/finetune_pilots.{md,json}``: every validation of every pilot (step, minutes of training,
-Recall@1), the untrained model at step 0, and the fold's test Recall@1 where a pilot finished.
+Each pilot fine-tunes ``angular`` on a Cars196 class fold of the training classes (``--fold`` k of 3: fold 0
+tests on classes 1-33 of 1-98, fold 1 on 34-66, fold 2 on 67-98; its validation classes come from the rest,
+as the trainer carves them), changing one setting against the papers' values at a time, for ``--minutes``
+of training steps, in ``RUNS_DIR/fold<k>/<pilot>``; a run directory that exists is resumed or, when
+finished, only read. Pilots run one process each, so two can share a 2-core machine
+(``OMP_NUM_THREADS=1``); compare them at equal steps and at equal minutes. Writes
+``bench/results/finetune_pilots.{md,json}``: every validation of every pilot on every fold run (step,
+Recall@1), the untrained model at step 0, the fold's test Recall@1 where a pilot finished, and, for pilots
+finished on several folds, their per-fold test differences.
 """
 
 from __future__ import annotations
@@ -58,13 +60,16 @@ PILOTS: dict[str, dict[str, Any]] = {
 }
 
 
+FOLDS = 3  # the trainer's default class folds of the training classes
+
+
 def run_pilot(name: str, args: argparse.Namespace) -> Path:
-    path = args.runs_dir / name
+    path = args.runs_dir / f"fold{args.fold}" / name
     # The loss's recommended values (embedding scale) apply; the fine-tuning choices are the pilot's own.
     settings = {
         **resolve(LOSS).settings,
         **PILOTS[name],
-        "fold": 0,
+        "fold": args.fold,
         "workers": 1,
         "time_budget": 60 * args.minutes,
     }
@@ -114,33 +119,63 @@ def eval_sizes(path: Path, sizes: list[int]) -> dict[int, float]:
     return results
 
 
-def markdown(curves: dict[str, dict[str, Any]], command: str) -> str:
+def fold_differences(curves: dict[int, dict[str, dict[str, Any]]]) -> list[str]:
+    """Lines comparing each pair of pilots on the folds where both finished: test R@1 of the second minus
+    the first, per fold, and their mean."""
+    lines = []
+    names = list(PILOTS)
+    for i, first in enumerate(names):
+        for second in names[i + 1 :]:
+            both = {
+                fold: runs[second]["test_recall@1"] - runs[first]["test_recall@1"]
+                for fold, runs in sorted(curves.items())
+                if all(runs.get(name, {}).get("test_recall@1") is not None for name in (first, second))
+            }
+            if len(both) > 1:
+                per_fold = ", ".join(f"fold {fold}: {gap:+.2f}" for fold, gap in both.items())
+                mean = sum(both.values()) / len(both)
+                lines.append(f"- {second} minus {first}, test R@1: {per_fold} (mean {mean:+.2f})")
+    return lines
+
+
+def markdown(curves: dict[int, dict[str, dict[str, Any]]], command: str) -> str:
     lines = [
-        "# Fine-tuning pilots: angular on Cars196 class fold 0",
+        "# Fine-tuning pilots: angular on Cars196 class folds",
         "",
         f"Command: `{command}`",
         "",
         "Validation Recall@1 (%) on the fold's validation classes after each epoch of training steps; step 0 "
-        "is the untrained model. test: the fold's test classes (1-33), where the pilot ran to its end (- for "
-        "a pilot stopped by SIGTERM once its first validations had answered its question, to free the "
-        "cores).",
+        "is the untrained model. test: the fold's test classes (fold 0: classes 1-33, fold 1: 34-66, fold 2: "
+        "67-98), where the pilot ran to its end (- for a pilot stopped by SIGTERM once its first validations "
+        "had answered its question, to free the cores).",
         "",
-        "| pilot | settings | validations (step: R@1) | test R@1 | untrained test R@1 |",
-        "|---|---|---|---|---|",
+        "| fold | pilot | settings | validations (step: R@1) | test R@1 | untrained test R@1 |",
+        "|---|---|---|---|---|---|",
     ]
-    for name, result in curves.items():
-        points = ", ".join(f"{v['step']}: {v['val_recall@1']:.2f}" for v in result["validations"])
-        settings = ", ".join(f"{key}={value}" for key, value in PILOTS[name].items()) or "the papers' values"
-        test = result["test_recall@1"]
-        untrained = result["test_untrained_recall@1"]
-        lines.append(
-            f"| {name} | {settings} | {points} | {'-' if test is None else test} | "
-            f"{'-' if untrained is None else untrained} |"
-        )
-    for name, result in curves.items():
-        if result.get("eval_sizes"):
-            sizes = ", ".join(f"{size} px: {r1:.2f}" for size, r1 in result["eval_sizes"].items())
-            lines += ["", f"{name}, its last checkpoint evaluated with whole images at other sizes: {sizes}."]
+    for fold, runs in sorted(curves.items()):
+        for name, result in runs.items():
+            points = ", ".join(f"{v['step']}: {v['val_recall@1']:.2f}" for v in result["validations"])
+            settings = (
+                ", ".join(f"{key}={value}" for key, value in PILOTS[name].items()) or "the papers' values"
+            )
+            test = result["test_recall@1"]
+            untrained = result["test_untrained_recall@1"]
+            lines.append(
+                f"| {fold} | {name} | {settings} | {points} | {'-' if test is None else test} | "
+                f"{'-' if untrained is None else untrained} |"
+            )
+    differences = fold_differences(curves)
+    if differences:
+        lines += ["", "Pilots finished on more than one fold:", "", *differences]
+    for fold, runs in sorted(curves.items()):
+        for name, result in runs.items():
+            if result.get("eval_sizes"):
+                sizes = ", ".join(f"{size} px: {r1:.2f}" for size, r1 in result["eval_sizes"].items())
+                lines += [
+                    "",
+                    f"{name} (fold {fold}), its last checkpoint evaluated with whole images at other sizes: "
+                    f"{sizes}.",
+                ]
     return "\n".join(lines) + "\n"
 
 
@@ -152,24 +187,41 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="backbone feature cache")
     parser.add_argument("--runs-dir", type=Path, default=CACHE_DIR / "finetune-pilots")
     parser.add_argument("--pilots", nargs="*", choices=sorted(PILOTS), help="pilots to run (default: all)")
+    parser.add_argument("--fold", type=int, choices=range(FOLDS), default=0, help="the class fold to test on")
     parser.add_argument("--minutes", type=float, default=30.0, help="minutes of training steps per pilot")
     parser.add_argument("--tabulate", action="store_true", help="only tabulate the runs in --runs-dir")
     parser.add_argument(
-        "--eval-sizes", nargs="*", type=int, default=[], help="also evaluate papers-160 at these sizes"
+        "--eval-sizes",
+        nargs="*",
+        type=int,
+        default=[],
+        help="also evaluate papers-160 (fold 0) at these sizes",
     )
     args = parser.parse_args()
     names = args.pilots or list(PILOTS)
     if not args.tabulate:
         for name in names:
             run_pilot(name, args)
-    curves = {name: curve(args.runs_dir / name) for name in PILOTS if (args.runs_dir / name).exists()}
-    if args.eval_sizes and "papers-160" in curves:
-        curves["papers-160"]["eval_sizes"] = eval_sizes(args.runs_dir / "papers-160", args.eval_sizes)
+    curves = {
+        fold: {
+            name: curve(args.runs_dir / f"fold{fold}" / name)
+            for name in PILOTS
+            if (args.runs_dir / f"fold{fold}" / name).exists()
+        }
+        for fold in range(FOLDS)
+    }
+    curves = {fold: runs for fold, runs in curves.items() if runs}
+    papers_160 = args.runs_dir / "fold0" / "papers-160"
+    if args.eval_sizes and papers_160.exists():
+        curves[0]["papers-160"]["eval_sizes"] = eval_sizes(papers_160, args.eval_sizes)
     threads = os.environ.get("OMP_NUM_THREADS")
     command = shlex.join([*([f"OMP_NUM_THREADS={threads}"] if threads else []), "python", *sys.argv])
     RESULTS.mkdir(exist_ok=True)
     atomic_write_text(
-        RESULTS / "finetune_pilots.json", json.dumps({"command": command, "pilots": curves}, indent=2)
+        RESULTS / "finetune_pilots.json",
+        json.dumps(
+            {"command": command, "folds": {str(fold): runs for fold, runs in curves.items()}}, indent=2
+        ),
     )
     table = markdown(curves, command)
     atomic_write_text(RESULTS / "finetune_pilots.md", table)
