@@ -16,6 +16,7 @@ Ray is the optional extra ``.[ray]``, imported only here and only when a build a
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
@@ -78,9 +79,16 @@ class RayRunner:
 
     def __enter__(self) -> RayRunner:
         ray = self._ray
-        # Ray's own INFO lines would bury the build's output; its warnings and errors still show.
+        # Ray's own INFO lines would bury the build's output; its warnings and errors still show, but for
+        # the notices about choices made here: Ray's progress bars are off (the driver shows the build's
+        # own), and a local runtime (started for this build, stopped after it) has token authentication.
         quiet = {"log_to_driver": False, "logging_level": "warning"}
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
+        logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
         if self.address is None:  # a runtime of its own ("local": never a cluster RAY_ADDRESS names)
+            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
+                logging.ERROR
+            )
             ray.init(address="local", include_dashboard=False, **quiet)
         else:
             ray.init(address=self.address, **quiet)

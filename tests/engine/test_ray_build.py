@@ -129,6 +129,22 @@ def test_a_ray_build_writes_the_index_a_local_build_writes(
     assert got["unlabelled.png"][0] is None and got["class_03/img_1.png"][0] == "class_03"
 
 
+def test_a_local_ray_build_shows_the_builds_output_without_rays_notices(model: Path, tmp_path: Path) -> None:
+    """``--ray local``: Ray's INFO lines, its notice that its progress bars are off (the build shows its
+    own) and its notice that the runtime it starts has token authentication stay out of the output."""
+    gallery = write_labelled_folder(tmp_path / "gallery", classes=2, per_class=3, size=40)
+    command = _build_command(gallery, model, tmp_path / "index", "--ray", "local")
+    environment = {
+        name: value for name, value in os.environ.items() if not name.startswith(("RAY_AUTH", "RAY_ADDRESS"))
+    }
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "indexed 6 images" in done.stdout
+    output = done.stdout + done.stderr
+    for notice in (" INFO ", "Progress bars disabled", "Token authentication is enabled"):
+        assert notice not in output, output
+
+
 def test_a_rerun_embeds_only_new_and_changed_files(
     ray_cluster: RayCluster, model: Path, tmp_path: Path
 ) -> None:
