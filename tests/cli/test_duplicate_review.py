@@ -4,7 +4,9 @@ the middle then re-run or undone without losing a file."""
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -23,7 +25,7 @@ from engine.defaults import TRASH_FOLDER
 from engine.duplicate_review import file_facts
 from engine.embedder import Embedder
 from engine.indexing import build_index
-from index.duplicate_tiers import EDITED_BITS
+from index.duplicate_tiers import ALIGNED_NCC, EDITED_BITS
 from index.gallery import GalleryIndex
 from index.protocol import Item
 from tests.helpers import make_image
@@ -110,6 +112,33 @@ def test_a_quarter_turned_copy_is_an_edited_copy(
         ("edited", {"cat.png", "cat_turned.jpg"})
     ]
     assert all(i["signature_bits"] <= EDITED_BITS and i["cosine"] < 0.9 for i in groups[0]["items"])
+
+
+def test_an_off_centre_crop_is_an_edited_copy_with_its_aligned_ncc(
+    tmp_path: Path, exported_model: Path, demo_gallery: Path
+) -> None:
+    """Its signature's views are too far from the photo's; its thumbnail is a window of the photo's."""
+    gallery = tmp_path / "gallery"
+    gallery.mkdir()
+    cat = Image.open(demo_gallery / "cat" / "00_original.jpg")
+    w, h = cat.size
+    cat.save(gallery / "cat.png")
+    cat.crop((int(0.12 * w), int(0.02 * h), w, int(0.88 * h))).save(gallery / "cat_cropped.jpg", quality=85)
+    Image.open(demo_gallery / "coffee" / "01_original.jpg").save(gallery / "coffee.png")
+    build_index(gallery, Embedder(exported_model, threads=1), tmp_path / "index", progress=False)
+    groups = _groups(tmp_path / "index", "edited")
+    assert [(g["tier"], {i["path"] for i in g["items"]}) for g in groups] == [
+        ("edited", {"cat.png", "cat_cropped.jpg"})
+    ]
+    for item in groups[0]["items"]:
+        assert item["signature_bits"] > EDITED_BITS and item["alignment"] >= ALIGNED_NCC
+    shown = runner.invoke(app, ["duplicates", "--index", str(tmp_path / "index"), "--tier", "edited"])
+    assert shown.exit_code == 0 and "aligned NCC" in shown.stdout
+    table = runner.invoke(
+        app, ["duplicates", "--index", str(tmp_path / "index"), "--tier", "edited", "--csv"]
+    )
+    rows = list(csv.DictReader(io.StringIO(table.stdout)))
+    assert len(rows) == 2 and all(float(row["alignment"]) >= ALIGNED_NCC for row in rows)
 
 
 def _files(root: Path) -> dict[str, str]:
