@@ -22,11 +22,17 @@ groups of 100k items.
    any other two images made from one photo; pairs of different photos have none.
    The tier thresholds are chosen on half A (the edited tier: the highest recall with precision >= 0.98,
    and images in a false edited group <= 1%, the strictest among equals; then the similar tier, at that
-   edited setting: the highest min(precision, recall)), and
+   edited setting: the highest min(precision, recall); then the aligned check's cosine and NCC, the same
+   way, by the precision counting takes as right where no setting reaches the goal otherwise, and the
+   fewest pairs it checks between two signature groups whose copies are grouped with their photo within
+   1 point of checking every pair), and
    everything is reported on half B (plus the demo photos and their copies), by ``find_tiered`` itself
    at the library's defaults.
 2. Speed. ``find_tiered`` for the edited and the similar tier over bench/duplicates.py's synthetic index
-   of 100k vectors made from this bench's real embeddings (random signatures, planted copies).
+   of 100k vectors made from this bench's real embeddings (random signatures and thumbnails, planted
+   copies, and for the aligned check planted off-centre crops and other photos of the same thing).
+
+Signatures are computed again, without embedding again, when engine/signature.py changed.
 
 Writes ``bench/results/duplicate_tiers.{json,md}``. Embeddings are cached in ``--cache``.
 """
@@ -60,6 +66,7 @@ from engine.signature import perceptual_signature
 from index.duplicate_tiers import (
     ALIGNED_COSINE,
     ALIGNED_NCC,
+    ALIGNED_TRIES,
     EDITED_BITS,
     EDITED_COSINE,
     SIMILAR_BITS,
@@ -96,6 +103,7 @@ EDITED_BITS_TRIED = (4, 6, 8, 10)
 SIMILAR_COSINES = np.round(np.arange(0.70, 0.981, 0.02), 2)
 ALIGNED_COSINES = np.round(np.arange(0.80, 0.901, 0.025), 3)
 ALIGNED_NCCS = np.round(np.arange(0.70, 0.941, 0.02), 2)
+ALIGNED_TRIES_TRIED = (1, 2, 3, 4, 6, 8)  # and every pair (None)
 # The speed index's planted pairs for the aligned check, as shares of its items: off-centre crops of a
 # photo and other photos of the same thing, both above the aligned cosine (half B's real rate: its
 # aligned checks per image, reported beside).
@@ -384,6 +392,14 @@ def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None
             similar_grid[f"{cosine:.2f}"] = pair_scores(tiers, truth, true_counts)["similar"]
         result |= {"edited_grid": grid, "similar_grid": similar_grid}
         result["aligned_grid"] = aligned_grid(data, index, edited, true_counts)
+        aligned = choose_aligned(result["aligned_grid"]["grid"])
+        settings = TierSettings(
+            edited_cosine=edited["edited_cosine"],
+            edited_bits=edited["edited_bits"],
+            aligned_cosine=aligned["aligned_cosine"],
+            aligned_ncc=aligned["aligned_ncc"],
+        )
+        result["aligned_tries"] = aligned_tries(data, index, members, settings)
     else:
         started = time.perf_counter()
         found = find_tiered(index, Tier.SIMILAR, chosen, digests=digests_for(data))
@@ -395,7 +411,11 @@ def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None
         result["edited_precision_same_photo"] = same_photo_precision(pairs.tiers, truth)
         result["aligned_checks"] = pairs.aligned_checks
         edited = find_tiered(index, Tier.EDITED, chosen, digests=digests_for(data))
-        group_of = {int(i): n for n, g in enumerate(edited.groups) for i in record_of(index, g.ids)}
+        grouped = grouped_with_photo(records, members, index, edited.groups)
+        views_found = find_tiered(
+            index, Tier.EDITED, replace(chosen, aligned_ncc=None), digests=digests_for(data)
+        )
+        grouped_by_views = grouped_with_photo(records, members, index, views_found.groups)
         # Without the aligned check: what the signature's views alone find.
         views_only, _ = tier_pairs(index, Tier.EDITED, replace(chosen, aligned_ncc=None), digests_for(data))
         result["views_only"] = {
@@ -416,7 +436,7 @@ def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None
                 for i in members
                 if records[i]["kind"] == kind and not records[i]["source"].startswith("demo:motorcycle")
             ]
-            hit = grouped = 0
+            hit = 0
             for i in copies:
                 original = next(
                     j
@@ -426,11 +446,11 @@ def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None
                 a, b = min(i, original), max(i, original)
                 match = (firsts == a) & (seconds == b) | (firsts == b) & (seconds == a)
                 hit += bool(match.any() and pairs.tiers[match].min() <= wanted)
-                grouped += i in group_of and group_of[i] == group_of.get(original)
             by_kind[kind] = {
                 "copies": len(copies),
                 "found_at_its_tier_or_stricter": hit / len(copies) if copies else None,
-                "in_its_photos_edited_group": grouped / len(copies) if copies else None,
+                "in_its_photos_edited_group": grouped[kind],
+                "in_its_photos_edited_group_views_only": grouped_by_views[kind],
             }
         result["by_kind"] = by_kind
         groups = [record_of(index, g.ids) for g in edited.groups]
@@ -443,6 +463,42 @@ def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None
         result["similar_groups_found"] = len(found.groups)
     index.close()
     return result
+
+
+def grouped_with_photo(records: list[dict], members: list[int], index: GalleryIndex, groups) -> dict:
+    """Per kind of edit, the share of copies in the same group as their photo (demo motorcycle aside)."""
+    group_of = {int(i): n for n, g in enumerate(groups) for i in record_of(index, g.ids)}
+    originals = {records[j]["source"]: j for j in members if records[j]["kind"] == "original"}
+    shares = {}
+    for kind in ("lossless", *EDITS, "take"):
+        copies = [
+            i
+            for i in members
+            if records[i]["kind"] == kind and not records[i]["source"].startswith("demo:motorcycle")
+        ]
+        together = [
+            i in group_of and group_of[i] == group_of.get(originals[records[i]["source"]]) for i in copies
+        ]
+        shares[kind] = float(np.mean(together)) if copies else None
+    return shares
+
+
+def aligned_tries(data: dict, index: GalleryIndex, members: list[int], settings: TierSettings) -> dict:
+    """The fewest pairs checked between two signature groups whose edited copies are grouped with their
+    photo (mean over the edit kinds) within 1 point of checking every pair, at ``settings``."""
+    rows = {}
+    for tries in (*ALIGNED_TRIES_TRIED, None):
+        found = find_tiered(
+            index, Tier.EDITED, replace(settings, aligned_tries=tries), digests=digests_for(data)
+        )
+        shares = grouped_with_photo(data["records"], members, index, found.groups)
+        rows[str(tries)] = {
+            "grouped": float(np.mean([shares[k] for k in EDITS])),
+            "checks": found.aligned_checks,
+        }
+    every = rows["None"]["grouped"]
+    chosen = next(t for t in ALIGNED_TRIES_TRIED if rows[str(t)]["grouped"] >= every - 0.01)
+    return {"rows": rows, "chosen": chosen}
 
 
 def same_photo_precision(tiers: np.ndarray, truth: np.ndarray) -> float:
@@ -461,6 +517,7 @@ def aligned_grid(data: dict, index: GalleryIndex, edited: dict, true_counts: np.
         edited_bits=edited["edited_bits"],
         aligned_cosine=float(ALIGNED_COSINES[0]),
         aligned_ncc=-1.0,  # every pair checked is kept, with its score
+        aligned_tries=None,  # the check itself: how few pairs suffice is chosen after (aligned_tries)
     )
     pairs, _ = tier_pairs(index, Tier.EDITED, settings, digests_for(data))
     truth = true_tiers(records, record_of(index, pairs.firsts), record_of(index, pairs.seconds))
@@ -537,6 +594,7 @@ def choose(half_a: dict) -> dict:
         choose_edited(half_a["edited_grid"])
         | {"similar_cosine": float(similar)}
         | choose_aligned(half_a["aligned_grid"]["grid"])
+        | {"aligned_tries": half_a["aligned_tries"]["chosen"]}
     )
 
 
@@ -579,9 +637,10 @@ def write_markdown(result: dict, path: Path) -> None:
         f"{chosen['edited_bits']} bits; similar cosine >= {chosen['similar_cosine']} (edited goals met on A: "
         f"{chosen['edited_goals_met_on_a']}); the aligned check: cosine >= {chosen['aligned_cosine']} and "
         f"aligned NCC >= {chosen['aligned_ncc']} (chosen by {chosen['aligned_chosen_by']} >= "
-        f"{PRECISION_GOAL}, see below). Library defaults when measured: edited "
+        f"{PRECISION_GOAL}, see below), at most {chosen['aligned_tries']} pairs checked between two "
+        "signature groups (see below). Library defaults when measured: edited "
         f"{EDITED_COSINE}/{EDITED_BITS}, similar {SIMILAR_COSINE} (bits <= {SIMILAR_BITS}), aligned "
-        f"{ALIGNED_COSINE}/{ALIGNED_NCC}.",
+        f"{ALIGNED_COSINE}/{ALIGNED_NCC}, {ALIGNED_TRIES} tries.",
         "",
         "## Half B, at the settings chosen on half A (find_tiered)",
         "",
@@ -614,8 +673,8 @@ def write_markdown(result: dict, path: Path) -> None:
         "others: edited), and in its photo's group of the edited tier (what a person reviewing the edited "
         "tier sees; a take there is a false edit):",
         "",
-        "| kind | copies | pair found | in its photo's edited group |",
-        "|---|---|---|---|",
+        "| kind | copies | pair found | in its photo's edited group | the same, signature views alone |",
+        "|---|---|---|---|---|",
     ]
     for kind, row in b["by_kind"].items():
         share = (
@@ -623,9 +682,10 @@ def write_markdown(result: dict, path: Path) -> None:
             if row["found_at_its_tier_or_stricter"] is None
             else f"{row['found_at_its_tier_or_stricter']:.3f}"
         )
-        grouped = row["in_its_photos_edited_group"]
+        grouped, alone = row["in_its_photos_edited_group"], row["in_its_photos_edited_group_views_only"]
         lines.append(
-            f"| {kind} | {row['copies']} | {share} | {'-' if grouped is None else f'{grouped:.3f}'} |"
+            f"| {kind} | {row['copies']} | {share} | {'-' if grouped is None else f'{grouped:.3f}'} "
+            f"| {'-' if alone is None else f'{alone:.3f}'} |"
         )
     lines += [
         "",
@@ -655,6 +715,19 @@ def write_markdown(result: dict, path: Path) -> None:
             f"| {key} | {row['precision']:.4f} | {row['precision_same_photo']:.4f} | {row['recall']:.4f} "
             f"| {100 * row['false_edited_images']:.2f}% |"
         )
+    tries = result["half_a"]["aligned_tries"]
+    lines += [
+        "",
+        "## Half A: pairs checked between two signature groups (at the aligned setting chosen)",
+        "",
+        "Chosen: the fewest whose edited copies are grouped with their photo (mean over the edit kinds) "
+        f"within 1 point of checking every pair: **{tries['chosen']}**.",
+        "",
+        "| at most | copies grouped with their photo | pairs checked |",
+        "|---|---|---|",
+    ]
+    for key, row in tries["rows"].items():
+        lines.append(f"| {'every pair' if key == 'None' else key} | {row['grouped']:.3f} | {row['checks']} |")
     lines += [
         "",
         "## Half A: the similar tier by cosine",
@@ -738,6 +811,7 @@ def main() -> None:
             "similar_cosine": SIMILAR_COSINE,
             "aligned_cosine": ALIGNED_COSINE,
             "aligned_ncc": ALIGNED_NCC,
+            "aligned_tries": ALIGNED_TRIES,
         }
         chosen = result["chosen_on_a"]
         settings = TierSettings(
@@ -746,6 +820,7 @@ def main() -> None:
             chosen["similar_cosine"],
             aligned_cosine=chosen["aligned_cosine"],
             aligned_ncc=chosen["aligned_ncc"],
+            aligned_tries=chosen["aligned_tries"],
         )
         result["half_b"] = evaluate_half(data, "B", Path(work) / "b", settings)
         result["speed"] = speed(data, args.speed_items, args.seed, Path(work) / "speed", settings)

@@ -80,9 +80,16 @@ TIER_NAMES = tuple(tier.label for tier in Tier)
 # as another photo's (14-22 bits; a limit of 16 bits lost half the takes for no better min(P, R)).
 EDITED_COSINE = 0.3
 EDITED_BITS = 8
-# The aligned check of off-centre crops (index.alignment), chosen the same way with the two above fixed.
-ALIGNED_COSINE = 0.85
+# The aligned check of off-centre crops (index.alignment), chosen on half A with the two above fixed: the
+# highest recall with <= 1% of photos in a false edited group and precision >= 0.98 counting the bench's
+# simulated second takes (off-centre 80% windows of their photo: crops, by pixels) as right; by the plain
+# precision no setting reaches 0.98 (~0.90: those takes). 0.8 is the lowest cosine tried: below it the pairs
+# to check grow fast (bench/results/crop_alignment.md).
+ALIGNED_COSINE = 0.8
 ALIGNED_NCC = 0.84
+# Pairs checked between two signature groups (see _align): the fewest on half A whose copies are grouped
+# with their photo within 1 point of checking every pair.
+ALIGNED_TRIES = 2
 SIMILAR_COSINE = 0.86
 SIMILAR_BITS = 64
 
@@ -99,6 +106,7 @@ class TierSettings:
     neighbours: int = DEFAULT_NEIGHBOURS
     aligned_cosine: float = ALIGNED_COSINE
     aligned_ncc: float | None = ALIGNED_NCC  # None: no aligned check (the signature's views alone)
+    aligned_tries: int | None = ALIGNED_TRIES  # None: every pair between two signature groups
 
     def check(self) -> None:
         check_threshold(self.edited_cosine)
@@ -106,6 +114,8 @@ class TierSettings:
         check_threshold(self.aligned_cosine)
         if self.aligned_ncc is not None and not -1.0 <= self.aligned_ncc <= 1.0:
             raise InvalidInputError(f"aligned_ncc must be an NCC in [-1, 1], got {self.aligned_ncc}")
+        if self.aligned_tries is not None and self.aligned_tries < 1:
+            raise InvalidInputError(f"aligned_tries must be at least 1, got {self.aligned_tries}")
         check_max_distance(self.edited_bits)
         if not 0 <= self.similar_bits <= 64:
             raise InvalidInputError(f"similar_bits must be in [0, 64], got {self.similar_bits}")
@@ -223,7 +233,11 @@ def _align(
 ) -> int:
     """The aligned check (in place): pairs of no edited tier yet with cosine >= ``aligned_cosine``, both
     thumbnails, and not already in one group by the signature's edited pairs get their NCC in
-    ``alignments``, and EDITED in ``tiers`` where it is >= ``aligned_ncc``. Returns how many it checked."""
+    ``alignments``, and EDITED in ``tiers`` where it is >= ``aligned_ncc``. Returns how many it checked.
+
+    Of the pairs between the same two signature groups only the ``aligned_tries`` of highest cosine are
+    checked: one success joins the groups, and a crop of a photo with many copies otherwise meets every
+    copy (half B of bench/duplicate_tiers.py: 3.8 pairs per image without that limit)."""
     with_first, _ = signatures.thumbnails_of(firsts)
     with_second, _ = signatures.thumbnails_of(seconds)
     wanted = (tiers > int(Tier.EDITED)) & (cosines >= settings.aligned_cosine) & with_first & with_second
@@ -232,8 +246,17 @@ def _align(
     edited = tiers == int(Tier.EDITED)
     ids = np.unique(np.concatenate([firsts, seconds]))
     component = _components(firsts[edited], seconds[edited], ids)
-    wanted &= component[np.searchsorted(ids, firsts)] != component[np.searchsorted(ids, seconds)]
-    checked = np.flatnonzero(wanted)
+    first_group = component[np.searchsorted(ids, firsts)]
+    second_group = component[np.searchsorted(ids, seconds)]
+    candidates = np.flatnonzero(wanted & (first_group != second_group))
+    low = np.minimum(first_group, second_group)[candidates]
+    high = np.maximum(first_group, second_group)[candidates]
+    order = np.lexsort((-cosines[candidates], high, low))  # by pair of groups, the highest cosine first
+    starts = np.ones(len(order), dtype=bool)
+    starts[1:] = (low[order][1:] != low[order][:-1]) | (high[order][1:] != high[order][:-1])
+    rank = np.arange(len(order)) - np.maximum.accumulate(np.where(starts, np.arange(len(order)), 0))
+    tries = len(order) if settings.aligned_tries is None else settings.aligned_tries
+    checked = np.sort(candidates[order[rank < tries]])
     scores = aligned_ncc(
         signatures.thumbnails_of(firsts[checked])[1], signatures.thumbnails_of(seconds[checked])[1]
     )

@@ -13,7 +13,7 @@ from PIL import Image, ImageDraw, ImageFilter
 
 from engine.signature import perceptual_signature
 from index.alignment import aligned_ncc
-from index.duplicate_tiers import ALIGNED_NCC, EDITED_BITS, Tier, TierSettings, find_tiered
+from index.duplicate_tiers import ALIGNED_NCC, ALIGNED_TRIES, EDITED_BITS, Tier, TierSettings, find_tiered
 from index.duplicates import SignatureTable, signature_distance
 from index.gallery import GalleryIndex
 from index.signature_layout import THUMBNAIL_SIDE, VIEW_BYTES, VIEWS, WITH_THUMBNAIL, thumbnail_of, views_of
@@ -111,6 +111,25 @@ def test_an_off_centre_crop_is_edited_with_its_ncc_and_another_scene_is_not(tmp_
     assert crop_id not in edited_partners(index, TierSettings(aligned_ncc=None))
     assert crop_id not in edited_partners(index, TierSettings(aligned_cosine=0.999))
     index.close()
+
+
+def test_only_the_closest_pairs_between_two_signature_groups_are_checked(tmp_path: Path) -> None:
+    """A photo with three copies (one group by signature), a crop of it and another scene: the crop and
+    the other scene each meet four members of the group, of which the two of highest cosine are checked."""
+    photo, other = street_scene(6), street_scene(7)
+    buffer = io.BytesIO()
+    photo.save(buffer, format="JPEG", quality=60)
+    copies = [
+        Image.open(buffer).convert("RGB"),
+        photo.resize((240, 180)),
+        photo.point(lambda v: min(255, v + 12)),
+    ]
+    images = [photo, *copies, off_centre_crop(photo), other]
+    index, ids = scene_index(tmp_path, [perceptual_signature(image) for image in images])
+    found = find_tiered(index, Tier.EDITED)
+    index.close()
+    assert found.aligned_checks == ALIGNED_TRIES * 2 + 1  # crop-group, other-group, crop-other
+    assert [set(g.ids.tolist()) for g in found.groups] == [set(ids[:5])]
 
 
 def test_signatures_without_a_thumbnail_keep_the_phash_rule(tmp_path: Path) -> None:
