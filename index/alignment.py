@@ -6,6 +6,8 @@ A crop moves every pHash view by 10-21 bits (bench/results/crop_alignment.md), b
 other thumbnail's window at some scale and offset. So: the best normalised cross-correlation (NCC) of one
 thumbnail, shrunk per axis to each share in ``SCALES``, over every offset inside the other, both ways
 round. NCC ignores brightness and contrast; another photo of the same thing does not line up with it.
+Images with little in them can line up by shape alone (two different objects centred on a plain
+background, a dark frame with one light: NCC ~0.9 in a quick check): the pair's cosine must hold too.
 
 Coarse to fine, on many pairs at once in plain array maths: every scale, offset and way round on the
 thumbnails pooled to half their side, then the full thumbnails at each pair's best coarse scale and way

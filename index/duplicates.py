@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -177,13 +178,19 @@ class SignatureTable:
         self.rows = np.frombuffer(
             b"".join(blob[:shortest] for blob in views_stored), dtype=np.uint64
         ).reshape(len(views_stored), views)
-        thumbnails = [thumbnail_of(stored[int(i)]) for i in self.ids]
-        self.has_thumbnail = np.array([t is not None for t in thumbnails], dtype=bool)
-        empty = np.zeros((0, THUMBNAIL_SIDE, THUMBNAIL_SIDE), dtype=np.uint8)
-        self.thumbnails = (
-            np.stack([t for t in thumbnails if t is not None]) if self.has_thumbnail.any() else empty
+        self._stored = stored
+        self.has_thumbnail = np.array(
+            [thumbnail_of(stored[int(i)]) is not None for i in self.ids], dtype=bool
         )
         self._thumbnail_rows = np.cumsum(self.has_thumbnail) - 1  # signed row -> thumbnail row
+
+    @cached_property
+    def thumbnails(self) -> np.ndarray:
+        """``(items with one, side, side)`` uint8, in id order: copied only when the aligned check runs."""
+        found = [thumbnail_of(self._stored[int(i)]) for i in self.ids[self.has_thumbnail]]
+        thumbnails = [thumbnail for thumbnail in found if thumbnail is not None]  # all, by has_thumbnail
+        empty = np.zeros((0, THUMBNAIL_SIDE, THUMBNAIL_SIDE), dtype=np.uint8)
+        return np.stack(thumbnails) if thumbnails else empty
 
     def __len__(self) -> int:
         return len(self.ids)
