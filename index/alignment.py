@@ -10,10 +10,11 @@ Images with little in them can line up by shape alone (two different objects cen
 background, a dark frame with one light: NCC ~0.9 in a quick check): the pair's cosine must hold too.
 
 Coarse to fine, on many pairs at once in plain array maths: every scale, offset and way round on the
-thumbnails pooled to half their side, then the full thumbnails at each pair's best coarse scale and way
-round only (every offset). Shrinking is two matrix products with area weights; the correlation at every
-offset one product per offset; window means and spreads come from summed-area tables
-(as ``skimage.feature.match_template`` computes the NCC, there for one pair at a time).
+thumbnails pooled to half their side, then the full thumbnails at each pair's best coarse way round and
+scale and half a scale step either side per axis (every offset), where the coarse NCC reaches
+``COARSE_FLOOR``. Shrinking is two matrix products with
+area weights; the correlation one product per offset; window means and spreads come from summed-area
+tables (as ``skimage.feature.match_template`` computes the NCC, there for one pair at a time).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 SCALES = (0.7, 0.8, 0.9, 1.0)  # per-axis shares of the other thumbnail's side a window may take
+FINE_STEP = 0.05  # the fine stage's scales: the coarse best and this much either side, per axis
+# Pairs whose coarse NCC is below this keep it, without the fine stage (~80% of the cost): far below any
+# cut tried (bench/duplicate_tiers.py: 0.70-0.94), and copies score higher coarse than fine.
+COARSE_FLOOR = 0.6
 _BATCH = 512  # pairs at a time: the fine stage's windows stay a few MB
 
 
@@ -97,15 +102,30 @@ def _aligned(firsts: np.ndarray, seconds: np.ndarray, scales: tuple[float, ...])
     narrowed = {(way, x): _narrow(pooled[1 - way], small[x]) for way in (0, 1) for x in scales}
     for number, (way, y, x) in enumerate(combos):
         coarse[:, number] = wholes[way].best_ncc(_shrink(narrowed[way, x], small[y]))
-    chosen = coarse.argmax(axis=1)
+    chosen = np.array(combos)[coarse.argmax(axis=1)]
+    best = coarse.max(axis=1)
+    finer = best >= COARSE_FLOOR
+    # The coarse scale is a step of SCALES off at worst: the fine stage tries it and the scales half a
+    # step either side on each axis (a crop to 85% lies between 0.8 and 0.9).
+    low, high = min(scales), max(scales)
     full = [_Wholes(firsts), _Wholes(seconds)]
-    weights = {share: _shrink_weights(size, share) for share in scales}
-    best = np.empty(count, dtype=np.float32)
-    for number, (way, y, x) in enumerate(combos):
-        rows = np.flatnonzero(chosen == number)
-        if len(rows):
-            parts = (seconds, firsts)[way][rows]
-            best[rows] = full[way].best_ncc(_shrink(_narrow(parts, weights[x]), weights[y]), rows)
+    best[finer] = -1.0
+    tried: dict[tuple[int, float, float], list[int]] = {}
+    for row in np.flatnonzero(finer).tolist():
+        way, y, x = chosen[row].tolist()
+        for dy in (-FINE_STEP, 0.0, FINE_STEP):
+            for dx in (-FINE_STEP, 0.0, FINE_STEP):
+                fine_y, fine_x = round(y + dy, 3), round(x + dx, 3)
+                if low <= fine_y <= high and low <= fine_x <= high:
+                    tried.setdefault((int(way), fine_y, fine_x), []).append(row)
+    weights: dict[float, np.ndarray] = {}
+    for (way, y, x), found in tried.items():
+        rows = np.array(found)
+        for share in (y, x):
+            weights.setdefault(share, _shrink_weights(size, share))
+        parts = (seconds, firsts)[way][rows]
+        scores = full[way].best_ncc(_shrink(_narrow(parts, weights[x]), weights[y]), rows)
+        best[rows] = np.maximum(best[rows], scores)
     return best
 
 

@@ -44,8 +44,9 @@ def _png_with_note(image: Image.Image, path: Path, note: str) -> None:
 def gallery_and_index(
     tmp_path_factory: pytest.TempPathFactory, exported_model: Path, demo_gallery: Path
 ) -> tuple[Path, Path]:
-    """The cat with a same-pixels copy (exact), a JPEG copy and a darker copy (edited) and a shifted 80%
-    crop, as a second take (similar); the coffee with a half-size copy (edited); the astronaut alone."""
+    """The cat with a same-pixels copy (exact), a JPEG copy and a darker copy (edited) and a second take
+    (similar: two shifted 80% windows, one per half); the coffee with a half-size copy (edited); the
+    astronaut alone."""
     gallery = tmp_path_factory.mktemp("review_gallery")
     names = ["cat", "coffee", "astronaut"]
     photos = {name: Image.open(demo_gallery / name / f"{i:02d}_original.jpg") for i, name in enumerate(names)}
@@ -55,7 +56,12 @@ def gallery_and_index(
     cat.save(gallery / "cat_copy.jpg", quality=70)
     ImageEnhance.Brightness(cat).enhance(0.85).save(gallery / "cat_dark.jpg")
     w, h = cat.size
-    cat.crop((int(0.2 * w), int(0.1 * h), w, int(0.9 * h))).save(gallery / "cat_take2.png")
+    # A second take is no window of the photo (the aligned check would make it an edited crop): the
+    # camera moved, and the near half of the scene shifted more than the far half.
+    take = cat.crop((int(0.2 * w), int(0.1 * h), w, int(0.9 * h)))
+    moved = cat.crop((int(0.08 * w), int(0.04 * h), int(0.88 * w), int(0.84 * h)))
+    take.paste(moved.crop((take.width // 2, 0, take.width, take.height)), (take.width // 2, 0))
+    take.save(gallery / "cat_take2.png")
     photos["coffee"].save(gallery / "coffee.png")
     coffee = photos["coffee"]
     coffee.resize((coffee.width // 2, coffee.height // 2)).save(gallery / "coffee_small.png")
