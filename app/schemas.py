@@ -132,6 +132,11 @@ class EvidenceOut(BaseModel):
     signature_bits: int | None = Field(description="perceptual-signature distance (null: no signature)")
     cosine: float
     hash: str | None = Field(description="the content hash (sha256:) or pixel digest (pixels:) both share")
+    alignment: float | None = Field(
+        None,
+        description="the aligned check's NCC of both thumbnails, 1 where one image is a window of the other "
+        "(an off-centre crop; null: not checked)",
+    )
 
 
 class ReviewOut(BaseModel):

@@ -98,6 +98,8 @@ def render_review(client: SearchClient, thumbnail: Callable[[int, str], bytes | 
                     evidence, review = item["evidence"], item["review"]
                     bits = "-" if evidence["signature_bits"] is None else evidence["signature_bits"]
                     digest = f" · {evidence['hash'][:18]}" if evidence["hash"] else ""
+                    if evidence.get("alignment") is not None:  # absent from servers before the check
+                        digest += f" · aligned NCC {evidence['alignment']:.3f}"
                     st.caption(
                         plain(
                             f"{evidence['tier']} · bits {bits} · cosine {evidence['cosine']:.3f}{digest} · "

@@ -65,6 +65,7 @@ from engine.images import decode_image
 from engine.signature import perceptual_signature
 from index.duplicate_tiers import EDITED_BITS, Tier, TierSettings, tier_pairs
 from index.duplicates import group_pairs, signature_distance
+from index.signature_layout import views_of
 
 KINDS = (*EDITS, "take")
 NOT_WINDOWS = ("rotated90", "mirrored")  # the signature's turned and mirrored views find those
@@ -126,7 +127,10 @@ def batched_ncc(wholes: np.ndarray, parts: np.ndarray, scales: np.ndarray) -> np
 
 
 def bits(first: Image.Image, second: Image.Image) -> int:
-    rows = [np.frombuffer(perceptual_signature(image), dtype=np.uint64)[None] for image in (first, second)]
+    rows = [
+        np.frombuffer(views_of(perceptual_signature(image)), dtype=np.uint64)[None]
+        for image in (first, second)
+    ]
     return int(signature_distance(*rows)[0])
 
 
@@ -259,7 +263,7 @@ def end_to_end_half(data: dict, thumbs: np.ndarray, half: str, work: Path) -> di
     (cosine, NCC cut) of the grid."""
     records, vectors = data["records"], data["vectors"]
     index, members = half_index(data, half, work)
-    pairs, _ = tier_pairs(index, Tier.EDITED, TierSettings())
+    pairs, _ = tier_pairs(index, Tier.EDITED, TierSettings(aligned_ncc=None))  # the views alone
     signed = {
         (min(a, b), max(a, b))
         for a, b in zip(

@@ -17,8 +17,9 @@
    when engine/signature.py changed).
 2. Speed. ``index.duplicates.find_duplicates`` at its defaults over an index of 100k vectors of the
    model's dimension made from the real embeddings of part 1: each a real test photo's embedding plus
-   Gaussian noise (about 0.85 cosine to it, like another photo of that car), with random signatures, plus
-   2-3 copies of 5% of them at about 0.97 cosine that share their signature but for 2 flipped bits;
+   Gaussian noise (about 0.85 cosine to it, like another photo of that car), with random signatures and
+   smooth random thumbnails, plus 2-3 copies of 5% of them at about 0.97 cosine that share their signature
+   (but for 2 flipped bits) and thumbnail;
    built with the automatic index choice as build-index would; the time excludes building the index.
 
 Writes ``bench/results/duplicates.{json,md}``.
@@ -61,6 +62,7 @@ from index.duplicates import (
 )
 from index.gallery import GalleryIndex
 from index.protocol import Entry
+from index.signature_layout import THUMBNAIL_SIDE, VIEWS
 
 VARIANTS = ("reencoded", "resized", "cropped90", "mirrored", "brighter15", "darker15")
 THRESHOLDS = np.round(np.arange(0.70, 0.991, 0.01), 2)  # cosine cuts tried
@@ -215,35 +217,83 @@ def choose(rows: dict, distances: list[str]) -> str:
     return max((key for key in rows if key.split("/")[1] in distances), key=rank)
 
 
-def synthetic_index(real: np.ndarray, count: int, seed: int, work: Path) -> tuple[GalleryIndex, int, float]:
+def _smooth_thumbnails(rng: np.random.Generator, count: int) -> np.ndarray:
+    """Random photo-like greyscale thumbnails (an 8x8 random image scaled up smoothly)."""
+    coarse = rng.integers(0, 256, size=(count, 8, 8), dtype=np.uint8)
+    return np.array(
+        [
+            np.asarray(Image.fromarray(c).resize((THUMBNAIL_SIDE,) * 2, Image.Resampling.BICUBIC))
+            for c in coarse
+        ],
+        dtype=np.uint8,
+    ).reshape(count, THUMBNAIL_SIDE, THUMBNAIL_SIDE)
+
+
+def _window(thumbnail: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """An off-centre window of 80-95% of each side, scaled back to a thumbnail: a crop's thumbnail."""
+    side = THUMBNAIL_SIDE
+    w, h = (round(side * share) for share in rng.uniform(0.8, 0.95, size=2))
+    left, top = rng.integers(0, side - w + 1), rng.integers(0, side - h + 1)
+    window = Image.fromarray(thumbnail).crop((left, top, left + w, top + h))
+    return np.asarray(window.resize((side, side), Image.Resampling.BILINEAR))
+
+
+def synthetic_index(
+    real: np.ndarray, count: int, seed: int, work: Path, *, crops: float = 0.0, siblings: float = 0.0
+) -> tuple[GalleryIndex, int, float]:
     """An index of about ``count`` vectors made from ``real`` embeddings (see the module's doc), saved as
-    build-index would; also the planted copies and the seconds the save (build and tuning) took."""
+    build-index would; also the planted copies and the seconds the save (build and tuning) took.
+
+    ``crops``, ``siblings``: shares of ``count`` planted for the aligned check of the edited tier
+    (bench/duplicate_tiers.py): off-centre crops of a photo (about 0.93 cosine to it, a random signature,
+    its thumbnail a window of the photo's) and other photos of the same thing (about 0.9 cosine, a random
+    signature and thumbnail)."""
     rng = np.random.default_rng(seed)
     dim = real.shape[1]
-    originals = count - count * 5 // 100 * 5 // 2  # room for 2-3 copies of 5% of them
+    planted_aligned = round(count * crops) + round(count * siblings)
+    originals = count - count * 5 // 100 * 5 // 2 - planted_aligned  # room for 2-3 copies of 5% of them
     noise = rng.standard_normal((originals, dim)).astype(np.float32)
     # Noise of norm 0.6 around a unit vector: about 0.85 cosine to it, like another photo of that car.
     noise *= 0.6 / np.linalg.norm(noise, axis=1, keepdims=True)
     base = real[rng.integers(len(real), size=originals)] + noise
     base /= np.linalg.norm(base, axis=1, keepdims=True)
-    views = len(perceptual_signature(Image.new("L", (32, 32)))) // 8  # as many as the engine's signatures
-    signatures = rng.integers(0, 2**63, size=(originals, views), dtype=np.int64).view(np.uint64)
+    signatures = rng.integers(0, 2**63, size=(originals, VIEWS), dtype=np.int64).view(np.uint64)
+    thumbnails = _smooth_thumbnails(rng, originals)
     duplicated = rng.choice(originals, size=count // 20, replace=False)
     copies = np.repeat(duplicated, rng.integers(2, 4, size=len(duplicated)))
     noise = rng.standard_normal((len(copies), dim)).astype(np.float32)
     noisy = base[copies] + 0.25 * noise / np.linalg.norm(noise, axis=1, keepdims=True)  # ~0.97 cosine
     flipped = signatures[copies].copy()
     flipped[:, 0] ^= np.uint64(0b101)  # two bits off the photo's own view
-    vectors = np.concatenate([base, noisy])  # about count items
-    all_signatures = np.concatenate([signatures, flipped])
+    vector_parts, signature_parts, thumbnail_parts = (
+        [base, noisy],
+        [signatures, flipped],
+        [thumbnails, thumbnails[copies]],
+    )
+    for share, spread, windows in ((crops, 0.38, True), (siblings, 0.45, False)):  # ~0.93, ~0.9 cosine
+        of = rng.choice(originals, size=round(count * share), replace=False)
+        noise = rng.standard_normal((len(of), dim)).astype(np.float32)
+        vector_parts.append(base[of] + spread * noise / np.linalg.norm(noise, axis=1, keepdims=True))
+        signature_parts.append(rng.integers(0, 2**63, size=(len(of), VIEWS), dtype=np.int64).view(np.uint64))
+        planted = (
+            [_window(thumbnails[i], rng) for i in of] if windows else list(_smooth_thumbnails(rng, len(of)))
+        )
+        thumbnail_parts.append(np.array(planted, dtype=np.uint8).reshape(-1, THUMBNAIL_SIDE, THUMBNAIL_SIDE))
+    vectors = np.concatenate(vector_parts)  # about count items
+    all_signatures = np.concatenate(signature_parts)
+    all_thumbnails = np.concatenate(thumbnail_parts)
     index = GalleryIndex.create(work, dim=dim, model_fingerprint="bench", gallery_root=None)
     for start in range(0, len(vectors), 20_000):
         chunk = slice(start, start + 20_000)
         entries = [Entry(f"{start + i}", None, f"{start + i}") for i in range(len(vectors[chunk]))]
-        index.add(vectors[chunk], entries, [row.tobytes() for row in all_signatures[chunk]])
+        blobs = [
+            row.tobytes() + thumbnail.tobytes()
+            for row, thumbnail in zip(all_signatures[chunk], all_thumbnails[chunk], strict=True)
+        ]
+        index.add(vectors[chunk], entries, blobs)
     started = time.perf_counter()
     index.save()  # builds and tunes the index the automatic choice picks
-    return index, len(copies), time.perf_counter() - started
+    return index, len(copies) + planted_aligned, time.perf_counter() - started
 
 
 def speed(real: np.ndarray, count: int, seed: int, work: Path) -> dict:

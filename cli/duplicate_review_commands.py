@@ -77,6 +77,7 @@ def tiered(
                     "signature_bits": evidence.bits,
                     "cosine": evidence.cosine,
                     "hash": evidence.digest,
+                    "alignment": evidence.alignment,
                 }
                 for item_id, evidence in zip(group.ids, group.evidence, strict=True)
                 if int(item_id) in items
@@ -94,7 +95,18 @@ def tiered(
         typer.echo(json.dumps(payload, indent=2))
     elif as_csv:
         writer = csv.writer(sys.stdout)
-        writer.writerow(["group", "group_tier", "id", "tier", "signature_bits", "cosine", "hash", "path"])
+        header = [
+            "group",
+            "group_tier",
+            "id",
+            "tier",
+            "signature_bits",
+            "cosine",
+            "hash",
+            "path",
+            "alignment",
+        ]
+        writer.writerow(header)
         for number, group in enumerate(groups, start=1):
             writer.writerows(
                 [
@@ -106,6 +118,7 @@ def tiered(
                     f"{row['cosine']:.4f}",
                     row["hash"] or "",
                     row["path"],
+                    "" if row["alignment"] is None else f"{row['alignment']:.4f}",
                 ]
                 for row in group["items"]
             )
@@ -115,6 +128,8 @@ def tiered(
             for row in group["items"]:
                 bits = "-" if row["signature_bits"] is None else row["signature_bits"]
                 evidence = f"{row['tier']:<7} bits {bits!s:>2} cosine {row['cosine']:.4f}"
+                if row["alignment"] is not None:
+                    evidence += f" aligned NCC {row['alignment']:.4f}"
                 typer.echo(f"  {evidence}  {row['path']}" + (f"  {row['hash'][:20]}" if row["hash"] else ""))
         typer.echo(f"{len(groups)} groups up to the {tier.label} tier: {found.criteria}")
 

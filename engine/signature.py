@@ -8,10 +8,12 @@ the pHash of seven views: the image itself, its mirror, its centre 90% crop and 
 the image turned by 90, 180 and 270 degrees, so that a mirrored copy, a copy cropped by about 10% (85-95%,
 centred) and a copy turned by a quarter turn (an editor's rotation, a lost EXIF orientation) match one
 view of the other image. Other crops (off-centre, or tighter) move every view by more than near-duplicate
-search allows (an off-centre 88% crop measured 20 bits): such copies are not found. Signatures of four
-views (stored before the turned views were added) are the first four views of today's.
-``index.duplicates`` compares signatures as bit strings; this module is the only place that knows they
-come from images.
+search allows (an off-centre 88% crop measured 20 bits), so the views are followed by pHash's own 32x32
+greyscale thumbnail of the image, for ``index.alignment``'s check that one image is a window of the other.
+The layout (``index.signature_layout``): signatures of four views (stored before the turned views were
+added) are the first four views of today's, and those of seven views without a thumbnail (stored before
+thumbnails were added) fall back to the views alone. ``index.duplicates`` compares the views as bit
+strings; this module is the only place that knows signatures come from images.
 
 Computed where the image is decoded anyway (the build's decode workers, uploads), so it costs no decode.
 """
@@ -22,10 +24,14 @@ import imagehash
 import numpy as np
 from PIL import Image, ImageOps
 
+from index.signature_layout import THUMBNAIL_SIDE
+
 HASH_SIZE = 8  # 8x8 = 64-bit pHash, imagehash's default
 # pHash looks at a 32x32 thumbnail (HASH_SIZE x imagehash's highfreq_factor 4): each view is reduced to it
-# once and its mirror taken from the thumbnail, instead of scaling the full image for every view.
-THUMBNAIL_SIZE = 4 * HASH_SIZE
+# once and its mirror taken from the thumbnail, instead of scaling the full image for every view. The
+# signature also stores the image's own thumbnail, for the aligned check (imagehash would resize a
+# thumbnail of another side to 32 px itself).
+THUMBNAIL_SIZE = THUMBNAIL_SIDE
 CROP = 0.9  # the crop view keeps this share of each side, centred
 TURNS = (Image.Transpose.ROTATE_90, Image.Transpose.ROTATE_180, Image.Transpose.ROTATE_270)
 
@@ -33,7 +39,7 @@ TURNS = (Image.Transpose.ROTATE_90, Image.Transpose.ROTATE_180, Image.Transpose.
 def perceptual_signature(image: Image.Image) -> bytes:
     """The pHashes of ``image``, its mirror, its centre crop, the crop's mirror and ``image`` turned by
     90, 180 and 270 degrees, 8 bytes each (``index.duplicates``'s signature views: the image itself
-    first)."""
+    first), then its greyscale thumbnail (``index.signature_layout``)."""
     grey = image.convert("L")
     margin_x, margin_y = grey.width * (1 - CROP) / 2, grey.height * (1 - CROP) / 2
     crop = (margin_x, margin_y, grey.width - margin_x, grey.height - margin_y)
@@ -47,4 +53,5 @@ def perceptual_signature(image: Image.Image) -> bytes:
     # by its own scale, whichever way up the image is.
     turned = (whole.transpose(turn) for turn in TURNS)
     views = (whole, ImageOps.mirror(whole), cropped, ImageOps.mirror(cropped), *turned)
-    return b"".join(np.packbits(imagehash.phash(view, HASH_SIZE).hash).tobytes() for view in views)
+    hashes = b"".join(np.packbits(imagehash.phash(view, HASH_SIZE).hash).tobytes() for view in views)
+    return hashes + np.asarray(whole, dtype=np.uint8).tobytes()

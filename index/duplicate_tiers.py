@@ -5,13 +5,18 @@
 - **edited**: one photo re-encoded, resized, lightly cropped, mirrored, colour-adjusted or watermarked:
   perceptual signatures within ``edited_bits`` and cosine >= ``edited_cosine`` (``index.duplicates``'s
   pairs: the signature tells a copy from another photo of the same thing, the embedding rules out
-  different images whose thumbnails happen to agree);
+  different images whose thumbnails happen to agree); or, for a crop off-centre or tighter than the
+  signature's views cover, cosine >= ``aligned_cosine`` and one image's thumbnail a window of the other's:
+  ``index.alignment``'s NCC >= ``aligned_ncc``. That check is costly, so it runs only on pairs of the
+  kNN search (see below) whose signatures carry thumbnails and which no signature pair has already put
+  in one group (checking them would change no group);
 - **similar**: the same scene, as in a burst or a second take: cosine >= ``similar_cosine`` among each
   item's nearest neighbours, and signatures within ``similar_bits`` (looser than an edit).
 
 Asking for a tier gives the groups that pairs of that tier *or stricter* join (``--tier edited`` includes
 exact copies); each group is labelled with the loosest tier among its pairs, and each member carries the
-evidence of its strongest pair (the other item, the signature distance, the cosine, the shared digest).
+evidence of its strongest pair (the other item, the signature distance, the cosine, the shared digest, the
+aligned NCC where it was checked).
 Items without a signature (indexed before signatures were stored; Milvus) can be neither exact nor
 edited by pixels: an edited pair with one of them needs ``index.duplicates.EMBEDDING_ONLY_THRESHOLD``.
 """
@@ -25,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from index.alignment import aligned_ncc
 from index.duplicates import (
     DEFAULT_NEIGHBOURS,
     EMBEDDING_ONLY_THRESHOLD,
@@ -74,6 +80,16 @@ TIER_NAMES = tuple(tier.label for tier in Tier)
 # as another photo's (14-22 bits; a limit of 16 bits lost half the takes for no better min(P, R)).
 EDITED_COSINE = 0.3
 EDITED_BITS = 8
+# The aligned check of off-centre crops (index.alignment), chosen on half A with the two above fixed: the
+# highest recall with <= 1% of photos in a false edited group and precision >= 0.98 counting the bench's
+# simulated second takes (off-centre 80% windows of their photo: crops, by pixels) as right; by the plain
+# precision no setting reaches 0.98 (at most 0.95: those takes). 0.8 is the lowest cosine tried: below it the
+# pairs to check grow fast (bench/results/crop_alignment.md).
+ALIGNED_COSINE = 0.8
+ALIGNED_NCC = 0.86
+# Pairs checked between two signature groups (see _align): the fewest on half A whose copies are grouped
+# with their photo within 1 point of checking every pair.
+ALIGNED_TRIES = 2
 SIMILAR_COSINE = 0.86
 SIMILAR_BITS = 64
 
@@ -88,10 +104,18 @@ class TierSettings:
     similar_cosine: float = SIMILAR_COSINE
     similar_bits: int = SIMILAR_BITS
     neighbours: int = DEFAULT_NEIGHBOURS
+    aligned_cosine: float = ALIGNED_COSINE
+    aligned_ncc: float | None = ALIGNED_NCC  # None: no aligned check (the signature's views alone)
+    aligned_tries: int | None = ALIGNED_TRIES  # None: every pair between two signature groups
 
     def check(self) -> None:
         check_threshold(self.edited_cosine)
         check_threshold(self.similar_cosine)
+        check_threshold(self.aligned_cosine)
+        if self.aligned_ncc is not None and not -1.0 <= self.aligned_ncc <= 1.0:
+            raise InvalidInputError(f"aligned_ncc must be an NCC in [-1, 1], got {self.aligned_ncc}")
+        if self.aligned_tries is not None and self.aligned_tries < 1:
+            raise InvalidInputError(f"aligned_tries must be at least 1, got {self.aligned_tries}")
         check_max_distance(self.edited_bits)
         if not 0 <= self.similar_bits <= 64:
             raise InvalidInputError(f"similar_bits must be in [0, 64], got {self.similar_bits}")
@@ -100,7 +124,13 @@ class TierSettings:
         rules = ["exact: same bytes or same decoded pixels"]
         if tier >= Tier.EDITED:
             bits, cosine = self.edited_bits, self.edited_cosine
-            rules.append(f"edited: signatures within {bits} bits and cosine >= {cosine}")
+            edited = f"edited: signatures within {bits} bits and cosine >= {cosine}"
+            if self.aligned_ncc is not None:
+                edited += (
+                    f", or cosine >= {self.aligned_cosine} and one thumbnail a window of the other "
+                    f"(aligned NCC >= {self.aligned_ncc})"
+                )
+            rules.append(edited)
         if tier >= Tier.SIMILAR:
             within = "" if self.similar_bits >= 64 else f" and signatures within {self.similar_bits} bits"
             rules.append(f"similar: cosine >= {self.similar_cosine}{within}")
@@ -116,6 +146,7 @@ class Evidence:
     bits: int | None  # perceptual-signature distance (None: either item has no signature)
     cosine: float
     digest: str | None  # the content hash or pixel digest both share (exact pairs only)
+    alignment: float | None = None  # the aligned NCC of the pair's thumbnails (None: not checked)
 
 
 @dataclass(frozen=True)
@@ -132,6 +163,7 @@ class TieredDuplicates:
     settings: TierSettings
     unsigned: int
     items: int
+    aligned_checks: int  # pairs the aligned check looked at
 
     @property
     def criteria(self) -> str:
@@ -148,6 +180,8 @@ class Pairs:
     cosines: np.ndarray
     tiers: np.ndarray
     digests: list[str | None]
+    alignments: np.ndarray  # the aligned NCC, NaN where not checked
+    aligned_checks: int  # pairs the aligned check looked at (of every tier)
 
 
 def _pair_bits(signatures: SignatureTable, firsts: np.ndarray, seconds: np.ndarray) -> np.ndarray:
@@ -178,6 +212,59 @@ def classify(bits: np.ndarray, cosines: np.ndarray, settings: TierSettings) -> n
     return np.where(edited, int(Tier.EDITED), np.where(similar, int(Tier.SIMILAR), len(Tier)))
 
 
+def _components(firsts: np.ndarray, seconds: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The connected component of each of ``ids`` in the graph of the pairs (``ids`` holds every end)."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    a, b = np.searchsorted(ids, firsts), np.searchsorted(ids, seconds)
+    graph = coo_matrix((np.ones(len(a), dtype=np.int8), (a, b)), shape=(len(ids), len(ids)))
+    return connected_components(graph, directed=False)[1]
+
+
+def _align(
+    signatures: SignatureTable,
+    firsts: np.ndarray,
+    seconds: np.ndarray,
+    cosines: np.ndarray,
+    tiers: np.ndarray,
+    alignments: np.ndarray,
+    settings: TierSettings,
+) -> int:
+    """The aligned check (in place): pairs of no edited tier yet with cosine >= ``aligned_cosine``, both
+    thumbnails, and not already in one group by the signature's edited pairs get their NCC in
+    ``alignments``, and EDITED in ``tiers`` where it is >= ``aligned_ncc``. Returns how many it checked.
+
+    Of the pairs between the same two signature groups only the ``aligned_tries`` of highest cosine are
+    checked: one success joins the groups, and a crop of a photo with many copies otherwise meets every
+    copy (half B of bench/duplicate_tiers.py: 3.8 pairs per image without that limit)."""
+    with_first, _ = signatures.thumbnails_of(firsts)
+    with_second, _ = signatures.thumbnails_of(seconds)
+    wanted = (tiers > int(Tier.EDITED)) & (cosines >= settings.aligned_cosine) & with_first & with_second
+    if not wanted.any():
+        return 0
+    edited = tiers == int(Tier.EDITED)
+    ids = np.unique(np.concatenate([firsts, seconds]))
+    component = _components(firsts[edited], seconds[edited], ids)
+    first_group = component[np.searchsorted(ids, firsts)]
+    second_group = component[np.searchsorted(ids, seconds)]
+    candidates = np.flatnonzero(wanted & (first_group != second_group))
+    low = np.minimum(first_group, second_group)[candidates]
+    high = np.maximum(first_group, second_group)[candidates]
+    order = np.lexsort((-cosines[candidates], high, low))  # by pair of groups, the highest cosine first
+    starts = np.ones(len(order), dtype=bool)
+    starts[1:] = (low[order][1:] != low[order][:-1]) | (high[order][1:] != high[order][:-1])
+    rank = np.arange(len(order)) - np.maximum.accumulate(np.where(starts, np.arange(len(order)), 0))
+    tries = len(order) if settings.aligned_tries is None else settings.aligned_tries
+    checked = np.sort(candidates[order[rank < tries]])
+    scores = aligned_ncc(
+        signatures.thumbnails_of(firsts[checked])[1], signatures.thumbnails_of(seconds[checked])[1]
+    )
+    alignments[checked] = scores
+    tiers[checked[scores >= settings.aligned_ncc]] = int(Tier.EDITED)
+    return len(checked)
+
+
 def tier_pairs(
     index: GalleryIndex, tier: Tier, settings: TierSettings, digests: PixelDigests | None = None
 ) -> tuple[Pairs, int]:
@@ -190,11 +277,16 @@ def tier_pairs(
     unsigned = len(index) - len(signatures)
     firsts, seconds, _ = signature_pairs(signatures, settings.edited_bits)
     looser = [firsts], [seconds]
-    cut = None  # the kNN search's cosine: for similar pairs, and for edited pairs without signatures
+    # The kNN search's cosine: for similar pairs, edited pairs without signatures, and the aligned check.
+    cuts = []
     if tier >= Tier.SIMILAR:
-        cut = min(settings.similar_cosine, EMBEDDING_ONLY_THRESHOLD) if unsigned else settings.similar_cosine
-    elif unsigned:
-        cut = EMBEDDING_ONLY_THRESHOLD
+        cuts.append(settings.similar_cosine)
+    if unsigned and tier >= Tier.EDITED:
+        cuts.append(EMBEDDING_ONLY_THRESHOLD)
+    aligning = tier >= Tier.EDITED and settings.aligned_ncc is not None and signatures.has_thumbnail.any()
+    if aligning:
+        cuts.append(settings.aligned_cosine)
+    cut = min(cuts, default=None)
     if cut is not None:
         near, other, _ = candidate_pairs(index, cut, neighbours=settings.neighbours)
         looser[0].append(near)
@@ -205,6 +297,8 @@ def tier_pairs(
     bits = _pair_bits(signatures, firsts, seconds)
     cosines = pair_cosines(index, firsts, seconds)
     tiers = classify(bits, cosines, settings)
+    alignments = np.full(len(firsts), np.nan, dtype=np.float32)
+    checks = _align(signatures, firsts, seconds, cosines, tiers, alignments, settings) if aligning else 0
     pair_digests: list[str | None] = [None] * len(firsts)
     # Only identical thumbnails can be identical pixels.
     candidates = np.flatnonzero((tiers == int(Tier.EDITED)) & (bits == 0))
@@ -230,6 +324,8 @@ def tier_pairs(
         cosines[wanted_pairs],
         tiers[wanted_pairs],
         [digest for digest, wanted in zip(pair_digests, wanted_pairs, strict=True) if wanted],
+        alignments[wanted_pairs],
+        checks,
     )
     return pairs, unsigned
 
@@ -252,6 +348,7 @@ def _evidence(pairs: Pairs) -> dict[int, Evidence]:
             bits if bits >= 0 else None,
             float(pairs.cosines[row]),
             pairs.digests[row],
+            None if np.isnan(pairs.alignments[row]) else round(float(pairs.alignments[row]), 4),
         )
     return evidence
 
@@ -279,4 +376,4 @@ def find_tiered(
         TieredGroup(Tier(int(tier_of)), group.ids, [evidence[int(i)] for i in group.ids])
         for group, tier_of in zip(found, loosest, strict=True)
     ]
-    return TieredDuplicates(tier, groups, settings, unsigned, len(index))
+    return TieredDuplicates(tier, groups, settings, unsigned, len(index), pairs.aligned_checks)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,6 +35,7 @@ from tqdm import tqdm
 from index.errors import InvalidInputError
 from index.faiss_index import faiss_module
 from index.selection import IndexSpec
+from index.signature_layout import THUMBNAIL_SIDE, VIEW_BITS, thumbnail_of, views_of
 
 if TYPE_CHECKING:  # the CLI imports this module for its defaults: keep that import light
     from index.gallery import GalleryIndex
@@ -50,7 +52,6 @@ MAX_DISTANCE_LIMIT = 16  # more bits than this would put most items in every has
 # Quantised scores are approximate: candidates this far below the threshold are re-scored exactly too.
 QUANTISED_MARGIN = 0.05
 MILVUS_QUANTISED = frozenset({"IVF_SQ8", "IVF_PQ"})  # Milvus's index types that score through codes
-SIGNATURE_VIEW_BITS = 64  # one 64-bit hash per view
 _CHUNK = 4096  # query vectors per search call
 
 
@@ -164,16 +165,32 @@ def candidate_pairs(
 
 
 class SignatureTable:
-    """Every stored signature as a uint64 array (one row per signed item, ids ascending)."""
+    """Every stored signature's views as a uint64 array (one row per signed item, ids ascending), and the
+    aligned thumbnails of those that carry one (``index.signature_layout``)."""
 
     def __init__(self, stored: dict[int, bytes]) -> None:
         self.ids = np.array(sorted(stored), dtype=np.int64)
+        views_stored = [views_of(stored[int(i)]) for i in self.ids]
         # Signatures stored before views were added are the first views of today's: compare the views all
         # items have.
-        shortest = min((len(blob) for blob in stored.values()), default=SIGNATURE_VIEW_BITS // 8)
-        blobs = [stored[int(i)][:shortest] for i in self.ids]
-        views = shortest * 8 // SIGNATURE_VIEW_BITS
-        self.rows = np.frombuffer(b"".join(blobs), dtype=np.uint64).reshape(len(blobs), views)
+        shortest = min((len(blob) for blob in views_stored), default=VIEW_BITS // 8)
+        views = shortest * 8 // VIEW_BITS
+        self.rows = np.frombuffer(
+            b"".join(blob[:shortest] for blob in views_stored), dtype=np.uint64
+        ).reshape(len(views_stored), views)
+        self._stored = stored
+        self.has_thumbnail = np.array(
+            [thumbnail_of(stored[int(i)]) is not None for i in self.ids], dtype=bool
+        )
+        self._thumbnail_rows = np.cumsum(self.has_thumbnail) - 1  # signed row -> thumbnail row
+
+    @cached_property
+    def thumbnails(self) -> np.ndarray:
+        """``(items with one, side, side)`` uint8, in id order: copied only when the aligned check runs."""
+        found = [thumbnail_of(self._stored[int(i)]) for i in self.ids[self.has_thumbnail]]
+        thumbnails = [thumbnail for thumbnail in found if thumbnail is not None]  # all, by has_thumbnail
+        empty = np.zeros((0, THUMBNAIL_SIDE, THUMBNAIL_SIDE), dtype=np.uint8)
+        return np.stack(thumbnails) if thumbnails else empty
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -183,6 +200,14 @@ class SignatureTable:
         positions = np.minimum(np.searchsorted(self.ids, ids), max(len(self.ids) - 1, 0))
         signed = self.ids[positions] == ids if len(self.ids) else np.zeros(len(ids), dtype=bool)
         return signed, self.rows[positions[signed]]
+
+    def thumbnails_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(with_thumbnail, thumbnails)``: whether each id has a signature with a thumbnail, and the
+        thumbnails of those that have one."""
+        positions = np.minimum(np.searchsorted(self.ids, ids), max(len(self.ids) - 1, 0))
+        found = self.ids[positions] == ids if len(self.ids) else np.zeros(len(ids), dtype=bool)
+        found[found] &= self.has_thumbnail[positions[found]]
+        return found, self.thumbnails[self._thumbnail_rows[positions[found]]]
 
 
 def verify_pairs(
@@ -217,7 +242,7 @@ def _hash_tables(codes: int, max_distance: int) -> tuple[int, int]:
     bits with the 7 tables of 9 bits and no flips used before."""
 
     def cost(tables: int) -> float:
-        bits, flips = SIGNATURE_VIEW_BITS // tables, max_distance // tables
+        bits, flips = VIEW_BITS // tables, max_distance // tables
         probes = tables * sum(math.comb(bits, k) for k in range(flips + 1))
         return probes * (1 + 3 * codes / 2**bits)
 
@@ -235,7 +260,7 @@ def signature_pairs(signatures: SignatureTable, max_distance: int) -> tuple[np.n
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
     faiss = faiss_module()
     tables, flips = _hash_tables(count * views, max_distance)
-    codes = faiss.IndexBinaryMultiHash(SIGNATURE_VIEW_BITS, tables, SIGNATURE_VIEW_BITS // tables)
+    codes = faiss.IndexBinaryMultiHash(VIEW_BITS, tables, VIEW_BITS // tables)
     codes.nflip = flips
     codes.add(np.ascontiguousarray(signatures.rows).view(np.uint8).reshape(count * views, -1))
     own = np.ascontiguousarray(signatures.rows[:, :1]).view(np.uint8)

@@ -103,6 +103,7 @@ async def _tiered(service: Service, compute: Compute, tier: Tier, offset: int, l
                         signature_bits=m.evidence.bits,
                         cosine=m.evidence.cosine,
                         hash=m.evidence.digest,
+                        alignment=m.evidence.alignment,
                     ),
                     review=ReviewOut(
                         content_hash=m.item.content_hash,

@@ -81,6 +81,7 @@ def test_tiers_give_evidence_and_a_keeper_proposal(make_client: Callable[..., Te
                 evidence = item["evidence"]
                 assert evidence["pairs_with"] in {other["id"] for other in group["items"]} - {item["id"]}
                 assert evidence["signature_bits"] is not None and -1.0 <= evidence["cosine"] <= 1.0
+                assert evidence["alignment"] is None or -1.0 <= evidence["alignment"] <= 1.0
     edited = client.get("/v1/duplicates", params={"tier": "edited", "limit": 100}).json()
     paths = [{item["path"] for item in group["items"]} for group in edited["groups"]]
     assert any({"cat/00_original.jpg", "cat/00_small.jpg"} <= group for group in paths)

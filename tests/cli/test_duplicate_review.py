@@ -4,7 +4,9 @@ the middle then re-run or undone without losing a file."""
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -23,7 +25,7 @@ from engine.defaults import TRASH_FOLDER
 from engine.duplicate_review import file_facts
 from engine.embedder import Embedder
 from engine.indexing import build_index
-from index.duplicate_tiers import EDITED_BITS
+from index.duplicate_tiers import ALIGNED_NCC, EDITED_BITS
 from index.gallery import GalleryIndex
 from index.protocol import Item
 from tests.helpers import make_image
@@ -42,8 +44,9 @@ def _png_with_note(image: Image.Image, path: Path, note: str) -> None:
 def gallery_and_index(
     tmp_path_factory: pytest.TempPathFactory, exported_model: Path, demo_gallery: Path
 ) -> tuple[Path, Path]:
-    """The cat with a same-pixels copy (exact), a JPEG copy and a darker copy (edited) and a shifted 80%
-    crop, as a second take (similar); the coffee with a half-size copy (edited); the astronaut alone."""
+    """The cat with a same-pixels copy (exact), a JPEG copy and a darker copy (edited) and a second take
+    (similar: two shifted 80% windows, one per half); the coffee with a half-size copy (edited); the
+    astronaut alone."""
     gallery = tmp_path_factory.mktemp("review_gallery")
     names = ["cat", "coffee", "astronaut"]
     photos = {name: Image.open(demo_gallery / name / f"{i:02d}_original.jpg") for i, name in enumerate(names)}
@@ -53,7 +56,12 @@ def gallery_and_index(
     cat.save(gallery / "cat_copy.jpg", quality=70)
     ImageEnhance.Brightness(cat).enhance(0.85).save(gallery / "cat_dark.jpg")
     w, h = cat.size
-    cat.crop((int(0.2 * w), int(0.1 * h), w, int(0.9 * h))).save(gallery / "cat_take2.png")
+    # A second take is no window of the photo (the aligned check would make it an edited crop): the
+    # camera moved, and the near half of the scene shifted more than the far half.
+    take = cat.crop((int(0.2 * w), int(0.1 * h), w, int(0.9 * h)))
+    moved = cat.crop((int(0.08 * w), int(0.04 * h), int(0.88 * w), int(0.84 * h)))
+    take.paste(moved.crop((take.width // 2, 0, take.width, take.height)), (take.width // 2, 0))
+    take.save(gallery / "cat_take2.png")
     photos["coffee"].save(gallery / "coffee.png")
     coffee = photos["coffee"]
     coffee.resize((coffee.width // 2, coffee.height // 2)).save(gallery / "coffee_small.png")
@@ -110,6 +118,33 @@ def test_a_quarter_turned_copy_is_an_edited_copy(
         ("edited", {"cat.png", "cat_turned.jpg"})
     ]
     assert all(i["signature_bits"] <= EDITED_BITS and i["cosine"] < 0.9 for i in groups[0]["items"])
+
+
+def test_an_off_centre_crop_is_an_edited_copy_with_its_aligned_ncc(
+    tmp_path: Path, exported_model: Path, demo_gallery: Path
+) -> None:
+    """Its signature's views are too far from the photo's; its thumbnail is a window of the photo's."""
+    gallery = tmp_path / "gallery"
+    gallery.mkdir()
+    cat = Image.open(demo_gallery / "cat" / "00_original.jpg")
+    w, h = cat.size
+    cat.save(gallery / "cat.png")
+    cat.crop((int(0.12 * w), int(0.02 * h), w, int(0.88 * h))).save(gallery / "cat_cropped.jpg", quality=85)
+    Image.open(demo_gallery / "coffee" / "01_original.jpg").save(gallery / "coffee.png")
+    build_index(gallery, Embedder(exported_model, threads=1), tmp_path / "index", progress=False)
+    groups = _groups(tmp_path / "index", "edited")
+    assert [(g["tier"], {i["path"] for i in g["items"]}) for g in groups] == [
+        ("edited", {"cat.png", "cat_cropped.jpg"})
+    ]
+    for item in groups[0]["items"]:
+        assert item["signature_bits"] > EDITED_BITS and item["alignment"] >= ALIGNED_NCC
+    shown = runner.invoke(app, ["duplicates", "--index", str(tmp_path / "index"), "--tier", "edited"])
+    assert shown.exit_code == 0 and "aligned NCC" in shown.stdout
+    table = runner.invoke(
+        app, ["duplicates", "--index", str(tmp_path / "index"), "--tier", "edited", "--csv"]
+    )
+    rows = list(csv.DictReader(io.StringIO(table.stdout)))
+    assert len(rows) == 2 and all(float(row["alignment"]) >= ALIGNED_NCC for row in rows)
 
 
 def _files(root: Path) -> dict[str, str]:

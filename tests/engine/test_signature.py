@@ -16,6 +16,7 @@ from engine.indexing import build_index
 from engine.signature import TURNS, perceptual_signature
 from index.duplicates import DEFAULT_MAX_DISTANCE, signature_distance
 from index.gallery import GalleryIndex
+from index.signature_layout import views_of
 
 
 def encoded(image: Image.Image, fmt: str, **save_args: object) -> bytes:
@@ -50,7 +51,7 @@ def copies(photo: Image.Image) -> dict[str, bytes]:
 def signature_of(data: bytes) -> np.ndarray:
     """The signature as build-index computes it: from the image decoded with the JPEG draft."""
     image = decode_image(data, draft_size=224)
-    return np.frombuffer(perceptual_signature(image), dtype=np.uint64).reshape(1, -1)
+    return np.frombuffer(views_of(perceptual_signature(image)), dtype=np.uint64).reshape(1, -1)
 
 
 def bits(first: bytes, second: bytes) -> int:
@@ -72,12 +73,12 @@ def test_copies_are_within_the_distance_and_other_photos_are_not(demo_gallery: P
 
 def test_the_signature_has_the_photo_first_then_its_mirror_crop_and_turned_views(demo_gallery: Path) -> None:
     photo = decode_image((demo_gallery / "cat/00_original.jpg").read_bytes())
-    views = np.frombuffer(perceptual_signature(photo), dtype=np.uint64)
-    mirrored = np.frombuffer(perceptual_signature(ImageOps.mirror(photo)), dtype=np.uint64)
+    views = np.frombuffer(views_of(perceptual_signature(photo)), dtype=np.uint64)
+    mirrored = np.frombuffer(views_of(perceptual_signature(ImageOps.mirror(photo))), dtype=np.uint64)
     assert len(views) == 7 and views[0] == mirrored[1] and views[1] == mirrored[0]
     # The turned views are the turned images' own views (the cat is not square: the thumbnail is squashed).
     for position, turn in zip(range(4, 7), TURNS, strict=True):
-        turned = np.frombuffer(perceptual_signature(photo.transpose(turn)), dtype=np.uint64)
+        turned = np.frombuffer(views_of(perceptual_signature(photo.transpose(turn))), dtype=np.uint64)
         assert np.bitwise_count(turned[0] ^ views[position]) <= 2, turn
 
 

@@ -1,0 +1,197 @@
+"""The edited tier's aligned check: an off-centre crop of a photo is an edited copy, with its NCC in the
+evidence, where its signature's views are too far; another photo of the same kind of scene is not; older
+signatures (no thumbnail) and Milvus (no signatures) keep the pHash rule."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw, ImageFilter
+
+from engine.signature import perceptual_signature
+from index.alignment import aligned_ncc
+from index.duplicate_tiers import ALIGNED_NCC, ALIGNED_TRIES, EDITED_BITS, Tier, TierSettings, find_tiered
+from index.duplicates import SignatureTable, signature_distance
+from index.gallery import GalleryIndex
+from index.signature_layout import THUMBNAIL_SIDE, VIEW_BYTES, VIEWS, WITH_THUMBNAIL, thumbnail_of, views_of
+from tests.helpers import MILVUS_BACKENDS, entries, milvus_target
+
+DIM = 16
+
+
+def street_scene(seed: int) -> Image.Image:
+    """A photo-like 480x360 image: a sky-to-ground gradient, blurred blocks (buildings, a car) and grain."""
+    rng = np.random.default_rng(seed)
+    rows = np.linspace(200, 60, 360)[:, None, None] * np.ones((360, 480, 3))
+    image = Image.fromarray(rows.astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    for _ in range(14):
+        x, y = rng.integers(0, 440), rng.integers(40, 320)
+        w, h = rng.integers(30, 160), rng.integers(20, 140)
+        draw.rectangle((x, y, x + w, y + h), fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+    grain = rng.normal(0, 6, (360, 480, 3))
+    blurred = np.asarray(image.filter(ImageFilter.GaussianBlur(3)), dtype=np.float64)
+    return Image.fromarray(np.clip(blurred + grain, 0, 255).astype(np.uint8))
+
+
+def off_centre_crop(photo: Image.Image) -> Image.Image:
+    """84% of the width and 86% of the height, from the right and the top (as bench/duplicate_tiers.py's
+    cropped82_offset and cropped85_reencoded)."""
+    w, h = photo.size
+    return photo.crop((round(w * 0.14), round(h * 0.02), w - 5, round(h * 0.88)))
+
+
+def unit(rng: np.random.Generator, around: np.ndarray, spread: float) -> np.ndarray:
+    vector = around + spread * rng.standard_normal(DIM)
+    return vector / np.linalg.norm(vector)
+
+
+def scene_index(tmp_path: Path, signatures: list[bytes]) -> tuple[GalleryIndex, list[int]]:
+    """Items whose vectors are all within ~0.95 cosine of each other: to the embedding, every image here
+    could be a copy of any other; only the images can tell."""
+    rng = np.random.default_rng(0)
+    centre = unit(rng, np.zeros(DIM), 1.0)
+    vectors = np.stack([unit(rng, centre, 0.05) for _ in signatures]).astype(np.float32)
+    index = GalleryIndex.create(tmp_path / "index", dim=DIM, model_fingerprint="m", gallery_root=None)
+    ids = index.add(vectors, entries(len(signatures)), signatures)
+    index.save()
+    return index, ids
+
+
+def edited_partners(index: GalleryIndex, settings: TierSettings | None = None) -> dict[int, tuple[int, ...]]:
+    found = find_tiered(index, Tier.EDITED, settings)
+    return {
+        int(i): (e.other, e.alignment) for g in found.groups for i, e in zip(g.ids, g.evidence, strict=True)
+    }
+
+
+def test_signatures_carry_the_thumbnail_after_their_views() -> None:
+    photo = street_scene(1)
+    signature = perceptual_signature(photo)
+    assert len(signature) == WITH_THUMBNAIL == VIEWS * VIEW_BYTES + THUMBNAIL_SIDE**2
+    thumbnail = thumbnail_of(signature)
+    expected = photo.convert("L").resize((THUMBNAIL_SIDE,) * 2, Image.Resampling.LANCZOS)
+    assert (
+        thumbnail is not None and np.abs(thumbnail.astype(int) - np.asarray(expected, dtype=int)).max() <= 4
+    )
+    old = views_of(signature)
+    assert len(old) == VIEWS * VIEW_BYTES and thumbnail_of(old) is None
+    assert thumbnail_of(signature[: 4 * VIEW_BYTES]) is None  # four views, as stored before the turned ones
+
+
+def test_the_aligned_ncc_finds_a_crop_and_not_another_scene() -> None:
+    photos = [street_scene(seed) for seed in range(6)]
+    thumbs = np.stack([thumbnail_of(perceptual_signature(p)) for p in photos])
+    crops = np.stack([thumbnail_of(perceptual_signature(off_centre_crop(p))) for p in photos])
+    copies = aligned_ncc(thumbs, crops)
+    others = aligned_ncc(thumbs, np.roll(crops, 1, axis=0))
+    # Every scene shares its sky-to-ground gradient: others line up a little, not as far as the cut.
+    assert copies.min() > 0.9 and others.max() < ALIGNED_NCC - 0.05
+    assert np.allclose(aligned_ncc(crops, thumbs), copies)  # both ways round
+    flat = np.full((1, THUMBNAIL_SIDE, THUMBNAIL_SIDE), 128, dtype=np.uint8)
+    assert aligned_ncc(flat, thumbs[:1])[0] == pytest.approx(0.0, abs=1e-3)
+
+
+def test_an_off_centre_crop_is_edited_with_its_ncc_and_another_scene_is_not(tmp_path: Path) -> None:
+    photo, other = street_scene(1), street_scene(2)
+    signatures = [perceptual_signature(image) for image in (photo, off_centre_crop(photo), other)]
+    views = np.stack([np.frombuffer(views_of(s), dtype=np.uint64) for s in signatures])
+    assert signature_distance(views[:1], views[1:2])[0] > EDITED_BITS  # the pHash rule alone misses it
+    index, (photo_id, crop_id, other_id) = scene_index(tmp_path, signatures)
+    partners = edited_partners(index)
+    assert partners[crop_id][0] == photo_id and partners[photo_id][0] == crop_id
+    assert partners[crop_id][1] is not None and partners[crop_id][1] >= TierSettings().aligned_ncc
+    assert other_id not in partners
+    found = find_tiered(index, Tier.SIMILAR)
+    assert found.aligned_checks >= 1 and "aligned NCC" in found.criteria
+    # Without the check, or above the cosine the pair has, the crop is no edited copy.
+    assert crop_id not in edited_partners(index, TierSettings(aligned_ncc=None))
+    assert crop_id not in edited_partners(index, TierSettings(aligned_cosine=0.999))
+    index.close()
+
+
+def test_only_the_closest_pairs_between_two_signature_groups_are_checked(tmp_path: Path) -> None:
+    """A photo with three copies (one group by signature), a crop of it and another scene: the crop and
+    the other scene each meet four members of the group, of which the two of highest cosine are checked."""
+    photo, other = street_scene(6), street_scene(7)
+    buffer = io.BytesIO()
+    photo.save(buffer, format="JPEG", quality=60)
+    copies = [
+        Image.open(buffer).convert("RGB"),
+        photo.resize((240, 180)),
+        photo.point(lambda v: min(255, v + 12)),
+    ]
+    images = [photo, *copies, off_centre_crop(photo), other]
+    index, ids = scene_index(tmp_path, [perceptual_signature(image) for image in images])
+    found = find_tiered(index, Tier.EDITED)
+    index.close()
+    assert found.aligned_checks == ALIGNED_TRIES * 2 + 1  # crop-group, other-group, crop-other
+    assert [set(g.ids.tolist()) for g in found.groups] == [set(ids[:5])]
+
+
+def test_signatures_without_a_thumbnail_keep_the_phash_rule(tmp_path: Path) -> None:
+    """Older signatures (seven or four views, no thumbnail): a re-encoded copy is still edited, the crop
+    is not (no thumbnail to align), and a table of mixed lengths compares the views all items have."""
+    photo = street_scene(3)
+    buffer = io.BytesIO()
+    photo.save(buffer, format="JPEG", quality=50)
+    reencoded = Image.open(buffer).convert("RGB")
+    full = [perceptual_signature(image) for image in (photo, off_centre_crop(photo), reencoded)]
+    signatures = [views_of(full[0]), views_of(full[1]), full[2][: 4 * VIEW_BYTES]]
+    index, (photo_id, crop_id, copy_id) = scene_index(tmp_path, signatures)
+    table = SignatureTable(index.signatures())
+    assert table.rows.shape == (3, 4) and not table.has_thumbnail.any()
+    found = find_tiered(index, Tier.EDITED)
+    partners = {int(i): e for g in found.groups for i, e in zip(g.ids, g.evidence, strict=True)}
+    assert partners[copy_id].other == photo_id and partners[copy_id].alignment is None
+    assert crop_id not in partners and found.aligned_checks == 0
+    index.close()
+
+
+def test_a_mixed_table_aligns_only_pairs_that_both_carry_a_thumbnail(tmp_path: Path) -> None:
+    photo = street_scene(4)
+    crop = off_centre_crop(photo)
+    signatures = [
+        perceptual_signature(photo),
+        views_of(perceptual_signature(crop)),
+        perceptual_signature(crop),
+    ]
+    index, (photo_id, old_crop_id, crop_id) = scene_index(tmp_path, signatures)
+    table = SignatureTable(index.signatures())
+    with_thumbnail, thumbnails = table.thumbnails_of(np.array([crop_id, old_crop_id, photo_id, 999]))
+    assert with_thumbnail.tolist() == [True, False, True, False] and len(thumbnails) == 2
+    assert np.array_equal(thumbnails[0], thumbnail_of(signatures[2]))
+    partners = edited_partners(index)
+    assert partners[crop_id][1] is not None
+    # The old crop is within 0 bits of the new crop's views: an edited pair by signature, no NCC needed.
+    assert partners[old_crop_id] == (crop_id, None)
+    index.close()
+
+
+@pytest.mark.parametrize("engine", MILVUS_BACKENDS[:1])
+def test_milvus_without_signatures_is_judged_as_before(
+    engine: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Milvus keeps no signatures: no thumbnails, no aligned check; its edited pairs are by cosine alone."""
+    rng = np.random.default_rng(5)
+    base = np.stack([unit(rng, np.zeros(DIM), 1.0) for _ in range(20)])
+    vectors = np.concatenate([base, [unit(rng, base[0], 0.01)]]).astype(np.float32)
+    target = milvus_target(engine, request, tmp_path / "index")
+    index = GalleryIndex.create(
+        tmp_path / "index", dim=DIM, model_fingerprint="m", gallery_root=None, **target
+    )
+    signatures = [perceptual_signature(street_scene(seed)) for seed in range(len(vectors))]
+    ids = index.add(vectors, entries(len(vectors)), signatures)
+    index.save()
+    with_check, without = (
+        find_tiered(index, Tier.EDITED),
+        find_tiered(index, Tier.EDITED, TierSettings(aligned_ncc=None)),
+    )
+    index.close()
+    assert with_check.unsigned == len(vectors) and with_check.aligned_checks == 0
+    groups = [g.ids.tolist() for g in with_check.groups]
+    assert groups == [g.ids.tolist() for g in without.groups] == [sorted([ids[0], ids[-1]])]
+    assert all(e.alignment is None and e.bits is None for g in with_check.groups for e in g.evidence)
