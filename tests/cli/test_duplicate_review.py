@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -102,18 +103,38 @@ def test_each_tier_groups_what_it_names_with_its_evidence(gallery_and_index: tup
     assert not any("astronaut.png" in members for members in similar)
 
 
-def test_a_quarter_turned_copy_is_an_edited_copy(
-    tmp_path: Path, exported_model: Path, demo_gallery: Path
-) -> None:
-    """Its signature matches a turned view of the photo's, though it embeds far from the photo."""
+def _edited_groups_of_the_cat_and_a_copy(
+    tmp_path: Path,
+    exported_model: Path,
+    demo_gallery: Path,
+    edit: Callable[[Image.Image], Image.Image],
+    copy_name: str,
+    quality: int,
+) -> list[dict]:
+    """The edited tier of an index of the demo's cat, ``edit`` of it saved as the JPEG ``copy_name`` at
+    ``quality``, and an unrelated photo (coffee)."""
     gallery = tmp_path / "gallery"
     gallery.mkdir()
     cat = Image.open(demo_gallery / "cat" / "00_original.jpg")
     cat.save(gallery / "cat.png")
-    cat.transpose(Image.Transpose.ROTATE_90).save(gallery / "cat_turned.jpg", quality=90)
+    edit(cat).save(gallery / copy_name, quality=quality)
     Image.open(demo_gallery / "coffee" / "01_original.jpg").save(gallery / "coffee.png")
     build_index(gallery, Embedder(exported_model, threads=1), tmp_path / "index", progress=False)
-    groups = _groups(tmp_path / "index", "edited")
+    return _groups(tmp_path / "index", "edited")
+
+
+def test_a_quarter_turned_copy_is_an_edited_copy(
+    tmp_path: Path, exported_model: Path, demo_gallery: Path
+) -> None:
+    """Its signature matches a turned view of the photo's, though it embeds far from the photo."""
+    groups = _edited_groups_of_the_cat_and_a_copy(
+        tmp_path,
+        exported_model,
+        demo_gallery,
+        lambda cat: cat.transpose(Image.Transpose.ROTATE_90),
+        "cat_turned.jpg",
+        90,
+    )
     assert [(g["tier"], {i["path"] for i in g["items"]}) for g in groups] == [
         ("edited", {"cat.png", "cat_turned.jpg"})
     ]
@@ -124,15 +145,14 @@ def test_an_off_centre_crop_is_an_edited_copy_with_its_aligned_ncc(
     tmp_path: Path, exported_model: Path, demo_gallery: Path
 ) -> None:
     """Its signature's views are too far from the photo's; its thumbnail is a window of the photo's."""
-    gallery = tmp_path / "gallery"
-    gallery.mkdir()
-    cat = Image.open(demo_gallery / "cat" / "00_original.jpg")
-    w, h = cat.size
-    cat.save(gallery / "cat.png")
-    cat.crop((int(0.12 * w), int(0.02 * h), w, int(0.88 * h))).save(gallery / "cat_cropped.jpg", quality=85)
-    Image.open(demo_gallery / "coffee" / "01_original.jpg").save(gallery / "coffee.png")
-    build_index(gallery, Embedder(exported_model, threads=1), tmp_path / "index", progress=False)
-    groups = _groups(tmp_path / "index", "edited")
+
+    def off_centre(cat: Image.Image) -> Image.Image:
+        w, h = cat.size
+        return cat.crop((int(0.12 * w), int(0.02 * h), w, int(0.88 * h)))
+
+    groups = _edited_groups_of_the_cat_and_a_copy(
+        tmp_path, exported_model, demo_gallery, off_centre, "cat_cropped.jpg", 85
+    )
     assert [(g["tier"], {i["path"] for i in g["items"]}) for g in groups] == [
         ("edited", {"cat.png", "cat_cropped.jpg"})
     ]
