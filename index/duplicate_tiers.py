@@ -38,6 +38,7 @@ from index.duplicates import (
     candidate_pairs,
     check_max_distance,
     check_threshold,
+    components,
     group_pairs,
     pair_cosines,
     signature_distance,
@@ -212,16 +213,6 @@ def classify(bits: np.ndarray, cosines: np.ndarray, settings: TierSettings) -> n
     return np.where(edited, int(Tier.EDITED), np.where(similar, int(Tier.SIMILAR), len(Tier)))
 
 
-def _components(firsts: np.ndarray, seconds: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """The connected component of each of ``ids`` in the graph of the pairs (``ids`` holds every end)."""
-    from scipy.sparse import coo_matrix
-    from scipy.sparse.csgraph import connected_components
-
-    a, b = np.searchsorted(ids, firsts), np.searchsorted(ids, seconds)
-    graph = coo_matrix((np.ones(len(a), dtype=np.int8), (a, b)), shape=(len(ids), len(ids)))
-    return connected_components(graph, directed=False)[1]
-
-
 def _align(
     signatures: SignatureTable,
     firsts: np.ndarray,
@@ -238,14 +229,15 @@ def _align(
     Of the pairs between the same two signature groups only the ``aligned_tries`` of highest cosine are
     checked: one success joins the groups, and a crop of a photo with many copies otherwise meets every
     copy (half B of bench/duplicate_tiers.py: 3.8 pairs per image without that limit)."""
-    with_first, _ = signatures.thumbnails_of(firsts)
-    with_second, _ = signatures.thumbnails_of(seconds)
-    wanted = (tiers > int(Tier.EDITED)) & (cosines >= settings.aligned_cosine) & with_first & with_second
+    both = signatures.with_thumbnail(firsts) & signatures.with_thumbnail(seconds)
+    wanted = (tiers > int(Tier.EDITED)) & (cosines >= settings.aligned_cosine) & both
     if not wanted.any():
         return 0
     edited = tiers == int(Tier.EDITED)
     ids = np.unique(np.concatenate([firsts, seconds]))
-    component = _components(firsts[edited], seconds[edited], ids)
+    component = components(
+        len(ids), np.searchsorted(ids, firsts[edited]), np.searchsorted(ids, seconds[edited])
+    )
     first_group = component[np.searchsorted(ids, firsts)]
     second_group = component[np.searchsorted(ids, seconds)]
     candidates = np.flatnonzero(wanted & (first_group != second_group))

@@ -195,19 +195,30 @@ class SignatureTable:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(signed, rows)``: whether each id has a signature, and the row of those that have one."""
+    def _positions(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(signed, positions)``: whether each id has a signature, and each id's place in ``self.ids``
+        (meaningful where signed)."""
         positions = np.minimum(np.searchsorted(self.ids, ids), max(len(self.ids) - 1, 0))
         signed = self.ids[positions] == ids if len(self.ids) else np.zeros(len(ids), dtype=bool)
+        return signed, positions
+
+    def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(signed, rows)``: whether each id has a signature, and the row of those that have one."""
+        signed, positions = self._positions(ids)
         return signed, self.rows[positions[signed]]
+
+    def with_thumbnail(self, ids: np.ndarray) -> np.ndarray:
+        """Whether each id has a signature with a thumbnail (no thumbnail is copied)."""
+        signed, positions = self._positions(ids)
+        signed[signed] &= self.has_thumbnail[positions[signed]]
+        return signed
 
     def thumbnails_of(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(with_thumbnail, thumbnails)``: whether each id has a signature with a thumbnail, and the
         thumbnails of those that have one."""
-        positions = np.minimum(np.searchsorted(self.ids, ids), max(len(self.ids) - 1, 0))
-        found = self.ids[positions] == ids if len(self.ids) else np.zeros(len(ids), dtype=bool)
-        found[found] &= self.has_thumbnail[positions[found]]
-        return found, self.thumbnails[self._thumbnail_rows[positions[found]]]
+        found = self.with_thumbnail(ids)
+        _, positions = self._positions(ids[found])
+        return found, self.thumbnails[self._thumbnail_rows[positions]]
 
 
 def verify_pairs(
@@ -287,17 +298,22 @@ def pair_cosines(index: GalleryIndex, firsts: np.ndarray, seconds: np.ndarray) -
     return np.clip(np.einsum("ij,ij->i", vectors[a], vectors[b]), -1.0, 1.0).astype(np.float32)
 
 
-def group_pairs(firsts: np.ndarray, seconds: np.ndarray, scores: np.ndarray) -> list[DuplicateGroup]:
-    """Connected components of the pair graph, largest first (then by smallest id)."""
+def components(count: int, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The connected component of each of ``count`` nodes in the graph of the edges ``a[i]``-``b[i]``."""
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components
 
+    graph = coo_matrix((np.ones(len(a), dtype=np.int8), (a, b)), shape=(count, count))
+    return connected_components(graph, directed=False)[1]
+
+
+def group_pairs(firsts: np.ndarray, seconds: np.ndarray, scores: np.ndarray) -> list[DuplicateGroup]:
+    """Connected components of the pair graph, largest first (then by smallest id)."""
     if len(firsts) == 0:
         return []
     ids, positions = np.unique(np.concatenate([firsts, seconds]), return_inverse=True)
     a, b = positions[: len(firsts)], positions[len(firsts) :]
-    graph = coo_matrix((np.ones(len(a), dtype=np.int8), (a, b)), shape=(len(ids), len(ids)))
-    _, component = connected_components(graph, directed=False)
+    component = components(len(ids), a, b)
     best = np.full(len(ids), -np.inf, dtype=np.float32)
     np.maximum.at(best, a, scores)
     np.maximum.at(best, b, scores)
