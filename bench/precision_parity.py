@@ -1,11 +1,12 @@
 """Accuracy parity of bfloat16 fine-tuning: the same run in float32 and in bfloat16, same seed and steps.
 
     python bench/precision_parity.py --data IMAGES --runs-dir DIR [--max-steps 50] [--threads N]
-                                     [--loss angular] [--tabulate] [--out bench/results/precision_parity]
+                                     [--loss angular] [--frozen-first] [--precisions fp32 bf16] [--tabulate]
+                                     [--out bench/results/precision_parity]
 
 Runs ``bench/train_all.py --mode finetune`` twice on a CPU, ``precision=fp32`` and ``precision=bf16``, with
-no frozen stage and no early stop (``--patience`` above the step count), so both runs take exactly the same
-steps from the same initial weights and batches. Then tabulates their validation Recall@1 curves and test
+no early stop (``--patience`` above the step count), so both runs take exactly the same steps from the same
+initial weights and batches: from the PCA head, or with ``--frozen-first`` from the recipe's frozen stage. Then tabulates their validation Recall@1 curves and test
 metrics (``--tabulate`` tabulates finished runs only). Meant for a CPU with native bfloat16 (elsewhere torch
 emulates it, slowly, and the run says so).
 
@@ -38,7 +39,8 @@ def run(args: argparse.Namespace, precision: str) -> None:
     command += ["--methods", args.loss, "--data", str(args.data), "--cache-dir", str(args.runs_dir / "cache")]
     command += ["--runs-dir", str(args.runs_dir / precision), "--results-dir", str(args.runs_dir / "tables")]
     command += ["--max-steps", str(args.max_steps), "--patience", str(10 * args.max_steps)]
-    command += ["--set", f"workers={args.workers}", "frozen_first=false", f"precision={precision}"]
+    frozen_first = str(args.frozen_first).lower()
+    command += ["--set", f"workers={args.workers}", f"frozen_first={frozen_first}", f"precision={precision}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     subprocess.run(command, check=True, env=env)
 
@@ -62,6 +64,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         runs[precision] = {
             "compute": config["compute"],
             "steps": summary.steps,
+            "best_step": summary.best_step,
             "train_seconds": summary.train_seconds,
             "curve": {str(point["step"]): round(100 * point["val"]["recall@1"], 2) for point in curve},
             "test": {name: round(100 * value, 2) for name, value in summary.test.items()},
@@ -108,15 +111,15 @@ def markdown(result: dict[str, Any], command: str, machine: str) -> str:
         )
     lines += [
         "",
-        "| run | test R@1 | test R@2 | test map@r | train s |",
-        "|---|---|---|---|---|",
-        f"| untrained backbone | {fp32['test_backbone_recall@1']:.2f} | | | |",
+        "| run | test R@1 | test R@2 | test map@r | step tested (validation's choice) | train s |",
+        "|---|---|---|---|---|---|",
+        f"| untrained backbone | {fp32['test_backbone_recall@1']:.2f} | | | | |",
     ]
     for precision, run_ in result["runs"].items():
         test = run_["test"]
         lines.append(
             f"| {precision} | {cell(test['recall@1'], n_test)} | {test['recall@2']:.2f} "
-            f"| {test['map@r']:.2f} | {run_['train_seconds']:.0f} |"
+            f"| {test['map@r']:.2f} | {run_['best_step']} | {run_['train_seconds']:.0f} |"
         )
     lines.append(
         f"\nTest Recall@1 difference (bf16 - fp32): "
@@ -135,13 +138,28 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=50)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--workers", type=int, default=2, help="image loading processes per run")
+    parser.add_argument(
+        "--frozen-first",
+        action="store_true",
+        help="the fine-tuning recipe's frozen stage first (float32 head on cached features, the same in both "
+        "runs), then the fine-tuning steps being compared",
+    )
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        choices=PRECISIONS,
+        default=list(PRECISIONS),
+        help="run only these (e.g. one per process, pinned to cores of their own; then --tabulate)",
+    )
     parser.add_argument("--tabulate", action="store_true", help="only tabulate finished runs")
     parser.add_argument("--machine", default=platform.processor() or platform.machine(), help="for the table")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "precision_parity")
     args = parser.parse_args()
     if not args.tabulate:
-        for precision in PRECISIONS:
+        for precision in args.precisions:
             run(args, precision)
+        if set(args.precisions) != set(PRECISIONS):
+            return
     result = collect(args)
     command = "python " + " ".join(sys.argv)
     report = {"command": command, "machine": args.machine, **result}

@@ -1,7 +1,7 @@
 """Training speed and memory on this machine: frozen extraction, partial and finetune steps, by precision.
 
-    python bench/train_speed.py [--batches 32 64] [--memory-batch 128] [--steps 3] [--threads 2]
-                                [--force-bf16] [--out bench/results/train_speed]
+    python bench/train_speed.py [--batches 32 64] [--memory-batch 128] [--finetune-size 160] [--steps 3]
+                                [--threads 2] [--force-bf16] [--out bench/results/train_speed]
 
 Each row runs in its own process (so peak resident memory, ``ru_maxrss``, is that row's alone) on random
 images, with the trainer's own parts (``build_objective``, ``resolve_compute``, Adam, MS loss):
@@ -9,8 +9,11 @@ images, with the trainer's own parts (``build_objective``, ``resolve_compute``, 
 * ``frozen-extract``: the pretrained backbone's pooled features without gradients (torch), plus the
   onnxruntime row that frozen and partial runs actually extract with (the cache stays float32 ONNX);
 * ``partial``: one training step of the last stage + head on the 192x7x7 maps entering it;
-* ``finetune``: one training step of the whole network on 224 px images, the backbone in chunks of
-  ``backbone_chunk`` images (TrainConfig's default; the ``chunk`` field) with activation checkpointing.
+* ``finetune``: one training step of the whole network on ``--finetune-size`` px crops (the fine-tuning
+  recipe's ``train_size`` by default), the backbone in chunks of ``backbone_chunk`` images (TrainConfig's
+  default; the ``chunk`` field) with activation checkpointing. At the recipe's batch (``--memory-batch``)
+  it runs float32 and channels-last+bf16, each with the default chunks and without chunks (``chunk`` 0),
+  for the memory goal and the speed at the batch a run really takes.
 
 Settings: ``fp32`` (contiguous, float32: the trainer before issue 25), ``channels_last``, and
 ``channels_last+bf16`` (bfloat16 autocast, float32 weights and loss). Where the CPU has no native
@@ -37,6 +40,7 @@ import torch
 
 from training.config import TrainConfig
 from training.precision import Compute, cpu_has_native_bf16, model_inputs
+from training.recipes import FINETUNE
 
 SETTINGS = ("fp32", "channels_last", "channels_last+bf16")
 CLASSES_PER_BATCH_SAMPLES = 4  # the MS recipe's layout: classes x 4 images
@@ -94,7 +98,8 @@ def run_row(row: dict[str, Any], steps: int, force_bf16: bool) -> dict[str, Any]
                 backbone(images).float()
 
     else:
-        shape = (192, 7, 7) if mode == "partial" else (3, 224, 224)
+        size = row.get("size", 224)
+        shape = (192, 7, 7) if mode == "partial" else (3, size, size)
         inputs = model_inputs(torch.randn(batch, *shape, generator=generator), compute.channels_last)
         labels = torch.arange(batch // CLASSES_PER_BATCH_SAMPLES).repeat_interleave(CLASSES_PER_BATCH_SAMPLES)
         optimizer = torch.optim.Adam(objective.parameters(), lr=1e-5)
@@ -119,23 +124,33 @@ def run_row(row: dict[str, Any], steps: int, force_bf16: bool) -> dict[str, Any]
     return result
 
 
-def plan(batches: list[int], memory_batch: int) -> list[dict[str, Any]]:
+def plan(batches: list[int], memory_batch: int, finetune_size: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for mode in ("frozen-extract", "partial", "finetune"):
+        size = {"finetune": {"size": finetune_size}}.get(mode, {})
         for batch in batches:
-            rows += [{"mode": mode, "setting": setting, "batch": batch} for setting in SETTINGS]
+            rows += [{"mode": mode, "setting": setting, "batch": batch, **size} for setting in SETTINGS]
             if mode == "frozen-extract":
                 rows.append({"mode": mode, "setting": "onnxruntime", "batch": batch})
-    # The memory goal: the recipe's batch with the default chunks, and one batch without chunks beside it.
-    rows.append({"mode": "finetune", "setting": "channels_last+bf16", "batch": memory_batch})
-    rows.append({"mode": "finetune", "setting": "channels_last+bf16", "batch": max(batches), "chunk": 0})
+    # The memory goal at the recipe's batch: default chunks, and the whole batch at once, in both precisions.
+    default_chunk = TrainConfig.model_fields["backbone_chunk"].default
+    for setting in ("fp32", "channels_last+bf16"):
+        for chunk in (default_chunk, 0):
+            row = {"mode": "finetune", "setting": setting, "batch": memory_batch, "size": finetune_size}
+            rows.append({**row, "chunk": chunk})
     return rows
 
 
 def with_speedups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    base = {(r["mode"], r["batch"]): r["img_per_s"] for r in rows if r["setting"] == "fp32"}
+    # Against float32 with the same chunks where that was measured (the recipe's batch), else the first.
+    base: dict[tuple[Any, ...], float] = {}
+    for r in rows:
+        if r["setting"] == "fp32":
+            base.setdefault((r["mode"], r["batch"]), r["img_per_s"])
+            base[(r["mode"], r["batch"], r.get("chunk"))] = r["img_per_s"]
     for row in rows:
-        reference = base.get((row["mode"], row["batch"]))
+        key = (row["mode"], row["batch"])
+        reference = base.get((*key, row.get("chunk")), base.get(key))
         row["speedup"] = round(row["img_per_s"] / reference, 2) if reference else None
         row["img_per_s"] = round(row["img_per_s"], 1)
         row["peak_rss_mb"] = round(row["peak_rss_mb"])
@@ -153,11 +168,12 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"load average before the run {meta['load_before']}. img/s over {meta['steps']} steps after one "
         "warm-up step, random images; peak RSS of the row's own process.",
         "",
-        "| mode | setting | batch | chunk | bf16 used | img/s | speedup | peak RSS MB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | setting | batch | px | chunk | bf16 used | img/s | speedup | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        cells = [r["mode"], r["setting"], r["batch"], r.get("chunk", "-"), r["bf16_used"], r["img_per_s"]]
+        cells = [r["mode"], r["setting"], r["batch"], r.get("size", 224), r.get("chunk", "-"), r["bf16_used"]]
+        cells += [r["img_per_s"]]
         cells += ["-" if r["speedup"] is None else r["speedup"], r["peak_rss_mb"]]
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     return "\n".join(lines) + "\n"
@@ -169,6 +185,12 @@ def main() -> None:
     )
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--memory-batch", type=int, default=128)
+    parser.add_argument(
+        "--finetune-size",
+        type=int,
+        default=FINETUNE["train_size"].value,
+        help="crop size of the finetune rows (default: the fine-tuning recipe's train_size)",
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
@@ -197,7 +219,7 @@ def main() -> None:
         "torch": torch.__version__,
     }
     rows = []
-    for row in plan(args.batches, args.memory_batch):
+    for row in plan(args.batches, args.memory_batch, args.finetune_size):
         child = [sys.executable, __file__, "--row", json.dumps(row), "--steps", str(args.steps)]
         child += ["--threads", str(args.threads)] + (["--force-bf16"] if args.force_bf16 else [])
         env = {**os.environ, "OMP_WAIT_POLICY": args.omp_wait_policy}
