@@ -521,7 +521,8 @@ def grouped_with_photo(records: list[dict], members: list[int], index: GalleryIn
 
 def aligned_tries(data: dict, index: GalleryIndex, members: list[int], settings: TierSettings) -> dict:
     """The fewest pairs checked between two signature groups whose edited copies are grouped with their
-    photo (mean over the edit kinds) within 1 point of checking every pair, at ``settings``."""
+    photo (mean over the edit kinds) within 1 point of checking every pair (None: none tried is), at
+    ``settings``."""
     rows = {}
     for tries in (*ALIGNED_TRIES_TRIED, None):
         found = find_tiered(
@@ -533,7 +534,7 @@ def aligned_tries(data: dict, index: GalleryIndex, members: list[int], settings:
             "checks": found.aligned_checks,
         }
     every = rows["None"]["grouped"]
-    chosen = next(t for t in ALIGNED_TRIES_TRIED if rows[str(t)]["grouped"] >= every - 0.01)
+    chosen = next((t for t in ALIGNED_TRIES_TRIED if rows[str(t)]["grouped"] >= every - 0.01), None)
     return {"rows": rows, "chosen": chosen}
 
 
@@ -643,6 +644,10 @@ def speed(data: dict, count: int, seed: int, work: Path, settings: TierSettings)
     return result
 
 
+def tries_checked(tries: int | None) -> str:
+    return "every pair" if tries is None else f"at most {tries} pairs"
+
+
 def write_markdown(result: dict, path: Path) -> None:
     b, chosen, args = result["half_b"], result["chosen_on_a"], result["args"]
     pairs = b["pairs"]
@@ -661,7 +666,7 @@ def write_markdown(result: dict, path: Path) -> None:
         f"{chosen['edited_bits']} bits; similar cosine >= {chosen['similar_cosine']} (edited goals met on A: "
         f"{chosen['edited_goals_met_on_a']}); the aligned check: cosine >= {chosen['aligned_cosine']} and "
         f"aligned NCC >= {chosen['aligned_ncc']} (aligned goals met on A: "
-        f"{chosen['aligned_goals_met_on_a']}, see below), at most {chosen['aligned_tries']} pairs checked "
+        f"{chosen['aligned_goals_met_on_a']}, see below), {tries_checked(chosen['aligned_tries'])} checked "
         "between two signature groups (see below). Library defaults when measured: edited "
         f"{EDITED_COSINE}/{EDITED_BITS}, similar {SIMILAR_COSINE} (bits <= {SIMILAR_BITS}), aligned "
         f"{ALIGNED_COSINE}/{ALIGNED_NCC}, {ALIGNED_TRIES} tries.",
@@ -748,7 +753,7 @@ def write_markdown(result: dict, path: Path) -> None:
         "## Half A: pairs checked between two signature groups (at the aligned setting chosen)",
         "",
         "Chosen: the fewest whose edited copies are grouped with their photo (mean over the edit kinds) "
-        f"within 1 point of checking every pair: **{tries['chosen']}**.",
+        f"within 1 point of checking every pair: **{tries_checked(tries['chosen'])}**.",
         "",
         "| at most | copies grouped with their photo | pairs checked |",
         "|---|---|---|",
