@@ -29,7 +29,7 @@ groups of 100k items.
    edited setting: the highest min(precision, recall); then the aligned check's cosine and NCC, the same
    way as the edited tier, and the fewest pairs it checks between two signature groups whose copies are
    grouped with their photo within 1 point of checking every pair), and everything is reported on half
-   B (plus the demo photos and their copies), by ``find_tiered`` itself at the library's defaults.
+   B (plus the demo photos and their copies), by ``find_tiered`` itself at the settings chosen on A.
 2. Speed. ``find_tiered`` for the edited and the similar tier over bench/duplicates.py's synthetic index
    of 100k vectors made from this bench's real embeddings (random signatures and thumbnails, planted
    copies, and for the aligned check planted off-centre crops and other photos of the same thing).
@@ -177,8 +177,8 @@ def second_take(source: Image.Image) -> Image.Image:
     corners = np.array([(0, 0), (size[0], 0), (size[0], size[1]), (0, size[1])], dtype=np.float64)
     inset = TAKE_TURN * h
     seen = np.array([(left, top + inset), (right, top), (right, bottom), (left, bottom - inset)])
-    # PIL's PERSPECTIVE maps each output pixel (x, y) to the source point ((a x + b y + c) / (g x + h y + 1),
-    # (d x + e y + f) / (g x + h y + 1)): two equations linear in a..h per corner.
+    # PIL's PERSPECTIVE maps each output pixel (x, y) to the source point ((c0 x + c1 y + c2) / (c6 x + c7 y
+    # + 1), (c3 x + c4 y + c5) / (c6 x + c7 y + 1)): two equations linear in c0..c7 per corner.
     equations = [
         row
         for (x, y), (u, v) in zip(corners, seen, strict=True)
