@@ -6,9 +6,9 @@
 
 Runs ``bench/train_all.py --mode finetune`` twice on a CPU, ``precision=fp32`` and ``precision=bf16``, with
 no early stop (``--patience`` above the step count), so both runs take exactly the same steps from the same
-initial weights and batches: from the PCA head, or with ``--frozen-first`` from the recipe's frozen stage. Then tabulates their validation Recall@1 curves and test
-metrics (``--tabulate`` tabulates finished runs only). Meant for a CPU with native bfloat16 (elsewhere torch
-emulates it, slowly, and the run says so).
+initial weights and batches: from the PCA head, or with ``--frozen-first`` from the recipe's frozen stage.
+Then tabulates their validation Recall@1 curves and test metrics (``--tabulate`` tabulates finished runs
+only). Meant for a CPU with native bfloat16 (elsewhere torch emulates it, slowly, and the run says so).
 
 The interval beside each Recall@1 is the 95% percentile bootstrap over the queries of that split (a
 binomial resample of the hit rate: the runs record the rate, not each query's hit).
