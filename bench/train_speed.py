@@ -44,6 +44,7 @@ from training.recipes import FINETUNE
 
 SETTINGS = ("fp32", "channels_last", "channels_last+bf16")
 CLASSES_PER_BATCH_SAMPLES = 4  # the MS recipe's layout: classes x 4 images
+EXTRACT_SIZE = 224  # what frozen extraction embeds, and the images partial's cached maps come from
 
 
 def compute_for(setting: str, force_bf16: bool) -> Compute:
@@ -78,7 +79,7 @@ def run_row(row: dict[str, Any], steps: int, force_bf16: bool) -> dict[str, Any]
 
         with tempfile.TemporaryDirectory() as cache:
             embedder = Embedder(backbone_model(Path(cache), "efficientnet_lite0"))
-            images = torch.randn(batch, 3, 224, 224, generator=generator).numpy()
+            images = torch.randn(batch, 3, row["size"], row["size"], generator=generator).numpy()
             speed = timed(lambda: embedder.embed_tensor(images), steps, batch)
         return {**row, "img_per_s": speed, "bf16_used": False, "peak_rss_mb": peak_rss_mb()}
 
@@ -90,7 +91,8 @@ def run_row(row: dict[str, Any], steps: int, force_bf16: bool) -> dict[str, Any]
     compute.prepare_module(objective)
     if mode == "frozen-extract":
         backbone = objective.backbone.eval()
-        images = model_inputs(torch.randn(batch, 3, 224, 224, generator=generator), compute.channels_last)
+        images = torch.randn(batch, 3, row["size"], row["size"], generator=generator)
+        images = model_inputs(images, compute.channels_last)
 
         @torch.no_grad()
         def step() -> None:
@@ -98,8 +100,7 @@ def run_row(row: dict[str, Any], steps: int, force_bf16: bool) -> dict[str, Any]
                 backbone(images).float()
 
     else:
-        size = row.get("size", 224)
-        shape = (192, 7, 7) if mode == "partial" else (3, size, size)
+        shape = (192, 7, 7) if mode == "partial" else (3, row["size"], row["size"])
         inputs = model_inputs(torch.randn(batch, *shape, generator=generator), compute.channels_last)
         labels = torch.arange(batch // CLASSES_PER_BATCH_SAMPLES).repeat_interleave(CLASSES_PER_BATCH_SAMPLES)
         optimizer = torch.optim.Adam(objective.parameters(), lr=1e-5)
@@ -127,11 +128,11 @@ def run_row(row: dict[str, Any], steps: int, force_bf16: bool) -> dict[str, Any]
 def plan(batches: list[int], memory_batch: int, finetune_size: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for mode in ("frozen-extract", "partial", "finetune"):
-        size = {"finetune": {"size": finetune_size}}.get(mode, {})
+        size = finetune_size if mode == "finetune" else EXTRACT_SIZE
         for batch in batches:
-            rows += [{"mode": mode, "setting": setting, "batch": batch, **size} for setting in SETTINGS]
+            rows += [{"mode": mode, "setting": s, "batch": batch, "size": size} for s in SETTINGS]
             if mode == "frozen-extract":
-                rows.append({"mode": mode, "setting": "onnxruntime", "batch": batch})
+                rows.append({"mode": mode, "setting": "onnxruntime", "batch": batch, "size": size})
     # The memory goal at the recipe's batch: default chunks, and the whole batch at once, in both precisions.
     default_chunk = TrainConfig.model_fields["backbone_chunk"].default
     for setting in ("fp32", "channels_last+bf16"):
@@ -142,15 +143,13 @@ def plan(batches: list[int], memory_batch: int, finetune_size: int) -> list[dict
 
 
 def with_speedups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    # Against float32 with the same chunks where that was measured (the recipe's batch), else the first.
-    base: dict[tuple[Any, ...], float] = {}
-    for r in rows:
-        if r["setting"] == "fp32":
-            base.setdefault((r["mode"], r["batch"]), r["img_per_s"])
-            base[(r["mode"], r["batch"], r.get("chunk"))] = r["img_per_s"]
+    # Against float32 at the same mode, batch and chunks (every finetune row records its chunks).
+    def key(row: dict[str, Any]) -> tuple[Any, ...]:
+        return row["mode"], row["batch"], row.get("chunk")
+
+    base = {key(r): r["img_per_s"] for r in rows if r["setting"] == "fp32"}
     for row in rows:
-        key = (row["mode"], row["batch"])
-        reference = base.get((*key, row.get("chunk")), base.get(key))
+        reference = base.get(key(row))
         row["speedup"] = round(row["img_per_s"] / reference, 2) if reference else None
         row["img_per_s"] = round(row["img_per_s"], 1)
         row["peak_rss_mb"] = round(row["peak_rss_mb"])
@@ -172,9 +171,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        cells = [r["mode"], r["setting"], r["batch"], r.get("size", 224), r.get("chunk", "-"), r["bf16_used"]]
-        cells += [r["img_per_s"]]
-        cells += ["-" if r["speedup"] is None else r["speedup"], r["peak_rss_mb"]]
+        cells = [r["mode"], r["setting"], r["batch"], r["size"], r.get("chunk", "-"), r["bf16_used"]]
+        cells += [r["img_per_s"], "-" if r["speedup"] is None else r["speedup"], r["peak_rss_mb"]]
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     return "\n".join(lines) + "\n"
 
