@@ -29,7 +29,8 @@ each run directory under ``--runs-dir`` is resumed rather than retrained when it
 Writes ``bench/results/train_all.{md,json}`` (or under ``--results-dir``) after every row (partial adds
 ``_partial``, the paper recipe ``_paper``, ``--device cuda`` ``_gpu``, a seed other than 0 ``_seed{N}``);
 the rows run replace those of the same method in an existing table made with the same budget, and the
-others are kept.
+others are kept. ``--collect`` tabulates every run table of ``--mode`` found there (``{stem}_*.json``, each
+run's table copied in under a name of its own) into the mode's main table, one row per method and run.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ STAGE_LR = {
     "partial": "; the backbone's last stage at 1e-5",
     "finetune": "; the whole backbone at 1e-5",
 }
+# The frozen recipes' seeds (train_all_seeds.md): what a fine-tuned run is compared with.
+FROZEN_SEEDS = (0, 1, 2)
 METRICS = ("recall@1", "recall@2", "recall@4", "recall@8", "nmi", "f1", "map@r")
 
 
@@ -363,6 +366,90 @@ def seeds_table(args: argparse.Namespace) -> str:
     return table
 
 
+def collected_stem(mode: str) -> str:
+    """The table of every run of a mode (``--collect``): the name a seed-0 run of the default recipe would
+    have, so a run's own table must be written elsewhere and copied in under a name of its own."""
+    return table_stem(mode, DEFAULT_RECIPE, 0)
+
+
+def frozen_means(results_dir: Path) -> dict[str, float]:
+    """Each method's frozen-mode test Recall@1 averaged over :data:`FROZEN_SEEDS` (the seeds whose tables
+    are there)."""
+    scores: dict[str, list[float]] = {}
+    for seed in FROZEN_SEEDS:
+        path = results_dir / f"{table_stem('frozen', DEFAULT_RECIPE, seed)}.json"
+        if path.exists():
+            for row in json.loads(path.read_text())["rows"]:
+                scores.setdefault(row["method"], []).append(row["test"]["recall@1"])
+    return {method: round(statistics.fmean(values), 2) for method, values in scores.items()}
+
+
+def collect_runs(args: argparse.Namespace) -> str:
+    """``--collect``: one row per method of every ``{mode}`` run table in ``--results-dir`` (no training)."""
+    stem = collected_stem(args.mode)
+    frozen = frozen_means(args.results_dir)
+    rows = []
+    for path in sorted(args.results_dir.glob(f"{stem}_*.json")):
+        table = json.loads(path.read_text())
+        if "rows" not in table:
+            continue
+        words = shlex.split(table["command"])
+        seed = int(words[words.index("--seed") + 1]) if "--seed" in words else 0
+        for row in table["rows"]:
+            rows.append(
+                {
+                    "method": row["method"],
+                    **{name: row["test"][name] for name in METRICS},
+                    "untrained_recall@1": table["pretrained"]["recall@1"],
+                    "frozen_mean_recall@1": frozen.get(row["method"]),
+                    "seed": seed,
+                    "machine": table["machine"],
+                    "steps": row["steps"],
+                    "best_step": row["best_step"],
+                    "train_seconds": row["train_seconds"],
+                    "wall_seconds": row.get("wall_seconds"),
+                    "settings": row["settings"],
+                    "budget": table["budget"],
+                    "command": table["command"],
+                    "table": path.with_suffix(".md").name,
+                }
+            )
+    command = f"python bench/train_all.py --mode {args.mode} --collect"
+    lines = [
+        f"# Every {args.mode}-mode run, one row per method and table",
+        "",
+        f"Command: `{command}` (no training: reads every `{stem}_*.json` beside this file; each row's own "
+        "table has its command, budget and settings). Test R@1 etc. in %; untrained: the pretrained backbone "
+        "on the same test images, so gain = R@1 - untrained. Cars196's unseen classes 99-196 unless the "
+        "row's table says otherwise (the GPU table is a 40-class slice: Cars196 cannot reach the device "
+        "machine, so Cars196 GPU rows were not run). frozen mean: the method's frozen-mode test R@1 over the "
+        f"seeds {', '.join(map(str, FROZEN_SEEDS))} (train_all.json, train_all_seed1.json, ...), and over "
+        "frozen = R@1 minus it (Cars196 rows only). wall: the whole run, validation and test included.",
+        "",
+        "| method | R@1 | R@2 | R@4 | MAP@R | untrained | gain | frozen mean | over frozen | seed | machine "
+        "| steps (best) | train min | wall min | table |",
+        "|" + "---|" * 15,
+    ]
+    for row in sorted(rows, key=lambda row: (row["machine"], row["method"], -row["recall@1"])):
+        wall = "-" if row["wall_seconds"] is None else f"{row['wall_seconds'] / 60:.0f}"
+        cars196 = row["frozen_mean_recall@1"] is not None and "_gpu" not in row["table"]
+        over = f"{row['recall@1'] - row['frozen_mean_recall@1']:+.2f}" if cars196 else "-"
+        mean = f"{row['frozen_mean_recall@1']:.2f}" if cars196 else "-"
+        lines.append(
+            f"| {row['method']} | {row['recall@1']:.2f} | {row['recall@2']:.2f} | {row['recall@4']:.2f} | "
+            f"{row['map@r']:.2f} | {row['untrained_recall@1']:.2f} | "
+            f"{row['recall@1'] - row['untrained_recall@1']:+.2f} | {mean} | {over} | {row['seed']} | "
+            f"{row['machine']} | "
+            f"{row['steps']} ({row['best_step']}) | {row['train_seconds'] / 60:.0f} | {wall} | "
+            f"[{row['table']}]({row['table']}) |"
+        )
+    text = "\n".join(lines) + "\n"
+    report = {"command": command, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "rows": rows}
+    atomic_write_text(args.results_dir / f"{stem}.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(args.results_dir / f"{stem}.md", text)
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -387,14 +474,23 @@ def main() -> None:
     )
     parser.add_argument("--results-dir", type=Path, default=RESULTS, help="where the tables are written")
     parser.add_argument("--mean-of-seeds", nargs="*", type=int, help="only average these seeds' tables")
+    parser.add_argument(
+        "--collect", action="store_true", help="only tabulate every run table of --mode in --results-dir"
+    )
     args = parser.parse_args()
 
     register_peers()
     if args.mean_of_seeds:
         print(seeds_table(args))
         return
+    if args.collect:
+        print(collect_runs(args))
+        return
     if args.data is None:
         parser.error("--data is required to train")
+    table = args.results_dir / f"{table_stem(args.mode, args.recipe, args.seed, args.device)}.json"
+    if table.exists() and "budget" not in json.loads(table.read_text()):  # found before hours of training
+        parser.error(f"{table} is the --collect table: give this run another --results-dir")
     methods = all_methods()
     if args.methods:
         unknown = set(args.methods) - {method.label for method in methods}
