@@ -1,6 +1,7 @@
 """Training speed and memory on this machine: frozen extraction, partial and finetune steps, by precision.
 
     python bench/train_speed.py [--batches 32 64] [--memory-batch 128] [--finetune-size 160] [--steps 3]
+                                [--modes frozen-extract partial finetune]
                                 [--threads 2] [--force-bf16] [--out bench/results/train_speed]
 
 Each row runs in its own process (so peak resident memory, ``ru_maxrss``, is that row's alone) on random
@@ -125,9 +126,12 @@ def run_row(row: dict[str, Any], steps: int, force_bf16: bool) -> dict[str, Any]
     return result
 
 
-def plan(batches: list[int], memory_batch: int, finetune_size: int) -> list[dict[str, Any]]:
+MODES = ("frozen-extract", "partial", "finetune")
+
+
+def plan(batches: list[int], memory_batch: int, finetune_size: int, modes: list[str]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    for mode in ("frozen-extract", "partial", "finetune"):
+    for mode in modes:
         size = finetune_size if mode == "finetune" else EXTRACT_SIZE
         for batch in batches:
             rows += [{"mode": mode, "setting": s, "batch": batch, "size": size} for s in SETTINGS]
@@ -135,7 +139,7 @@ def plan(batches: list[int], memory_batch: int, finetune_size: int) -> list[dict
                 rows.append({"mode": mode, "setting": "onnxruntime", "batch": batch, "size": size})
     # The memory goal at the recipe's batch: default chunks, and the whole batch at once, in both precisions.
     default_chunk = TrainConfig.model_fields["backbone_chunk"].default
-    for setting in ("fp32", "channels_last+bf16"):
+    for setting in ("fp32", "channels_last+bf16") if "finetune" in modes else ():
         for chunk in (default_chunk, 0):
             row = {"mode": "finetune", "setting": setting, "batch": memory_batch, "size": finetune_size}
             rows.append({**row, "chunk": chunk})
@@ -190,6 +194,7 @@ def main() -> None:
         help="crop size of the finetune rows (default: the fine-tuning recipe's train_size)",
     )
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="the rows to run")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--omp-wait-policy",
@@ -217,7 +222,7 @@ def main() -> None:
         "torch": torch.__version__,
     }
     rows = []
-    for row in plan(args.batches, args.memory_batch, args.finetune_size):
+    for row in plan(args.batches, args.memory_batch, args.finetune_size, args.modes):
         child = [sys.executable, __file__, "--row", json.dumps(row), "--steps", str(args.steps)]
         child += ["--threads", str(args.threads)] + (["--force-bf16"] if args.force_bf16 else [])
         env = {**os.environ, "OMP_WAIT_POLICY": args.omp_wait_policy}
