@@ -1,7 +1,8 @@
 """Accuracy parity of bfloat16 fine-tuning: the same run in float32 and in bfloat16, same seed and steps.
 
     python bench/precision_parity.py --data IMAGES --runs-dir DIR [--max-steps 50] [--threads N]
-                                     [--loss angular] [--frozen-first] [--precisions fp32 bf16] [--tabulate]
+                                     [--loss angular] [--frozen-first] [--seed 0] [--precisions fp32 bf16]
+                                     [--tabulate]
                                      [--out bench/results/precision_parity]
 
 Runs ``bench/train_all.py --mode finetune`` twice on a CPU, ``precision=fp32`` and ``precision=bf16``, with
@@ -37,8 +38,21 @@ RESAMPLES = 2000
 def run(args: argparse.Namespace, precision: str) -> None:
     command = [sys.executable, str(Path(__file__).parent / "train_all.py"), "--mode", "finetune"]
     command += ["--methods", args.loss, "--data", str(args.data), "--cache-dir", str(args.runs_dir / "cache")]
-    command += ["--runs-dir", str(args.runs_dir / precision), "--results-dir", str(args.runs_dir / "tables")]
-    command += ["--max-steps", str(args.max_steps), "--patience", str(10 * args.max_steps)]
+    # Each precision's train_all table of its own (one directory would keep only the last run's row).
+    command += [
+        "--runs-dir",
+        str(args.runs_dir / precision),
+        "--results-dir",
+        str(args.runs_dir / "tables" / precision),
+    ]
+    command += [
+        "--max-steps",
+        str(args.max_steps),
+        "--patience",
+        str(10 * args.max_steps),
+        "--seed",
+        str(args.seed),
+    ]
     frozen_first = str(args.frozen_first).lower()
     command += ["--set", f"workers={args.workers}", f"frozen_first={frozen_first}", f"precision={precision}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -70,7 +84,13 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
             "test": {name: round(100 * value, 2) for name, value in summary.test.items()},
             "test_backbone_recall@1": round(100 * summary.test_backbone["recall@1"], 2),
         }
-    return {"loss": args.loss, "max_steps": args.max_steps, "runs": runs, "queries": queries(args)}
+    return {
+        "loss": args.loss,
+        "max_steps": args.max_steps,
+        "seed": args.seed,
+        "runs": runs,
+        "queries": queries(args),
+    }
 
 
 def queries(args: argparse.Namespace) -> dict[str, int]:
@@ -90,7 +110,8 @@ def markdown(result: dict[str, Any], command: str, machine: str) -> str:
         return f"{rate:.2f} [{low:.2f}, {high:.2f}]"
 
     lines = [
-        f"# bfloat16 against float32 fine-tuning ({result['loss']}, {result['max_steps']} steps)",
+        f"# bfloat16 against float32 fine-tuning ({result['loss']}, {result['max_steps']} steps, seed "
+        f"{result.get('seed', 0)})",
         "",
         f"`{command}`",
         "",
@@ -136,6 +157,7 @@ def main() -> None:
     parser.add_argument("--runs-dir", type=Path, required=True)
     parser.add_argument("--loss", default="angular")
     parser.add_argument("--max-steps", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0, help="the same in both runs")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--workers", type=int, default=2, help="image loading processes per run")
     parser.add_argument(
