@@ -84,19 +84,25 @@ class RunEmbeddings:
 
 
 def embed_run(
-    run_path: Path, data: Path | None = None, *, split: EvalSplit = "test", progress: bool = True
+    run_path: Path,
+    data: Path | None = None,
+    *,
+    split: EvalSplit = "test",
+    progress: bool = True,
+    last: bool = False,
 ) -> RunEmbeddings:
-    """Embed ``split`` of ``data`` (default: the data the run trained on) with the run's best checkpoint."""
+    """Embed ``split`` of ``data`` (default: the data the run trained on) with the run's best checkpoint,
+    or with ``last`` its last one (to compare runs at the same step)."""
     run = RunDirectory(run_path)
     config = run.require_config()
-    best = run.require_best()
+    weights = run.require_last().objective if last else run.require_best().objective
     if data is not None:
         config = config.model_copy(update={"data": str(data)})
     # Embedding needs only the serving view: a run's augmented training views are not extracted again.
     serving_only = config.model_copy(update={"views": 0})
     prepared = prepare_data(serving_only, cache_directory(config, run_path), progress=progress)
     objective = build_objective(config, prepared.features["train"].shape[1])
-    objective.load_state_dict(best.objective)
+    objective.load_state_dict(weights)
     names = ("train", "val", "test") if split == "all" else (split,)
     labels = np.concatenate([prepared.labels(name) for name in names])
     files = [file for name in names for file in prepared.files(name)]
@@ -119,8 +125,14 @@ def embed_run(
 
 
 def evaluate_run(
-    run_path: Path, data: Path | None = None, *, split: EvalSplit = "test", progress: bool = True
+    run_path: Path,
+    data: Path | None = None,
+    *,
+    split: EvalSplit = "test",
+    progress: bool = True,
+    last: bool = False,
 ) -> dict[str, float]:
-    """Metrics of a run's best checkpoint on ``split`` of ``data`` (default: the data it trained on)."""
-    embedded = embed_run(run_path, data, split=split, progress=progress)
+    """Metrics of a run's best (or ``last``) checkpoint on ``split`` of ``data`` (default: the data it
+    trained on)."""
+    embedded = embed_run(run_path, data, split=split, progress=progress, last=last)
     return evaluate(embedded.trained, embedded.labels)

@@ -225,6 +225,12 @@ class RunDirectory:
         checkpoint = self._load_checkpoint("last")
         return None if checkpoint is None else LastCheckpoint.from_dict(checkpoint)
 
+    def require_last(self) -> LastCheckpoint:
+        last = self.load_last()
+        if last is None:
+            raise RunDirError(f"{self.path} has no checkpoints/last.pt yet")
+        return last
+
     def read_summary(self) -> RunSummary | None:
         if not self.summary_path.exists():
             return None

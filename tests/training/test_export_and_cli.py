@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +19,11 @@ from engine.model_card import ModelCard
 from tests.helpers import copy_with_truncated_jpeg, tiny_train_config
 from training.backbone import create_backbone
 from training.data import load_labelled_images
-from training.evaluation import evaluate_onnx, evaluate_run
+from training.evaluation import embed_run, evaluate_onnx, evaluate_run
 from training.export import export_run
 from training.features import FeatureExtractor
 from training.model import EmbeddingModel, build_objective
-from training.run_dir import RunDirectory
+from training.run_dir import BestCheckpoint, RunDirectory
 from training.trainer import train
 
 runner = CliRunner()
@@ -87,6 +88,19 @@ def test_exported_run_builds_an_index_and_evaluates_like_the_run(
     assert from_onnx.keys() == from_run.keys()
     for name in ("recall@1", "recall@2", "map@r"):
         assert from_onnx[name] == pytest.approx(from_run[name], abs=1e-6)
+
+
+def test_a_run_embeds_with_its_last_checkpoint_when_asked(trained_run: Path, tmp_path: Path) -> None:
+    """``last=True`` embeds with checkpoints/last.pt (runs compared at the same step), not best.pt: the same
+    embeddings as a copy of the run whose best checkpoint is its last one, and not the best's."""
+    copy = tmp_path / "run"
+    shutil.copytree(trained_run, copy)
+    run = RunDirectory(copy)
+    last = run.require_last()
+    run.save_best(BestCheckpoint(objective=last.objective, step=last.progress.step, val={}))
+    with_last = embed_run(trained_run, progress=False, last=True).trained
+    np.testing.assert_allclose(with_last, embed_run(copy, progress=False).trained, atol=1e-6)
+    assert not np.allclose(with_last, embed_run(trained_run, progress=False).trained, atol=1e-4)
 
 
 def test_truncated_jpeg_is_skipped_with_a_warning(
