@@ -2,7 +2,7 @@
 
     python bench/precision_parity.py --data IMAGES --runs-dir DIR [--max-steps 50] [--threads N]
                                      [--loss angular] [--frozen-first] [--seed 0] [--precisions fp32 bf16]
-                                     [--tabulate]
+                                     [--tabulate] [--same-step]
                                      [--out bench/results/precision_parity]
 
 Runs ``bench/train_all.py --mode finetune`` twice on a CPU, ``precision=fp32`` and ``precision=bf16``, with
@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from index.atomic import atomic_write_text
+from training.evaluation import evaluate_run
 from training.run_dir import RunDirectory
 
 PRECISIONS = ("fp32", "bf16")
@@ -84,6 +85,9 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
             "test": {name: round(100 * value, 2) for name, value in summary.test.items()},
             "test_backbone_recall@1": round(100 * summary.test_backbone["recall@1"], 2),
         }
+        if args.same_step:  # the last checkpoints, in float32 as export runs them
+            metrics = evaluate_run(path, args.data, progress=False, last=True)
+            runs[precision]["test_last"] = {name: round(100 * value, 2) for name, value in metrics.items()}
     return {
         "loss": args.loss,
         "max_steps": args.max_steps,
@@ -146,6 +150,21 @@ def markdown(result: dict[str, Any], command: str, machine: str) -> str:
         f"\nTest Recall@1 difference (bf16 - fp32): "
         f"{bf16['test']['recall@1'] - fp32['test']['recall@1']:+.2f}."
     )
+    if "test_last" in fp32 and "test_last" in bf16:
+        lines += [
+            "",
+            f"At the same step, both runs' last checkpoints (step {fp32['steps']} and {bf16['steps']}; "
+            "`--same-step`, embedded in float32 as the exported model runs):",
+            "",
+            "| run | test R@1 | test R@2 | test map@r |",
+            "|---|---|---|---|",
+        ]
+        for precision in PRECISIONS:
+            test = result["runs"][precision]["test_last"]
+            recall = cell(test["recall@1"], n_test)
+            lines.append(f"| {precision} | {recall} | {test['recall@2']:.2f} | {test['map@r']:.2f} |")
+        difference = bf16["test_last"]["recall@1"] - fp32["test_last"]["recall@1"]
+        lines.append(f"\nSame-step test Recall@1 difference (bf16 - fp32): {difference:+.2f}.")
     return "\n".join(lines) + "\n"
 
 
@@ -174,6 +193,9 @@ def main() -> None:
         help="run only these (e.g. one per process, pinned to cores of their own; then --tabulate)",
     )
     parser.add_argument("--tabulate", action="store_true", help="only tabulate finished runs")
+    parser.add_argument(
+        "--same-step", action="store_true", help="also test both runs' last checkpoints (the same step)"
+    )
     parser.add_argument("--machine", default=platform.processor() or platform.machine(), help="for the table")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "precision_parity")
     args = parser.parse_args()
@@ -184,6 +206,9 @@ def main() -> None:
             return
     result = collect(args)
     command = "python " + " ".join(sys.argv)
+    made = args.out.with_suffix(".json")
+    if args.tabulate and made.exists():  # the command that ran them stays in front
+        command = f"{json.loads(made.read_text())['command']}`, tabulated by `{command}"
     report = {"command": command, "machine": args.machine, **result}
     atomic_write_text(args.out.with_suffix(".json"), json.dumps(report, indent=2) + "\n")
     table = markdown(result, command, args.machine)
