@@ -2,7 +2,7 @@
 
     python bench/train_speed.py [--batches 32 64] [--memory-batch 128] [--finetune-size 160] [--steps 3]
                                 [--modes frozen-extract partial finetune]
-                                [--threads 2] [--force-bf16] [--out bench/results/train_speed]
+                                [--threads 2] [--bf16 auto|on|off] [--out bench/results/train_speed]
 
 Each row runs in its own process (so peak resident memory, ``ru_maxrss``, is that row's alone) on random
 images, with the trainer's own parts (``build_objective``, ``resolve_compute``, Adam, MS loss):
@@ -19,9 +19,9 @@ images, with the trainer's own parts (``build_objective``, ``resolve_compute``, 
 Settings: ``fp32`` (contiguous, float32: the trainer before issue 25), ``channels_last``, and
 ``channels_last+bf16`` (bfloat16 autocast, float32 weights and loss). Where the CPU has no native
 bfloat16 that row runs with it forced off (``bf16_used`` false), as a run there would, unless
-``--force-bf16`` makes torch emulate it. ``speedup`` is against ``fp32`` at the same mode and batch in the
-same run. Figures are img/s over ``--steps`` timed steps after one warm-up step. On a machine shared
-with other work, compare ratios within one run only.
+``--bf16 on`` makes torch emulate it; ``--bf16 off`` runs every row as a CPU without it would. ``speedup``
+is against ``fp32`` at the same mode and batch in the same run. Figures are img/s over ``--steps`` timed
+steps after one warm-up step. On a machine shared with other work, compare ratios within one run only.
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ CLASSES_PER_BATCH_SAMPLES = 4  # the MS recipe's layout: classes x 4 images
 EXTRACT_SIZE = 224  # what frozen extraction embeds, and the images partial's cached maps come from
 
 
-def compute_for(setting: str, force_bf16: bool) -> Compute:
+def compute_for(setting: str, bf16_mode: str) -> Compute:
     device = torch.device("cpu")
     channels_last = setting != "fp32"
     wants_bf16 = setting.endswith("+bf16")
-    bf16 = wants_bf16 and (cpu_has_native_bf16() or force_bf16)
+    bf16 = wants_bf16 and {"auto": cpu_has_native_bf16(), "on": True, "off": False}[bf16_mode]
     return Compute(device, torch.bfloat16 if bf16 else None, channels_last, setting)
 
 
@@ -68,7 +68,7 @@ def timed(step: Any, steps: int, batch: int) -> float:
     return batch * steps / (time.perf_counter() - started)
 
 
-def run_row(row: dict[str, Any], steps: int, force_bf16: bool) -> dict[str, Any]:
+def run_row(row: dict[str, Any], steps: int, bf16_mode: str) -> dict[str, Any]:
     """One measurement, in this process."""
     from training.features import backbone_model
     from training.model import build_objective
@@ -84,7 +84,7 @@ def run_row(row: dict[str, Any], steps: int, force_bf16: bool) -> dict[str, Any]
             speed = timed(lambda: embedder.embed_tensor(images), steps, batch)
         return {**row, "img_per_s": speed, "bf16_used": False, "peak_rss_mb": peak_rss_mb()}
 
-    compute = compute_for(setting, force_bf16)
+    compute = compute_for(setting, bf16_mode)
     chunk = row.get("chunk", TrainConfig.model_fields["backbone_chunk"].default)
     config = TrainConfig(loss="ms", data="-", mode="finetune" if mode == "frozen-extract" else mode)
     config = config.model_copy(update={"backbone_chunk": chunk})
@@ -202,13 +202,18 @@ def main() -> None:
         help="OpenMP wait policy of the rows' processes: on a shared, loaded machine ACTIVE threads spin on "
         "cores others need (Lite0 forward at 2 threads, load 12: 0.8-1.2 img/s ACTIVE, 6-9 PASSIVE)",
     )
-    parser.add_argument("--force-bf16", action="store_true", help="emulate bfloat16 where it is not native")
+    parser.add_argument(
+        "--bf16",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="auto: where the CPU has it natively; on: emulated elsewhere; off: as a CPU without it",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/train_speed"))
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: one row as JSON, in a child process
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.row:
-        print(json.dumps(run_row(json.loads(args.row), args.steps, args.force_bf16)))
+        print(json.dumps(run_row(json.loads(args.row), args.steps, args.bf16)))
         return
 
     meta = {
@@ -224,7 +229,7 @@ def main() -> None:
     rows = []
     for row in plan(args.batches, args.memory_batch, args.finetune_size, args.modes):
         child = [sys.executable, __file__, "--row", json.dumps(row), "--steps", str(args.steps)]
-        child += ["--threads", str(args.threads)] + (["--force-bf16"] if args.force_bf16 else [])
+        child += ["--threads", str(args.threads), "--bf16", args.bf16]
         env = {**os.environ, "OMP_WAIT_POLICY": args.omp_wait_policy}
         done = subprocess.run(child, check=True, capture_output=True, text=True, env=env)
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
