@@ -38,6 +38,8 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+# The CLI installed beside this interpreter: `make test` runs pytest from .venv/bin without it on PATH.
+HOST_CLI = Path(sys.executable).with_name("dmlsearch")
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 COMPOSE = REPO / "docker" / "compose.yaml"
 BASE_TAG = "localhost/dmlsearch-base:bookworm"
@@ -131,16 +133,20 @@ def ensure_base(rebuild: bool) -> str:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dmlsearch-base-", dir="/var/tmp") as folder:
         root = Path(folder) / "root"
-        run(
-            [
-                "debootstrap",
-                "--variant=minbase",
-                f"--include={BASE_PACKAGES}",
-                "bookworm",
-                str(root),
-                DEBIAN_MIRROR,
-            ]
-        )
+        try:
+            run(
+                [
+                    "debootstrap",
+                    "--variant=minbase",
+                    f"--include={BASE_PACKAGES}",
+                    "bookworm",
+                    str(root),
+                    DEBIAN_MIRROR,
+                ]
+            )
+        except subprocess.CalledProcessError as err:  # e.g. the mirror out of reach: nothing to build on
+            reason = f"debootstrap of the base failed (exit {err.returncode}; {DEBIAN_MIRROR})"
+            raise CannotRun(reason) from err
         # Package downloads and lists serve no purpose in an image.
         for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
             for entry in (root / cache).glob("*"):
@@ -227,7 +233,7 @@ def demo_data(workdir: Path) -> tuple[Path, Path]:
     """A demo model, gallery and index on the host (export needs torch, which the serving image has not);
     the folder is mounted at the same path in the containers, so the index's paths hold there."""
     data = workdir / "data"
-    run(["dmlsearch", "demo", "--no-serve", "--workdir", str(data)])
+    run([str(HOST_CLI), "demo", "--no-serve", "--workdir", str(data)])
     data.chmod(0o777)
     for path in data.rglob("*"):
         path.chmod(0o777 if path.is_dir() else 0o666)  # the image's user (uid 10001) writes its locks there
