@@ -1,7 +1,8 @@
 """Build the images with podman and run them for real: the API image, the UI and compose.
 
-    python docker/check_install.py                  # base, serving image, API, UI, compose (+ train image)
-    python docker/check_install.py --no-compose     # base, serving image, API, UI
+    python docker/check_install.py                   # base, serving image, API, UI, compose's api and ui
+    python docker/check_install.py --compose full    # + the train image and compose's setup (8 GB more)
+    python docker/check_install.py --compose none    # base, serving image, API, UI
 
 1. A base image without a registry: `debootstrap` a Debian bookworm root with python3 and its venv module,
    then `podman import` it (kept as BASE_TAG and reused by later runs).
@@ -11,8 +12,10 @@
 3. The API image serves a demo index (made on the host with `dmlsearch demo --no-serve`): /readyz answers
    200, a search answers 200 with results, SIGTERM ends the container with exit code 0.
 4. The same image as the UI (`dmlsearch ui`): its health answers 200, SIGTERM gives exit code 0.
-5. compose (podman-compose): `setup` (the train image) builds the demo and exits 0, then `api` answers a
-   search and `ui` its health; SIGTERM stops each with exit code 0.
+5. compose (podman-compose): `api` answers a search and `ui` its health, both from the serving image;
+   SIGTERM stops each with exit code 0. By default they serve the host's demo (mounted by an override file
+   at its host path, so the index's paths hold); with `--compose full`, `setup` first builds the train
+   image's demo into compose's volume and must exit 0 (the train image is 7 GB and takes 15 minutes).
 
 Every container runs with runc and raised-but-fixed ulimits (a containers.conf written for the run): crun
 refuses this machine's cgroup layout, and root may not raise its own limits here. Prints the measured
@@ -64,6 +67,9 @@ PATH_SETTINGS = (
     "extra-index-url",
 )
 READY_SECONDS = 180
+# Disk the check needs: base, serving image and pip's build caches; the train image adds about 8 GB.
+SERVING_GIGABYTES = 6
+FULL_GIGABYTES = 20
 STOP_SECONDS = 30
 
 
@@ -86,11 +92,23 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def require_tools(compose: bool) -> None:
+def require_tools(compose: bool, free_gigabytes: float) -> None:
     needed = ["podman"] + (["podman-compose"] if compose else [])
     missing = [tool for tool in needed if shutil.which(tool) is None]
     if missing:
         raise CannotRun(f"{', '.join(missing)} not installed (Debian: apt-get install podman podman-compose)")
+    storage = Path(podman_output("info", "--format", "{{.Store.GraphRoot}}"))
+    storage.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(storage).free / 1e9
+    if free < free_gigabytes:
+        raise CannotRun(f"{free:.1f} GB free under {storage}; the images need {free_gigabytes:.0f} GB")
+
+
+def require_containers() -> None:
+    """A container of the base starts: where the runtime cannot start one at all, nothing here can run."""
+    probe = subprocess.run(["podman", "run", "--rm", BASE_TAG, "true"], capture_output=True, text=True)
+    if probe.returncode:
+        raise CannotRun(f"podman cannot start a container here: {probe.stderr.strip()[-300:]}")
 
 
 def host_pip_config() -> tuple[str, list[Path]]:
@@ -241,8 +259,7 @@ def demo_data(workdir: Path) -> tuple[Path, Path]:
     return data, query
 
 
-def check_api_and_ui(workdir: Path, figures: dict[str, str]) -> None:
-    data, query = demo_data(workdir)
+def check_api_and_ui(data: Path, query: Path, figures: dict[str, str]) -> None:
     api_port, ui_port = free_port(), free_port()
     api = f"http://127.0.0.1:{api_port}"
     mount = ["--volume", f"{data}:{data}", "--env", f"DMLSEARCH_INDEX_PATH={data}/index"]
@@ -263,7 +280,9 @@ def check_api_and_ui(workdir: Path, figures: dict[str, str]) -> None:
         figures["API exit code after SIGTERM"] = str(stop_with_sigterm(name))
 
 
-def check_compose(workdir: Path, figures: dict[str, str]) -> None:
+def check_compose(workdir: Path, figures: dict[str, str], host_demo: Path | None) -> None:
+    """compose's api and ui; ``host_demo`` (the host's demo folder) stands in for the `setup` step when
+    given: an override file mounts it at its own path in `api` and points the served index there."""
     api_port, ui_port = free_port(), free_port()
     project = "dmlsearch-check"
     env = {
@@ -273,17 +292,23 @@ def check_compose(workdir: Path, figures: dict[str, str]) -> None:
         "DMLSEARCH_BASE_IMAGE": BASE_TAG,
     }
     compose = ["podman-compose", "--project-name", project, "--file", str(COMPOSE)]
+    if host_demo is not None:
+        override = workdir / "compose.host-demo.yaml"
+        override.write_text(f"services:\n  api:\n    volumes:\n      - {host_demo}:{host_demo}\n")
+        compose += ["--file", str(override)]
+        env["DMLSEARCH_INDEX"] = str(host_demo / "index")
     started = time.monotonic()
     try:
-        # podman-compose 1.0 (Debian 12) starts every service at once, ignoring profiles and the
-        # depends_on conditions: the services are named, and setup's completion is waited for here.
-        run([*compose, "up", "--detach", "--no-build", "--no-deps", "setup"], env=env)
-        setup_code = podman_output("wait", f"{project}_setup_1")
-        figures["compose setup exit code"] = setup_code
-        if setup_code != "0":
-            raise RuntimeError(f"compose setup exited with code {setup_code}")
-        figures["compose setup (s)"] = f"{time.monotonic() - started:.0f}"
-        started = time.monotonic()
+        if host_demo is None:
+            # podman-compose 1.0 (Debian 12) starts every service at once, ignoring profiles and the
+            # depends_on conditions: the services are named, and setup's completion is waited for here.
+            run([*compose, "up", "--detach", "--no-build", "--no-deps", "setup"], env=env)
+            setup_code = podman_output("wait", f"{project}_setup_1")
+            figures["compose setup exit code"] = setup_code
+            if setup_code != "0":
+                raise RuntimeError(f"compose setup exited with code {setup_code}")
+            figures["compose setup (s)"] = f"{time.monotonic() - started:.0f}"
+            started = time.monotonic()
         run([*compose, "up", "--detach", "--no-build", "--no-deps", "api", "ui"], env=env)
         api = f"http://127.0.0.1:{api_port}"
         figures["compose API /readyz after up (s)"] = f"{wait_until(f'{api}/readyz', started):.1f}"
@@ -308,7 +333,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--no-compose", action="store_true", help="skip the train image and compose")
+    parser.add_argument(
+        "--compose",
+        choices=("serving", "full", "none"),
+        default="serving",
+        help="serving: compose's api and ui on the host's demo; full: also the train image and compose's "
+        "setup step; none: no compose",
+    )
     parser.add_argument("--rebuild-base", action="store_true", help="debootstrap the base even if it exists")
     args = parser.parse_args()
     figures: dict[str, str] = {}
@@ -317,8 +348,10 @@ def main() -> int:
         (workdir / "containers.conf").write_text(CONTAINERS_CONF)
         os.environ["CONTAINERS_CONF"] = str(workdir / "containers.conf")
         try:
-            require_tools(compose=not args.no_compose)
+            gigabytes = FULL_GIGABYTES if args.compose == "full" else SERVING_GIGABYTES
+            require_tools(args.compose != "none", gigabytes)
             figures["base image"] = ensure_base(args.rebuild_base)
+            require_containers()
         except CannotRun as reason:
             print(f"cannot run the image check here: {reason}", flush=True)
             return 3
@@ -327,11 +360,13 @@ def main() -> int:
         probe = ["podman", "run", "--rm", SERVE_TAG, "python", "-c", "import torch"]
         torch = subprocess.run(probe, capture_output=True)
         figures["torch in the serving image"] = "no" if torch.returncode else "yes"
-        check_api_and_ui(workdir, figures)
-        if not args.no_compose:
+        data, query = demo_data(workdir)
+        check_api_and_ui(data, query, figures)
+        if args.compose == "full":
             figures["train image build (s)"] = f"{build('train', TRAIN_TAG, workdir):.0f}"
             figures["train image size (MB)"] = f"{image_megabytes(TRAIN_TAG):.0f}"
-            check_compose(workdir, figures)
+        if args.compose != "none":
+            check_compose(workdir, figures, host_demo=data if args.compose == "serving" else None)
     for name, value in figures.items():
         print(f"{name}: {value}")
     failed = [name for name, value in figures.items() if "exit code" in name and value != "0"]
