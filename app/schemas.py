@@ -161,7 +161,7 @@ class DuplicateOut(BaseModel):
 class DuplicateGroupOut(BaseModel):
     size: int
     items: list[DuplicateOut]
-    tier: TierName | None = Field(None, description="with tier only: the loosest tier among its pairs")
+    tier: TierName | None = Field(None, description="with tier only: the strictest tier whose pairs join it")
 
 
 class DuplicatesOut(BaseModel):

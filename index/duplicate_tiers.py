@@ -9,14 +9,16 @@
   signature's views cover, cosine >= ``aligned_cosine`` and one image's thumbnail a window of the other's:
   ``index.alignment``'s NCC >= ``aligned_ncc``. That check is costly, so it runs only on pairs of the
   kNN search (see below) whose signatures carry thumbnails and which no signature pair has already put
-  in one group (checking them would change no group);
+  in one group (checking them would change no group). A window joins only the image that holds it best:
+  a crop of a photo is nearly a window of a second take of the scene too, and must not bring the take
+  into the photo's group;
 - **similar**: the same scene, as in a burst or a second take: cosine >= ``similar_cosine`` among each
   item's nearest neighbours, and signatures within ``similar_bits`` (looser than an edit).
 
 Asking for a tier gives the groups that pairs of that tier *or stricter* join (``--tier edited`` includes
-exact copies); each group is labelled with the loosest tier among its pairs, and each member carries the
-evidence of its strongest pair (the other item, the signature distance, the cosine, the shared digest, the
-aligned NCC where it was checked).
+exact copies); each group is labelled with the strictest tier whose pairs alone join all its members, and
+each member carries the evidence of its strongest pair (the other item, the signature distance, the
+cosine, the shared digest, the aligned NCC where it was checked).
 Items without a signature (indexed before signatures were stored; Milvus) can be neither exact nor
 edited by pixels: an edited pair with one of them needs ``index.duplicates.EMBEDDING_ONLY_THRESHOLD``.
 """
@@ -34,6 +36,7 @@ from index.alignment import aligned_ncc
 from index.duplicates import (
     DEFAULT_NEIGHBOURS,
     EMBEDDING_ONLY_THRESHOLD,
+    DuplicateGroup,
     SignatureTable,
     candidate_pairs,
     check_max_distance,
@@ -72,25 +75,24 @@ class Tier(IntEnum):
 
 TIER_NAMES = tuple(tier.label for tier in Tier)
 
-# Chosen by bench/duplicate_tiers.py on half A of its Cars196 car models (edited: the highest pair recall
-# with precision >= 0.98 and <= 1% of photos in a false edited group; similar: the highest min(P, R)) and
-# measured on half B: bench/results/duplicate_tiers.md. The edited cosine is the lowest tried: a
-# quarter-turned copy embeds at ~0.35-0.6 to its photo, and the signature alone kept precision >= 0.99.
-# The similar tier stays weak (precision ~0.4): to the embedding a second take is as close as another
-# photo of the same car model. No signature limit: a take's signature lands about as far from its photo's
-# as another photo's (14-22 bits; a limit of 16 bits lost half the takes for no better min(P, R)).
+# Measured by bench/duplicate_tiers.py on Cars196 photos with 13 kinds of edited copies and simulated second
+# takes, both halves of its car models at these defaults (bench/results/duplicate_tiers.md): edited pair
+# precision >= 0.98, copies in their photo's edited group 93-100% per kind, 0.5-1% of the photos in a
+# false edited group. They are not the bench's own choice on half A, which maximises pair recall and so
+# takes cosine >= 0.8 with 10 bits, where quarter-turned copies are lost (they embed at ~0.35-0.6 to their
+# photo): the edited cosine is the lowest tried, and the signature does the work.
 EDITED_COSINE = 0.3
 EDITED_BITS = 8
-# The aligned check of off-centre crops (index.alignment), chosen on half A with the two above fixed: the
-# highest recall with <= 1% of photos in a false edited group and precision >= 0.98 counting the bench's
-# simulated second takes (off-centre 80% windows of their photo: crops, by pixels) as right; by the plain
-# precision no setting reaches 0.98 (at most 0.95: those takes). 0.8 is the lowest cosine tried: below it the
-# pairs to check grow fast (bench/results/crop_alignment.md).
+# The aligned check of off-centre crops (index.alignment). 0.8 is the lowest cosine tried: below it the
+# pairs to check grow fast (bench/results/crop_alignment.md). Checking every pair between two signature
+# groups lets each window meet the photo itself, not only the copies of it that embed closest: a window
+# joins only its best holder (_best_holder), so the holder must be among the pairs checked.
 ALIGNED_COSINE = 0.8
 ALIGNED_NCC = 0.86
-# Pairs checked between two signature groups (see _align): the fewest on half A whose copies are grouped
-# with their photo within 1 point of checking every pair.
-ALIGNED_TRIES = 2
+ALIGNED_TRIES: int | None = None
+# The similar tier: another photo of the same car model is about as close to the embedding as a second
+# take. No signature limit: a take's signature lands about as far from its photo's as another photo's
+# (14-22 bits; a limit of 16 bits lost half the takes for no better min(P, R)).
 SIMILAR_COSINE = 0.86
 SIMILAR_BITS = 64
 
@@ -152,7 +154,7 @@ class Evidence:
 
 @dataclass(frozen=True)
 class TieredGroup:
-    tier: Tier  # the loosest tier among the pairs that joined it
+    tier: Tier  # the strictest tier whose pairs alone join all its members
     ids: np.ndarray  # ascending
     evidence: list[Evidence]  # one per member, in ``ids`` order
 
@@ -224,7 +226,8 @@ def _align(
 ) -> int:
     """The aligned check (in place): pairs of no edited tier yet with cosine >= ``aligned_cosine``, both
     thumbnails, and not already in one group by the signature's edited pairs get their NCC in
-    ``alignments``, and EDITED in ``tiers`` where it is >= ``aligned_ncc``. Returns how many it checked.
+    ``alignments``, and EDITED in ``tiers`` where it is >= ``aligned_ncc`` and the window's best holder
+    (:func:`_best_holder`). Returns how many it checked.
 
     Of the pairs between the same two signature groups only the ``aligned_tries`` of highest cosine are
     checked: one success joins the groups, and a crop of a photo with many copies otherwise meets every
@@ -249,12 +252,29 @@ def _align(
     rank = np.arange(len(order)) - np.maximum.accumulate(np.where(starts, np.arange(len(order)), 0))
     tries = len(order) if settings.aligned_tries is None else settings.aligned_tries
     checked = np.sort(candidates[order[rank < tries]])
-    scores = aligned_ncc(
+    found = aligned_ncc(
         signatures.thumbnails_of(firsts[checked])[1], signatures.thumbnails_of(seconds[checked])[1]
     )
-    alignments[checked] = scores
-    tiers[checked[scores >= settings.aligned_ncc]] = int(Tier.EDITED)
+    alignments[checked] = found.ncc
+    aligned = found.ncc >= settings.aligned_ncc
+    windows = np.where(found.first_holds, second_group[checked], first_group[checked])[aligned]
+    kept = _best_holder(windows, found.ncc[aligned])
+    tiers[checked[aligned][kept]] = int(Tier.EDITED)
     return len(checked)
+
+
+def _best_holder(windows: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """Which aligned pairs join their groups: of the pairs in which a signature group is the window, the
+    one of highest NCC. Every copy in an edited group is then the photo held by the group's widest image
+    (or a window of it, or of a window of it), never a window of two images that overlap only partly:
+    an off-centre crop of a photo is also nearly a window of a second take of the same scene (the camera
+    moved a little), and would otherwise join the take to the photo's edited group."""
+    order = np.lexsort((-scores, windows))
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = windows[order][1:] != windows[order][:-1]
+    kept = np.zeros(len(windows), dtype=bool)
+    kept[order[first]] = True
+    return kept
 
 
 def tier_pairs(
@@ -345,6 +365,29 @@ def _evidence(pairs: Pairs) -> dict[int, Evidence]:
     return evidence
 
 
+def _group_tiers(pairs: Pairs, found: list[DuplicateGroup]) -> np.ndarray:
+    """Each group's tier: the strictest whose pairs alone join all its members. A looser pair inside a
+    group does not make it looser (two edits of one photo can be only "similar" to each other, a crop
+    and a quarter turn of it, while each is an edited copy of the photo)."""
+    members = np.concatenate([group.ids for group in found]) if found else np.zeros(0, np.int64)
+    group_of = np.repeat(np.arange(len(found)), [len(group.ids) for group in found])
+    ids = np.unique(members)
+    tiers = np.zeros(len(found), dtype=np.int64)
+    for tier in sorted(Tier, reverse=True):  # loosest first: a stricter tier that joins a group wins
+        joined = pairs.tiers <= tier
+        component = components(
+            len(ids),
+            np.searchsorted(ids, pairs.firsts[joined]),
+            np.searchsorted(ids, pairs.seconds[joined]),
+        )[np.searchsorted(ids, members)]
+        # A group is joined at this tier when its members share one component of its pairs.
+        lowest, highest = np.full(len(found), len(ids)), np.full(len(found), -1)
+        np.minimum.at(lowest, group_of, component)
+        np.maximum.at(highest, group_of, component)
+        tiers[lowest == highest] = int(tier)
+    return tiers
+
+
 def find_tiered(
     index: GalleryIndex,
     tier: Tier,
@@ -357,15 +400,8 @@ def find_tiered(
     pairs, unsigned = tier_pairs(index, tier, settings, digests)
     evidence = _evidence(pairs)
     found = group_pairs(pairs.firsts, pairs.seconds, pairs.cosines)
-    # The loosest tier per group, from the group each pair's first member is in.
-    members = np.concatenate([group.ids for group in found]) if found else np.zeros(0, np.int64)
-    group_of = np.repeat(np.arange(len(found)), [len(group.ids) for group in found])
-    order = np.argsort(members)
-    of_pair = group_of[order][np.searchsorted(members[order], pairs.firsts)]
-    loosest = np.zeros(len(found), dtype=np.int64)
-    np.maximum.at(loosest, of_pair, pairs.tiers)
     groups = [
         TieredGroup(Tier(int(tier_of)), group.ids, [evidence[int(i)] for i in group.ids])
-        for group, tier_of in zip(found, loosest, strict=True)
+        for group, tier_of in zip(found, _group_tiers(pairs, found), strict=True)
     ]
     return TieredDuplicates(tier, groups, settings, unsigned, len(index), pairs.aligned_checks)

@@ -13,7 +13,7 @@ from PIL import Image, ImageDraw, ImageFilter
 
 from engine.signature import perceptual_signature
 from index.alignment import aligned_ncc
-from index.duplicate_tiers import ALIGNED_NCC, ALIGNED_TRIES, EDITED_BITS, Tier, TierSettings, find_tiered
+from index.duplicate_tiers import ALIGNED_NCC, EDITED_BITS, Tier, TierSettings, find_tiered, tier_pairs
 from index.duplicates import SignatureTable, signature_distance
 from index.gallery import GalleryIndex
 from index.signature_layout import THUMBNAIL_SIDE, VIEW_BYTES, VIEWS, WITH_THUMBNAIL, thumbnail_of, views_of
@@ -87,12 +87,15 @@ def test_the_aligned_ncc_finds_a_crop_and_not_another_scene() -> None:
     thumbs = np.stack([thumbnail_of(perceptual_signature(p)) for p in photos])
     crops = np.stack([thumbnail_of(perceptual_signature(off_centre_crop(p))) for p in photos])
     copies = aligned_ncc(thumbs, crops)
-    others = aligned_ncc(thumbs, np.roll(crops, 1, axis=0))
+    others = aligned_ncc(thumbs, np.roll(crops, 1, axis=0)).ncc
     # Every scene shares its sky-to-ground gradient: others line up a little, not as far as the cut.
-    assert copies.min() > 0.9 and others.max() < ALIGNED_NCC - 0.05
-    assert np.allclose(aligned_ncc(crops, thumbs), copies)  # both ways round
+    assert copies.ncc.min() > 0.9 and others.max() < ALIGNED_NCC - 0.05
+    # Both ways round, and it says which image holds the other.
+    swapped = aligned_ncc(crops, thumbs)
+    assert np.allclose(swapped.ncc, copies.ncc)
+    assert copies.first_holds.all() and not swapped.first_holds.any()
     flat = np.full((1, THUMBNAIL_SIDE, THUMBNAIL_SIDE), 128, dtype=np.uint8)
-    assert aligned_ncc(flat, thumbs[:1])[0] == pytest.approx(0.0, abs=1e-3)
+    assert aligned_ncc(flat, thumbs[:1]).ncc[0] == pytest.approx(0.0, abs=1e-3)
 
 
 def test_an_off_centre_crop_is_edited_with_its_ncc_and_another_scene_is_not(tmp_path: Path) -> None:
@@ -113,9 +116,57 @@ def test_an_off_centre_crop_is_edited_with_its_ncc_and_another_scene_is_not(tmp_
     index.close()
 
 
-def test_only_the_closest_pairs_between_two_signature_groups_are_checked(tmp_path: Path) -> None:
+def test_a_crop_that_is_nearly_a_window_of_a_second_take_does_not_join_the_take(tmp_path: Path) -> None:
+    """A photo, a crop of it, and a second take of the scene (the camera moved and turned): the crop lies in
+    both, the photo and the take do not line up. The crop joins the photo, which holds it best; the take
+    stays out of their edited group rather than joining it through the crop."""
+    scene = street_scene(2)
+    w, h = scene.size
+    photo = scene.crop((round(w * 0.05), round(h * 0.05), round(w * 0.8), round(h * 0.8)))
+    turned = scene.rotate(2.5, resample=Image.Resampling.BICUBIC)
+    take = turned.crop((round(w * 0.2), round(h * 0.15), w, h)).point(lambda v: min(255, round(v * 1.05)))
+    crop = photo.crop((round(photo.width * 0.3), round(photo.height * 0.3), photo.width, photo.height))
+    signatures = [perceptual_signature(image) for image in (photo, crop, take)]
+    thumbs = np.stack([thumbnail_of(signature) for signature in signatures])
+    with_photo, with_take, photo_take = (
+        aligned_ncc(thumbs[[a]], thumbs[[b]]) for a, b in ((0, 1), (1, 2), (0, 2))
+    )
+    # The case the rule is for: the crop lines up with both, the photo and the take do not.
+    assert with_photo.ncc[0] > with_take.ncc[0] >= ALIGNED_NCC + 0.03
+    assert photo_take.ncc[0] < ALIGNED_NCC - 0.1
+    assert with_photo.first_holds[0] and not with_take.first_holds[0]  # the crop is the window in both
+    index, (photo_id, crop_id, take_id) = scene_index(tmp_path, signatures)
+    edited, similar = find_tiered(index, Tier.EDITED), find_tiered(index, Tier.SIMILAR)
+    index.close()
+    assert [set(group.ids.tolist()) for group in edited.groups] == [{photo_id, crop_id}]
+    # The take is what it is: the same scene, in the similar tier.
+    assert [(set(g.ids.tolist()), g.tier) for g in similar.groups] == [
+        ({photo_id, crop_id, take_id}, Tier.SIMILAR)
+    ]
+
+
+def test_a_group_is_labelled_with_the_strictest_tier_that_joins_it(tmp_path: Path) -> None:
+    """A photo, an off-centre crop and a quarter turn of it: each copy is an edited copy of the photo, while
+    the crop and the turn are only "similar" to each other. The group is an edited group, at every tier."""
+    photo = street_scene(1)
+    images = [photo, off_centre_crop(photo), photo.rotate(90, expand=True)]
+    index, ids = scene_index(tmp_path, [perceptual_signature(image) for image in images])
+    similar, edited = find_tiered(index, Tier.SIMILAR), find_tiered(index, Tier.EDITED)
+    pairs, _ = tier_pairs(index, Tier.SIMILAR, TierSettings())
+    index.close()
+    tier_of = {
+        frozenset((int(a), int(b))): Tier(int(t))
+        for a, b, t in zip(pairs.firsts, pairs.seconds, pairs.tiers, strict=True)
+    }
+    assert tier_of[frozenset((ids[1], ids[2]))] == Tier.SIMILAR  # the crop and the turn
+    for found in (similar, edited):
+        assert [(set(g.ids.tolist()), g.tier) for g in found.groups] == [(set(ids), Tier.EDITED)]
+
+
+def test_the_pairs_checked_between_two_signature_groups(tmp_path: Path) -> None:
     """A photo with three copies (one group by signature), a crop of it and another scene: the crop and
-    the other scene each meet four members of the group, of which the two of highest cosine are checked."""
+    the other scene each meet four members of the group; all four are checked by default, the two of
+    highest cosine with ``aligned_tries=2``."""
     photo, other = street_scene(6), street_scene(7)
     buffer = io.BytesIO()
     photo.save(buffer, format="JPEG", quality=60)
@@ -126,10 +177,14 @@ def test_only_the_closest_pairs_between_two_signature_groups_are_checked(tmp_pat
     ]
     images = [photo, *copies, off_centre_crop(photo), other]
     index, ids = scene_index(tmp_path, [perceptual_signature(image) for image in images])
-    found = find_tiered(index, Tier.EDITED)
+    tries = 2
+    found = find_tiered(index, Tier.EDITED, TierSettings(aligned_tries=tries))
+    every = find_tiered(index, Tier.EDITED)  # the default: every pair
     index.close()
-    assert found.aligned_checks == ALIGNED_TRIES * 2 + 1  # crop-group, other-group, crop-other
-    assert [set(g.ids.tolist()) for g in found.groups] == [set(ids[:5])]
+    assert found.aligned_checks == tries * 2 + 1  # crop-group, other-group, crop-other
+    assert every.aligned_checks == 4 * 2 + 1
+    for result in (found, every):
+        assert [set(g.ids.tolist()) for g in result.groups] == [set(ids[:5])]
 
 
 def test_signatures_without_a_thumbnail_keep_the_phash_rule(tmp_path: Path) -> None:
