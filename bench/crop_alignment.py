@@ -44,10 +44,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
-from skimage.feature import match_template
-
-from bench.duplicate_tiers import (
+from duplicate_tiers import (  # bench/ scripts run from bench/ on sys.path
     EDITS,
     FALSE_IMAGE_GOAL,
     PRECISION_GOAL,
@@ -62,6 +59,9 @@ from bench.duplicate_tiers import (
     second_take,
     true_tiers,
 )
+from PIL import Image
+from skimage.feature import match_template
+
 from engine.embedder import Embedder
 from engine.images import decode_image
 from engine.signature import perceptual_signature

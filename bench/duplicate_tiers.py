@@ -29,10 +29,12 @@ groups of 100k items.
    edited setting: the highest min(precision, recall); then the aligned check's cosine and NCC, the same
    way as the edited tier, and the fewest pairs it checks between two signature groups whose copies are
    grouped with their photo within 1 point of checking every pair), and everything is reported on half
-   B (plus the demo photos and their copies), by ``find_tiered`` itself at the settings chosen on A.
+   B (plus the demo photos and their copies), by ``find_tiered`` itself at the settings chosen on A;
+   both halves are also reported at the library's defaults.
 2. Speed. ``find_tiered`` for the edited and the similar tier over bench/duplicates.py's synthetic index
    of 100k vectors made from this bench's real embeddings (random signatures and thumbnails, planted
-   copies, and for the aligned check planted off-centre crops and other photos of the same thing).
+   copies, and for the aligned check planted off-centre crops and other photos of the same thing), at
+   the settings chosen on A and at the library's defaults. ``--speed-only`` reruns this part alone.
 
 Signatures are computed again, without embedding again, when engine/signature.py changed.
 
@@ -56,10 +58,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from duplicates import synthetic_index  # bench/ scripts run from bench/ on sys.path
 from PIL import Image, ImageDraw, ImageEnhance, ImageOps
 from tqdm import tqdm
 
-from bench.duplicates import synthetic_index
 from engine import signature as signature_module
 from engine.demo_gallery import PHOTOS
 from engine.embedder import Embedder
@@ -386,7 +388,7 @@ def false_edited_images(records: list[dict], groups) -> tuple[int, int]:
 
 
 def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None = None) -> dict:
-    """Half A (``chosen`` None): the grids of settings; half B: everything at ``chosen``."""
+    """``chosen`` None (half A): the grids of settings; else everything at ``chosen``."""
     index, members = half_index(data, half, work)
     records = data["records"]
     loosest = TierSettings(
@@ -497,6 +499,8 @@ def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None
             for tier in Tier
         }
         result["similar_groups_found"] = len(found.groups)
+        bad, photos = false_edited_images(records, [record_of(index, g.ids) for g in found.groups])
+        result["false_similar_images"] = {"images": bad, "photos": photos, "share": bad / photos}
     index.close()
     return result
 
@@ -539,34 +543,30 @@ def aligned_tries(data: dict, index: GalleryIndex, members: list[int], settings:
 
 
 def aligned_grid(data: dict, index: GalleryIndex, edited: dict, true_counts: np.ndarray) -> dict:
-    """The edited tier by the aligned check's (cosine, NCC) at the edited setting chosen: every pair the
-    check would look at at the lowest cosine tried is scored once, then cut."""
+    """The edited tier by the aligned check's (cosine, NCC) at the edited setting chosen, every pair between
+    two signature groups checked: ``tier_pairs`` itself at each setting, since which aligned pairs join
+    depends on the cut (each window joins only its best holder: ``index.duplicate_tiers``)."""
     records = data["records"]
-    settings = TierSettings(
-        edited_cosine=edited["edited_cosine"],
-        edited_bits=edited["edited_bits"],
-        aligned_cosine=float(ALIGNED_COSINES[0]),
-        aligned_ncc=-1.0,  # every pair checked is kept, with its score
-        aligned_tries=None,  # the check itself: how few pairs suffice is chosen after (aligned_tries)
-    )
-    pairs, _ = tier_pairs(index, Tier.EDITED, settings, digests_for(data))
-    truth = true_tiers(records, record_of(index, pairs.firsts), record_of(index, pairs.seconds))
-    checked = ~np.isnan(pairs.alignments)
-    grid = {}
+    grid, checked = {}, 0
     for cosine in ALIGNED_COSINES:
         for cut in ALIGNED_NCCS:
-            passed = checked & (pairs.cosines >= cosine) & (pairs.alignments >= cut)
-            tiers = np.where(checked & ~passed, NO_TIER, pairs.tiers)
-            keep = tiers <= Tier.EDITED
-            groups = [
-                record_of(index, g.ids)
-                for g in group_pairs(pairs.firsts[keep], pairs.seconds[keep], pairs.cosines[keep])
-            ]
+            settings = TierSettings(
+                edited_cosine=edited["edited_cosine"],
+                edited_bits=edited["edited_bits"],
+                aligned_cosine=float(cosine),
+                aligned_ncc=float(cut),
+                aligned_tries=None,  # the check itself: how few pairs suffice is chosen after (aligned_tries)
+            )
+            pairs, _ = tier_pairs(index, Tier.EDITED, settings, digests_for(data))
+            checked = max(checked, pairs.aligned_checks)
+            truth = true_tiers(records, record_of(index, pairs.firsts), record_of(index, pairs.seconds))
+            found = group_pairs(pairs.firsts, pairs.seconds, pairs.cosines)
+            groups = [record_of(index, group.ids) for group in found]
             bad, photos = false_edited_images(records, groups)
-            grid[f"{cosine:.3f}/{cut:.2f}"] = pair_scores(tiers, truth, true_counts)["edited"] | {
+            grid[f"{cosine:.3f}/{cut:.2f}"] = pair_scores(pairs.tiers, truth, true_counts)["edited"] | {
                 "false_edited_images": bad / photos
             }
-    return {"checked": int(pairs.aligned_checks), "grid": grid}
+    return {"checked": checked, "grid": grid}
 
 
 def choose_aligned(grid: dict) -> dict:
@@ -648,30 +648,11 @@ def tries_checked(tries: int | None) -> str:
     return "every pair" if tries is None else f"at most {tries} pairs"
 
 
-def write_markdown(result: dict, path: Path) -> None:
-    b, chosen, args = result["half_b"], result["chosen_on_a"], result["args"]
+def half_lines(b: dict, heading: str) -> list[str]:
+    """The markdown of one evaluation of a half at given settings."""
     pairs = b["pairs"]
     lines = [
-        "# Duplicate tiers (bench/duplicate_tiers.py)",
-        "",
-        f"Command: `{result['command']}` (load average when it started: {result['load']}; the machine "
-        "was shared with other jobs: times are indicative)",
-        "",
-        f"Images: half A {result['half_a']['images']}, half B {b['images']} (Cars196 test photos of "
-        f"{args['classes']} car models, {args['per_class']} each, models split in two halves; "
-        f"{args['sources']} photos per half with {len(KINDS) - 1} copies each; half B also the demo "
-        "gallery's photos with their copies).",
-        "",
-        f"Chosen on half A: edited cosine >= {chosen['edited_cosine']}, signatures within "
-        f"{chosen['edited_bits']} bits; similar cosine >= {chosen['similar_cosine']} (edited goals met on A: "
-        f"{chosen['edited_goals_met_on_a']}); the aligned check: cosine >= {chosen['aligned_cosine']} and "
-        f"aligned NCC >= {chosen['aligned_ncc']} (aligned goals met on A: "
-        f"{chosen['aligned_goals_met_on_a']}, see below), {tries_checked(chosen['aligned_tries'])} checked "
-        "between two signature groups (see below). Library defaults when measured: edited "
-        f"{EDITED_COSINE}/{EDITED_BITS}, similar {SIMILAR_COSINE} (bits <= {SIMILAR_BITS}), aligned "
-        f"{ALIGNED_COSINE}/{ALIGNED_NCC}, {ALIGNED_TRIES} tries.",
-        "",
-        "## Half B, at the settings chosen on half A (find_tiered)",
+        f"## {heading} (find_tiered)",
         "",
         "Pairs classified per tier (each pair its strictest tier):",
         "",
@@ -695,7 +676,7 @@ def write_markdown(result: dict, path: Path) -> None:
         f"{TAKE_WINDOW[1] - PHOTO_WINDOW[1]:.1%} further down, seen from a camera turned by a homography, "
         "5% brighter: neither image is a window of the other). The signature's views alone (no aligned "
         f"check): edited precision {views['precision']:.4f}, recall {views['recall']:.4f}. Pairs the aligned "
-        f"check looked at on half B: {b['aligned_checks']} ({b['aligned_checks'] / b['images']:.2f} per "
+        f"check looked at: {b['aligned_checks']} ({b['aligned_checks'] / b['images']:.2f} per "
         "image).",
         "",
         f"Cars196 photos in an edited group with another photo (goal <= 1%): **{false['images']} of "
@@ -719,10 +700,45 @@ def write_markdown(result: dict, path: Path) -> None:
             f"| {kind} | {row['copies']} | {share} | {'-' if grouped is None else f'{grouped:.3f}'} "
             f"| {'-' if alone is None else f'{alone:.3f}'} |"
         )
-    lines += [
+    similar = b["false_similar_images"]
+    return [
+        *lines,
         "",
-        f"Groups per tier on half B: {b['groups']}.",
+        f"Cars196 photos in a similar group with another photo (another car of the same model, or another "
+        f"scene): {similar['images']} of {similar['photos']} = {100 * similar['share']:.2f}%.",
         "",
+        f"Groups per tier: {b['groups']}.",
+        "",
+    ]
+
+
+def write_markdown(result: dict, path: Path) -> None:
+    b, chosen, args = result["half_b"], result["chosen_on_a"], result["args"]
+    lines = [
+        "# Duplicate tiers (bench/duplicate_tiers.py)",
+        "",
+        f"Command: `{result['command']}` (load average when it started: {result['load']}; the machine "
+        "was shared with other jobs: times are indicative)",
+        "",
+        f"Images: half A {result['half_a']['images']}, half B {b['images']} (Cars196 test photos of "
+        f"{args['classes']} car models, {args['per_class']} each, models split in two halves; "
+        f"{args['sources']} photos per half with {len(KINDS) - 1} copies each; half B also the demo "
+        "gallery's photos with their copies).",
+        "",
+        f"Chosen on half A: edited cosine >= {chosen['edited_cosine']}, signatures within "
+        f"{chosen['edited_bits']} bits; similar cosine >= {chosen['similar_cosine']} (edited goals met on A: "
+        f"{chosen['edited_goals_met_on_a']}); the aligned check: cosine >= {chosen['aligned_cosine']} and "
+        f"aligned NCC >= {chosen['aligned_ncc']} (aligned goals met on A: "
+        f"{chosen['aligned_goals_met_on_a']}, see below), {tries_checked(chosen['aligned_tries'])} checked "
+        "between two signature groups (see below). Library defaults when measured: edited "
+        f"{EDITED_COSINE}/{EDITED_BITS}, similar {SIMILAR_COSINE} (bits <= {SIMILAR_BITS}), aligned "
+        f"{ALIGNED_COSINE}/{ALIGNED_NCC}, {ALIGNED_TRIES} tries.",
+        "",
+        *half_lines(b, "Half B, at the settings chosen on half A"),
+        *half_lines(result["half_b_defaults"], "Half B, at the library's defaults"),
+        *half_lines(
+            result["half_a_defaults"], "Half A, at the library's defaults (where nothing was chosen)"
+        ),
         "## Half A: the edited tier by cosine / bits",
         "",
         "| cosine/bits | precision | recall | false edited images |",
@@ -769,20 +785,24 @@ def write_markdown(result: dict, path: Path) -> None:
     ]
     for key, row in result["half_a"]["similar_grid"].items():
         lines.append(f"| {key} | {row['precision']:.4f} | {row['recall']:.4f} |")
-    s = result["speed"]
-    lines += [
-        "",
-        "## Speed",
-        "",
-        f"{s['items']} synthetic vectors ({s['dim']}-d, from this bench's embeddings; index `{s['index']}`, "
-        f"built in {s['build_s']} s, not counted; signatures with thumbnails; planted for the aligned check: "
-        f"off-centre crops of {SPEED_CROPS:.0%} and other photos of the same thing for {SPEED_SIBLINGS:.0%} "
-        f"of the items): all groups of the edited tier in **{s['edited_s']} s** "
-        f"({s['edited_groups']} groups, {s['edited_aligned_checks']} aligned checks = "
-        f"{s['edited_aligned_checks'] / s['items']:.2f} per item; half B: "
-        f"{b['aligned_checks'] / b['images']:.2f}), of the similar tier in **{s['similar_s']} s** "
-        f"({s['similar_groups']} groups); goal < 60 s.",
-    ]
+    lines += ["", "## Speed", ""]
+    for key, settings in (
+        ("speed", "the settings chosen on half A"),
+        ("speed_defaults", "the library's defaults"),
+    ):
+        s = result[key]
+        lines += [
+            f"At {settings} (`{s['command']}`, load average {s['load']}): {s['items']} synthetic vectors "
+            f"({s['dim']}-d, from this bench's embeddings; index `{s['index']}`, built in {s['build_s']} s, "
+            "not counted; signatures with thumbnails; planted for the aligned check: off-centre crops of "
+            f"{SPEED_CROPS:.0%} and other photos of the same thing for {SPEED_SIBLINGS:.0%} of the items): "
+            f"all groups of the edited tier in **{s['edited_s']} s** ({s['edited_groups']} groups, "
+            f"{s['edited_aligned_checks']} aligned checks = "
+            f"{s['edited_aligned_checks'] / s['items']:.2f} per item; half B: "
+            f"{b['aligned_checks'] / b['images']:.2f}), of the similar tier in "
+            f"**{s['similar_s']} s** ({s['similar_groups']} groups); goal < 60 s.",
+            "",
+        ]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -799,6 +819,7 @@ def main() -> None:
     parser.add_argument("--speed-items", type=int, default=100_000)
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "duplicate_tiers.npz")
     parser.add_argument("--out", type=Path, default=RESULTS / "duplicate_tiers")
+    parser.add_argument("--speed-only", action="store_true", help="rerun the speed part, keep the rest")
     args = parser.parse_args()
     sizes = f"{args.classes}|{args.per_class}|{args.sources}|{args.seed}|{','.join(KINDS)}"
     # The images are as current as the code that makes them.
@@ -829,6 +850,11 @@ def main() -> None:
             records=np.array(json.dumps(data["records"])),
             vectors=data["vectors"],
         )
+    if args.speed_only:
+        result = json.loads(args.out.with_suffix(".json").read_text())
+        measure_speed(result, data, args)
+        write_results(result, args.out)
+        return
     result = {
         "command": "python " + " ".join(sys.argv),
         "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
@@ -850,21 +876,39 @@ def main() -> None:
             "aligned_ncc": ALIGNED_NCC,
             "aligned_tries": ALIGNED_TRIES,
         }
-        chosen = result["chosen_on_a"]
-        settings = TierSettings(
-            chosen["edited_cosine"],
-            chosen["edited_bits"],
-            chosen["similar_cosine"],
-            aligned_cosine=chosen["aligned_cosine"],
-            aligned_ncc=chosen["aligned_ncc"],
-            aligned_tries=chosen["aligned_tries"],
-        )
-        result["half_b"] = evaluate_half(data, "B", Path(work) / "b", settings)
-        result["speed"] = speed(data, args.speed_items, args.seed, Path(work) / "speed", settings)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    write_markdown(result, args.out.with_suffix(".md"))
-    print(args.out.with_suffix(".md").read_text())
+        result["half_b"] = evaluate_half(data, "B", Path(work) / "b", chosen_settings(result["chosen_on_a"]))
+        result["half_b_defaults"] = evaluate_half(data, "B", Path(work) / "b_defaults", TierSettings())
+        result["half_a_defaults"] = evaluate_half(data, "A", Path(work) / "a_defaults", TierSettings())
+    measure_speed(result, data, args)
+    write_results(result, args.out)
+
+
+def measure_speed(result: dict, data: dict, args: argparse.Namespace) -> None:
+    """The speed part, at the settings chosen on half A and at the library's defaults, into ``result``."""
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    at = {"speed": chosen_settings(result["chosen_on_a"]), "speed_defaults": TierSettings()}
+    with tempfile.TemporaryDirectory() as work:
+        for key, settings in at.items():
+            result[key] = speed(data, args.speed_items, args.seed, Path(work) / key, settings)
+            result[key] |= {"command": "python " + " ".join(sys.argv), "load": load}
+
+
+def chosen_settings(chosen: dict) -> TierSettings:
+    return TierSettings(
+        chosen["edited_cosine"],
+        chosen["edited_bits"],
+        chosen["similar_cosine"],
+        aligned_cosine=chosen["aligned_cosine"],
+        aligned_ncc=chosen["aligned_ncc"],
+        aligned_tries=chosen["aligned_tries"],
+    )
+
+
+def write_results(result: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    write_markdown(result, out.with_suffix(".md"))
+    print(out.with_suffix(".md").read_text())
 
 
 if __name__ == "__main__":
