@@ -13,7 +13,15 @@ from PIL import Image, ImageDraw, ImageFilter
 
 from engine.signature import perceptual_signature
 from index.alignment import aligned_ncc
-from index.duplicate_tiers import ALIGNED_NCC, EDITED_BITS, Tier, TierSettings, find_tiered, tier_pairs
+from index.duplicate_tiers import (
+    ALIGNED_NCC,
+    EDITED_BITS,
+    HOLDER_BITS_WEIGHT,
+    Tier,
+    TierSettings,
+    find_tiered,
+    tier_pairs,
+)
 from index.duplicates import SignatureTable, signature_distance
 from index.gallery import GalleryIndex
 from index.signature_layout import THUMBNAIL_SIDE, VIEW_BYTES, VIEWS, WITH_THUMBNAIL, thumbnail_of, views_of
@@ -143,6 +151,51 @@ def test_a_crop_that_is_nearly_a_window_of_a_second_take_does_not_join_the_take(
     assert [(set(g.ids.tolist()), g.tier) for g in similar.groups] == [
         ({photo_id, crop_id, take_id}, Tier.SIMILAR)
     ]
+
+
+def crafted_signature(views: np.ndarray, thumbnail: np.ndarray) -> bytes:
+    """A signature of the stored layout from given hash views (uint64) and a thumbnail (floats)."""
+    pixels = np.clip(np.rint(thumbnail), 0, 255).astype(np.uint8)
+    return views.astype(np.uint64).tobytes() + pixels.tobytes()
+
+
+def flipped(views: np.ndarray, bits: int, rng: np.random.Generator) -> np.ndarray:
+    """``views`` with ``bits`` random bits flipped in each view."""
+    masks = [sum(1 << int(b) for b in rng.choice(64, bits, replace=False)) for _ in views]
+    return views ^ np.array(masks, dtype=np.uint64)
+
+
+def test_of_two_holders_almost_as_good_the_closer_signature_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A window held by two images that do not line up with each other: B holds it a little better by
+    NCC (0.003), A's signature is 4 bits closer to the window's. The signature decides for A."""
+    rng = np.random.default_rng(0)
+    scene = street_scene(3).convert("L").resize((40, 40), Image.Resampling.LANCZOS)
+    side = (THUMBNAIL_SIDE, THUMBNAIL_SIDE)
+    whole = np.asarray(scene.resize(side, Image.Resampling.LANCZOS), dtype=np.float64)
+    window = np.asarray(scene.crop((8, 8, 40, 40)).resize(side, Image.Resampling.LANCZOS), dtype=np.float64)
+    holder_a = whole + np.random.default_rng(2).normal(0, 4, whole.shape)
+    holder_b = whole.copy()  # the window's pixels exactly, something else at the top and left
+    holder_b[:4, :] = rng.uniform(0, 255, (4, THUMBNAIL_SIDE))
+    holder_b[:, :4] = rng.uniform(0, 255, (THUMBNAIL_SIDE, 4))
+    views = rng.integers(0, 2**63, VIEWS, dtype=np.uint64)
+    signatures = [
+        crafted_signature(views, window),
+        crafted_signature(flipped(views, EDITED_BITS + 2, rng), holder_a),
+        crafted_signature(flipped(views, EDITED_BITS + 6, rng), holder_b),
+    ]
+    thumbs = np.stack([thumbnail_of(signature) for signature in signatures])
+    by_a, by_b = aligned_ncc(thumbs[[1]], thumbs[:1]).ncc[0], aligned_ncc(thumbs[[2]], thumbs[:1]).ncc[0]
+    assert by_a >= ALIGNED_NCC and 0 < by_b - by_a < 4 * HOLDER_BITS_WEIGHT
+    assert aligned_ncc(thumbs[[1]], thumbs[[2]]).ncc[0] < ALIGNED_NCC  # the holders do not line up
+    index, (window_id, a_id, b_id) = scene_index(tmp_path, signatures)
+    by_signature = find_tiered(index, Tier.EDITED)
+    monkeypatch.setattr("index.duplicate_tiers.HOLDER_BITS_WEIGHT", 0.0)
+    by_ncc_alone = find_tiered(index, Tier.EDITED)
+    index.close()
+    assert [set(g.ids.tolist()) for g in by_signature.groups] == [{window_id, a_id}]
+    assert [set(g.ids.tolist()) for g in by_ncc_alone.groups] == [{window_id, b_id}]
 
 
 def test_a_group_is_labelled_with_the_strictest_tier_that_joins_it(tmp_path: Path) -> None:
