@@ -295,7 +295,7 @@ def end_to_end_half(data: dict, thumbs: np.ndarray, half: str, work: Path) -> di
         found = np.concatenate([base, np.stack([firsts[take], seconds[take]], axis=1)])
         truth = true_tiers(records, found[:, 0], found[:, 1]) <= Tier.EDITED
         groups = group_pairs(found[:, 0], found[:, 1], np.ones(len(found), np.float32))
-        bad, photos = false_edited_images(records, [group.ids for group in groups])
+        bad, photos = false_edited_images(records, members, [group.ids for group in groups])
         pairs_found = {(int(a), int(b)) for a, b in found}
         originals = {records[i]["source"]: i for i in members if records[i]["kind"] == "original"}
         kinds = {}

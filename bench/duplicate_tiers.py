@@ -372,9 +372,9 @@ def pair_scores(found_tiers: np.ndarray, truth: np.ndarray, true_counts: np.ndar
     return scores
 
 
-def false_edited_images(records: list[dict], groups) -> tuple[int, int]:
-    """Cars196 photos (originals) in an edited-or-stricter group with another Cars196 photo's image, and
-    how many Cars196 photos there are."""
+def false_edited_images(records: list[dict], members: list[int], groups) -> tuple[int, int]:
+    """Cars196 photos (originals) in a group with another Cars196 photo's image, and how many Cars196
+    photos the images ``members`` (those of one half) hold."""
     bad = 0
     for group in groups:
         sources = {records[i]["source"] for i in group}
@@ -384,7 +384,8 @@ def false_edited_images(records: list[dict], groups) -> tuple[int, int]:
                 for i in group
                 if records[i]["kind"] == "original" and not records[i]["source"].startswith("demo:")
             )
-    return bad, sum(1 for r in records if r["kind"] == "original" and not r["source"].startswith("demo:"))
+    photos = [records[i] for i in members]
+    return bad, sum(1 for r in photos if r["kind"] == "original" and not r["source"].startswith("demo:"))
 
 
 def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None = None) -> dict:
@@ -416,7 +417,7 @@ def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None
                     record_of(index, g.ids)
                     for g in group_pairs(pairs.firsts[keep], pairs.seconds[keep], pairs.cosines[keep])
                 ]
-                bad, photos = false_edited_images(records, groups)
+                bad, photos = false_edited_images(records, members, groups)
                 grid[f"{cosine:.2f}/{bits}"] = scores["edited"] | {"false_edited_images": bad / photos}
         # The similar tier holds the pairs the edited tier leaves: tried at the edited settings chosen here.
         edited = choose_edited(grid)
@@ -430,7 +431,7 @@ def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None
             tiers = np.where(exact, Tier.EXACT, classify(pairs.bits, pairs.cosines, settings))
             similar_grid[f"{cosine:.2f}"] = pair_scores(tiers, truth, true_counts)["similar"]
         result |= {"edited_grid": grid, "similar_grid": similar_grid}
-        result["aligned_grid"] = aligned_grid(data, index, edited, true_counts)
+        result["aligned_grid"] = aligned_grid(data, index, members, edited, true_counts)
         aligned = choose_aligned(result["aligned_grid"]["grid"])
         settings = TierSettings(
             edited_cosine=edited["edited_cosine"],
@@ -492,14 +493,14 @@ def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None
             }
         result["by_kind"] = by_kind
         groups = [record_of(index, g.ids) for g in edited.groups]
-        bad, photos = false_edited_images(records, groups)
+        bad, photos = false_edited_images(records, members, groups)
         result["false_edited_images"] = {"images": bad, "photos": photos, "share": bad / photos}
         result["groups"] = {
             tier.label: len(find_tiered(index, tier, chosen, digests=digests_for(data)).groups)
             for tier in Tier
         }
         result["similar_groups_found"] = len(found.groups)
-        bad, photos = false_edited_images(records, [record_of(index, g.ids) for g in found.groups])
+        bad, photos = false_edited_images(records, members, [record_of(index, g.ids) for g in found.groups])
         result["false_similar_images"] = {"images": bad, "photos": photos, "share": bad / photos}
     index.close()
     return result
@@ -542,7 +543,9 @@ def aligned_tries(data: dict, index: GalleryIndex, members: list[int], settings:
     return {"rows": rows, "chosen": chosen}
 
 
-def aligned_grid(data: dict, index: GalleryIndex, edited: dict, true_counts: np.ndarray) -> dict:
+def aligned_grid(
+    data: dict, index: GalleryIndex, members: list[int], edited: dict, true_counts: np.ndarray
+) -> dict:
     """The edited tier by the aligned check's (cosine, NCC) at the edited setting chosen, every pair between
     two signature groups checked: ``tier_pairs`` itself at each setting, since which aligned pairs join
     depends on the cut (each window joins only its best holder: ``index.duplicate_tiers``)."""
@@ -562,7 +565,7 @@ def aligned_grid(data: dict, index: GalleryIndex, edited: dict, true_counts: np.
             truth = true_tiers(records, record_of(index, pairs.firsts), record_of(index, pairs.seconds))
             found = group_pairs(pairs.firsts, pairs.seconds, pairs.cosines)
             groups = [record_of(index, group.ids) for group in found]
-            bad, photos = false_edited_images(records, groups)
+            bad, photos = false_edited_images(records, members, groups)
             grid[f"{cosine:.3f}/{cut:.2f}"] = pair_scores(pairs.tiers, truth, true_counts)["edited"] | {
                 "false_edited_images": bad / photos
             }

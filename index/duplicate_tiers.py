@@ -77,10 +77,11 @@ TIER_NAMES = tuple(tier.label for tier in Tier)
 
 # Measured by bench/duplicate_tiers.py on Cars196 photos with 13 kinds of edited copies and simulated second
 # takes, both halves of its car models at these defaults (bench/results/duplicate_tiers.md): edited pair
-# precision >= 0.98, copies in their photo's edited group 93-100% per kind, 0.5-1% of the photos in a
-# false edited group. They are not the bench's own choice on half A, which maximises pair recall and so
-# takes cosine >= 0.8 with 10 bits, where quarter-turned copies are lost (they embed at ~0.35-0.6 to their
-# photo): the edited cosine is the lowest tried, and the signature does the work.
+# precision >= 0.98, copies in their photo's edited group 96-100% per kind, 1-2% of the photos in an
+# edited group with another photo (different cars of a similar shape, their signatures within 6-8 bits).
+# They are not the bench's own choice on half A, which maximises pair recall and so takes cosine >= 0.9
+# with 10 bits, where quarter-turned copies are lost (they embed at ~0.3-0.6 to their photo): the edited
+# cosine is the lowest tried, and the signature does the work.
 EDITED_COSINE = 0.3
 EDITED_BITS = 8
 # The aligned check of off-centre crops (index.alignment). 0.8 is the lowest cosine tried: below it the
