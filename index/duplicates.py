@@ -35,7 +35,7 @@ from tqdm import tqdm
 from index.errors import InvalidInputError
 from index.faiss_index import faiss_module
 from index.selection import IndexSpec
-from index.signature_layout import THUMBNAIL_SIDE, VIEW_BITS, thumbnail_of, views_of
+from index.signature_layout import THUMBNAIL_SIDE, UPRIGHT_VIEWS, VIEW_BITS, thumbnail_of, views_of
 
 if TYPE_CHECKING:  # the CLI imports this module for its defaults: keep that import light
     from index.gallery import GalleryIndex
@@ -111,6 +111,15 @@ def signature_distance(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     own = np.bitwise_count(first[:, :1] ^ second).min(axis=1)
     other = np.bitwise_count(first ^ second[:, :1]).min(axis=1)
     return np.minimum(own, other).astype(np.int64)
+
+
+def turned_match(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """Where the fewest bits of :func:`signature_distance` are reached only through a turned view: one
+    image is the other turned by a quarter or a half (signatures without turned views: never)."""
+    own = np.bitwise_count(first[:, :1] ^ second)
+    other = np.bitwise_count(first ^ second[:, :1])
+    upright = np.minimum(own[:, :UPRIGHT_VIEWS].min(axis=1), other[:, :UPRIGHT_VIEWS].min(axis=1))
+    return np.minimum(own.min(axis=1), other.min(axis=1)) < upright
 
 
 def _all_vectors(index: GalleryIndex) -> Iterator[tuple[np.ndarray, np.ndarray]]:

@@ -15,6 +15,9 @@ import numpy as np
 VIEW_BITS = 64  # one 64-bit hash per view
 VIEW_BYTES = VIEW_BITS // 8
 VIEWS = 7
+# The first views are upright (the image, its mirror, its centre crop, the crop's mirror); the rest are
+# the image turned by 90, 180 and 270 degrees (engine.signature).
+UPRIGHT_VIEWS = 4
 THUMBNAIL_SIDE = 32
 THUMBNAIL_BYTES = THUMBNAIL_SIDE * THUMBNAIL_SIDE
 WITH_THUMBNAIL = VIEWS * VIEW_BYTES + THUMBNAIL_BYTES  # the length of a signature that has a thumbnail

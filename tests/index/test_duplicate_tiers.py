@@ -24,7 +24,15 @@ from index.duplicate_tiers import (
 )
 from index.duplicates import SignatureTable, signature_distance
 from index.gallery import GalleryIndex
-from index.signature_layout import THUMBNAIL_SIDE, VIEW_BYTES, VIEWS, WITH_THUMBNAIL, thumbnail_of, views_of
+from index.signature_layout import (
+    THUMBNAIL_SIDE,
+    UPRIGHT_VIEWS,
+    VIEW_BYTES,
+    VIEWS,
+    WITH_THUMBNAIL,
+    thumbnail_of,
+    views_of,
+)
 from tests.helpers import MILVUS_BACKENDS, entries, milvus_target
 
 DIM = 16
@@ -163,6 +171,37 @@ def flipped(views: np.ndarray, bits: int, rng: np.random.Generator) -> np.ndarra
     """``views`` with ``bits`` random bits flipped in each view."""
     masks = [sum(1 << int(b) for b in rng.choice(64, bits, replace=False)) for _ in views]
     return views ^ np.array(masks, dtype=np.uint64)
+
+
+def test_a_turned_copy_needs_a_lower_cosine_than_an_upright_look_alike(tmp_path: Path) -> None:
+    """A quarter-turned copy embeds far from its photo (cosine 0.4), and its signature matches through a
+    turned view: edited. Another image whose signature matches upright within the bits but which embeds at
+    0.85 (a different car of the same shape) is not: an upright match needs the upright cosine."""
+    rng = np.random.default_rng(1)
+    views = rng.integers(0, 2**63, VIEWS, dtype=np.uint64)
+    turned_copy = rng.integers(0, 2**63, VIEWS, dtype=np.uint64)
+    turned_copy[0] = views[4]  # the copy looks like the photo turned by 90 degrees
+    look_alike = flipped(views, EDITED_BITS - 2, rng)
+    look_alike[UPRIGHT_VIEWS:] = rng.integers(
+        0, 2**63, VIEWS - UPRIGHT_VIEWS, dtype=np.uint64
+    )  # upright only
+    signatures = [v.tobytes() for v in (views, turned_copy, look_alike)]  # no thumbnails: no aligned check
+    vectors = np.zeros((3, DIM), dtype=np.float32)
+    vectors[0, 0] = 1.0
+    vectors[1, :2] = (0.4, np.sqrt(1 - 0.4**2))
+    vectors[2, [0, 2]] = (0.85, np.sqrt(1 - 0.85**2))
+    index = GalleryIndex.create(tmp_path / "index", dim=DIM, model_fingerprint="m", gallery_root=None)
+    photo_id, copy_id, look_alike_id = index.add(vectors, entries(3), signatures)
+    index.save()
+    pairs, _ = tier_pairs(index, Tier.EDITED, TierSettings(edited_cosine=0.3))
+    ends = zip(pairs.firsts.tolist(), pairs.seconds.tolist(), strict=True)
+    turned = {frozenset(pair): bool(t) for pair, t in zip(ends, pairs.turned, strict=True)}
+    found = find_tiered(index, Tier.EDITED)
+    one_cosine = find_tiered(index, Tier.EDITED, TierSettings(edited_cosine=0.3))
+    index.close()
+    assert turned == {frozenset((photo_id, copy_id)): True, frozenset((photo_id, look_alike_id)): False}
+    assert [set(g.ids.tolist()) for g in found.groups] == [{photo_id, copy_id}]
+    assert [set(g.ids.tolist()) for g in one_cosine.groups] == [{photo_id, copy_id, look_alike_id}]
 
 
 def test_of_two_holders_almost_as_good_the_closer_signature_wins(
