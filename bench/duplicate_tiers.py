@@ -75,6 +75,7 @@ from index.duplicate_tiers import (
     EDITED_COSINE,
     SIMILAR_BITS,
     SIMILAR_COSINE,
+    TURNED_COSINE,
     Tier,
     TierSettings,
     classify,
@@ -102,7 +103,8 @@ EDITS = (
 )
 KINDS = ("original", "lossless", *EDITS, "take")
 NO_TIER = len(Tier)
-EDITED_COSINES = np.round(np.arange(0.30, 0.951, 0.05), 2)  # a quarter-turned copy: ~0.35-0.6
+# The upright views' cosine; pairs matching through a turned view keep the library's TURNED_COSINE.
+EDITED_COSINES = np.round(np.arange(0.30, 0.951, 0.05), 2)
 EDITED_BITS_TRIED = (4, 6, 8, 10)
 SIMILAR_COSINES = np.round(np.arange(0.70, 0.981, 0.02), 2)
 ALIGNED_COSINES = np.round(np.arange(0.80, 0.901, 0.025), 3)
@@ -410,7 +412,9 @@ def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None
                 settings = TierSettings(
                     edited_cosine=float(cosine), edited_bits=bits, similar_cosine=float(SIMILAR_COSINES[0])
                 )
-                tiers = np.where(exact, Tier.EXACT, classify(pairs.bits, pairs.cosines, settings))
+                tiers = np.where(
+                    exact, Tier.EXACT, classify(pairs.bits, pairs.turned, pairs.cosines, settings)
+                )
                 scores = pair_scores(tiers, truth, true_counts)
                 keep = tiers <= Tier.EDITED
                 groups = [
@@ -428,7 +432,7 @@ def evaluate_half(data: dict, half: str, work: Path, chosen: TierSettings | None
                 edited_cosine=edited["edited_cosine"],
                 edited_bits=edited["edited_bits"],
             )
-            tiers = np.where(exact, Tier.EXACT, classify(pairs.bits, pairs.cosines, settings))
+            tiers = np.where(exact, Tier.EXACT, classify(pairs.bits, pairs.turned, pairs.cosines, settings))
             similar_grid[f"{cosine:.2f}"] = pair_scores(tiers, truth, true_counts)["similar"]
         result |= {"edited_grid": grid, "similar_grid": similar_grid}
         result["aligned_grid"] = aligned_grid(data, index, members, edited, true_counts)
@@ -734,7 +738,8 @@ def write_markdown(result: dict, path: Path) -> None:
         f"aligned NCC >= {chosen['aligned_ncc']} (aligned goals met on A: "
         f"{chosen['aligned_goals_met_on_a']}, see below), {tries_checked(chosen['aligned_tries'])} checked "
         "between two signature groups (see below). Library defaults when measured: edited "
-        f"{EDITED_COSINE}/{EDITED_BITS}, similar {SIMILAR_COSINE} (bits <= {SIMILAR_BITS}), aligned "
+        f"{EDITED_COSINE}/{EDITED_BITS} (cosine {TURNED_COSINE} through a turned view), similar "
+        f"{SIMILAR_COSINE} (bits <= {SIMILAR_BITS}), aligned "
         f"{ALIGNED_COSINE}/{ALIGNED_NCC}, {ALIGNED_TRIES} tries.",
         "",
         *half_lines(b, "Half B, at the settings chosen on half A"),
@@ -873,6 +878,7 @@ def main() -> None:
         result["chosen_on_a"] = choose(result["half_a"])
         result["library_defaults"] = {
             "edited_cosine": EDITED_COSINE,
+            "turned_cosine": TURNED_COSINE,
             "edited_bits": EDITED_BITS,
             "similar_cosine": SIMILAR_COSINE,
             "aligned_cosine": ALIGNED_COSINE,
@@ -898,9 +904,9 @@ def measure_speed(result: dict, data: dict, args: argparse.Namespace) -> None:
 
 def chosen_settings(chosen: dict) -> TierSettings:
     return TierSettings(
-        chosen["edited_cosine"],
-        chosen["edited_bits"],
-        chosen["similar_cosine"],
+        edited_cosine=chosen["edited_cosine"],
+        edited_bits=chosen["edited_bits"],
+        similar_cosine=chosen["similar_cosine"],
         aligned_cosine=chosen["aligned_cosine"],
         aligned_ncc=chosen["aligned_ncc"],
         aligned_tries=chosen["aligned_tries"],
