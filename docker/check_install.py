@@ -355,6 +355,10 @@ def main() -> int:
         except CannotRun as reason:
             print(f"cannot run the image check here: {reason}", flush=True)
             return 3
+        except subprocess.CalledProcessError as err:  # podman itself fails before anything of ours is built
+            output = (err.stderr or "").strip()[-300:] if isinstance(err.stderr, str) else ""
+            print(f"cannot run the image check here: {' '.join(err.cmd)} failed ({output})", flush=True)
+            return 3
         figures["serving image build (s)"] = f"{build('serve', SERVE_TAG, workdir):.0f}"
         figures["serving image size (MB)"] = f"{image_megabytes(SERVE_TAG):.0f}"
         probe = ["podman", "run", "--rm", SERVE_TAG, "python", "-c", "import torch"]

@@ -59,6 +59,22 @@ def test_the_build_sees_the_hosts_pip_settings_and_the_paths_they_name(
     assert all(path.exists() for path in paths)
 
 
+def test_a_podman_that_cannot_run_is_a_reason_to_skip_not_a_failure(tmp_path: Path) -> None:
+    """podman installed but unable to run here (no storage, no runtime): exit code 3 and the reason, the
+    way the image test skips; nothing of ours was built, so nothing of ours failed."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    podman = bin_dir / "podman"
+    podman.write_text("#!/bin/sh\necho 'Error: cannot set up the storage driver' >&2\nexit 125\n")
+    podman.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    command = [sys.executable, str(SCRIPT), "--compose", "none"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 3, result.stdout + result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("cannot run the image check here: podman info") and "storage driver" in last
+
+
 IMAGE_TESTS = os.environ.get("DMLSEARCH_IMAGE_TESTS", "")
 
 
