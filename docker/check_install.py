@@ -356,7 +356,7 @@ def main() -> int:
             print(f"cannot run the image check here: {reason}", flush=True)
             return 3
         except subprocess.CalledProcessError as err:  # podman itself fails before anything of ours is built
-            output = (err.stderr or "").strip()[-300:] if isinstance(err.stderr, str) else ""
+            output = err.stderr.strip()[-300:] if isinstance(err.stderr, str) else ""
             print(f"cannot run the image check here: {' '.join(err.cmd)} failed ({output})", flush=True)
             return 3
         figures["serving image build (s)"] = f"{build('serve', SERVE_TAG, workdir):.0f}"

@@ -45,9 +45,8 @@ from index.duplicates import (
     components,
     group_pairs,
     pair_cosines,
-    signature_distance,
+    signature_match,
     signature_pairs,
-    turned_match,
 )
 from index.errors import InvalidInputError
 
@@ -205,15 +204,14 @@ def _pair_bits(
     signatures: SignatureTable, firsts: np.ndarray, seconds: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Each pair's signature distance (-1 where either item has none), and whether it is reached only
-    through a turned view (``index.duplicates.turned_match``)."""
+    through a turned view (``index.duplicates.signature_match``)."""
     first_signed, first_rows = signatures.lookup(firsts)
     second_signed, second_rows = signatures.lookup(seconds)
     both = first_signed & second_signed
     first_rows, second_rows = first_rows[both[first_signed]], second_rows[both[second_signed]]
     bits = np.full(len(firsts), -1, dtype=np.int64)
-    bits[both] = signature_distance(first_rows, second_rows)
     turned = np.zeros(len(firsts), dtype=bool)
-    turned[both] = turned_match(first_rows, second_rows)
+    bits[both], turned[both] = signature_match(first_rows, second_rows)
     return bits, turned
 
 

@@ -108,18 +108,17 @@ def check_max_distance(max_distance: int) -> None:
 def signature_distance(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     """Bits between rows of two signature arrays (uint64, one column per view, the image itself first):
     the fewest over the image's own view against any view of the other, and the reverse."""
-    own = np.bitwise_count(first[:, :1] ^ second).min(axis=1)
-    other = np.bitwise_count(first ^ second[:, :1]).min(axis=1)
-    return np.minimum(own, other).astype(np.int64)
+    return signature_match(first, second)[0]
 
 
-def turned_match(first: np.ndarray, second: np.ndarray) -> np.ndarray:
-    """Where the fewest bits of :func:`signature_distance` are reached only through a turned view: one
+def signature_match(first: np.ndarray, second: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`signature_distance`, and where its fewest bits are reached only through a turned view: one
     image is the other turned by a quarter or a half (signatures without turned views: never)."""
     own = np.bitwise_count(first[:, :1] ^ second)
     other = np.bitwise_count(first ^ second[:, :1])
+    bits = np.minimum(own.min(axis=1), other.min(axis=1)).astype(np.int64)
     upright = np.minimum(own[:, :UPRIGHT_VIEWS].min(axis=1), other[:, :UPRIGHT_VIEWS].min(axis=1))
-    return np.minimum(own.min(axis=1), other.min(axis=1)) < upright
+    return bits, bits < upright
 
 
 def _all_vectors(index: GalleryIndex) -> Iterator[tuple[np.ndarray, np.ndarray]]:
