@@ -34,11 +34,13 @@ from engine.embedder import Embedder
 from engine.indexing import BatchCommitter, BuildReport, GalleryFile, ItemSink, file_hash, hash_files
 from engine.model_card import ModelCard
 from engine.prefetch import FILE_ERRORS, WORKER_NICENESS, DecodedFile, decode_file, prefetch
-from index.errors import MissingDependencyError
+from index.errors import MissingDependencyError, UnavailableError
 from index.protocol import Entry
 
 # Files per hashing task: enough that a task's start (milliseconds) is small beside its reads.
 HASH_BATCH = 256
+# How long a build waits for a cluster's head to answer; ray.init alone retries for many minutes.
+HEAD_ANSWER_SECONDS = 10.0
 
 
 class FileError(Exception):
@@ -91,6 +93,8 @@ class RayRunner:
             )
             ray.init(address="local", include_dashboard=False, **quiet)
         else:
+            if self.address != "auto":  # "auto" (the cluster started on this machine): Ray fails fast itself
+                _wait_for_head(self.address, HEAD_ANSWER_SECONDS)
             ray.init(address=self.address, **quiet)
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # the driver shows the build's own bars
@@ -186,6 +190,25 @@ class RayRunner:
     def _cluster_actors(self) -> int:
         cpus = int(self._ray.cluster_resources().get("CPU", 1))
         return max(1, cpus // self.cpus_per_actor)
+
+
+def _wait_for_head(address: str, seconds: float) -> None:
+    """Return once a gRPC server (a Ray head's GCS, or its Ray Client server for ``ray://``) answers at
+    ``address``, else raise :class:`UnavailableError` after ``seconds``: a wrong address, a cluster that
+    is not up or a port that speaks another protocol."""
+    import grpc  # a dependency of Ray's
+
+    channel = grpc.insecure_channel(address.removeprefix("ray://"))
+    try:
+        grpc.channel_ready_future(channel).result(timeout=seconds)
+    except grpc.FutureTimeoutError:
+        raise UnavailableError(
+            f"no Ray cluster answers at {address} (waited {seconds:g} s): start one with `ray start --head` "
+            "and pass the address it prints, or use --ray local",
+            code="ray_unavailable",
+        ) from None
+    finally:
+        channel.close()
 
 
 def _model_files(embedder: Embedder) -> dict[str, Path]:

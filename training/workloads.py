@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from engine.images import load_image_file
 from engine.model_card import Preprocessing
 from engine.preprocess import to_tensor
+from engine.stopping import STOP_SIGNALS
 from training.config import AUGMENT_MIN_AREA
 from training.features import augment_transform
 from training.model import TrainingObjective
@@ -117,6 +119,14 @@ def training_preprocessing(preprocessing: Preprocessing, train_size: int | None)
     return preprocessing.model_copy(update={"input_size": train_size, "resize_size": train_size})
 
 
+def _leave_stop_signals_to_the_trainer(worker_id: int) -> None:
+    """A decoding worker ignores SIGTERM and SIGINT, which often reach every process of the run (``pkill
+    -f``, systemd's control group, Ctrl-C): the trainer saves its checkpoint and then ends the workers,
+    where a worker killed first would make the DataLoader raise instead."""
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, signal.SIG_IGN)
+
+
 def _endless(sampler: ClassBalancedSampler) -> Iterator[list[int]]:
     while True:
         yield sampler.next_indices().tolist()
@@ -153,6 +163,7 @@ class FinetuneWorkload:
             ImageFiles(self.files["train"], self.train_preprocessing, augment=self.min_crop_area),
             batch_sampler=_endless(sampler),
             num_workers=self.workers,
+            worker_init_fn=_leave_stop_signals_to_the_trainer,
             pin_memory=self.device.type == "cuda",
             persistent_workers=False,
         )
@@ -165,6 +176,7 @@ class FinetuneWorkload:
             ImageFiles(self.files[split], self.preprocessing),
             batch_size=self.batch_size,
             num_workers=self.workers,
+            worker_init_fn=_leave_stop_signals_to_the_trainer,
         )
         parts = []
         # Float32, not mixed precision: validation must rank with the embeddings the ONNX model serves.

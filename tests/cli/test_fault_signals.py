@@ -1,16 +1,20 @@
 """Fault suite, process half: SIGTERM of ``build-index`` and ``watch`` in real processes.
 
-They stop at a batch boundary with every added batch saved, and a rerun continues from there.
+They stop at a batch boundary with every added batch saved, and a rerun continues from there; also when the
+signal reaches the whole process group (``kill -- -PGID``, systemd's control group), decode workers included.
 (``train``: tests/training/test_stop_signal.py; ``serve`` and ``demo``: tests/app/test_fault_signals.py.)
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from index.gallery import GalleryIndex
 from index.staging import staging_directory
@@ -27,17 +31,24 @@ def _committed(index: Path) -> int:
         return 0
 
 
+@pytest.mark.parametrize(("decode_workers", "whole_group"), [(0, False), (1, True)])
 def test_sigterm_of_build_index_stops_at_a_batch_and_the_rerun_continues(
-    tmp_path: Path, exported_model: Path
+    tmp_path: Path, exported_model: Path, decode_workers: int, whole_group: bool
 ) -> None:
     gallery = write_labelled_folder(tmp_path / "gallery", classes=6, per_class=5)  # 30 images
     out = tmp_path / "index"
     command = [sys.executable, "-m", "cli.main", "build-index", str(gallery), "--model", str(exported_model)]
-    command += ["--out", str(out), "--batch-size", str(BATCH), "--no-progress", "--decode-workers", "0"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command += ["--out", str(out), "--batch-size", str(BATCH), "--no-progress"]
+    command += ["--decode-workers", str(decode_workers)]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=whole_group
+    )
     staging = staging_directory(out)  # a new index is written aside until it is complete
     wait_until(lambda: _committed(staging) >= BATCH or process.poll() is not None, 120, "a committed batch")
-    process.send_signal(signal.SIGTERM)
+    if whole_group:
+        os.killpg(process.pid, signal.SIGTERM)
+    else:
+        process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGTERM, output  # before: killed outright, no message
     assert "run the same command again to continue" in output

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -143,6 +144,26 @@ def test_a_local_ray_build_shows_the_builds_output_without_rays_notices(model: P
     output = done.stdout + done.stderr
     for notice in (" INFO ", "Progress bars disabled", "Token authentication is enabled"):
         assert notice not in output, output
+
+
+@pytest.mark.parametrize("listening", [False, True], ids=["closed port", "not a Ray head"])
+def test_an_address_where_no_ray_head_answers_is_a_clear_error_within_seconds(
+    model: Path, tmp_path: Path, listening: bool
+) -> None:
+    """Before: ray.init retried for many minutes, printing only Ray's own warnings."""
+    gallery = write_labelled_folder(tmp_path / "gallery", classes=2, per_class=2, size=40)
+    with socket.socket() as server:  # bound only: refuses connections; listening: accepts, speaks no gRPC
+        server.bind(("127.0.0.1", 0))
+        if listening:
+            server.listen()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        command = _build_command(gallery, model, tmp_path / "index", "--ray", address)
+        started = time.monotonic()
+        done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"error: no Ray cluster answers at {address}" in done.stderr
+    assert time.monotonic() - started < 60
+    assert not (tmp_path / "index").exists()
 
 
 def test_a_rerun_embeds_only_new_and_changed_files(

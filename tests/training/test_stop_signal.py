@@ -1,18 +1,25 @@
-"""SIGTERM of a real ``dmlsearch train`` process saves ``last.pt`` after the current step; a rerun resumes."""
+"""SIGTERM of a real ``dmlsearch train`` process saves ``last.pt`` after the current step; a rerun resumes.
+
+In finetune mode the signal goes to the run's whole process group, DataLoader workers included, as ``pkill
+-f`` or systemd's control group sends it."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import wait_until
 from training.run_dir import RunDirectory
 
 
+@pytest.mark.parametrize(("mode", "whole_group"), [("frozen", False), ("finetune", True)])
 def test_sigterm_of_train_saves_last_pt_and_the_rerun_resumes(
-    tmp_path: Path, labelled_folder: Path, feature_cache: Path
+    tmp_path: Path, labelled_folder: Path, feature_cache: Path, mode: str, whole_group: bool
 ) -> None:
     out = tmp_path / "run"
     command = [
@@ -25,7 +32,7 @@ def test_sigterm_of_train_saves_last_pt_and_the_rerun_resumes(
         "--data",
         str(labelled_folder),
     ]
-    command += ["--out", str(out), "--cache-dir", str(feature_cache), "--mode", "frozen"]
+    command += ["--out", str(out), "--cache-dir", str(feature_cache), "--mode", mode]
     command += [
         "-p",
         "embedding_dim=16",
@@ -35,20 +42,33 @@ def test_sigterm_of_train_saves_last_pt_and_the_rerun_resumes(
         "eval_every=1000",
         "-p",
         "patience=1000",
+        "-p",
+        "workers=1",
     ]
     last = out / "checkpoints" / "last.pt"
     best = out / "checkpoints" / "best.pt"
     process = subprocess.Popen(
-        [*command, "-p", "max_steps=1000000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [*command, "-p", "max_steps=1000000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=whole_group,
     )
     # The step-0 validation writes best.pt, then last.pt; the next validation is 1000 steps away.
     wait_until(lambda: last.exists() or process.poll() is not None, 180, "training to start")
     assert best.exists()
     assert RunDirectory(out).load_last().progress.step == 0
-    process.send_signal(signal.SIGTERM)
+    if mode == "finetune":  # signal once the training batches' DataLoader worker runs
+        wait_until(lambda: _children(process.pid) or process.poll() is not None, 60, "a DataLoader worker")
+    if whole_group:
+        os.killpg(process.pid, signal.SIGTERM)
+    else:
+        process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGTERM, output  # before: killed, nothing saved since step 0
     assert "last.pt is saved" in output
+    if whole_group:  # the trainer ended its worker before exiting
+        wait_until(lambda: not _group_alive(process.pid), 10, "the DataLoader worker to exit")
     step = RunDirectory(out).load_last().progress.step
     assert 0 < step < 1000
 
@@ -59,3 +79,15 @@ def test_sigterm_of_train_saves_last_pt_and_the_rerun_resumes(
     assert RunDirectory(out).load_last().progress.step == step + 3
     assert f"resuming from step {step} of {step + 3}" in resumed.stdout
     assert f"of {step + 3}" in resumed.stdout  # "best step B of N": the run went on from the saved step
+
+
+def _children(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
