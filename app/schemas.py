@@ -409,8 +409,8 @@ class ModelCardOut(BaseModel):
 
 class PeakOut(BaseModel):
     """This image's region of the two that matched: square windows of grid positions (3 x 3 on the 7 x 7
-    grid), one in each image, that carry more of the cosine between them than each carries with the other
-    image's windows on average (docs/architecture.md, "Why a result matched")."""
+    grid), one in each image, whose positions' contributions point most alike, beyond how alike each is to
+    the other image's positions on average (docs/architecture.md, "Why a result matched")."""
 
     box: tuple[int, int, int, int] = Field(description="x0, y0, x1, y1 in pixels of the model's view.")
     share: float = Field(

@@ -2,7 +2,7 @@
 each image's heatmap (``engine.explain``) should fall inside the pasted object's box.
 
     python bench/explain_pointing.py [--model MODEL] [--pairs 240] [--seed 0] [--any-photos]
-                                     [--out bench/results/explain_pointing.json]
+                                     [--objects FOLDER] [--out bench/results/explain_pointing.json]
 
 Objects and backgrounds are the demo gallery's source photos (``engine.demo_gallery.PHOTOS``: real photos
 shipped in scikit-image and scikit-learn). Per pair: a random square crop of one photo, resized to 56-96
@@ -10,12 +10,14 @@ px, is pasted at random places into random 224 x 224 crops of two other photos (
 224-pixel square image). The three photos show three different scenes (labels): the two views of the
 stereo motorcycle are one scene, so they are never the two "different" backgrounds, nor an object and its
 background. ``--any-photos`` draws three different photos instead (the first runs' protocol, where 3-6%
-of pairs had the same scene twice). Three peaks of each image are scored, each counted inside when its
-centre lies in the pasted box:
+of pairs had the same scene twice). ``--objects FOLDER`` takes the objects from other photos, none seen
+while the peak was chosen: the centre square (30-60% of the short side) of a random image under FOLDER
+(e.g. Cars196's images, whose cars fill the centre), pasted into two demo scenes. Three peaks of each
+image are scored, each counted inside when its centre lies in the pasted box:
 
 - ``matched``, the served one (``engine.explain.matched_windows``): the 3 x 3 windows of grid positions,
-  one in each image, whose pairs of positions carry more of the cosine between them than each window
-  carries with the other image's windows on average;
+  one in each image, whose pairs of positions point most alike (the cosine of their contributions),
+  beyond how alike each is to the other image's positions on average;
 - ``window``: the 3 x 3 window of the image's own heatmap whose shares add up to the most;
 - ``position``: the single grid position with the largest share.
 
@@ -102,15 +104,27 @@ def three_scenes(rng: np.random.Generator, any_photos: bool) -> list[int]:
     return [int(rng.choice(of_scene)) for of_scene in photos]
 
 
+def centre_crop(photo: Image.Image, side: int, rng: np.random.Generator) -> Image.Image:
+    crop = int(min(photo.size) * rng.uniform(0.3, 0.6))
+    left, top = (photo.width - crop) // 2, (photo.height - crop) // 2
+    return photo.crop((left, top, left + crop, top + crop)).resize((side, side), Image.Resampling.BICUBIC)
+
+
 def pasted_pairs(
-    pairs: int, seed: int, any_photos: bool = False
+    pairs: int, seed: int, any_photos: bool = False, objects: Path | None = None
 ) -> Iterator[tuple[list[Image.Image], tuple[tuple, tuple]]]:
     """Each pair's two images and the pasted object's box ``(x0, y0, x1, y1)`` in each."""
     photos = [Image.fromarray(photo.load()).convert("RGB") for photo in PHOTOS]
+    object_files = sorted(objects.rglob("*.jpg")) if objects else []
     rng = np.random.default_rng(seed)
     for _ in range(pairs):
         source, *backgrounds = three_scenes(rng, any_photos)
-        thing = random_crop(photos[source], int(rng.integers(56, 97)), rng, (0.3, 0.6))
+        side = int(rng.integers(56, 97))
+        if object_files:
+            other = object_files[int(rng.integers(len(object_files)))]
+            thing = centre_crop(Image.open(other).convert("RGB"), side, rng)
+        else:
+            thing = random_crop(photos[source], side, rng, (0.3, 0.6))
         images, boxes = zip(
             *(pasted(random_crop(photos[b], SIDE, rng, (0.5, 1.0)), thing, rng) for b in backgrounds),
             strict=True,
@@ -127,12 +141,12 @@ def explainable_bundle(model: Path) -> SimpleNamespace:
     return bundle
 
 
-def run(model: Path, pairs: int, seed: int, any_photos: bool = False) -> dict:
+def run(model: Path, pairs: int, seed: int, any_photos: bool = False, objects: Path | None = None) -> dict:
     bundle = explainable_bundle(model)
     hits = {kind: np.zeros((pairs, 2), bool) for kind in SIZES}
     random_peak = {size: np.zeros((pairs, 2)) for size in set(SIZES.values())}
     at_centre = np.zeros((pairs, 2), bool)
-    for pair, (images, boxes) in enumerate(pasted_pairs(pairs, seed, any_photos)):
+    for pair, (images, boxes) in enumerate(pasted_pairs(pairs, seed, any_photos, objects)):
         _, grids, _, matched = explain_tensor(bundle, bundle.embedder.preprocess(images))
         for side, (grid, box) in enumerate(zip(grids, boxes, strict=True)):
             peaks = {
@@ -150,6 +164,7 @@ def run(model: Path, pairs: int, seed: int, any_photos: bool = False) -> dict:
         "pairs": pairs,
         "seed": seed,
         "scenes": "any three photos" if any_photos else "three different scenes",
+        "objects": str(objects) if objects else "demo photos",
         "peak_in_box": {
             kind: {"query": hit[:, 0].mean(), "item": hit[:, 1].mean(), "both": hit.all(1).mean()}
             for kind, hit in hits.items()
@@ -170,11 +185,12 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=240)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--any-photos", action="store_true", help="the first runs' protocol (see above)")
+    parser.add_argument("--objects", type=Path, help="take the objects from the images (*.jpg) under it")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         model = args.model or pretrained_model(Path(folder))
-        result = run(model, args.pairs, args.seed, args.any_photos)
+        result = run(model, args.pairs, args.seed, args.any_photos, args.objects)
     text = json.dumps(result, indent=2, default=float)
     print(text)
     if args.out:

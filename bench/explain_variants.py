@@ -2,7 +2,7 @@
 pairs of ``explain_pointing.py`` (same draw, same rule: the peak's centre inside the object's box).
 
     python bench/explain_variants.py [--model MODEL] [--pairs 240] [--seed 0] [--any-photos]
-                                     [--out bench/results/explain_variants.json]
+                                     [--objects FOLDER] [--out bench/results/explain_variants.json]
 
 Every variant starts from what the served model exports (the embeddings and each position's contribution
 ``c_p``, through onnxruntime). Exact ones pick a region by a share of the served cosine; the others are
@@ -14,8 +14,10 @@ scored to see what a non-exact choice would gain:
   embeddings (a share of ``cos - <e, mean>``; the mean holds these very backgrounds, so it is optimistic);
 - ``largest1``, ``largest2``, ``largest3``: the pair of single positions, 2 x 2 or 3 x 3 windows, one in
   each image, that carry the largest share of the cosine between them (exact);
-- ``matched1``, ``matched2``, ``matched3``: the same pairs chosen after removing what each carries on
-  average with the other image's windows (``engine.explain.matched_windows``; ``matched3`` is served).
+- ``specific1``, ``specific2``, ``specific3``: the same pairs chosen after removing what each carries on
+  average with the other image's windows (``matched3`` was served before);
+- ``matched1``, ``matched2``, ``matched3``: the pairs whose positions point most alike (the cosine of their
+  contributions), centred the same way (``engine.explain.matched_windows``; ``matched3`` is served).
 """
 
 from __future__ import annotations
@@ -40,10 +42,17 @@ def largest_pair(query: np.ndarray, item: np.ndarray, size: int) -> tuple[Peak, 
     return Peak(int(top_q), int(left_q), size, 0.0), Peak(int(top_i), int(left_i), size, 0.0)
 
 
-def run(model: Path, pairs: int, seed: int, any_photos: bool) -> dict:
+def specific_pair(query: np.ndarray, item: np.ndarray, size: int) -> tuple[Peak, Peak]:
+    shares = np.einsum("ijd,kld->ijkl", window_sums(query, size), window_sums(item, size))
+    specific = shares - shares.mean(axis=(2, 3), keepdims=True) - shares.mean(axis=(0, 1), keepdims=True)
+    top_q, left_q, top_i, left_i = np.unravel_index(int(np.argmax(specific)), shares.shape)
+    return Peak(int(top_q), int(left_q), size, 0.0), Peak(int(top_i), int(left_i), size, 0.0)
+
+
+def run(model: Path, pairs: int, seed: int, any_photos: bool, objects: Path | None) -> dict:
     bundle = explainable_bundle(model)
     draws = []  # (boxes, contributions, embeddings): the contrast variant needs the run's mean first
-    for images, boxes in pasted_pairs(pairs, seed, any_photos):
+    for images, boxes in pasted_pairs(pairs, seed, any_photos, objects):
         embeddings, maps = bundle.embedder.embed_with_maps(bundle.embedder.preprocess(images))
         draws.append((boxes, bundle.explainer.split(maps)[0], embeddings))
     mean = np.mean([embeddings for _, _, embeddings in draws], axis=(0, 1))
@@ -58,6 +67,7 @@ def run(model: Path, pairs: int, seed: int, any_photos: bool) -> dict:
             "smoothed": [heatmap_peak(gaussian_filter(grid, 1.0, mode="nearest"), 1) for grid in grids],
             "contrast": [heatmap_peak(grid, 1) for grid in contrast],
             **{f"largest{size}": largest_pair(*contributions, size) for size in (1, 2, 3)},
+            **{f"specific{size}": specific_pair(*contributions, size) for size in (1, 2, 3)},
             **{f"matched{size}": matched_windows(*contributions, size) for size in (1, 2, 3)},
         }
         for kind, pair in peaks.items():
@@ -70,6 +80,7 @@ def run(model: Path, pairs: int, seed: int, any_photos: bool) -> dict:
         "pairs": pairs,
         "seed": seed,
         "scenes": "any three photos" if any_photos else "three different scenes",
+        "objects": str(objects) if objects else "demo photos",
         "side": SIDE,
         "peak_in_box": {
             kind: {
@@ -90,11 +101,12 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=240)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--any-photos", action="store_true", help="explain_pointing.py's first protocol")
+    parser.add_argument("--objects", type=Path, help="take the objects from the images (*.jpg) under it")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         model = args.model or pretrained_model(Path(folder))
-        result = run(model, args.pairs, args.seed, args.any_photos)
+        result = run(model, args.pairs, args.seed, args.any_photos, args.objects)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

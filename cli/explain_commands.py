@@ -27,7 +27,7 @@ def explain(
 ) -> None:
     """Write the query (or its box) and the item with the positions that carried their similarity coloured,
     and print the cosine with each image's share of it (positions plus the head's biases; engine.explain) and
-    each image's peak window (outlined): the two regions, one in each image, that match each other most
+    each image's peak window (outlined): the two regions, one in each image, that show the same thing most
     specifically, with the share of the cosine they carry between them."""
     from engine.heatmap_image import png_bytes, side_by_side
     from engine.images import ImageDecodeError

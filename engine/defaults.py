@@ -44,7 +44,7 @@ JPEG_DRAFT = True
 MIN_BOX_SIDE = 16
 
 # The peaks of a why-it-matched explanation (engine.explain.matched_windows): squares of this many x this
-# many grid positions, one in each image, that match each other most specifically. One
+# many grid positions, one in each image, that show the same thing most specifically. One
 # position of Lite0's 7 x 7 grid is a 32-px cell whose features see far beyond it: 3 x 3 windows (96 px of
 # the 224-px view) put the peak inside a pasted 56-96 px object far more often than one position or 2 x 2
 # (bench/results/explain_pointing.md).

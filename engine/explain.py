@@ -68,22 +68,32 @@ def matched_windows(
     query: np.ndarray, item: np.ndarray, size: int = EXPLAIN_PEAK_POSITIONS
 ) -> tuple[Peak, Peak]:
     """The window of the query and the window of the item, ``size`` x ``size`` positions (fewer on a smaller
-    grid), that match each other most specifically, from the contributions (h, w, d) of each image.
+    grid), that show the same thing most specifically, from the contributions (h, w, d) of each image.
 
-    ``S[U, V] = sum_{p in U, q in V} <query_p, item_q>`` is the share of the cosine carried between windows
-    ``U`` and ``V``. The pair chosen maximises ``S[U, V]`` less what ``U`` carries on average with the item's
-    windows and ``V`` with the query's (``S`` centred on both sides): a salient region that is a little alike
-    everything in the other image (a busy background) carries much with every window, not with one. Both
-    peaks get the pair's own, uncentred share ``S[U, V]``.
+    ``A[p, p'] = cos(query_p, item_p')`` says whether two positions add the same thing to the embeddings:
+    the direction of their contributions, not how much they add (a salient region adds much, whatever it
+    matches). Centred on both sides (less its mean over the item's positions and over the query's), a
+    position that is a little alike everything in the other image (a busy background) scores nothing; the
+    pair of windows whose position pairs score the most is chosen. Both peaks get the pair's exact share of
+    the cosine, ``S[U, V] = sum_{p in U, p' in V} <query_p, item_p'>``.
     """
     size = min(size, *query.shape[:2], *item.shape[:2])
-    shares = np.einsum("ijd,kld->ijkl", window_sums(query, size), window_sums(item, size))
-    query_mean = shares.mean(axis=(2, 3), keepdims=True)
-    item_mean = shares.mean(axis=(0, 1), keepdims=True)
-    specific = shares - query_mean - item_mean + shares.mean()
-    top_q, left_q, top_i, left_i = np.unravel_index(int(np.argmax(specific)), shares.shape)
-    share = float(shares[top_q, left_q, top_i, left_i])
-    return Peak(int(top_q), int(left_q), size, share), Peak(int(top_i), int(left_i), size, share)
+    alike = np.einsum("ijd,kld->ijkl", _directions(query), _directions(item))
+    specific = alike - alike.mean(axis=(2, 3), keepdims=True) - alike.mean(axis=(0, 1), keepdims=True)
+    # Sum over the query's windows (axes 0, 1), then over the item's: (item windows, query windows).
+    pairs = window_sums(window_sums(specific, size).transpose(2, 3, 0, 1), size)
+    top_i, left_i, top_q, left_q = (int(n) for n in np.unravel_index(int(np.argmax(pairs)), pairs.shape))
+    share = float(
+        query[top_q : top_q + size, left_q : left_q + size].sum(axis=(0, 1))
+        @ item[top_i : top_i + size, left_i : left_i + size].sum(axis=(0, 1))
+    )
+    return Peak(top_q, left_q, size, share), Peak(top_i, left_i, size, share)
+
+
+def _directions(contributions: np.ndarray) -> np.ndarray:
+    """Each position's contribution scaled to unit length (a position that adds nothing stays zero)."""
+    lengths = np.linalg.norm(contributions, axis=-1, keepdims=True)
+    return contributions / np.maximum(lengths, np.finfo(np.float32).tiny)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ def test_a_model_without_explainer_says_to_re_export(
     old.close()
 
 
-def test_the_peaks_are_the_two_windows_that_carry_the_most_between_them() -> None:
+def test_the_peaks_are_the_two_windows_that_show_the_same_thing_most_specifically() -> None:
     rng = np.random.default_rng(0)
     query = rng.normal(0, 0.01, (7, 7, 16)).astype(np.float32)
     item = rng.normal(0, 0.01, (7, 7, 16)).astype(np.float32)
@@ -64,21 +64,25 @@ def test_the_peaks_are_the_two_windows_that_carry_the_most_between_them() -> Non
     shared[3] = 0.1
     query[3:6, 1:4] += shared  # the same region in both images, at different places
     item[0:3, 4:7] += shared
-    query[0, 0, 5] = item[6, 6, 5] = 0.5  # a stronger pair of single positions, alone
+    query[0, 0, 5] = item[6, 6, 5] = 0.5  # a stronger pair of single positions, alone: not a window
     item[..., 7] += 0.02  # a background all over the item ...
     query[0:3, 4:7, 7] += 0.6  # ... and a salient query region a little alike all of it
+    query[0:3, 0:3, 9:11] += [1.2, 1.6]  # loud regions, one in each image, only partly alike (cosine 0.36)
+    item[4:7, 0:3, 9:12:2] += [1.2, 1.6]
     pairs = np.einsum("ijd,kld->ijkl", query, item)  # every pair of positions, by brute force
     windows = np.lib.stride_tricks.sliding_window_view(pairs, (3, 3, 3, 3)).sum(axis=(4, 5, 6, 7))
-    assert np.unravel_index(np.argmax(windows), windows.shape)[:2] == (0, 4)  # the largest share: salient
+    assert np.unravel_index(np.argmax(windows), windows.shape) == (0, 0, 4, 0)  # the largest share: loud
+    centred = windows - windows.mean(axis=(2, 3), keepdims=True) - windows.mean(axis=(0, 1), keepdims=True)
+    assert np.unravel_index(np.argmax(centred), centred.shape) == (0, 0, 4, 0)  # also beyond the averages
     peak_q, peak_i = matched_windows(query, item)
-    assert (peak_q.top, peak_q.left, peak_q.size) == (3, 1, 3)  # the most specific: the shared region
+    assert (peak_q.top, peak_q.left, peak_q.size) == (3, 1, 3)  # the shared region, in both images
     assert (peak_i.top, peak_i.left, peak_i.size) == (0, 4, 3)
-    assert peak_q.share == peak_i.share == pytest.approx(float(pairs[3:6, 1:4, 0:3, 4:7].sum()), rel=1e-5)
+    assert peak_q.share == peak_i.share == pytest.approx(float(windows[3, 1, 0, 4]), rel=1e-5)
     assert peak_q.box((7, 7), (224, 224)) == (32, 96, 128, 192)
-    single_q, single_i = matched_windows(query, item, 1)  # one position each: the strongest pair
-    assert (single_q.top, single_q.left, single_i.top, single_i.left) == (0, 0, 6, 6)
     small = matched_windows(query[:2, :2], item[:2, :2])[0]  # a grid smaller than the window
     assert (small.size, small.top, small.left) == (2, 0, 0)
+    silent = matched_windows(np.zeros_like(query), item)  # positions that add nothing: no division by 0
+    assert np.isfinite(silent[0].share)
 
 
 def _pasted(background: np.ndarray, thing: np.ndarray, x: int, y: int) -> bytes:
