@@ -123,9 +123,13 @@ def hash_files(
         if isinstance(content_hash, Exception):
             report.skipped.append((relative, str(content_hash)))
             continue
-        label = path.parent.name if path.parent != root else None
-        hashed.append(GalleryFile(path, relative, label, content_hash))
+        hashed.append(GalleryFile(path, relative, label_of(relative), content_hash))
     return sorted(hashed, key=lambda f: f.relative)
+
+
+def label_of(relative: str) -> str | None:
+    """A gallery file's label: the name of its folder (None for a file at the top of the gallery)."""
+    return Path(relative).parent.name or None
 
 
 def file_hash(path: Path) -> str:
