@@ -150,9 +150,14 @@ class ReviewOut(BaseModel):
 
 
 class DuplicateOut(BaseModel):
-    id: int
+    id: int = Field(description="the item's id (a byte copy's: the id of the item whose bytes it has)")
     path: str
     label: str | None
+    byte_copy: bool = Field(
+        False,
+        description="with tier only: a file with the bytes of item `id`, which the index holds once; "
+        "setting it aside moves only the file",
+    )
     score: float = Field(description="the item's highest cosine similarity to another member of its group")
     evidence: EvidenceOut | None = Field(None, description="with tier only")
     review: ReviewOut | None = Field(None, description="with tier only")
@@ -256,6 +261,10 @@ class AppliedPlanOut(BaseModel):
     already: list[str] = Field(description="files already in the trash folder (an apply run again)")
     left: list[LeftOut] = Field(description="files not moved, and why")
     removed: int = Field(description="items removed from the index")
+    handed: int = Field(
+        description="items whose file was set aside while a byte copy of it was kept: the item now names the "
+        "copy (same id and vector)"
+    )
     trash: str = Field(description="the trash folder, relative to the gallery")
     count: int = Field(description="items in the index now")
 

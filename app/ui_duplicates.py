@@ -100,14 +100,18 @@ def render_review(client: SearchClient, thumbnail: Callable[[int, str], bytes | 
                     digest = f" · {evidence['hash'][:18]}" if evidence["hash"] else ""
                     if evidence.get("alignment") is not None:  # absent from servers before the check
                         digest += f" · aligned NCC {evidence['alignment']:.3f}"
+                    copy = " · byte copy (indexed once)" if item.get("byte_copy") else ""
                     st.caption(
                         plain(
                             f"{evidence['tier']} · bits {bits} · cosine {evidence['cosine']:.3f}{digest} · "
-                            f"{review['pixels']} px · {review['bytes']} B · {item['path']}"
+                            f"{review['pixels']} px · {review['bytes']} B · {item['path']}{copy}"
                         )
                     )
+                    # A byte copy shares its item's id: the path tells the two apart.
                     keep = st.checkbox(
-                        "keep", value=review["action"] == "keep", key=f"dup_keep_{tier}_{item['id']}"
+                        "keep",
+                        value=review["action"] == "keep",
+                        key=f"dup_keep_{tier}_{item['id']}_{item['path']}",
                     )
                     members.append(
                         {

@@ -27,8 +27,15 @@ def tiered(
 ) -> None:
     """Print (or write as a plan) the groups of ``tier_name``; ``threshold`` and ``max_distance`` are the
     edited tier's cosine and signature bits when given."""
-    from engine.duplicate_review import check_rule, make_plan, pixel_digests, write_plan
-    from index.duplicate_tiers import EDITED_BITS, EDITED_COSINE, Tier, TierSettings, find_tiered
+    from engine.duplicate_review import (
+        check_rule,
+        group_members,
+        make_plan,
+        pair_groups,
+        review_groups,
+        write_plan,
+    )
+    from index.duplicate_tiers import EDITED_BITS, EDITED_COSINE, Tier, TierSettings
     from index.gallery import GalleryIndex
 
     tier = Tier.parse(tier_name)
@@ -41,8 +48,7 @@ def tiered(
     gallery = GalleryIndex.open(index)
     try:
         root = gallery.manifest.gallery_root
-        digests = pixel_digests(Path(root)) if root else None
-        found = find_tiered(gallery, tier, settings, digests=digests)
+        found = review_groups(gallery, pair_groups(gallery, tier, settings))
         items = gallery.items.get_many([int(i) for group in found.groups for i in group.ids])
     finally:
         gallery.close()
@@ -69,18 +75,18 @@ def tiered(
             "tier": group.tier.label,
             "items": [
                 {
-                    "id": int(item_id),
-                    "path": items[int(item_id)].path,
-                    "label": items[int(item_id)].label,
-                    "pairs_with": evidence.other,
-                    "tier": evidence.tier.label,
-                    "signature_bits": evidence.bits,
-                    "cosine": evidence.cosine,
-                    "hash": evidence.digest,
-                    "alignment": evidence.alignment,
+                    "id": member.item.id,
+                    "path": member.item.path,
+                    "label": member.item.label,
+                    "byte_copy": member.byte_copy,
+                    "pairs_with": member.evidence.other,
+                    "tier": member.evidence.tier.label,
+                    "signature_bits": member.evidence.bits,
+                    "cosine": member.evidence.cosine,
+                    "hash": member.evidence.digest,
+                    "alignment": member.evidence.alignment,
                 }
-                for item_id, evidence in zip(group.ids, group.evidence, strict=True)
-                if int(item_id) in items
+                for member in group_members(group, items)
             ],
         }
         for group in found.groups
@@ -105,6 +111,7 @@ def tiered(
             "hash",
             "path",
             "alignment",
+            "byte_copy",
         ]
         writer.writerow(header)
         for number, group in enumerate(groups, start=1):
@@ -119,6 +126,7 @@ def tiered(
                     row["hash"] or "",
                     row["path"],
                     "" if row["alignment"] is None else f"{row['alignment']:.4f}",
+                    int(row["byte_copy"]),
                 ]
                 for row in group["items"]
             )
@@ -130,7 +138,9 @@ def tiered(
                 evidence = f"{row['tier']:<7} bits {bits!s:>2} cosine {row['cosine']:.4f}"
                 if row["alignment"] is not None:
                     evidence += f" aligned NCC {row['alignment']:.4f}"
-                typer.echo(f"  {evidence}  {row['path']}" + (f"  {row['hash'][:20]}" if row["hash"] else ""))
+                copy = f"  (same bytes as item {row['pairs_with']}, indexed once)" if row["byte_copy"] else ""
+                digest = f"  {row['hash'][:20]}" if row["hash"] else ""
+                typer.echo(f"  {evidence}  {row['path']}{digest}{copy}")
         typer.echo(f"{len(groups)} groups up to the {tier.label} tier: {found.criteria}")
 
 
@@ -156,8 +166,9 @@ def apply_or_undo(index: Path, apply: Path | None, undo: Path | None, *, progres
     if apply is not None:
         typer.echo(
             f"set aside {len(report.moved)} images ({len(report.already)} were already), removed "
-            f"{report.removed} items from the index; undo with: dmlsearch duplicates --index {index} "
-            f"--undo {path}"
+            f"{report.removed} items from the index"
+            + (f", {report.handed} now named by a kept copy" if report.handed else "")
+            + f"; undo with: dmlsearch duplicates --index {index} --undo {path}"
         )
     else:
         typer.echo(

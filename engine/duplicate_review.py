@@ -4,7 +4,10 @@ A plan (JSON) lists each group with its tier, evidence and members; each member 
 ``set_aside``. The keeper rule proposes one keeper per group (largest pixel count, then largest file, then
 earliest date; the order can be changed); a person may edit the plan. Applying it moves each set-aside
 file into ``TRASH_FOLDER/<plan id>/`` inside the gallery (same relative path) and removes its item from
-the index; undoing moves the files back and indexes them again. Nothing is ever deleted:
+the index; undoing moves the files back and indexes them again. A byte copy (a file with an item's bytes,
+which the index holds once: ``engine.byte_copies``) is a member under its item's id and its own path: it
+is proposed to be set aside, which moves only its file; keeping it while setting its item's file aside
+hands the item to the copy's path (same id and vector). Nothing is ever deleted:
 
 - a file is moved by a hard link at the new name, then the old name unlinked (never overwriting
   anything: a link fails if the name is taken), so at any instant the bytes have one or two names;
@@ -20,20 +23,29 @@ import json
 import os
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from engine.byte_copies import find_byte_copies
 from engine.defaults import TRASH_FOLDER
 from engine.embedder import Embedder
 from engine.images import decode_image, image_header
-from engine.indexing import add_images, file_hash
+from engine.indexing import add_images, file_hash, label_of
 from index.atomic import atomic_write_text
-from index.duplicate_tiers import TieredDuplicates
+from index.duplicate_tiers import (
+    Evidence,
+    Tier,
+    TieredDuplicates,
+    TieredGroup,
+    TierSettings,
+    find_tiered,
+    with_byte_copies,
+)
 from index.errors import InvalidInputError
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
-from index.protocol import Item
+from index.protocol import Item, Move
 
 PLAN_VERSION = 1
 KEEP, SET_ASIDE = "keep", "set_aside"
@@ -101,6 +113,58 @@ def pixel_digests(root: Path) -> Callable[[Sequence[Item]], dict[int, str]]:
     return digests
 
 
+def pair_groups(index: GalleryIndex, tier: Tier, settings: TierSettings | None = None) -> TieredDuplicates:
+    """The groups of ``tier`` joined by pairs of items (pixel digests read from the gallery folder, when
+    the index records one)."""
+    root = index.manifest.gallery_root
+    return find_tiered(index, tier, settings, digests=pixel_digests(Path(root)) if root else None)
+
+
+def review_groups(index: GalleryIndex, found: TieredDuplicates) -> TieredDuplicates:
+    """``found`` (:func:`pair_groups`) with the files of the gallery folder that have an item's bytes, as
+    they are now (the folder may change without the index)."""
+    root = index.manifest.gallery_root
+    if root is None:
+        return found
+    return with_byte_copies(found, find_byte_copies(Path(root), index.items.scan()))
+
+
+@dataclass(frozen=True)
+class Member:
+    """One image of a group: an item, or a byte copy of one (the item's id, the copy's path)."""
+
+    item: Item
+    evidence: Evidence
+    byte_copy: bool
+
+
+def group_members(group: TieredGroup, items: dict[int, Item]) -> list[Member]:
+    """The group's items (those still in ``items``), then the byte copies of them."""
+    members = [
+        Member(items[int(i)], evidence, False)
+        for i, evidence in zip(group.ids, group.evidence, strict=True)
+        if int(i) in items
+    ]
+    members += [
+        Member(replace(items[copy.of], path=copy.path), copy.evidence, True)
+        for copy in group.copies
+        if copy.of in items
+    ]
+    return members
+
+
+def propose(
+    members: Sequence[Member], root: Path | None, rule: Sequence[str] = KEEPER_RULE
+) -> tuple[list[FileFacts], list[str]]:
+    """Each member's facts and the keeper rule's action: one item kept (a byte copy ties with its item,
+    and the index names the item), every other member set aside."""
+    facts = [file_facts(root, member.item) for member in members]
+    items = [(m.item.id, fact) for m, fact in zip(members, facts, strict=True) if not m.byte_copy]
+    chosen = keeper(items, rule) if items else None
+    actions = [KEEP if not m.byte_copy and m.item.id == chosen else SET_ASIDE for m in members]
+    return facts, actions
+
+
 def make_plan(
     found: TieredDuplicates,
     items: dict[int, Item],
@@ -113,34 +177,36 @@ def make_plan(
     rule = check_rule(rule)
     groups = []
     for group in found.groups:
-        facts = {int(i): file_facts(root, items[int(i)]) for i in group.ids if int(i) in items}
-        if len(facts) < 2:
+        members = group_members(group, items)
+        if len(members) < 2:
             continue
-        chosen = keeper(list(facts.items()), rule)
-        members = []
-        for item_id, evidence in zip(group.ids, group.evidence, strict=True):
-            item = items.get(int(item_id))
-            if item is None:
-                continue
-            members.append(
-                {
-                    "id": item.id,
-                    "path": item.path,
-                    "content_hash": item.content_hash,
-                    "pixels": facts[item.id].pixels,
-                    "bytes": facts[item.id].size,
-                    "date": facts[item.id].date,
-                    "action": KEEP if item.id == chosen else SET_ASIDE,
-                    "evidence": {
-                        "pairs_with": evidence.other,
-                        "tier": evidence.tier.label,
-                        "signature_bits": evidence.bits,
-                        "cosine": round(evidence.cosine, 6),
-                        "hash": evidence.digest,
-                    },
-                }
-            )
-        groups.append({"tier": group.tier.label, "keeper": chosen, "members": members})
+        facts, actions = propose(members, root, rule)
+        groups.append(
+            {
+                "tier": group.tier.label,
+                "keeper": next(m.item.id for m, a in zip(members, actions, strict=True) if a == KEEP),
+                "members": [
+                    {
+                        "id": member.item.id,
+                        "path": member.item.path,
+                        "content_hash": member.item.content_hash,
+                        "byte_copy": member.byte_copy,
+                        "pixels": fact.pixels,
+                        "bytes": fact.size,
+                        "date": fact.date,
+                        "action": action,
+                        "evidence": {
+                            "pairs_with": member.evidence.other,
+                            "tier": member.evidence.tier.label,
+                            "signature_bits": member.evidence.bits,
+                            "cosine": round(member.evidence.cosine, 6),
+                            "hash": member.evidence.digest,
+                        },
+                    }
+                    for member, fact, action in zip(members, facts, actions, strict=True)
+                ],
+            }
+        )
     return {
         "version": PLAN_VERSION,
         "plan_id": datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ-") + secrets.token_hex(4),
@@ -168,6 +234,7 @@ class SetAside:
     id: int
     path: str
     content_hash: str
+    heir: str | None = None  # a kept byte copy that takes the item over when ``path`` is the item's file
 
 
 def read_plan(plan: dict) -> tuple[str, list[SetAside]]:
@@ -188,6 +255,9 @@ def read_plan(plan: dict) -> tuple[str, list[SetAside]]:
             raise PlanError(f"group {number}: every member's action must be one of {', '.join(ACTIONS)}")
         if KEEP not in actions:
             raise PlanError(f"group {number} keeps no image: mark one member {KEEP!r}")
+        kept = {
+            member.get("id"): member.get("path") for member in members if member["action"] == KEEP
+        }  # a kept member sharing a set-aside member's id is a byte copy of it, or the same file
         for member in members:
             if member["action"] != SET_ASIDE:
                 continue
@@ -196,7 +266,12 @@ def read_plan(plan: dict) -> tuple[str, list[SetAside]]:
                 raise PlanError(f"group {number}: {path!r} is not a path inside the gallery")
             if not isinstance(member.get("id"), int) or not isinstance(member.get("content_hash"), str):
                 raise PlanError(f"group {number}: {path} needs its id and content_hash")
-            aside.append(SetAside(member["id"], path, member["content_hash"]))
+            heir = kept.get(member["id"])
+            if heir == path:
+                raise PlanError(f"group {number}: {path} is both kept and set aside")
+            if heir is not None and (not isinstance(heir, str) or not _inside(heir)):
+                raise PlanError(f"group {number}: {heir!r} is not a path inside the gallery")
+            aside.append(SetAside(member["id"], path, member["content_hash"], heir))
     return plan_id, aside
 
 
@@ -211,6 +286,7 @@ class ReviewReport:
     already: list[str] = field(default_factory=list)  # found where this step puts them (a re-run)
     left: list[tuple[str, str]] = field(default_factory=list)  # (path, why) not moved
     removed: int = 0  # items removed from the index
+    handed: int = 0  # items whose file was set aside, now named by a kept byte copy
     reindexed: int = 0  # items indexed again
 
 
@@ -305,14 +381,29 @@ def set_aside(index: GalleryIndex, plan: dict, on_move: Callable[[str], None] | 
     if index.manifest.gallery_root is None:
         raise PlanError("the index records no gallery folder: its images cannot be set aside")
     report = move_aside(Path(index.manifest.gallery_root), plan_id, aside, on_move)
-    in_trash = {member.id: member.path for member in aside if member.path in {*report.moved, *report.already}}
-    stored = index.items.get_many(list(in_trash))
-    # An id whose item now has another path was indexed again since (an undo): not this plan's.
-    ids = [item_id for item_id, item in stored.items() if item.path == in_trash[item_id]]
-    if ids:
-        report.removed = index.remove(ids)
+    in_trash = [member for member in aside if member.path in {*report.moved, *report.already}]
+    stored = index.items.get_many([member.id for member in in_trash])
+    # Only a member that is its item's file: a byte copy's item stays, and an id whose item now has
+    # another path was indexed again since (an undo) or handed to a copy (a re-run): not this plan's.
+    own = [m for m in in_trash if m.id in stored and stored[m.id].path == m.path]
+    root = Path(index.manifest.gallery_root)
+    heirs = [Move(m.id, m.heir, label_of(m.heir)) for m in own if m.heir and _holds(root / m.heir, m)]
+    removed = [m.id for m in own if m.id not in {heir.id for heir in heirs}]
+    if heirs:
+        report.handed = index.move(heirs)
+    if removed:
+        report.removed = index.remove(removed)
+    if heirs or removed:
         index.save()
     return report
+
+
+def _holds(path: Path, member: SetAside) -> bool:
+    """Whether ``path`` (a kept byte copy) still has the bytes of the member's item."""
+    try:
+        return file_hash(path) == member.content_hash
+    except OSError:
+        return False
 
 
 def apply_plan(index_dir: Path, plan: dict, on_move: Callable[[str], None] | None = None) -> ReviewReport:

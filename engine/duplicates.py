@@ -6,18 +6,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.duplicate_review import (
-    KEEP,
     KEEPER_RULE,
-    SET_ASIDE,
     FileFacts,
     ReviewReport,
-    file_facts,
-    keeper,
-    pixel_digests,
+    group_members,
+    pair_groups,
+    propose,
+    review_groups,
     set_aside,
 )
 from engine.serving import CurrentBundle
-from index.duplicate_tiers import Evidence, Tier, TieredDuplicates, find_tiered
+from index.duplicate_tiers import Evidence, Tier, TieredDuplicates
 from index.duplicates import DEFAULT_MAX_DISTANCE, Duplicates, find_duplicates
 from index.protocol import Item
 
@@ -35,10 +34,11 @@ class DuplicatePage:
 
 @dataclass(frozen=True)
 class TieredMember:
-    item: Item
+    item: Item  # a byte copy's: its item's, under the copy's path
     evidence: Evidence
     facts: FileFacts
     action: str  # the keeper rule's proposal: keep or set_aside
+    byte_copy: bool  # a file with an item's bytes, which the index holds once (engine.byte_copies)
 
 
 @dataclass(frozen=True)
@@ -96,34 +96,30 @@ class DuplicateFinder:
         self, tier: Tier, offset: int, limit: int, rule: tuple[str, ...] = KEEPER_RULE
     ) -> TieredPage:
         """A page of the groups of ``tier`` (``index.duplicate_tiers``), each member with its evidence and
-        the keeper rule's proposal; found once per tier and index state."""
+        the keeper rule's proposal; pairs found once per tier and index state, byte copies each time."""
         with self.current.reading() as bundle:
             index = bundle.index
             root = Path(index.manifest.gallery_root) if index.manifest.gallery_root else None
             state = (index.stamp, id(index), len(index))
-            found = self._tiered.get((*state, tier))
-            if found is None:
-                found = find_tiered(index, tier, digests=pixel_digests(root) if root else None)
+            pairs = self._tiered.get((*state, tier))
+            if pairs is None:
+                pairs = pair_groups(index, tier)
                 self._tiered = {key: value for key, value in self._tiered.items() if key[:3] == state} | {
-                    (*state, tier): found
+                    (*state, tier): pairs
                 }
+            found = review_groups(index, pairs)  # byte copies: looked for on every page
             page = found.groups[offset : offset + limit]
             items = index.items.get_many([int(i) for group in page for i in group.ids])
         groups = []
         for group in page:
-            members = [
-                (items[int(i)], evidence)
-                for i, evidence in zip(group.ids, group.evidence, strict=True)
-                if int(i) in items
-            ]
-            facts = {item.id: file_facts(root, item) for item, _ in members}
-            chosen = keeper(list(facts.items()), rule) if members else None
+            members = group_members(group, items)
+            facts, actions = propose(members, root, rule)
             groups.append(
                 (
                     group.tier,
                     [
-                        TieredMember(item, evidence, facts[item.id], KEEP if item.id == chosen else SET_ASIDE)
-                        for item, evidence in members
+                        TieredMember(member.item, member.evidence, fact, action, member.byte_copy)
+                        for member, fact, action in zip(members, facts, actions, strict=True)
                     ],
                 )
             )

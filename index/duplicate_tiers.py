@@ -1,7 +1,9 @@
 """Duplicate tiers: every pair of images that belong together is classified as the strictest tier it meets.
 
 - **exact**: the same bytes (same content hash) or the same decoded pixels (a digest the engine computes
-  from the files, asked for only for pairs whose perceptual signatures are identical);
+  from the files, asked for only for pairs whose perceptual signatures are identical). An index holds one
+  item per content, so files with an item's bytes are not items: :func:`with_byte_copies` adds them (the
+  engine finds them in the gallery folder) to their item's group, or to a group of their own;
 - **edited**: one photo re-encoded, resized, lightly cropped, mirrored, turned, colour-adjusted or
   watermarked: perceptual signatures within ``edited_bits`` and cosine >= ``edited_cosine``, or
   ``turned_cosine`` where they match through a turned view (``index.duplicates``'s pairs: the signature
@@ -27,7 +29,7 @@ edited by pixels: an edited pair with one of them needs ``index.duplicates.EMBED
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
@@ -156,7 +158,7 @@ class TierSettings:
 class Evidence:
     """Why a member is in its group: its strongest pair."""
 
-    other: int  # the item it pairs with
+    other: int  # the item it pairs with (itself where its strongest pair is a byte copy of it)
     tier: Tier
     bits: int | None  # perceptual-signature distance (None: either item has no signature)
     cosine: float
@@ -165,10 +167,28 @@ class Evidence:
 
 
 @dataclass(frozen=True)
+class ByteCopy:
+    """A gallery file with the bytes of an indexed item, which the index holds once (under ``of``)."""
+
+    path: str  # relative to the gallery folder
+    of: int  # the item's id
+    content_hash: str
+
+    @property
+    def evidence(self) -> Evidence:
+        return Evidence(self.of, Tier.EXACT, 0, 1.0, f"sha256:{self.content_hash}")
+
+
+@dataclass(frozen=True)
 class TieredGroup:
     tier: Tier  # the strictest tier whose pairs alone join all its members
     ids: np.ndarray  # ascending
     evidence: list[Evidence]  # one per member, in ``ids`` order
+    copies: tuple[ByteCopy, ...] = ()  # files with the bytes of a member, which are not items
+
+    @property
+    def size(self) -> int:
+        return len(self.ids) + len(self.copies)
 
 
 @dataclass(frozen=True)
@@ -431,3 +451,27 @@ def find_tiered(
         for group, tier_of in zip(found, _group_tiers(pairs, found), strict=True)
     ]
     return TieredDuplicates(tier, groups, settings, unsigned, len(index), pairs.aligned_checks)
+
+
+def with_byte_copies(found: TieredDuplicates, copies: dict[int, list[ByteCopy]]) -> TieredDuplicates:
+    """``found`` with each item's byte copies (``copies``: item id -> its copies) in the item's group, and
+    an exact group for each item with copies and no group; largest groups first."""
+    groups = []
+    grouped: set[int] = set()
+    for group in found.groups:
+        grouped.update(int(i) for i in group.ids)
+        extra = tuple(copy for i in group.ids for copy in copies.get(int(i), ()))
+        groups.append(replace(group, copies=extra) if extra else group)
+    for item_id in sorted(set(copies) - grouped):
+        if copies[item_id]:
+            own = copies[item_id][0].evidence
+            groups.append(
+                TieredGroup(
+                    Tier.EXACT,
+                    np.array([item_id]),
+                    [replace(own, other=item_id)],
+                    tuple(copies[item_id]),
+                )
+            )
+    groups.sort(key=lambda group: -group.size)  # stable: the pair groups keep their order among equals
+    return replace(found, groups=groups)

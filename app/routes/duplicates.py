@@ -96,6 +96,7 @@ async def _tiered(service: Service, compute: Compute, tier: Tier, offset: int, l
                     id=m.item.id,
                     path=m.item.path,
                     label=m.item.label,
+                    byte_copy=m.byte_copy,
                     score=m.evidence.cosine,
                     evidence=EvidenceOut(
                         pairs_with=m.evidence.other,
@@ -140,7 +141,8 @@ async def _tiered(service: Service, compute: Compute, tier: Tier, offset: int, l
 )
 async def apply_plan(plan: PlanIn, service: Service, compute: Compute) -> AppliedPlanOut:
     """Apply a duplicates plan (``X-API-Key`` required): each ``set_aside`` member's file is moved into
-    the trash folder inside the gallery and its item removed from the index; nothing is deleted. Applying
+    the trash folder inside the gallery and its item removed from the index (a byte copy's item stays; an
+    item whose byte copy is kept now names the copy); nothing is deleted. Applying
     a plan again is harmless; ``dmlsearch duplicates --undo PLAN`` puts the files back and indexes them."""
     report = (await compute.run(service.duplicates.apply, plan.model_dump()))[0]  # PlanError: 422
     return AppliedPlanOut(
@@ -148,6 +150,7 @@ async def apply_plan(plan: PlanIn, service: Service, compute: Compute) -> Applie
         already=report.already,
         left=[LeftOut(path=path, reason=reason) for path, reason in report.left],
         removed=report.removed,
+        handed=report.handed,
         trash=f"{TRASH_FOLDER}/{plan.plan_id}",
         count=len(service.index),
     )

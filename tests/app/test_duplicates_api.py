@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 
 import jsonschema_rs
@@ -136,6 +137,36 @@ def test_a_plan_is_applied_with_the_api_key_and_nothing_is_deleted(
         assert client.get(f"/v1/items/{item_id}").status_code == 404
     again = client.post("/v1/duplicates/apply", json=plan, headers={"X-API-Key": "secret"}).json()
     assert again["moved"] == [] and sorted(again["already"]) == sorted(aside) and again["removed"] == 0
+
+
+def test_a_byte_copy_is_an_exact_member_and_a_kept_copy_takes_its_item_over(
+    make_client: Callable[..., TestClient], served: Served
+) -> None:
+    """A file with an indexed image's bytes is no item (indexed once); the review shows it under its item's
+    id, and keeping it while setting the item's file aside hands it the item."""
+    original, backup = "cat/00_original.jpg", "cat/00_backup.jpg"
+    client = make_client(api_key="secret")
+    before = client.get("/v1/duplicates", params={"tier": "exact", "limit": 100}).json()  # groups cached
+    assert all(not item["byte_copy"] for group in before["groups"] for item in group["items"])
+    shutil.copyfile(served.gallery / original, served.gallery / backup)  # the index does not change
+    page = client.get("/v1/duplicates", params={"tier": "exact", "limit": 100}).json()
+    group = next(g for g in page["groups"] if backup in {i["path"] for i in g["items"]})
+    members = {i["path"]: i for i in group["items"]}
+    copy, item = members[backup], members[original]
+    assert copy["byte_copy"] and not item["byte_copy"] and copy["id"] == item["id"]
+    assert group["tier"] == "exact"
+    assert copy["evidence"]["hash"] == f"sha256:{item['review']['content_hash']}"
+    assert copy["review"]["action"] == "set_aside"  # the index names the item: it is the one kept
+
+    plan = _plan(group)
+    for member in plan["groups"][0]["members"]:
+        member["action"] = "set_aside" if member["path"] == original else "keep"
+    applied = client.post("/v1/duplicates/apply", json=plan, headers={"X-API-Key": "secret"})
+    assert applied.status_code == 200, applied.text
+    body = applied.json()
+    assert body["moved"] == [original] and body["removed"] == 0 and body["handed"] == 1
+    assert client.get(f"/v1/items/{item['id']}").json()["path"] == backup
+    assert (served.gallery / body["trash"] / original).is_file() and (served.gallery / backup).is_file()
 
 
 @pytest.mark.parametrize(

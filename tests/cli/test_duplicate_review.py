@@ -190,9 +190,8 @@ def _accounted(gallery: Path, trash: Path, before: dict[str, str]) -> None:
         assert len(names) == 1 or os.path.samefile(*names)
 
 
-def test_plan_apply_and_undo_put_every_file_back(
-    gallery_and_index: tuple[Path, Path], tmp_path: Path
-) -> None:
+def _writable_copy(gallery_and_index: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the module's gallery and of its index, pointed at the copied gallery."""
     source_gallery, source_index = gallery_and_index
     gallery, index = tmp_path / "gallery", tmp_path / "index"
     shutil.copytree(source_gallery, gallery)
@@ -200,6 +199,13 @@ def test_plan_apply_and_undo_put_every_file_back(
     manifest = json.loads((index / "manifest.json").read_text())
     manifest["gallery_root"] = str(gallery.resolve())
     (index / "manifest.json").write_text(json.dumps(manifest))
+    return gallery, index
+
+
+def test_plan_apply_and_undo_put_every_file_back(
+    gallery_and_index: tuple[Path, Path], tmp_path: Path
+) -> None:
+    gallery, index = _writable_copy(gallery_and_index, tmp_path)
     before = _files(gallery)
 
     plan_path = tmp_path / "plan.json"
@@ -256,6 +262,60 @@ def test_plan_apply_and_undo_put_every_file_back(
         assert {item.path for item in opened.items.scan()} == set(before)
     finally:
         opened.close()
+
+
+def test_byte_copies_are_exact_members_set_aside_alone_or_kept_in_their_items_place(
+    gallery_and_index: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Files with an indexed image's bytes (indexed once) are members of the exact tier under their item's
+    id: setting one aside moves only its file; keeping one while setting the item's file aside hands it
+    the item; undo puts every file back."""
+    gallery, index = _writable_copy(gallery_and_index, tmp_path)
+    (gallery / "backup").mkdir()
+    shutil.copyfile(gallery / "cat.png", gallery / "backup" / "cat.png")
+    shutil.copyfile(gallery / "astronaut.png", gallery / "astronaut copy.png")
+    before = _files(gallery)
+
+    groups = {frozenset(i["path"] for i in g["items"]): g for g in _groups(index, "exact")}
+    astronauts = frozenset({"astronaut.png", "astronaut copy.png"})
+    assert set(groups) == {frozenset({"cat.png", "cat_same_pixels.png", "backup/cat.png"}), astronauts}
+    copies = {i["path"]: i for g in groups.values() for i in g["items"] if i["byte_copy"]}
+    assert set(copies) == {"backup/cat.png", "astronaut copy.png"}
+    assert all(i["tier"] == "exact" and i["hash"].startswith("sha256:") for i in copies.values())
+    edited = _groups(index, "edited")  # a stricter tier's members are in every looser tier's groups
+    assert any("backup/cat.png" in {i["path"] for i in g["items"]} for g in edited)
+
+    plan_path = tmp_path / "plan.json"
+    command = ["duplicates", "--index", str(index), "--tier", "exact", "--plan", str(plan_path)]
+    result = runner.invoke(app, command)
+    assert result.exit_code == 0, result.output
+    plan = json.loads(plan_path.read_text())
+    astronaut = next(g for g in plan["groups"] if {m["path"] for m in g["members"]} == astronauts)
+    assert {m["path"]: m["action"] for m in astronaut["members"]} == {
+        "astronaut.png": "keep",
+        "astronaut copy.png": "set_aside",
+    }
+    for member in astronaut["members"]:  # keep the copy's name instead
+        member["action"] = "keep" if member["byte_copy"] else "set_aside"
+    plan_path.write_text(json.dumps(plan))
+    astronaut_id = astronaut["members"][0]["id"]
+
+    result = runner.invoke(app, ["duplicates", "--index", str(index), "--apply", str(plan_path)])
+    assert result.exit_code == 0, result.output
+    assert "removed 1 items from the index, 1 now named by a kept copy" in result.output
+    assert _contents(gallery) == sorted(before.values())  # moved, not lost
+    opened = GalleryIndex.open(index)
+    try:
+        assert opened.items.get(astronaut_id).path == "astronaut copy.png"
+        assert len(opened) == 8 - 1  # the cat PNG not kept went; the astronaut's item stayed
+    finally:
+        opened.close()
+
+    result = runner.invoke(app, ["duplicates", "--index", str(index), "--undo", str(plan_path)])
+    assert result.exit_code == 0, result.output
+    assert _files(gallery) == before
+    groups = {frozenset(i["path"] for i in g["items"]): g for g in _groups(index, "exact")}
+    assert astronauts in groups  # the photo is back, now the copy of the item that names its copy
 
 
 def test_a_bad_plan_is_refused_and_moves_nothing(
