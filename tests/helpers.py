@@ -62,11 +62,21 @@ def image_bytes(image: Image.Image, fmt: str = "PNG", **save_args: object) -> by
     return buffer.getvalue()
 
 
-def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> None:
-    """Poll ``condition`` until it is true; fail naming ``what`` after ``timeout`` seconds."""
+def wait_until(
+    condition: Callable[[], object],
+    timeout: float,
+    what: str,
+    interval: float = 0.05,
+    details: Callable[[], str] | None = None,
+) -> None:
+    """Poll ``condition`` until it is true; fail naming ``what`` (and ``details()``, e.g. a process's log)
+    after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(
+                f"timed out after {timeout} s waiting for {what}" + (f":\n{details()}" if details else "")
+            )
         time.sleep(interval)
 
 

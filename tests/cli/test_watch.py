@@ -127,7 +127,8 @@ def test_a_promotion_through_a_link_carries_the_watcher_and_the_server_along(
             rebuild_index(old, Embedder(exported_model, threads=1), new, progress=False)
             (tmp_path / "served.next").symlink_to("index-new", target_is_directory=True)
             (tmp_path / "served.next").replace(served)  # the promotion: one atomic rename
-            wait_until(lambda: "another index took" in log.read_text(), TIMEOUT, "the watcher to follow")
+            following = lambda: "another index took" in log.read_text()  # noqa: E731
+            wait_until(following, TIMEOUT, "the watcher to follow", details=log.read_text)
             new_model = _fingerprint(new)
             wait_until(lambda: stats()["model"]["fingerprint"] == new_model, TIMEOUT, "the server's reload")
 
@@ -164,7 +165,8 @@ def test_build_index_with_a_new_model_in_place_carries_the_watcher_along(
         )
         assert build.returncode == 0, build.stderr
         assert "its 3 items were re-embedded under their ids" in build.stdout
-        wait_until(lambda: "another index took" in log.read_text(), TIMEOUT, "the watcher to follow")
+        following = lambda: "another index took" in log.read_text()  # noqa: E731
+        wait_until(following, TIMEOUT, "the watcher to follow", details=log.read_text)
 
         make_image(80, size=(64, 56)).save(gallery / "cats" / "after.png")
         # Saved into the swapped-in index (its manifest counts it), not over it.
