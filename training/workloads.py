@@ -122,9 +122,22 @@ def training_preprocessing(preprocessing: Preprocessing, train_size: int | None)
 def _leave_stop_signals_to_the_trainer(worker_id: int) -> None:
     """A decoding worker ignores SIGTERM and SIGINT, which often reach every process of the run (``pkill
     -f``, systemd's control group, Ctrl-C): the trainer saves its checkpoint and then ends the workers,
-    where a worker killed first would make the DataLoader raise instead."""
+    where a worker killed first would make the DataLoader raise instead. The worker started with them
+    blocked (:func:`_started_with_stop_signals_blocked`): one sent meanwhile is dropped here."""
     for stop_signal in STOP_SIGNALS:
         signal.signal(stop_signal, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def _started_with_stop_signals_blocked(loader: DataLoader) -> Iterator:
+    """``iter(loader)``, its workers started with the stop signals blocked: before its
+    ``worker_init_fn`` runs, a worker has torch's own SIGTERM handler, which dies. This process receives
+    a signal sent meanwhile once its workers exist."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _endless(sampler: ClassBalancedSampler) -> Iterator[list[int]]:
@@ -167,7 +180,7 @@ class FinetuneWorkload:
             pin_memory=self.device.type == "cuda",
             persistent_workers=False,
         )
-        for indices, images in loader:
+        for indices, images in _started_with_stop_signals_blocked(loader):
             yield indices.numpy(), model_inputs(images.to(self.device, non_blocking=True), self.channels_last)
 
     @torch.no_grad()
@@ -181,7 +194,7 @@ class FinetuneWorkload:
         parts = []
         # Float32, not mixed precision: validation must rank with the embeddings the ONNX model serves.
         with eval_mode(self.objective):
-            for _, images in loader:
+            for _, images in _started_with_stop_signals_blocked(loader):
                 parts.append(
                     self.objective.embed(model_inputs(images.to(self.device), self.channels_last))
                     .float()

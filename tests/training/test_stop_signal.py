@@ -9,11 +9,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import wait_until
+from training import workloads
 from training.run_dir import RunDirectory
 
 
@@ -91,3 +94,25 @@ def _group_alive(group: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+class _Numbers(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def test_a_stop_signal_reaching_a_worker_as_it_starts_is_left_to_the_trainer() -> None:
+    """Torch's worker handles SIGTERM by dying until its ``worker_init_fn`` ignores it; the workers start
+    with it blocked, so a signal in that window waits, then is dropped (the window is widened here)."""
+
+    def slow_start(worker_id: int) -> None:
+        time.sleep(1.0)  # torch's own handler is in place: without the block, SIGTERM now kills us
+        workloads._leave_stop_signals_to_the_trainer(worker_id)
+
+    loader = torch.utils.data.DataLoader(_Numbers(), batch_size=4, num_workers=1, worker_init_fn=slow_start)
+    batches = workloads._started_with_stop_signals_blocked(loader)
+    os.kill(batches._workers[0].pid, signal.SIGTERM)  # type: ignore[attr-defined]
+    assert [batch.tolist() for batch in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
