@@ -49,7 +49,6 @@ from typing import Any, Protocol, TypeVar
 
 from engine import defaults
 from engine.images import ImageDecodeError
-from engine.stopping import STOP_SIGNALS
 from index.errors import DmlsearchError, ErrorKind
 
 T = TypeVar("T")
@@ -341,10 +340,9 @@ def _detach(duplicate: Any) -> int:
 
 def _serve(tasks: Connection, results: Connection, shared_fd: int, memory_bytes: int, niceness: int) -> None:
     """A worker's loop: take a task, run it under its CPU limit, send back ``(status, value, retire)``."""
-    # Ctrl-C, systemd's stop and `kill -- -PGID` reach the whole group: the parent ends us (SIGKILL), and a
-    # decode in flight must not look like a decoder crash on its image.
-    for stop_signal in STOP_SIGNALS:
-        signal.signal(stop_signal, signal.SIG_IGN)
+    # Ctrl-C reaches the whole group: the parent ends us. SIGTERM must still end a worker: at exit,
+    # multiprocessing ends the daemon processes of a pool never closed with it, then waits for them.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if niceness:
         os.nice(niceness)
     shared = mmap.mmap(shared_fd, SHARED_BYTES)

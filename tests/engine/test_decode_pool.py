@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -95,3 +97,11 @@ def test_closing_the_pool_ends_a_decode_in_flight(scans: bytes) -> None:
     with pytest.raises(DecodePoolClosedError):
         decode(pool, scans)
     assert time.monotonic() - started < 5
+
+
+def test_a_process_that_never_closes_its_pool_still_exits() -> None:
+    """At exit, multiprocessing ends a pool's daemon workers with SIGTERM and waits for them: a worker
+    ignoring SIGTERM (one session's attempt to survive a process group's stop) hung the exit forever."""
+    script = "from engine.decode_pool import DecodePool; print(DecodePool(1).run(len, b'abc'))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "3", done.stderr
