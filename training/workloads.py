@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -120,19 +122,29 @@ def training_preprocessing(preprocessing: Preprocessing, train_size: int | None)
 
 
 def _leave_stop_signals_to_the_trainer(worker_id: int) -> None:
-    """A decoding worker ignores SIGTERM and SIGINT, which often reach every process of the run (``pkill
-    -f``, systemd's control group, Ctrl-C): the trainer saves its checkpoint and then ends the workers,
-    where a worker killed first would make the DataLoader raise instead. The worker started with them
-    blocked (:func:`_started_with_stop_signals_blocked`): one sent meanwhile is dropped here."""
-    for stop_signal in STOP_SIGNALS:
-        signal.signal(stop_signal, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    """A decoding worker outlives the SIGTERM and SIGINT that often reach every process of the run
+    (``pkill -f``, systemd's control group, Ctrl-C): the trainer saves its checkpoint, then ends the
+    workers; a worker killed first would make the DataLoader raise instead. It still ends on a SIGTERM
+    from the trainer's process, which is how the DataLoader, and multiprocessing at exit, end it.
+
+    The worker started with both signals blocked (:func:`_started_with_stop_signals_blocked`): SIGINT is
+    ignored from here, and SIGTERM stays blocked for a thread that looks at who sent it (as torch's own
+    handler does, but without its window before this function runs)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    threading.Thread(target=_end_when_the_trainer_asks, name="sigterm", daemon=True).start()
+
+
+def _end_when_the_trainer_asks() -> None:
+    while True:
+        if signal.sigwaitinfo([signal.SIGTERM]).si_pid == os.getppid():
+            os._exit(0)
 
 
 def _started_with_stop_signals_blocked(loader: DataLoader) -> Iterator:
     """``iter(loader)``, its workers started with the stop signals blocked: before its
-    ``worker_init_fn`` runs, a worker has torch's own SIGTERM handler, which dies. This process receives
-    a signal sent meanwhile once its workers exist."""
+    ``worker_init_fn`` runs, a worker has torch's own SIGTERM handler, which dies whoever sent it. This
+    process receives a signal sent meanwhile once its workers exist."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         return iter(loader)

@@ -114,5 +114,28 @@ def test_a_stop_signal_reaching_a_worker_as_it_starts_is_left_to_the_trainer() -
 
     loader = torch.utils.data.DataLoader(_Numbers(), batch_size=4, num_workers=1, worker_init_fn=slow_start)
     batches = workloads._started_with_stop_signals_blocked(loader)
-    os.kill(batches._workers[0].pid, signal.SIGTERM)  # type: ignore[attr-defined]
+    worker = batches._workers[0].pid  # type: ignore[attr-defined]
+    subprocess.run(["kill", "-TERM", str(worker)], check=True)  # from another process, as `pkill` sends it
     assert [batch.tolist() for batch in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+CRASH_WITH_WORKERS_RUNNING = """
+import torch
+from training import workloads
+numbers = torch.utils.data.DataLoader(
+    list(range(100)), batch_size=4, num_workers=1, worker_init_fn=workloads._leave_stop_signals_to_the_trainer
+)
+batches = workloads._started_with_stop_signals_blocked(numbers)
+print(next(batches).tolist(), flush=True)
+raise RuntimeError("a crash with the batches alive")
+"""
+
+
+def test_a_run_that_crashes_with_its_workers_running_still_exits() -> None:
+    """At exit, multiprocessing ends the workers with SIGTERM from this process and waits for them: a
+    worker that ignored every SIGTERM hung the exit forever."""
+    done = subprocess.run(
+        [sys.executable, "-c", CRASH_WITH_WORKERS_RUNNING], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1 and done.stdout.strip() == "[0, 1, 2, 3]", done.stderr
+    assert "a crash with the batches alive" in done.stderr
