@@ -380,15 +380,16 @@ def set_aside(index: GalleryIndex, plan: dict, on_move: Callable[[str], None] | 
     plan_id, aside = read_plan(plan)
     if index.manifest.gallery_root is None:
         raise PlanError("the index records no gallery folder: its images cannot be set aside")
-    report = move_aside(Path(index.manifest.gallery_root), plan_id, aside, on_move)
+    root = Path(index.manifest.gallery_root)
+    report = move_aside(root, plan_id, aside, on_move)
     in_trash = [member for member in aside if member.path in {*report.moved, *report.already}]
     stored = index.items.get_many([member.id for member in in_trash])
     # Only a member that is its item's file: a byte copy's item stays, and an id whose item now has
     # another path was indexed again since (an undo) or handed to a copy (a re-run): not this plan's.
     own = [m for m in in_trash if m.id in stored and stored[m.id].path == m.path]
-    root = Path(index.manifest.gallery_root)
     heirs = [Move(m.id, m.heir, label_of(m.heir)) for m in own if m.heir and _holds(root / m.heir, m)]
-    removed = [m.id for m in own if m.id not in {heir.id for heir in heirs}]
+    handed = {heir.id for heir in heirs}
+    removed = [m.id for m in own if m.id not in handed]
     if heirs:
         report.handed = index.move(heirs)
     if removed:

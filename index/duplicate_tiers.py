@@ -463,15 +463,8 @@ def with_byte_copies(found: TieredDuplicates, copies: dict[int, list[ByteCopy]])
         extra = tuple(copy for i in group.ids for copy in copies.get(int(i), ()))
         groups.append(replace(group, copies=extra) if extra else group)
     for item_id in sorted(set(copies) - grouped):
-        if copies[item_id]:
-            own = copies[item_id][0].evidence
-            groups.append(
-                TieredGroup(
-                    Tier.EXACT,
-                    np.array([item_id]),
-                    [replace(own, other=item_id)],
-                    tuple(copies[item_id]),
-                )
-            )
+        own = copies[item_id]
+        if own:  # the item's evidence is its pair with a copy (``other``: the item itself)
+            groups.append(TieredGroup(Tier.EXACT, np.array([item_id]), [own[0].evidence], tuple(own)))
     groups.sort(key=lambda group: -group.size)  # stable: the pair groups keep their order among equals
     return replace(found, groups=groups)

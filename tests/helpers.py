@@ -486,14 +486,14 @@ class MilvusServerProcess:
         if self.process is None:
             return
         group = self.process.pid  # start_new_session: the group's id is the leader's pid
-        members = _group_members(group)
+        members = group_members(group)
         for sig, grace in ((signal.SIGTERM, MILVUS_STOP_GRACE_S), (signal.SIGKILL, MILVUS_STOP_GRACE_S)):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, sig)
             deadline = time.monotonic() + grace
-            while _group_alive(group, self.process) and time.monotonic() < deadline:
+            while group_alive(group, self.process) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            if not _group_alive(group, self.process):
+            if not group_alive(group, self.process):
                 break
         self.process = None
         # Milvus 2.3 leaves /tmp/milvus/server_id_PID behind, outside its data folder.
@@ -503,17 +503,17 @@ class MilvusServerProcess:
             MILVUS_SERVER_IDS.rmdir()  # only when empty: another Milvus may be running
 
 
-def _group_alive(group: int, leader: subprocess.Popen) -> bool:
+def group_alive(group: int, leader: subprocess.Popen) -> bool:
     leader.poll()  # reap the leader, or it stays a zombie member of the group
     try:
         os.killpg(group, 0)
     except ProcessLookupError:
         return False
     # Members that exited but wait for their parent to reap them are gone for our purpose.
-    return any(_state(pid) not in ("Z", None) for pid in _group_members(group))
+    return any(_state(pid) not in ("Z", None) for pid in group_members(group))
 
 
-def _group_members(group: int) -> list[int]:
+def group_members(group: int) -> list[int]:
     members = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError):
@@ -734,7 +734,7 @@ def _tree(root: int) -> set[int]:
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError):
             parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    tree = set(_group_members(root)) | {root}
+    tree = set(group_members(root)) | {root}
     grew = True
     while grew:
         children = {pid for pid, parent in parents.items() if parent in tree} - tree
@@ -749,7 +749,7 @@ def _stop_group(leader: subprocess.Popen, grace: float) -> None:
     group = leader.pid  # start_new_session: the group's id is the leader's pid
     processes = _tree(group)
     for sig in (signal.SIGTERM, signal.SIGKILL) if grace else (signal.SIGKILL,):
-        processes |= _tree(group) if _group_alive(group, leader) else set()
+        processes |= _tree(group) if group_alive(group, leader) else set()
         for pid in processes:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
@@ -761,7 +761,7 @@ def _stop_group(leader: subprocess.Popen, grace: float) -> None:
 
 
 def _any_alive(processes: set[int], group: int, leader: subprocess.Popen) -> bool:
-    return _group_alive(group, leader) or any(_state(pid) not in ("Z", None) for pid in processes)
+    return group_alive(group, leader) or any(_state(pid) not in ("Z", None) for pid in processes)
 
 
 @contextmanager

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -121,15 +122,29 @@ def training_preprocessing(preprocessing: Preprocessing, train_size: int | None)
     return preprocessing.model_copy(update={"input_size": train_size, "resize_size": train_size})
 
 
-def _leave_stop_signals_to_the_trainer(worker_id: int) -> None:
-    """A decoding worker outlives the SIGTERM and SIGINT that often reach every process of the run
-    (``pkill -f``, systemd's control group, Ctrl-C): the trainer saves its checkpoint, then ends the
-    workers; a worker killed first would make the DataLoader raise instead. It still ends on a SIGTERM
-    from the trainer's process, which is how the DataLoader, and multiprocessing at exit, end it.
+class StopSafeLoader(DataLoader):
+    """A DataLoader whose decoding workers outlive the SIGTERM and SIGINT that often reach every process
+    of the run (``pkill -f``, systemd's control group, Ctrl-C): the trainer saves its checkpoint, then ends
+    the workers; a worker killed first would make the DataLoader raise instead. A worker still ends on a
+    SIGTERM from the trainer's process, which is how the DataLoader, and multiprocessing at exit, end it.
 
-    The worker started with both signals blocked (:func:`_started_with_stop_signals_blocked`): SIGINT is
-    ignored from here, and SIGTERM stays blocked for a thread that looks at who sent it (as torch's own
-    handler does, but without its window before this function runs)."""
+    Workers start with both signals blocked (before ``worker_init_fn`` runs, a worker has torch's own
+    SIGTERM handler, which dies whoever sent it); then SIGINT is ignored, and SIGTERM stays blocked for a
+    thread that looks at who sent it. This process receives a signal sent meanwhile once its workers exist.
+    """
+
+    def __init__(self, dataset: Dataset, **options: Any) -> None:
+        super().__init__(dataset, worker_init_fn=_leave_stop_signals_to_the_trainer, **options)
+
+    def __iter__(self) -> Any:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            return super().__iter__()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _leave_stop_signals_to_the_trainer(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     threading.Thread(target=_end_when_the_trainer_asks, name="sigterm", daemon=True).start()
@@ -139,17 +154,6 @@ def _end_when_the_trainer_asks() -> None:
     while True:
         if signal.sigwaitinfo([signal.SIGTERM]).si_pid == os.getppid():
             os._exit(0)
-
-
-def _started_with_stop_signals_blocked(loader: DataLoader) -> Iterator:
-    """``iter(loader)``, its workers started with the stop signals blocked: before its
-    ``worker_init_fn`` runs, a worker has torch's own SIGTERM handler, which dies whoever sent it. This
-    process receives a signal sent meanwhile once its workers exist."""
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        return iter(loader)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _endless(sampler: ClassBalancedSampler) -> Iterator[list[int]]:
@@ -184,29 +188,27 @@ class FinetuneWorkload:
         self.channels_last = channels_last
 
     def batches(self, sampler: ClassBalancedSampler, rng: np.random.Generator) -> Iterator[Batch]:
-        loader = DataLoader(
+        loader = StopSafeLoader(
             ImageFiles(self.files["train"], self.train_preprocessing, augment=self.min_crop_area),
             batch_sampler=_endless(sampler),
             num_workers=self.workers,
-            worker_init_fn=_leave_stop_signals_to_the_trainer,
             pin_memory=self.device.type == "cuda",
             persistent_workers=False,
         )
-        for indices, images in _started_with_stop_signals_blocked(loader):
+        for indices, images in loader:
             yield indices.numpy(), model_inputs(images.to(self.device, non_blocking=True), self.channels_last)
 
     @torch.no_grad()
     def embed(self, split: str) -> np.ndarray:
-        loader = DataLoader(
+        loader = StopSafeLoader(
             ImageFiles(self.files[split], self.preprocessing),
             batch_size=self.batch_size,
             num_workers=self.workers,
-            worker_init_fn=_leave_stop_signals_to_the_trainer,
         )
         parts = []
         # Float32, not mixed precision: validation must rank with the embeddings the ONNX model serves.
         with eval_mode(self.objective):
-            for _, images in _started_with_stop_signals_blocked(loader):
+            for _, images in loader:
                 parts.append(
                     self.objective.embed(model_inputs(images.to(self.device), self.channels_last))
                     .float()

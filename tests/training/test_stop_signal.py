@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import wait_until
+from tests.helpers import group_alive, group_members, wait_until
 from training import workloads
 from training.run_dir import RunDirectory
 
@@ -62,7 +62,8 @@ def test_sigterm_of_train_saves_last_pt_and_the_rerun_resumes(
     assert best.exists()
     assert RunDirectory(out).load_last().progress.step == 0
     if mode == "finetune":  # signal once the training batches' DataLoader worker runs
-        wait_until(lambda: _children(process.pid) or process.poll() is not None, 60, "a DataLoader worker")
+        workers = lambda: len(group_members(process.pid)) > 1  # noqa: E731
+        wait_until(lambda: workers() or process.poll() is not None, 60, "a DataLoader worker")
     if whole_group:
         os.killpg(process.pid, signal.SIGTERM)
     else:
@@ -71,7 +72,7 @@ def test_sigterm_of_train_saves_last_pt_and_the_rerun_resumes(
     assert process.returncode == 128 + signal.SIGTERM, output  # before: killed, nothing saved since step 0
     assert "last.pt is saved" in output
     if whole_group:  # the trainer ended its worker before exiting
-        wait_until(lambda: not _group_alive(process.pid), 10, "the DataLoader worker to exit")
+        wait_until(lambda: not group_alive(process.pid, process), 10, "the DataLoader worker to exit")
     step = RunDirectory(out).load_last().progress.step
     assert 0 < step < 1000
 
@@ -82,18 +83,6 @@ def test_sigterm_of_train_saves_last_pt_and_the_rerun_resumes(
     assert RunDirectory(out).load_last().progress.step == step + 3
     assert f"resuming from step {step} of {step + 3}" in resumed.stdout
     assert f"of {step + 3}" in resumed.stdout  # "best step B of N": the run went on from the saved step
-
-
-def _children(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-
-
-def _group_alive(group: int) -> bool:
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 class _Numbers(torch.utils.data.Dataset):
@@ -112,20 +101,17 @@ def test_a_stop_signal_reaching_a_worker_as_it_starts_is_left_to_the_trainer() -
         time.sleep(1.0)  # torch's own handler is in place: without the block, SIGTERM now kills us
         workloads._leave_stop_signals_to_the_trainer(worker_id)
 
-    loader = torch.utils.data.DataLoader(_Numbers(), batch_size=4, num_workers=1, worker_init_fn=slow_start)
-    batches = workloads._started_with_stop_signals_blocked(loader)
+    loader = workloads.StopSafeLoader(_Numbers(), batch_size=4, num_workers=1)
+    loader.worker_init_fn = slow_start
+    batches = iter(loader)
     worker = batches._workers[0].pid  # type: ignore[attr-defined]
     subprocess.run(["kill", "-TERM", str(worker)], check=True)  # from another process, as `pkill` sends it
     assert [batch.tolist() for batch in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 CRASH_WITH_WORKERS_RUNNING = """
-import torch
 from training import workloads
-numbers = torch.utils.data.DataLoader(
-    list(range(100)), batch_size=4, num_workers=1, worker_init_fn=workloads._leave_stop_signals_to_the_trainer
-)
-batches = workloads._started_with_stop_signals_blocked(numbers)
+batches = iter(workloads.StopSafeLoader(list(range(100)), batch_size=4, num_workers=1))
 print(next(batches).tolist(), flush=True)
 raise RuntimeError("a crash with the batches alive")
 """
