@@ -100,10 +100,10 @@ class GalleryWatcher:
                     if batch:
                         self._record(batch, self.apply(index, batch))
                 except IndexReplaced:
-                    created = index.manifest.created
+                    origin = index.manifest.origin
                     index.close()
                     index = None
-                    index = self._follow(created)
+                    index = self._follow(origin)
         finally:
             if index is not None:
                 index.close()
@@ -122,12 +122,12 @@ class GalleryWatcher:
             raise
         return index
 
-    def _follow(self, created: str) -> GalleryIndex:
+    def _follow(self, origin: tuple[str, str | None]) -> GalleryIndex:
         """Another index took the watched path, or another process saved it: embed with the model it
         carries from now on, and catch it up with the folder (the changes applied to the old one
-        included). ``created``: when the index followed so far was created (another index has its own)."""
+        included). ``origin``: which index was followed so far (``Manifest.origin``)."""
         previous = self.embedder.fingerprint
-        replaced = Manifest.load(self.index_dir).created != created
+        replaced = Manifest.load(self.index_dir).origin != origin
         model = resolve_model(self.index_dir)
         if ModelCard.load(model).fingerprint != previous:
             self.embedder = Embedder(model, threads=self.threads)

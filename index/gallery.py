@@ -6,6 +6,7 @@ else writes its manifest, which it fills from what the backend returns (``Vector
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -101,6 +102,7 @@ class GalleryIndex:
             milvus_collection=milvus_collection if backend == "milvus" else None,
             created=now,
             updated=now,
+            identity=uuid.uuid4().hex,
         )
         manifest.set_options(options or IndexOptions())
         index = cls(directory, manifest, _connect(directory, manifest, create=True))

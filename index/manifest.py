@@ -76,6 +76,9 @@ class Manifest(BaseModel):
     milvus_collection: str | None = None
     created: str
     updated: str
+    # Random, given at creation (None for indexes created before): tells another index that took this
+    # index's path from this one saved again, where ``created`` (to the second) may be the same.
+    identity: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -88,6 +91,11 @@ class Manifest(BaseModel):
         data["built"] = {name: data.pop(name) for name in BuiltIndex.model_fields if name in data}
         data["format_version"] = FORMAT_VERSION
         return data
+
+    @property
+    def origin(self) -> tuple[str, str | None]:
+        """Which index this is: the same for every save of it, another for another index at its path."""
+        return self.created, self.identity
 
     @property
     def options(self) -> IndexOptions:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.embedder import Embedder
-from engine.indexing import BuildReport
+from engine.indexing import BuildReport, build_index
 from engine.watching import GalleryWatcher
 from index.gallery import GalleryIndex
 from tests.helpers import image_bytes, make_image, wait_until
@@ -157,3 +157,29 @@ def test_a_deletion_lists_only_what_its_batch_touched(running: GalleryWatcher, g
     wait_until(lambda: removed() == 1 and "alpha/bad.jpg" in skipped(), TIMEOUT, "the deletion's batch")
     assert skipped() == ["alpha/bad.jpg"]
     assert [report.duplicates for _, report in reports] == [[]] * len(reports)
+
+
+def test_another_index_taking_the_path_in_the_same_second_is_followed_as_another_index(
+    gallery: Path, tmp_path: Path, embedder: Embedder, small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Both indexes created in one second (as a fast build-index after the watcher's catch-up can be): their
+    # creation times are equal, and the watcher must still tell the new index from a save of its own.
+    monkeypatch.setattr("index.gallery.now_utc", lambda: "2026-01-01T00:00:00+00:00")
+    follows: list[tuple[str, str, bool]] = []
+    watcher = GalleryWatcher(
+        gallery, tmp_path / "index", embedder, settle=SETTLE, on_follow=lambda *args: follows.append(args)
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=watcher.run, args=(stop,))
+    thread.start()
+    try:
+        wait_until(watcher.caught_up.is_set, TIMEOUT, "the catch-up build")
+        other = Embedder(small_model, threads=1)
+        report = build_index(gallery, other, watcher.index_dir)
+        assert report.reembedded == 4
+        wait_until(lambda: follows, TIMEOUT, "the watcher to follow")
+        assert follows == [(embedder.fingerprint, other.fingerprint, True)]
+    finally:
+        stop.set()
+        thread.join(timeout=TIMEOUT)
+    assert not thread.is_alive()
