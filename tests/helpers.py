@@ -373,9 +373,13 @@ def app_clients(defaults: dict[str, object]) -> Iterator[Callable[..., object]]:
 MILVUS_START_TIMEOUT_S = 180
 MILVUS_STOP_GRACE_S = 10
 MILVUS_SERVER_IDS = Path("/tmp/milvus")
-# ``milvus-server`` with one change: it probes its ports with SO_REUSEADDR, as the server binds them, so a
-# restart takes its port back while the connections of the stopped server linger in TIME_WAIT (it would
-# move to the next free port otherwise).
+# Starts after which the server is reported unavailable: a port probed free can be taken before the server
+# binds it (Ray's workers take ports in 10002-19999, the range of its coordinators' default ports).
+MILVUS_START_ATTEMPTS = 3
+# ``milvus-server`` with one change: it probes its ports as the server binds them: on every address (it
+# probes 127.0.0.1 only, and a port another process listens on at the machine's own address then crashes the
+# server) and with SO_REUSEADDR, so a restart takes its port back while the connections of the stopped server
+# linger in TIME_WAIT (it would move to the next free port otherwise).
 MILVUS_LAUNCHER = """
 import socket, sys, milvus
 
@@ -383,7 +387,7 @@ def try_bind_port(self, port):
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(("127.0.0.1", port))
+        sock.bind(("", port))
         sock.listen()
         return sock
     except OSError:
@@ -436,21 +440,27 @@ class MilvusServerProcess:
                 f"initial-cluster: default=http://localhost:{peer_port}\n"
             )
         etcd_port = etcd_config.read_text().split("localhost:")[1].split()[0]
-        (self.data / "configs" / "milvus.yaml").unlink(missing_ok=True)  # rewritten by this start
         command = ["--data", str(self.data), "--proxy-port", str(self.port), "--etcd-port", etcd_port]
-        with self.log.open("ab") as output:
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", MILVUS_LAUNCHER, *command],
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "ETCD_CONFIG_PATH": str(etcd_config)},  # read as etcd.config.path
-                start_new_session=True,  # its own process group: stop() reaches the server it spawns
-            )
-        try:
-            self._wait_until_serving()
-        except MilvusServerUnavailable:
-            self.stop()
-            raise
+        failures = []
+        for _ in range(MILVUS_START_ATTEMPTS):
+            # Both rewritten by this start: a stale one would mislead _wait_until_serving.
+            (self.data / "configs" / "milvus.yaml").unlink(missing_ok=True)
+            self.stderr_log.unlink(missing_ok=True)
+            with self.log.open("ab") as output:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-c", MILVUS_LAUNCHER, *command],
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, "ETCD_CONFIG_PATH": str(etcd_config)},  # read as etcd.config.path
+                    start_new_session=True,  # its own process group: stop() reaches the server it spawns
+                )
+            try:
+                self._wait_until_serving()
+                return
+            except MilvusServerUnavailable as err:
+                self.stop()
+                failures.append(str(err))
+        raise MilvusServerUnavailable(f"{MILVUS_START_ATTEMPTS} starts failed; the last: {failures[-1]}")
 
     def _wait_until_serving(self) -> None:
         from pymilvus import MilvusClient, MilvusException
@@ -461,6 +471,10 @@ class MilvusServerProcess:
                 raise MilvusServerUnavailable(
                     f"milvus-server exited with code {self.process.returncode}: {self._log_tail()}"
                 )
+            # The server's binary panics (a port taken since it was probed) without its launcher exiting.
+            panic = self._panic()
+            if panic:
+                raise MilvusServerUnavailable(f"milvus-server crashed: {panic}")
             # milvus-server moves to the next free port when the one asked for is taken: check its config.
             config = self.data / "configs" / "milvus.yaml"
             if config.exists() and f"port: {self.port}\n" not in config.read_text():
@@ -476,8 +490,19 @@ class MilvusServerProcess:
                 )
             time.sleep(0.5)
 
+    @property
+    def stderr_log(self) -> Path:
+        return self.data / "logs" / "milvus-stderr.log"
+
+    def _panic(self) -> str | None:
+        """The message of a Go panic in the server's stderr (``panic: …``), if any."""
+        if not self.stderr_log.exists():
+            return None
+        lines = self.stderr_log.read_text(errors="replace").splitlines()
+        return next((line for line in lines if line.startswith(("panic: ", "fatal error: "))), None)
+
     def _log_tail(self) -> str:
-        logs = [self.log, self.data / "logs" / "milvus-stderr.log"]
+        logs = [self.log, self.stderr_log]
         return " | ".join(log.read_text(errors="replace")[-1000:] for log in logs if log.exists())
 
     def stop(self) -> None:
