@@ -5,11 +5,18 @@ done so far is durable (after an embedding batch is added, after a training step
 :class:`StopRequested` once a stop signal arrived. A second signal stops at once (the default action): the
 work is written so that even ``kill -9`` loses nothing acknowledged, only the batch in progress.
 Without :func:`stop_on_signals` (library use, tests in process) :func:`checkpoint` never raises.
+
+The same signals often reach every process of the job (``pkill -f``, systemd's control group, Ctrl-C), its
+worker processes included; a worker killed by them would fail the work its owner is finishing. Workers are
+started under :func:`stop_signals_blocked` and call :func:`obey_stop_signals_from_owner` first: they end on
+a SIGTERM from their owner only (how multiprocessing and torch's DataLoader end them), and their owner
+decides when the job stops.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -78,3 +85,31 @@ def stop_on_signals() -> Iterator[threading.Event]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _requested.clear()
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Block SIGTERM and SIGINT in this thread meanwhile. Processes started meanwhile start with them blocked
+    (forks inherit the mask; so does a forkserver, through exec), so a stop signal sent to the whole group
+    before a worker took its stance (:func:`obey_stop_signals_from_owner`) waits for it instead of killing
+    it. This thread receives a signal sent meanwhile once the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def obey_stop_signals_from_owner(owner: int) -> None:
+    """In a worker process, before it starts any thread: ignore SIGINT, and end on a SIGTERM only when the
+    process ``owner`` sent it. SIGTERM stays blocked for a thread that looks at who sent it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    threading.Thread(target=_end_on_sigterm_from, args=(owner,), name="sigterm", daemon=True).start()
+
+
+def _end_on_sigterm_from(owner: int) -> None:
+    while True:
+        if signal.sigwaitinfo([signal.SIGTERM]).si_pid == owner:
+            os._exit(0)

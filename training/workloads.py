@@ -9,8 +9,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from engine.images import load_image_file
 from engine.model_card import Preprocessing
 from engine.preprocess import to_tensor
-from engine.stopping import STOP_SIGNALS
+from engine.stopping import obey_stop_signals_from_owner, stop_signals_blocked
 from training.config import AUGMENT_MIN_AREA
 from training.features import augment_transform
 from training.model import TrainingObjective
@@ -124,36 +122,23 @@ def training_preprocessing(preprocessing: Preprocessing, train_size: int | None)
 
 class StopSafeLoader(DataLoader):
     """A DataLoader whose decoding workers outlive the SIGTERM and SIGINT that often reach every process
-    of the run (``pkill -f``, systemd's control group, Ctrl-C): the trainer saves its checkpoint, then ends
-    the workers; a worker killed first would make the DataLoader raise instead. A worker still ends on a
-    SIGTERM from the trainer's process, which is how the DataLoader, and multiprocessing at exit, end it.
-
-    Workers start with both signals blocked (before ``worker_init_fn`` runs, a worker has torch's own
-    SIGTERM handler, which dies whoever sent it); then SIGINT is ignored, and SIGTERM stays blocked for a
-    thread that looks at who sent it. This process receives a signal sent meanwhile once its workers exist.
+    of the run (``engine.stopping``): the trainer saves its checkpoint, then ends the workers; a worker killed
+    first would make the DataLoader raise instead. A worker still ends on a SIGTERM from the trainer's
+    process, which is how the DataLoader, and multiprocessing at exit, end it. Workers start with both
+    signals blocked: before ``worker_init_fn`` runs, a worker has torch's own SIGTERM handler, which dies
+    whoever sent it.
     """
 
     def __init__(self, dataset: Dataset, **options: Any) -> None:
-        super().__init__(dataset, worker_init_fn=_leave_stop_signals_to_the_trainer, **options)
+        super().__init__(dataset, worker_init_fn=_obey_the_trainer, **options)
 
     def __iter__(self) -> Any:
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
+        with stop_signals_blocked():
             return super().__iter__()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _leave_stop_signals_to_the_trainer(worker_id: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
-    threading.Thread(target=_end_when_the_trainer_asks, name="sigterm", daemon=True).start()
-
-
-def _end_when_the_trainer_asks() -> None:
-    while True:
-        if signal.sigwaitinfo([signal.SIGTERM]).si_pid == os.getppid():
-            os._exit(0)
+def _obey_the_trainer(worker_id: int) -> None:
+    obey_stop_signals_from_owner(os.getppid())
 
 
 def _endless(sampler: ClassBalancedSampler) -> Iterator[list[int]]:

@@ -99,7 +99,7 @@ def test_a_stop_signal_reaching_a_worker_as_it_starts_is_left_to_the_trainer() -
 
     def slow_start(worker_id: int) -> None:
         time.sleep(1.0)  # torch's own handler is in place: without the block, SIGTERM now kills us
-        workloads._leave_stop_signals_to_the_trainer(worker_id)
+        workloads._obey_the_trainer(worker_id)
 
     loader = workloads.StopSafeLoader(_Numbers(), batch_size=4, num_workers=1)
     loader.worker_init_fn = slow_start
