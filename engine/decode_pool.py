@@ -13,7 +13,9 @@ in one of a few worker processes, each
 - and a wall-clock deadline (``wall_seconds`` per image, for a CPU shared with others), past which the
   caller ends the worker; so does a caller whose client went away (:func:`cancelled_by`), and closing the
   pool (a server's shutdown).
-A worker that was ended, ran out of its memory or grew large is replaced by a fresh one. The caller gets
+A worker that was ended, ran out of its memory or grew large is replaced by a fresh one. A SIGTERM or
+SIGINT to the whole process group ends neither the workers nor their forkserver: the decodes under way
+finish for the owner that is stopping (``engine.stopping``, ``engine.decode_forkserver``). The caller gets
 ``ImageDecodeError("image_too_costly")`` for an image over a limit, :class:`DecodeCancelledError` when its
 client went away, and ``MemoryError`` when something else ended the worker (the kernel's OOM killer): the
 machine's shortage, not the image's fault.
@@ -49,12 +51,14 @@ from typing import Any, Protocol, TypeVar
 
 from engine import defaults
 from engine.images import ImageDecodeError
+from engine.stopping import obey_stop_signals_from_owner, stop_signals_blocked
 from index.errors import DmlsearchError, ErrorKind
 
 T = TypeVar("T")
 
-# Imported once by the forkserver, so that every worker forked from it starts with the decoders loaded.
-PRELOAD = ["engine.decoding", "engine.prefetch"]
+# Imported once by the forkserver, so that every worker forked from it starts with the decoders loaded
+# (and so that the forkserver outlives a stop of the whole process group: ``engine.decode_forkserver``).
+PRELOAD = ["engine.decode_forkserver", "engine.decoding", "engine.prefetch"]
 # How often a caller waiting on a worker looks at its client and at the pool's state.
 POLL_SECONDS = 0.05
 # A worker whose peak use grew past this above its start is replaced after its task, so that an idle
@@ -135,11 +139,11 @@ class _Worker:
             self.shared = mmap.mmap(shared, SHARED_BYTES)
             self.process = context.Process(
                 target=_serve,
-                args=(tasks, results, _SharedFd(shared), memory_bytes, niceness),
+                args=(tasks, results, _SharedFd(shared), memory_bytes, niceness, os.getpid()),
                 name="dmlsearch-decode",
                 daemon=True,
             )
-            with _without_main():
+            with _without_main(), stop_signals_blocked():  # the forkserver, started by the first, too
                 self.process.start()
         finally:
             os.close(shared)
@@ -338,11 +342,14 @@ def _detach(duplicate: Any) -> int:
     return duplicate.detach()
 
 
-def _serve(tasks: Connection, results: Connection, shared_fd: int, memory_bytes: int, niceness: int) -> None:
+def _serve(
+    tasks: Connection, results: Connection, shared_fd: int, memory_bytes: int, niceness: int, owner: int
+) -> None:
     """A worker's loop: take a task, run it under its CPU limit, send back ``(status, value, retire)``."""
-    # Ctrl-C reaches the whole group: the parent ends us. SIGTERM must still end a worker: at exit,
-    # multiprocessing ends the daemon processes of a pool never closed with it, then waits for them.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A stop of the whole group (systemd's stop, Ctrl-C) must let the decodes under way finish: the owner
+    # (a server draining its requests, a build finishing its batch) ends its workers. Its SIGTERM must
+    # still end one: at exit, multiprocessing ends the daemon workers of a pool never closed, then waits.
+    obey_stop_signals_from_owner(owner)
     if niceness:
         os.nice(niceness)
     shared = mmap.mmap(shared_fd, SHARED_BYTES)

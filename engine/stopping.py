@@ -105,6 +105,7 @@ def obey_stop_signals_from_owner(owner: int) -> None:
     process ``owner`` sent it. SIGTERM stays blocked for a thread that looks at who sent it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # an ignored signal is discarded, not kept for the thread
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     threading.Thread(target=_end_on_sigterm_from, args=(owner,), name="sigterm", daemon=True).start()
 

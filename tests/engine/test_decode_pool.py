@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -20,7 +22,7 @@ from engine.decode_pool import (
 from engine.decoding import DecodedUploads, PixelBudget, decode_uploads
 from engine.images import ImageDecodeError
 from engine.model_card import Preprocessing
-from tests.helpers import image_bytes, make_image
+from tests.helpers import group_alive, image_bytes, make_image, wait_until
 from tests.hostile_images import LEGIT, jpeg_repeated_scan
 
 BUDGET = PixelBudget(draft_size=224)
@@ -105,3 +107,33 @@ def test_a_process_that_never_closes_its_pool_still_exits() -> None:
     script = "from engine.decode_pool import DecodePool; print(DecodePool(1).run(len, b'abc'))"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "3", done.stderr
+
+
+def test_a_stop_of_the_whole_process_group_lets_the_decodes_under_way_finish() -> None:
+    """systemd's stop and ``kill -- -PGID`` signal the workers and their forkserver too: the owner (a server
+    draining its requests, a build finishing its batch) must still get the answers of decodes under way. The
+    forkserver's death alone made every worker look dead ("the decoder crashed", exit code 255)."""
+    script = (
+        "import signal, time\n"
+        "from engine.decode_pool import DecodePool\n"
+        "signal.signal(signal.SIGTERM, lambda *_: print('stopping', flush=True))  # finish, then exit\n"
+        "with DecodePool(1) as pool:\n"
+        "    print('started', flush=True)\n"
+        "    pool.run(time.sleep, 3)\n"
+        "    print('finished', flush=True)\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    assert process.stdout.readline().strip() == "started"
+    time.sleep(1)  # the worker is in its task
+    os.killpg(process.pid, signal.SIGTERM)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, output
+    assert output.split() == ["stopping", "finished"], output
+    # The workers and the forkserver end with their owner (the forkserver once it sees its owner gone).
+    wait_until(lambda: not group_alive(process.pid, process), 30, "the owner's processes to end")
