@@ -51,7 +51,7 @@ from typing import Any, Protocol, TypeVar
 
 from engine import defaults
 from engine.images import ImageDecodeError
-from engine.stopping import obey_stop_signals_from_owner, stop_signals_blocked
+from engine.stopping import obey_stop_signals_from_owner
 from index.errors import DmlsearchError, ErrorKind
 
 T = TypeVar("T")
@@ -143,7 +143,7 @@ class _Worker:
                 name="dmlsearch-decode",
                 daemon=True,
             )
-            with _without_main(), stop_signals_blocked():  # the forkserver, started by the first, too
+            with _without_main():
                 self.process.start()
         finally:
             os.close(shared)

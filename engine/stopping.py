@@ -7,8 +7,9 @@ work is written so that even ``kill -9`` loses nothing acknowledged, only the ba
 Without :func:`stop_on_signals` (library use, tests in process) :func:`checkpoint` never raises.
 
 The same signals often reach every process of the job (``pkill -f``, systemd's control group, Ctrl-C), its
-worker processes included; a worker killed by them would fail the work its owner is finishing. Workers are
-started under :func:`stop_signals_blocked` and call :func:`obey_stop_signals_from_owner` first: they end on
+worker processes included; a worker killed by them would fail the work its owner is finishing. Workers start
+with them blocked (forked under :func:`stop_signals_blocked`) or ignored (forked by the decode pool's
+forkserver, ``engine.decode_forkserver``) and call :func:`obey_stop_signals_from_owner` first: they end on
 a SIGTERM from their owner only (how multiprocessing and torch's DataLoader end them), and their owner
 decides when the job stops.
 """
@@ -89,10 +90,10 @@ def stop_on_signals() -> Iterator[threading.Event]:
 
 @contextlib.contextmanager
 def stop_signals_blocked() -> Iterator[None]:
-    """Block SIGTERM and SIGINT in this thread meanwhile. Processes started meanwhile start with them blocked
-    (forks inherit the mask; so does a forkserver, through exec), so a stop signal sent to the whole group
-    before a worker took its stance (:func:`obey_stop_signals_from_owner`) waits for it instead of killing
-    it. This thread receives a signal sent meanwhile once the block ends."""
+    """Block SIGTERM and SIGINT in this thread meanwhile. Processes forked meanwhile start with them blocked
+    (a process started through exec, such as a forkserver, does not), so a stop signal sent to the whole
+    group before a worker took its stance (:func:`obey_stop_signals_from_owner`) waits for it instead of
+    killing it. This thread receives a signal sent meanwhile once the block ends."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield

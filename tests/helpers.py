@@ -441,7 +441,6 @@ class MilvusServerProcess:
             )
         etcd_port = etcd_config.read_text().split("localhost:")[1].split()[0]
         command = ["--data", str(self.data), "--proxy-port", str(self.port), "--etcd-port", etcd_port]
-        failures = []
         for _ in range(MILVUS_START_ATTEMPTS):
             # Both rewritten by this start: a stale one would mislead _wait_until_serving.
             (self.data / "configs" / "milvus.yaml").unlink(missing_ok=True)
@@ -459,8 +458,8 @@ class MilvusServerProcess:
                 return
             except MilvusServerUnavailable as err:
                 self.stop()
-                failures.append(str(err))
-        raise MilvusServerUnavailable(f"{MILVUS_START_ATTEMPTS} starts failed; the last: {failures[-1]}")
+                failure = err
+        raise MilvusServerUnavailable(f"{MILVUS_START_ATTEMPTS} starts failed; the last: {failure}")
 
     def _wait_until_serving(self) -> None:
         from pymilvus import MilvusClient, MilvusException
