@@ -25,7 +25,7 @@ test: setup
 lint: setup typecheck
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
-# mypy over index, engine and app ([tool.mypy] in pyproject.toml): zero errors, kept so by `lint`.
+# mypy over foundation, index, engine and app ([tool.mypy] in pyproject.toml): zero errors, kept so by `lint`.
 typecheck: setup
 	$(BIN)/mypy
 

@@ -29,7 +29,7 @@ from app.reload import Reloader, ReloadError, reload_on_sighup
 from app.routes import router
 from app.settings import Settings
 from app.state import EngineState
-from engine.decode_pool import DecodePool
+from engine.decode.pool import DecodePool
 
 log = logging.getLogger("dmlsearch.app")
 

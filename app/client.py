@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from engine import defaults
+from foundation import defaults
 
 
 class ApiCallError(Exception):

@@ -6,7 +6,7 @@ time) and the event loop thread, which receives uploads and sends answers, starv
 ~0.6 s just to arrive, against ~20 ms with the bound. With as many slots as cores, extra requests wait in
 line without using the CPU (the "queue" stage of a response's timings), at the same throughput.
 
-A request whose client goes away stops: a decode under way has its process ended (``engine.decode_pool``),
+A request whose client goes away stops: a decode under way has its process ended (``engine.decode.pool``),
 and work not yet started does not start, so the slot is free again at once.
 """
 
@@ -24,7 +24,7 @@ import anyio.to_thread
 from anyio import CapacityLimiter
 from starlette.requests import Request
 
-from engine.decode_pool import DecodeCancelledError, cancelled_by
+from engine.decode.pool import DecodeCancelledError, cancelled_by
 
 # How often a request whose work is under way checks that its client is still there.
 DISCONNECT_POLL_SECONDS = 0.2

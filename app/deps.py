@@ -19,11 +19,11 @@ from app.errors import ApiError
 from app.metrics import Metrics
 from app.settings import Settings
 from app.state import EngineState
-from engine import defaults
-from engine.query import SearchOptions
-from engine.regions import Box
-from engine.search import SearchService
-from index.errors import ErrorKind
+from engine.decode.regions import Box
+from engine.serve.query import SearchOptions
+from engine.serve.search import SearchService
+from foundation import defaults
+from foundation.errors import ErrorKind
 from index.filters import ItemFilter
 
 INT64_MAX = 2**63 - 1
@@ -61,7 +61,7 @@ LocalTime = Annotated[
     WithJsonSchema({"type": "string", "pattern": LOCAL_TIME_PATTERN}),
 ]
 ItemId = Annotated[int, Path(ge=0, le=INT64_MAX, description="The item's id in the index.")]
-# A query box as the API takes it: four non-negative numbers (engine.regions says what they mean).
+# A query box as the API takes it: four non-negative numbers (engine.decode.regions says what they mean).
 _NUMBER = r"[0-9]+(\.[0-9]+)?"
 BoxText = Annotated[str, StringConstraints(pattern=rf"^{_NUMBER}(,{_NUMBER}){{3}}$")]
 _BOX_HELP = (

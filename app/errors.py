@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
 from app.memory import release_memory
-from index.errors import DmlsearchError, ErrorKind
+from foundation.errors import DmlsearchError, ErrorKind
 
 log = logging.getLogger("dmlsearch.app")
 
@@ -24,7 +24,7 @@ INDEX_UNAVAILABLE_RETRY_AFTER = 5
 CLIENT_CLOSED_REQUEST = 499
 # Seconds a client is told to wait after the server ran out of memory on its request.
 OUT_OF_MEMORY_RETRY_AFTER = 5
-# The HTTP status of each kind of error (index/errors.py).
+# The HTTP status of each kind of error (foundation/errors.py).
 KIND_STATUS = {
     ErrorKind.INVALID: 422,
     ErrorKind.MALFORMED: 400,

@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.errors import ApiError, busy_response, error_response
 from app.metrics import Metrics
 from app.ratelimit import TokenBucketLimiter
-from index.errors import ErrorKind
+from foundation.errors import ErrorKind
 
 # Metric labels take only known methods: a client inventing methods must not invent time series.
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})

@@ -5,7 +5,7 @@ Every change of the served bundle goes through :class:`Reloader` and ``SearchSer
 (``CurrentBundle.swap``): ``POST /v1/admin/reload`` and SIGHUP (:meth:`Reloader.reload`: the configured
 path again, a symlink the operator repointed, say, or another directory), and the index poller
 (:meth:`Reloader.refresh`: the served index saved by another process). The new bundle is loaded beside
-the served one and probed (``engine.probe``: a query through its model in a child process that is killed
+the served one and probed (``engine.serve.probe``: a query through its model in a child process that is killed
 when it overruns, and through its index); then it is swapped in under the lock writes take, so that no
 write is half done and every acknowledged write is in it, and the old index is closed. A bundle that
 fails to load or to prove itself is refused with the reason, and the served one stays.
@@ -29,12 +29,12 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from app.state import EngineState
-from engine.model_card import ModelCard
-from engine.probe import probe_output, prove_bundle, prove_index
-from engine.search import SearchService
-from engine.serving import LoadedBundle
-from index.errors import DmlsearchError, ErrorKind
-from index.families import Backend
+from engine.model.model_card import ModelCard
+from engine.serve.loaded_bundle import LoadedBundle
+from engine.serve.probe import probe_output, prove_bundle, prove_index
+from engine.serve.search import SearchService
+from foundation.errors import DmlsearchError, ErrorKind
+from foundation.families import Backend
 from index.gallery import IndexMismatchError
 
 log = logging.getLogger("dmlsearch.app")

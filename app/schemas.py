@@ -8,12 +8,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-from engine.explain import Heatmap
-from engine.labels import LABEL_PATTERN, MAX_LABEL_CHARS
-from engine.model_card import ValidationCheck
-from engine.query import BatchResponse
-from engine.ranking import QueryHits
-from engine.voting import Prediction
+from engine.gallery.labels import LABEL_PATTERN, MAX_LABEL_CHARS
+from engine.model.model_card import ValidationCheck
+from engine.serve.explain import Heatmap
+from engine.serve.query import BatchResponse
+from engine.serve.ranking import QueryHits
+from engine.serve.voting import Prediction
 from index.protocol import Item
 
 # Every image the API sends: browsers must not sniff another type out of a gallery file's bytes.

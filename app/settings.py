@@ -2,7 +2,7 @@
 
 Each field is one setting: ``dmlsearch serve`` generates a flag for every field from its name, type,
 default and description (cli/settings_flags.py), so a new field needs no CLI code. Defaults shared with the
-engine and the CLI come from ``engine.defaults``.
+engine and the CLI come from ``foundation.defaults``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from engine import defaults
-from engine.decode_pool import DecodeLimits
+from engine.decode.pool import DecodeLimits
+from foundation import defaults
 
 
 class Settings(BaseSettings):

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.settings import Settings
-from engine.bundle import resolve_model
-from engine.decode_pool import Decoder
-from engine.gallery_files import own_folders
-from engine.probe import prove_index
-from engine.search import SearchService
-from engine.serving import LoadedBundle, ServingConfig
-from index.atomic import remove_abandoned
+from engine.decode.pool import Decoder
+from engine.gallery.files import own_folders
+from engine.model.bundle import resolve_model
+from engine.serve.loaded_bundle import LoadedBundle, ServingConfig
+from engine.serve.probe import prove_index
+from engine.serve.search import SearchService
+from foundation.atomic import remove_abandoned
 from index.gallery import GalleryIndex
 from index.protocol import BackendUnavailableError
 
@@ -71,8 +71,8 @@ class EngineState:
     @classmethod
     def open(cls, settings: Settings, *, decoder: Decoder) -> EngineState:
         """A ready engine over the configured bundle, or an exception saying why not. The bundle first
-        passes the probe a reload's does (engine.probe), here in this process, where nothing is served yet:
-        the model's run deadline (``embed_run_seconds``) stops a model that never returns."""
+        passes the probe a reload's does (engine.serve.probe), here in this process, where nothing is served
+        yet: the model's run deadline (``embed_run_seconds``) stops a model that never returns."""
         bundle = cls.open_bundle(settings, *cls.locate(settings))
         try:
             prove_index(bundle, stored_vectors=True)

@@ -18,8 +18,10 @@ from app.ui_box import region_box
 from app.ui_display import plain, preview
 from app.ui_duplicates import render_duplicates
 from app.ui_model import render_model
-from engine import defaults
-from engine.images import IMAGE_SUFFIXES  # importing it also lets st.image show HEIC queries (pillow-heif)
+from engine.decode.images import (
+    IMAGE_SUFFIXES,  # importing it also lets st.image show HEIC queries (pillow-heif)
+)
+from foundation import defaults
 
 API_URL = os.environ.get("DMLSEARCH_API_URL", defaults.API_URL).rstrip("/")
 COLUMNS = 4
@@ -29,7 +31,7 @@ UPLOAD, GALLERY = "Upload an image", "Pick a gallery item"
 SEARCH_PAGE, DUPLICATES_PAGE, MODEL_PAGE = "Search", "Duplicates", "Model"
 # The Search page's controls by session-state key, with their defaults (no filter: None or empty).
 SEARCH_DEFAULTS = {
-    # Not the API's defaults (engine.defaults TOP_K, MIN_SCORE) on purpose: 12 fills three rows of the
+    # Not the API's defaults (foundation.defaults TOP_K, MIN_SCORE) on purpose: 12 fills three rows of the
     # grid, and a person looking at photos has no use for results pointing away from the query (cosine < 0).
     "k": 3 * COLUMNS,
     "min_score": 0.0,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import streamlit as st
 from streamlit_cropper import st_cropper
 
-from engine.images import open_image
+from engine.decode.images import open_image
 
 BOX_COLOUR = "#ff4b4b"
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import re
 
-from engine import defaults
-from engine.images import ImageDecodeError, thumbnail_jpeg
+from engine.decode.images import ImageDecodeError, thumbnail_jpeg
+from foundation import defaults
 
 # CommonMark lets a backslash escape any ASCII punctuation: escaping all of it leaves no Markdown or HTML.
 _PUNCTUATION = re.compile(r"([!-/:-@\[-`{-~])")

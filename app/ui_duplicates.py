@@ -13,7 +13,7 @@ import streamlit as st
 
 from app.client import ApiCallError, SearchClient
 from app.ui_display import plain
-from index.duplicates import DEFAULT_THRESHOLD
+from engine.duplicates.groups import DEFAULT_THRESHOLD
 
 GROUPS_PER_PAGE = 10
 COLUMNS = 6

@@ -17,9 +17,9 @@ from starlette.formparsers import MultiPartException, MultiPartParser, parse_opt
 
 from app.errors import ApiError
 from app.schemas import ImageJsonIn, ImagesJsonIn, NewItemsJsonIn
-from engine.images import IMAGE_MEDIA_TYPES
-from engine.labels import LABEL_PATTERN, MAX_LABEL_BYTES, MAX_LABEL_CHARS
-from index.errors import ErrorKind
+from engine.decode.images import IMAGE_MEDIA_TYPES
+from engine.gallery.labels import LABEL_PATTERN, MAX_LABEL_BYTES, MAX_LABEL_CHARS
+from foundation.errors import ErrorKind
 
 _DATA_URL_PREFIX = re.compile(r"^data:[\w/+.-]*;base64,")
 _LABEL_FIELD = "label"

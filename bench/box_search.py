@@ -4,10 +4,10 @@
 
 Each of ``--count`` gallery photos (Cars196 test classes, a seeded sample; Cars196 ships no bounding boxes
 here, so the pasted object is the whole car photo) is pasted at a random place and size (15-40% of the
-width) into one of the demo gallery's non-vehicle source photos (``engine.demo_gallery``), upscaled to a
+width) into one of the demo gallery's non-vehicle source photos (``engine.gallery.demo``), upscaled to a
 1600-px long side, and the scene is saved as a JPEG (quality 90), as a camera would. Each scene is then a
-query three ways, through the decode task the server runs (``engine.decoding.decode_uploads``, JPEG draft
-on, as served) and the served model:
+query three ways, through the decode task the server runs (``engine.decode.model_input.decode_uploads``, JPEG
+draft on, as served) and the served model:
 - whole: the scene, no box;
 - box: the scene with ``box`` = the pasted rectangle in pixels (cropped after decoding, before the resize);
 - hand crop: the pasted rectangle cut from the fully decoded scene beforehand and sent alone (lossless PNG).
@@ -30,11 +30,11 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from engine.decoding import PixelBudget, decode_uploads
-from engine.demo_gallery import PHOTOS
-from engine.embedder import Embedder
-from engine.images import decode_image
-from engine.regions import Box
+from engine.decode.images import decode_image
+from engine.decode.model_input import PixelBudget, decode_uploads
+from engine.decode.regions import Box
+from engine.gallery.demo import PHOTOS
+from engine.model.embedder import Embedder
 from training.data import load_labelled_images, split_classes
 from training.features import backbone_model
 

@@ -6,14 +6,15 @@
 
 In one run, on one model (the pretrained export, or ``--model``):
 - model only: onnxruntime at ``--batch-size`` on pre-decoded tensors (``--threads`` intra-op threads), with
-  and without spinning threads (``engine.embedder.onnx_session``); the faster of the two is the reference;
+  and without spinning threads (``engine.model.embedder.onnx_session``); the faster of the two is the
+  reference;
 - decode only: the decode pool alone (read, decode, resize, crop, normalise, perceptual signature), per
   worker count;
-- end to end: ``engine.indexing.build_index`` into a fresh index (hashing, decoding, embedding, adding,
+- end to end: ``engine.build.indexing.build_index`` into a fresh index (hashing, decoding, embedding, adding,
   building) on ``--count`` Cars196 images (224 px, the first in sorted path order) and on ``--large-count``
   12-MP JPEGs generated from them (upscaled to 4000x3000, quality 92, cached under ``--work``), per
   decode-worker count (0 = decoding on the calling thread, as build-index did before the pool) and
-  ``--niceness`` of the workers (``engine.prefetch.WORKER_NICENESS``), ``--repeats`` times, interleaved.
+  ``--niceness`` of the workers (``engine.build.prefetch.WORKER_NICENESS``), ``--repeats`` times, interleaved.
 Each end-to-end rate is divided by the mean of the model-only rates measured right before and right after
 it, so that load drifting on a shared machine moves both sides of a ratio alike. Files are read once before
 timing, so every run reads them from the page cache. The load average is recorded at the start and the end;
@@ -47,16 +48,16 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from engine import defaults
-from engine import prefetch as prefetch_module
-from engine.embedder import Embedder
-from engine.gallery_files import list_images
-from engine.images import load_image_file
-from engine.indexing import build_index, file_hash
-from engine.prefetch import decode_file, prefetch
-from engine.preprocess import to_array
-from engine.signature import perceptual_signature
-from index.atomic import atomic_write_text
+from engine.build import prefetch as prefetch_module
+from engine.build.indexing import build_index, file_hash
+from engine.build.prefetch import decode_file, prefetch
+from engine.decode.images import load_image_file
+from engine.duplicates.signature import perceptual_signature
+from engine.gallery.files import list_images
+from engine.model.embedder import Embedder
+from engine.model.preprocess import to_array
+from foundation import defaults
+from foundation.atomic import atomic_write_text
 
 LARGE_SIZE = (4000, 3000)
 LARGE_QUALITY = 92
@@ -229,7 +230,7 @@ def main() -> None:
         type=int,
         nargs="+",
         default=[prefetch_module.WORKER_NICENESS],
-        help="niceness added to the decode workers (engine/prefetch.py), each measured",
+        help="niceness added to the decode workers (engine/build/prefetch.py), each measured",
     )
     parser.add_argument("--repeats", type=int, default=1, help="end-to-end runs of each setting, interleaved")
     parser.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0 = all).")

@@ -39,7 +39,7 @@ from vector_data import (
     seed_images,
 )
 
-from index.atomic import atomic_write_text
+from foundation.atomic import atomic_write_text
 from index.sources import ArraySource
 from index.tuning import exact_neighbours
 

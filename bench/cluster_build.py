@@ -7,8 +7,8 @@
 On one gallery (the first ``--count`` images of ``--data`` in sorted order, else generated 224-px images)
 and one model (``--model``, else the pretrained EfficientNet-Lite0 exported once under ``--work``), each
 build into a fresh index:
-- local: ``engine.indexing.build_index`` with its default runner (this process, decode processes);
-- ray local: the same with ``engine.ray_runner.RayRunner()`` on a Ray runtime started in this process
+- local: ``engine.build.indexing.build_index`` with its default runner (this process, decode processes);
+- ray local: the same with ``engine.build.ray_runner.RayRunner()`` on a Ray runtime started in this process
   (started before the clock runs; the build's own actor start, model load and scheduling are timed);
 - one node / two nodes: a real cluster (``tests.helpers.RayCluster``: ``ray start`` processes, 1 CPU per
   node, each node pinned to a core of its own, so a node computes on one core as a 1-core machine would),
@@ -37,11 +37,11 @@ from pathlib import Path
 
 from PIL import Image
 
-from engine.embedder import Embedder
-from engine.gallery_files import list_images
-from engine.indexing import BuildReport, build_index
-from engine.ray_runner import RayRunner
-from index.atomic import atomic_write_text
+from engine.build.indexing import BuildReport, build_index
+from engine.build.ray_runner import RayRunner
+from engine.gallery.files import list_images
+from engine.model.embedder import Embedder
+from foundation.atomic import atomic_write_text
 from tests.helpers import RayCluster, make_image
 
 HEAD_CORE = 0  # RayCluster(pin_cores=True) runs node k on core k: the head is node 0

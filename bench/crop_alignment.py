@@ -7,8 +7,8 @@ bench/duplicate_tiers.py: models split in two), one copy of the first photo per 
 bench/duplicate_tiers.py, and the three pairs of different photos of one model (near-but-different). Per
 pair:
 
-- **pHash bits**: ``index.duplicates.signature_distance`` of the engine's signatures
-  (``engine.signature``), the edited tier's evidence today (edited: within ``EDITED_BITS``);
+- **pHash bits**: ``engine.duplicates.groups.signature_distance`` of the engine's signatures
+  (``engine.duplicates.signature``), the edited tier's evidence today (edited: within ``EDITED_BITS``);
 - **aligned NCC**: a candidate that does not depend on where the crop lies: greyscale thumbnails of
   both images (``--size`` px square), the copy's scaled to every pair of per-axis shares in ``--scales``
   of the other's, and the best normalised cross-correlation over every offset
@@ -62,12 +62,12 @@ from duplicate_tiers import (  # bench/ scripts run from bench/ on sys.path
 from PIL import Image
 from skimage.feature import match_template
 
-from engine.embedder import Embedder
-from engine.images import decode_image
-from engine.signature import perceptual_signature
-from index.duplicate_tiers import EDITED_BITS, Tier, TierSettings, tier_pairs
-from index.duplicates import group_pairs, signature_distance
-from index.signature_layout import views_of
+from engine.decode.images import decode_image
+from engine.duplicates.groups import group_pairs, signature_distance
+from engine.duplicates.signature import perceptual_signature
+from engine.duplicates.signature_layout import views_of
+from engine.duplicates.tiers import EDITED_BITS, Tier, TierSettings, tier_pairs
+from engine.model.embedder import Embedder
 
 KINDS = (*EDITS, "take")
 NOT_WINDOWS = ("rotated90", "mirrored")  # the signature's turned and mirrored views find those
@@ -355,7 +355,7 @@ def write_markdown(result: dict, path: Path) -> None:
         f"Command: `{result['command']}` (load average when it started: {result['load']}; the machine was "
         "shared with other jobs: times are indicative)",
         "",
-        f"Edited today: pHash signatures within {EDITED_BITS} bits (index.duplicate_tiers.EDITED_BITS). "
+        f"Edited today: pHash signatures within {EDITED_BITS} bits (engine.duplicates.tiers.EDITED_BITS). "
         "Aligned NCC: see the bench's docstring; the cut is chosen on half A (midway between its highest "
         "near-but-different pair and its lowest copy that is a window of its photo), figures are half B's.",
     ]

@@ -3,10 +3,10 @@
 For every file of ``tests/hostile_images.py`` (the costliest legitimate files, 49 MP in each format and
 pixel mode, and the hostile ones): its size, what decoding it as an upload costs in a fresh process
 without limits (peak memory over the process's start, CPU seconds; under a 4 GB address-space cap and a
-``--measure-timeout`` so that a bomb cannot take the machine), and what ``engine.decode_pool`` answers
-under the default limits (``engine.defaults.DECODE_*``), with its wall time. Also the per-image cost of the
-process hop: one small JPEG decoded in-process and through the pool, interleaved, and with ``--files DIR``
-build-index's decode stage (``engine.prefetch`` with 2 threads, each decoding in-process as before or
+``--measure-timeout`` so that a bomb cannot take the machine), and what ``engine.decode.pool`` answers
+under the default limits (``foundation.defaults.DECODE_*``), with its wall time. Also the per-image cost of
+the process hop: one small JPEG decoded in-process and through the pool, interleaved, and with ``--files DIR``
+build-index's decode stage (``engine.build.prefetch`` with 2 threads, each decoding in-process as before or
 waiting on one of 2 decode processes at the build's niceness) over the first ``--count`` JPEGs of DIR,
 ``--repeats`` times interleaved.
 
@@ -27,11 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.decode_pool import DecodePool, InProcessDecoder
-from engine.decoding import PixelBudget, decode_uploads
-from engine.images import ImageDecodeError
-from engine.model_card import Preprocessing
-from engine.prefetch import WORKER_NICENESS, decode_file, prefetch
+from engine.build.prefetch import WORKER_NICENESS, decode_file, prefetch
+from engine.decode.images import ImageDecodeError
+from engine.decode.model_input import PixelBudget, decode_uploads
+from engine.decode.pool import DecodePool, InProcessDecoder
+from engine.model.model_card import Preprocessing
 from tests.hostile_images import HOSTILE, LEGIT, encode, noise
 
 BUDGET = PixelBudget(draft_size=Preprocessing().resize_size)

@@ -4,7 +4,7 @@ groups of 100k items.
     python bench/duplicate_tiers.py --data CARS196 --model MODEL.onnx
 
 1. Quality. Photos: Cars196 test photos of ``--classes`` car models (``--per-class`` photos each) and the
-   demo gallery's source photos (engine.demo_gallery); each photo is the central 85% window of its source
+   demo gallery's source photos (engine.gallery.demo); each photo is the central 85% window of its source
    image, so that a second take can hold what lies outside it. The Cars196 models are split in two
    halves, A and B; ``--sources`` photos of each half get copies, made from the photo:
    - exact: the same pixels saved again as PNG with a text chunk (other bytes);
@@ -36,7 +36,7 @@ groups of 100k items.
    copies, and for the aligned check planted off-centre crops and other photos of the same thing), at
    the settings chosen on A and at the library's defaults. ``--speed-only`` reruns this part alone.
 
-Signatures are computed again, without embedding again, when engine/signature.py changed.
+Signatures are computed again, without embedding again, when engine/duplicates/signature.py changed.
 
 Writes ``bench/results/duplicate_tiers.{json,md}``. Embeddings are cached in ``--cache``.
 """
@@ -62,12 +62,11 @@ from duplicates import synthetic_index  # bench/ scripts run from bench/ on sys.
 from PIL import Image, ImageDraw, ImageEnhance, ImageOps
 from tqdm import tqdm
 
-from engine import signature as signature_module
-from engine.demo_gallery import PHOTOS
-from engine.embedder import Embedder
-from engine.images import decode_image
-from engine.signature import perceptual_signature
-from index.duplicate_tiers import (
+from engine.decode.images import decode_image
+from engine.duplicates.finder import signature as signature_module
+from engine.duplicates.groups import group_pairs
+from engine.duplicates.signature import perceptual_signature
+from engine.duplicates.tiers import (
     ALIGNED_COSINE,
     ALIGNED_NCC,
     ALIGNED_TRIES,
@@ -82,7 +81,8 @@ from index.duplicate_tiers import (
     find_tiered,
     tier_pairs,
 )
-from index.duplicates import group_pairs
+from engine.gallery.demo import PHOTOS
+from engine.model.embedder import Embedder
 from index.gallery import GalleryIndex
 from index.protocol import Entry
 
@@ -270,7 +270,8 @@ def bench_images(args: argparse.Namespace, draft: int) -> Iterator[tuple[Image.I
 
 
 def resign(args: argparse.Namespace, data: dict, draft: int) -> None:
-    """The signatures of cached images computed again (engine/signature.py changed; the vectors kept)."""
+    """The signatures of cached images computed again (engine/duplicates/signature.py changed; the vectors
+    kept)."""
     for number, (image, record) in enumerate(bench_images(args, draft)):
         cached = data["records"][number]
         if any(cached[key] != value for key, value in record.items()):
@@ -552,7 +553,7 @@ def aligned_grid(
 ) -> dict:
     """The edited tier by the aligned check's (cosine, NCC) at the edited setting chosen, every pair between
     two signature groups checked: ``tier_pairs`` itself at each setting, since which aligned pairs join
-    depends on the cut (each window joins only its best holder: ``index.duplicate_tiers``)."""
+    depends on the cut (each window joins only its best holder: ``engine.duplicates.tiers``)."""
     records = data["records"]
     grid, checked = {}, 0
     for cosine in ALIGNED_COSINES:

@@ -5,8 +5,8 @@
 1. Quality. The Cars196 test images (``dml_split`` test in labels.csv) plus generated near-duplicates of
    a random sample of them: re-encoded (JPEG q=60), resized to half, centre-cropped to 90%, mirrored, and
    brightness +15% and -15%. Each image is embedded and gets its perceptual signature as build-index
-   would (``engine.signature``; the photos decoded with the JPEG draft, as build-index does). A true pair
-   is two images made from the same photo (the photo and a copy, or two copies); every other pair
+   would (``engine.duplicates.signature``; the photos decoded with the JPEG draft, as build-index does). A
+   true pair is two images made from the same photo (the photo and a copy, or two copies); every other pair
    ``dmlsearch duplicates`` reports counts against precision, pairs of distinct Cars196 files included
    (Cars196 holds some photos twice, mirrored: they count as false pairs here). The sampled photos are
    split in two halves, each run as its own gallery (all test photos plus that half's copies): the
@@ -14,8 +14,8 @@
    library's defaults are reported on the second, by ``find_duplicates`` itself. Also reported: the same
    with the embedding alone (signatures ignored, as for an index built before them). Embeddings and
    signatures are cached in ``--cache`` (delete it to re-embed; the signatures alone are computed again
-   when engine/signature.py changed).
-2. Speed. ``index.duplicates.find_duplicates`` at its defaults over an index of 100k vectors of the
+   when engine/duplicates/signature.py changed).
+2. Speed. ``engine.duplicates.groups.find_duplicates`` at its defaults over an index of 100k vectors of the
    model's dimension made from the real embeddings of part 1: each a real test photo's embedding plus
    Gaussian noise (about 0.85 cosine to it, like another photo of that car), with random signatures and
    smooth random thumbnails, plus 2-3 copies of 5% of them at about 0.97 cosine that share their signature
@@ -44,11 +44,9 @@ import numpy as np
 from PIL import Image, ImageEnhance, ImageOps
 from tqdm import tqdm
 
-from engine import signature as signature_module
-from engine.embedder import Embedder
-from engine.images import decode_image
-from engine.signature import perceptual_signature
-from index.duplicates import (
+from engine.decode.images import decode_image
+from engine.duplicates.finder import signature as signature_module
+from engine.duplicates.groups import (
     DEFAULT_MAX_DISTANCE,
     DEFAULT_NEIGHBOURS,
     DEFAULT_THRESHOLD,
@@ -60,9 +58,11 @@ from index.duplicates import (
     pair_cosines,
     signature_pairs,
 )
+from engine.duplicates.signature import perceptual_signature
+from engine.duplicates.signature_layout import THUMBNAIL_SIDE, VIEWS
+from engine.model.embedder import Embedder
 from index.gallery import GalleryIndex
 from index.protocol import Entry
-from index.signature_layout import THUMBNAIL_SIDE, VIEWS
 
 VARIANTS = ("reencoded", "resized", "cropped90", "mirrored", "brighter15", "darker15")
 THRESHOLDS = np.round(np.arange(0.70, 0.991, 0.01), 2)  # cosine cuts tried
@@ -115,7 +115,8 @@ def signatures_of(data: Path, paths: list[str], sampled: np.ndarray, draft: int)
 def embed_dataset(data: Path, embedder: Embedder, sources: int, seed: int, cache: Path) -> dict:
     """Embeddings and signatures of every test photo and of the copies of ``sources`` sampled photos.
 
-    Cached; the signatures are computed again when engine/signature.py changed (the embeddings are kept)."""
+    Cached; the signatures are computed again when engine/duplicates/signature.py changed (the embeddings are
+    kept)."""
     paths, sampled = test_photos(data, sources, seed)
     draft = embedder.card.preprocessing.resize_size
     # The signatures are as current as the module that computes them.

@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine import defaults
-from engine.embedder import Embedder
-from index.atomic import atomic_write_text
+from engine.model.embedder import Embedder
+from foundation import defaults
+from foundation.atomic import atomic_write_text
 from training.backbone import BACKBONES, create_backbone
 from training.export import export_onnx
 from training.model import EmbeddingModel

@@ -5,7 +5,7 @@
 Both start from decoded, preprocessed images: a query embeds one image; an explanation embeds the query
 and the result in one batch with the feature maps, runs the explainer, takes both heatmaps and their
 peaks and draws both overlays as JPEG (what ``/v1/explain`` does after decoding). The pair is two
-demo-gallery photos (``engine.demo_gallery.PHOTOS``: the cat and the coffee); with ``--noise`` two images
+demo-gallery photos (``engine.gallery.demo.PHOTOS``: the cat and the coffee); with ``--noise`` two images
 of Gaussian noise, the worst case for the encoder (the first runs' input). Each figure is the minimum over
 ``--repeats`` runs after a warm-up, so that other load on the machine inflates it as little as possible.
 Without ``--model`` the pretrained model is exported to a temporary folder first.
@@ -24,11 +24,11 @@ from types import SimpleNamespace
 import numpy as np
 from PIL import Image
 
-from engine.demo_gallery import PHOTOS
-from engine.embedder import Embedder
-from engine.explain import Heatmap, explain_tensor, model_view
-from engine.explainer import Explainer
-from engine.heatmap_image import jpeg_bytes, overlay
+from engine.gallery.demo import PHOTOS
+from engine.model.embedder import Embedder
+from engine.model.explainer import Explainer
+from engine.serve.explain import Heatmap, explain_tensor, model_view
+from engine.serve.heatmap_image import jpeg_bytes, overlay
 
 
 def best_ms(run: Callable[[], object], repeats: int) -> float:

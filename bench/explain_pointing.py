@@ -1,10 +1,10 @@
 """Does the heatmap point at the right place? One object pasted into two different backgrounds: the peak of
-each image's heatmap (``engine.explain``) should fall inside the pasted object's box.
+each image's heatmap (``engine.serve.explain``) should fall inside the pasted object's box.
 
     python bench/explain_pointing.py [--model MODEL] [--pairs 240] [--seed 0] [--any-photos]
                                      [--objects FOLDER] [--out bench/results/explain_pointing.json]
 
-Objects and backgrounds are the demo gallery's source photos (``engine.demo_gallery.PHOTOS``: real photos
+Objects and backgrounds are the demo gallery's source photos (``engine.gallery.demo.PHOTOS``: real photos
 shipped in scikit-image and scikit-learn). Per pair: a random square crop of one photo, resized to 56-96
 px, is pasted at random places into random 224 x 224 crops of two other photos (the model sees all of a
 224-pixel square image). The three photos show three different scenes (labels): the two views of the
@@ -15,7 +15,7 @@ while the peak was chosen: the centre square (30-60% of the short side) of a ran
 (e.g. Cars196's images, whose cars fill the centre), pasted into two demo scenes. Three peaks of each
 image are scored, each counted inside when its centre lies in the pasted box:
 
-- ``matched``, the served one (``engine.explain.matched_windows``): the 3 x 3 windows of grid positions,
+- ``matched``, the served one (``engine.serve.explain.matched_windows``): the 3 x 3 windows of grid positions,
   one in each image, whose pairs of positions point most alike (the cosine of their contributions),
   beyond how alike each is to the other image's positions on average;
 - ``window``: the 3 x 3 window of the image's own heatmap whose shares add up to the most;
@@ -39,12 +39,12 @@ import numpy as np
 from explain_cost import pretrained_model  # bench/ scripts run from bench/ on sys.path
 from PIL import Image
 
-from engine.defaults import EXPLAIN_PEAK_POSITIONS
-from engine.demo_gallery import PHOTOS
-from engine.embedder import Embedder
-from engine.explain import Peak, explain_tensor, window_sums
-from engine.explainer import Explainer
-from index.atomic import atomic_write_text
+from engine.gallery.demo import PHOTOS
+from engine.model.embedder import Embedder
+from engine.model.explainer import Explainer
+from engine.serve.explain import Peak, explain_tensor, window_sums
+from foundation.atomic import atomic_write_text
+from foundation.defaults import EXPLAIN_PEAK_POSITIONS
 
 SIDE = 224
 SIZES = {"matched": EXPLAIN_PEAK_POSITIONS, "window": EXPLAIN_PEAK_POSITIONS, "position": 1}
@@ -133,7 +133,8 @@ def pasted_pairs(
 
 
 def explainable_bundle(model: Path) -> SimpleNamespace:
-    """What ``engine.explain.explain_tensor`` needs of a served bundle: the embedder and the explainer."""
+    """What ``engine.serve.explain.explain_tensor`` needs of a served bundle: the embedder and the
+    explainer."""
     embedder = Embedder(model, threads=0)
     bundle = SimpleNamespace(embedder=embedder, explainer=Explainer.for_model(model, embedder.card))
     if bundle.explainer is None:

@@ -17,7 +17,7 @@ scored to see what a non-exact choice would gain:
 - ``specific1``, ``specific2``, ``specific3``: the same pairs chosen after removing what each carries on
   average with the other image's windows (``matched3`` was served before);
 - ``matched1``, ``matched2``, ``matched3``: the pairs whose positions point most alike (the cosine of their
-  contributions), centred the same way (``engine.explain.matched_windows``; ``matched3`` is served).
+  contributions), centred the same way (``engine.serve.explain.matched_windows``; ``matched3`` is served).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from explain_cost import pretrained_model  # bench/ scripts run from bench/ on s
 from explain_pointing import SIDE, centre, explainable_bundle, heatmap_peak, inside, pasted_pairs
 from scipy.ndimage import gaussian_filter
 
-from engine.explain import Peak, matched_windows, window_sums
-from index.atomic import atomic_write_text
+from engine.serve.explain import Peak, matched_windows, window_sums
+from foundation.atomic import atomic_write_text
 
 
 def largest_pair(query: np.ndarray, item: np.ndarray, size: int) -> tuple[Peak, Peak]:

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from engine.defaults import CACHE_DIR
-from index.atomic import atomic_write_text
+from foundation.atomic import atomic_write_text
+from foundation.defaults import CACHE_DIR
 from training.backbone import BACKBONES
 from training.metrics import evaluate
 from training.model import build_objective

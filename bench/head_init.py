@@ -35,8 +35,8 @@ import numpy as np
 import torch
 from sklearn.decomposition import PCA
 
-from engine.defaults import CACHE_DIR
-from index.atomic import atomic_write_text
+from foundation.atomic import atomic_write_text
+from foundation.defaults import CACHE_DIR
 from training.config import TrainConfig
 from training.data import load_labelled_images, split_classes
 from training.features import FeatureExtractor

@@ -35,7 +35,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from vector_data import cars196_seeds, embedding_like
 
-from index.atomic import atomic_write_text
+from foundation.atomic import atomic_write_text
 from index.faiss_build import tuning_set_aside
 from index.faiss_index import FaissIndex, faiss_module
 from index.selection import IndexOptions, IndexSpec, choose_index

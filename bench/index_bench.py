@@ -52,8 +52,8 @@ from vector_data import (
     uniform,
 )
 
+from foundation.atomic import atomic_write_text
 from index import tuning as tuning_module
-from index.atomic import atomic_write_text
 from index.faiss_build import build_faiss_index
 from index.faiss_index import faiss_module
 from index.protocol import Entry

@@ -27,11 +27,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from engine import defaults
-from engine.embedder import onnx_session
-from engine.model_card import ModelCard
-from engine.prefetch import file_array
-from index.atomic import atomic_write_text
+from engine.build.prefetch import file_array
+from engine.model.embedder import onnx_session
+from engine.model.model_card import ModelCard
+from foundation import defaults
+from foundation.atomic import atomic_write_text
 from training.backbone import BACKBONES
 from training.data import load_labelled_images, split_classes
 from training.features import backbone_model

@@ -6,7 +6,7 @@
 Real queries are phone photos, not 224-pixel crops. Each Cars196 test image (the DML protocol's unseen
 classes) is upscaled to ``--size`` pixels on a side and re-encoded as a JPEG, like a photo straight off a
 phone. The same bytes are then decoded in full and with ``draft`` keeping each requested margin over the
-model's resize size (``engine.images.DRAFT_MARGIN`` is what the server and the indexer use), and every
+model's resize size (``engine.decode.images.DRAFT_MARGIN`` is what the server and the indexer use), and every
 decoding is embedded with the same model. For each: Recall@1/2/4/8 and
 MAP@R, the time per image to decode and preprocess (resize, crop, normalise), how often each image's
 nearest neighbour agrees with full decoding, the cosine between its embedding and the full one, and a paired
@@ -28,8 +28,8 @@ from PIL import Image
 from scipy.stats import binomtest
 from tqdm import tqdm
 
-from engine.embedder import Embedder
-from engine.images import DRAFT_MARGIN, decode_image
+from engine.decode.images import DRAFT_MARGIN, decode_image
+from engine.model.embedder import Embedder
 from training.data import load_labelled_images, split_classes
 from training.features import backbone_model
 from training.metrics import nearest_neighbours, retrieval_metrics

@@ -37,11 +37,11 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from engine.demo_gallery import write_demo_gallery
-from engine.embedder import Embedder
-from engine.gallery_files import list_images
-from engine.images import decode_image
-from engine.indexing import build_index
+from engine.build.indexing import build_index
+from engine.decode.images import decode_image
+from engine.gallery.demo import write_demo_gallery
+from engine.gallery.files import list_images
+from engine.model.embedder import Embedder
 from index.gallery import GalleryIndex
 
 PHONE_SIZE = (4000, 3000)  # 12 megapixels

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from index.atomic import atomic_write_text
+from foundation.atomic import atomic_write_text
 from training.evaluation import evaluate_run
 from training.run_dir import RunDirectory
 

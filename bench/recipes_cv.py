@@ -39,8 +39,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from engine.defaults import CACHE_DIR
-from index.atomic import atomic_write_text
+from foundation.atomic import atomic_write_text
+from foundation.defaults import CACHE_DIR
 from training.comparison import validation_gain
 from training.config import TrainConfig
 from training.recipes import DEFAULT_RECIPE, RecipeName, format_values, parse_assignments, recipe, resolve

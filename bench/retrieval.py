@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from engine.embedder import Embedder
-from engine.images import ImageDecodeError, load_image_file
+from engine.decode.images import ImageDecodeError, load_image_file
+from engine.model.embedder import Embedder
 from training.data import load_labelled_images, split_classes
 from training.features import backbone_model
 from training.metrics import evaluate

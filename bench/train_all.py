@@ -52,8 +52,8 @@ import torch
 from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import miners as pml_miners
 
-from engine.defaults import CACHE_DIR
-from index.atomic import atomic_write_text
+from foundation.atomic import atomic_write_text
+from foundation.defaults import CACHE_DIR
 from training.comparison import validation_gain
 from training.config import Mode, TrainConfig
 from training.losses import LOSSES, MetricLoss, register_loss

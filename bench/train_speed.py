@@ -76,7 +76,7 @@ def run_row(row: dict[str, Any], steps: int, bf16_mode: str) -> dict[str, Any]:
     mode, setting, batch = row["mode"], row["setting"], row["batch"]
     generator = torch.Generator().manual_seed(0)
     if setting == "onnxruntime":
-        from engine.embedder import Embedder
+        from engine.model.embedder import Embedder
 
         with tempfile.TemporaryDirectory() as cache:
             embedder = Embedder(backbone_model(Path(cache), "efficientnet_lite0"))

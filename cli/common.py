@@ -9,17 +9,17 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import typer
 
-from engine import defaults
-from index.errors import DmlsearchError
+from foundation import defaults
+from foundation.errors import DmlsearchError
 
 if TYPE_CHECKING:
-    from engine.indexing import MovedFile
+    from engine.build.indexing import MovedFile
 
 
 def model_for_index(index: Path, model: Path | None) -> Path:
     """The model to build or update ``index`` with: ``model`` if given, else the one an existing index
     carries, else the default export path."""
-    from engine.bundle import stored_model
+    from engine.model.bundle import stored_model
     from index.manifest import MANIFEST_NAME, Manifest
 
     if model is not None:

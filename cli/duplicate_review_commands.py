@@ -1,5 +1,5 @@
 """``dmlsearch duplicates --tier/--plan/--apply/--undo``: tiered groups with their evidence, and the review
-flow (engine.duplicate_review)."""
+flow (engine.duplicates.review)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def tiered(
 ) -> None:
     """Print (or write as a plan) the groups of ``tier_name``; ``threshold`` and ``max_distance`` are the
     edited tier's cosine and signature bits when given."""
-    from engine.duplicate_review import (
+    from engine.duplicates.review import (
         check_rule,
         group_members,
         make_plan,
@@ -35,7 +35,7 @@ def tiered(
         review_groups,
         write_plan,
     )
-    from index.duplicate_tiers import EDITED_BITS, EDITED_COSINE, Tier, TierSettings
+    from engine.duplicates.tiers import EDITED_BITS, EDITED_COSINE, Tier, TierSettings
     from index.gallery import GalleryIndex
 
     tier = Tier.parse(tier_name)
@@ -145,9 +145,9 @@ def tiered(
 
 
 def apply_or_undo(index: Path, apply: Path | None, undo: Path | None, *, progress: bool) -> None:
-    from engine.bundle import resolve_model
-    from engine.duplicate_review import apply_plan, undo_plan
-    from engine.embedder import Embedder
+    from engine.duplicates.review import apply_plan, undo_plan
+    from engine.model.bundle import resolve_model
+    from engine.model.embedder import Embedder
 
     path = apply or undo
     assert path is not None

@@ -12,14 +12,14 @@ import typer
 
 from cli import duplicate_review_commands as review_commands
 from cli.common import fail, reports_errors
-from index.duplicate_tiers import EDITED_BITS, TIER_NAMES
-from index.duplicates import (
+from engine.duplicates.groups import (
     DEFAULT_MAX_DISTANCE,
     DEFAULT_NEIGHBOURS,
     DEFAULT_THRESHOLD,
     EMBEDDING_ONLY_THRESHOLD,
     MAX_DISTANCE_LIMIT,
 )
+from engine.duplicates.tiers import EDITED_BITS, TIER_NAMES
 
 KEEPER_HELP = "Keeper rule: the order in which pixels, bytes and date break ties (most, largest, earliest)."
 
@@ -81,7 +81,7 @@ def duplicates(
     """Print groups of near-duplicate images: images joined by chains of pairs whose perceptual signatures
     are within MAX_DISTANCE bits and whose cosine is >= THRESHOLD, each with its highest cosine to another
     member. Images indexed before signatures were stored are judged by cosine alone (a note says so)."""
-    from index.duplicates import find_duplicates
+    from engine.duplicates.groups import find_duplicates
     from index.gallery import GalleryIndex
 
     if as_json and as_csv:

@@ -26,13 +26,13 @@ def explain(
     model: StoredModelOption = None,
 ) -> None:
     """Write the query (or its box) and the item with the positions that carried their similarity coloured,
-    and print the cosine with each image's share of it (positions plus the head's biases; engine.explain) and
-    each image's peak window (outlined): the two regions, one in each image, that show the same thing most
-    specifically, with the share of the cosine they carry between them."""
-    from engine.heatmap_image import png_bytes, side_by_side
-    from engine.images import ImageDecodeError
-    from engine.search import SearchService
-    from index.atomic import atomic_write_bytes
+    and print the cosine with each image's share of it (positions plus the head's biases;
+    engine.serve.explain) and each image's peak window (outlined): the two regions, one in each image, that
+    show the same thing most specifically, with the share of the cosine they carry between them."""
+    from engine.decode.images import ImageDecodeError
+    from engine.serve.heatmap_image import png_bytes, side_by_side
+    from engine.serve.search import SearchService
+    from foundation.atomic import atomic_write_bytes
 
     if not query.is_file():
         raise fail(f"query image {query} does not exist")

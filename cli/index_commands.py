@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from cli.common import echo_duplicate_files, echo_moves, fail, model_for_index, moves_heading, reports_errors
-from engine import defaults
-from index.families import Backend, IndexType
+from foundation import defaults
+from foundation.families import Backend, IndexType
 from index.manifest import MILVUS_COLLECTION
 from index.selection import KEEP, IndexChanges
 
 if TYPE_CHECKING:
-    from engine.indexing import BuildReport
-    from engine.regions import Box
+    from engine.build.indexing import BuildReport
+    from engine.decode.regions import Box
 
 commands = typer.Typer()
 index_app = typer.Typer(
@@ -173,10 +173,10 @@ def build_index(
     progress: ProgressOption = True,
 ) -> None:
     """Embed the images under GALLERY into an index; re-running embeds only new or changed files."""
-    from engine.embedder import Embedder
-    from engine.indexing import LocalRunner
-    from engine.indexing import build_index as run_build
-    from engine.stopping import StopRequested, stop_on_signals
+    from engine.build.indexing import LocalRunner
+    from engine.build.indexing import build_index as run_build
+    from engine.model.embedder import Embedder
+    from foundation.stopping import StopRequested, stop_on_signals
     from index.sharding import Shard
 
     if not gallery.is_dir():
@@ -186,7 +186,7 @@ def build_index(
         if ray is None:
             runner = contextlib.nullcontext(LocalRunner(decode_workers))
         else:
-            from engine.ray_runner import RayRunner
+            from engine.build.ray_runner import RayRunner
 
             runner = RayRunner(None if ray == RAY_LOCAL else ray)
         # SIGTERM/SIGINT: stop after the batch being added (handlers set once Ray, which sets its own, is up)
@@ -213,8 +213,8 @@ def build_index(
 
 def parse_box(box: str | None) -> Box | None:
     """``--box``'s value as a box (None: the whole image), or a one-line error naming the option."""
-    from engine.images import ImageDecodeError
-    from engine.regions import Box
+    from engine.decode.images import ImageDecodeError
+    from engine.decode.regions import Box
 
     try:
         return None if box is None else Box.parse(box)
@@ -258,9 +258,9 @@ def query(
     (within the filters)."""
     from dataclasses import asdict
 
-    from engine.images import ImageDecodeError
-    from engine.query import SearchOptions
-    from engine.search import SearchService
+    from engine.decode.images import ImageDecodeError
+    from engine.serve.query import SearchOptions
+    from engine.serve.search import SearchService
     from index.filters import ItemFilter
 
     if not image.is_file():
@@ -306,9 +306,9 @@ def add(
     progress: ProgressOption = True,
 ) -> None:
     """Embed and add images to an index without rebuilding it."""
-    from engine.bundle import resolve_model
-    from engine.embedder import Embedder
-    from engine.indexing import add_images
+    from engine.build.indexing import add_images
+    from engine.model.bundle import resolve_model
+    from engine.model.embedder import Embedder
 
     missing = [path for path in paths if not path.exists()]
     if missing:
@@ -393,8 +393,8 @@ def rebuild(
     Run it again after an interruption to continue. Serve the result, or switch a running server to it
     (POST /v1/admin/reload, or SIGHUP after repointing the served path).
     """
-    from engine.embedder import Embedder
-    from engine.rebuild import rebuild_index
+    from engine.build.rebuild import rebuild_index
+    from engine.model.embedder import Embedder
 
     report = rebuild_index(
         index,
@@ -420,7 +420,7 @@ def merge(
     progress: ProgressOption = True,
 ) -> None:
     """Merge the FAISS shard directories of one gallery into one index (faiss's IVF merge)."""
-    from engine.bundle import model_writer, stored_model
+    from engine.model.bundle import model_writer, stored_model
     from index.manifest import Manifest
     from index.merge import merge_shards
 

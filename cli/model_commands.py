@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import typer
 
 from cli.common import fail, reports_errors, require_training
-from engine import defaults
+from foundation import defaults
 
 if TYPE_CHECKING:
     from training.config import TrainConfig
@@ -58,7 +58,7 @@ def export(
     anyway.
     """
     require_training()
-    from engine.model_card import ValidationCheck
+    from engine.model.model_card import ValidationCheck
     from training.backbone import BACKBONES, create_backbone
     from training.comparison import validation_gain
     from training.export import export_onnx, export_run
@@ -173,7 +173,7 @@ def train(
     import torch
     from pydantic import ValidationError
 
-    from engine.stopping import StopRequested, stop_on_signals
+    from foundation.stopping import StopRequested, stop_on_signals
     from training.auto import train_auto
     from training.comparison import validation_gain
     from training.recipes import AUTO_CANDIDATES, AUTO_RACE_STEPS, DEFAULT_RECIPE, parse_assignments, resolve

@@ -19,7 +19,7 @@ from cli.common import fail
 from cli.index_commands import build_index
 from cli.model_commands import export
 from cli.settings_flags import settings_flags
-from engine import defaults
+from foundation import defaults
 
 commands = typer.Typer()
 
@@ -105,7 +105,7 @@ def demo_gallery(
     out: Annotated[Path, typer.Argument(help="Folder to create.")] = defaults.DEMO_DIR / "gallery",
 ) -> None:
     """Assemble the demo gallery from permissively licensed photos in scikit-image and scikit-learn."""
-    from engine.demo_gallery import write_demo_gallery
+    from engine.gallery.demo import write_demo_gallery
 
     count = write_demo_gallery(out)
     typer.echo(f"wrote {count} images to {out} (licences in {out / 'LICENSES.md'})")

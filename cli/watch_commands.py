@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 
 from cli.common import echo_duplicate_files, echo_moves, fail, model_for_index, reports_errors
-from engine import defaults
-from engine.changes import DEFAULT_MAX_BATCH, DEFAULT_SETTLE_SECONDS
+from engine.build.changes import DEFAULT_MAX_BATCH, DEFAULT_SETTLE_SECONDS
+from foundation import defaults
 
 commands = typer.Typer()
 
@@ -42,10 +42,10 @@ def watch(
 
     When another index takes the INDEX path (a link repointed to a promoted index, or build-index with a
     new model), the watcher switches to it and to its model, and catches it up."""
-    from engine.embedder import Embedder
-    from engine.indexing import BuildReport
-    from engine.stopping import StopRequested, stop_on_signals
-    from engine.watching import GalleryWatcher
+    from engine.build.indexing import BuildReport
+    from engine.build.watching import GalleryWatcher
+    from engine.model.embedder import Embedder
+    from foundation.stopping import StopRequested, stop_on_signals
 
     if not gallery.is_dir():
         raise fail(f"gallery folder {gallery} does not exist")

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from index.errors import InvalidInputError
+from foundation.errors import InvalidInputError
+from foundation.families import IndexType
 from index.faiss_build import build_faiss_index
 from index.faiss_build import retune as retune_index
 from index.faiss_index import FaissIndex
-from index.families import IndexType
 from index.filters import ItemFilter
 from index.items import ItemStore
 from index.manifest import BuiltIndex, Manifest

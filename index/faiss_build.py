@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm import tqdm
 
+from foundation.families import IndexType
 from index.faiss_index import PQ_POINTS_PER_CENTROID, FaissIndex
-from index.families import IndexType
 from index.selection import PQ_BITS, IndexSpec
 from index.sources import ExcludingSource, VectorSource, all_ids, fetch_vectors
 from index.tuning import Tuning, graph_set_aside, held_out_ids, needs_tuning, sample_ids, tune

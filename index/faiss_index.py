@@ -23,9 +23,9 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-from index.atomic import atomic_path
-from index.errors import DamagedFileError, InvalidInputError, MissingDependencyError
-from index.families import IndexType
+from foundation.atomic import atomic_path
+from foundation.errors import DamagedFileError, InvalidInputError, MissingDependencyError
+from foundation.families import IndexType
 from index.protocol import check_dim, normalize_rows
 from index.selection import IndexSpec
 

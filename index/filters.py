@@ -24,7 +24,7 @@ import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from index.errors import ErrorKind, InvalidInputError
+from foundation.errors import ErrorKind, InvalidInputError
 
 # When the photo was taken, or for items indexed before that was kept, when it was indexed.
 TAKEN_OR_ADDED = "COALESCE(taken, added)"

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from index.atomic import remove_abandoned
-from index.errors import DmlsearchError, ErrorKind
+from foundation.atomic import remove_abandoned
+from foundation.errors import DmlsearchError, ErrorKind
+from foundation.families import Backend
 from index.faiss_backend import FaissBackend
-from index.families import Backend
 from index.filters import ItemFilter, UnknownLabelError, match_labels
 from index.items import now_utc
 from index.manifest import FLAT_REQUESTED, MANIFEST_NAME, Manifest

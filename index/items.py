@@ -8,8 +8,8 @@ Items also carry when their photo was taken (column ``taken``, see ``index.filte
 it gain the column when next opened for writing, and their items have none until a build reads it.
 
 Items may also carry a perceptual signature (opaque bytes the engine computes from the image, see
-``index.duplicates``), in a table of its own: indexes written before it existed gain the empty table when
-next opened for writing, and their items simply have none.
+``engine.duplicates.groups``), in a table of its own: indexes written before it existed gain the empty table
+when next opened for writing, and their items simply have none.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from index.errors import NotFoundError
+from foundation.errors import NotFoundError
 from index.filters import TAKEN_OR_ADDED, ItemFilter
 from index.protocol import Entry, Item, Move, check_dim, normalize_rows, not_unit_rows
 

@@ -3,7 +3,7 @@
 An index directory (FAISS) holds ``manifest.json``, ``items.sqlite`` (items and their vectors) and
 ``vectors.faiss``; a Milvus one holds the manifest (and a Milvus Lite file). Since indexes carry their
 model, it also holds the model its vectors were embedded with: ``model.onnx``, its card ``model.json``,
-and the PDDM unit the card names, if any (``engine.bundle`` writes and reads them; ``model_file`` names
+and the PDDM unit the card names, if any (``engine.model.bundle`` writes and reads them; ``model_file`` names
 the model, ``None`` for indexes built before). Copying the directory copies a servable search engine.
 """
 
@@ -14,9 +14,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from index.atomic import atomic_write_text
-from index.errors import InvalidInputError, NotFoundError
-from index.families import Backend, IndexType
+from foundation.atomic import atomic_write_text
+from foundation.errors import InvalidInputError, NotFoundError
+from foundation.families import Backend, IndexType
 from index.selection import IndexOptions
 
 FORMAT_VERSION = 3

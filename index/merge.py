@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from index.errors import InvalidInputError
+from foundation.errors import InvalidInputError
 from index.gallery import GalleryIndex, ModelWriter
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item

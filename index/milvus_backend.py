@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from index.errors import InvalidInputError, MissingDependencyError
+from foundation.errors import InvalidInputError, MissingDependencyError
 from index.filters import ItemFilter
 from index.items import now_utc
 from index.manifest import MILVUS_COLLECTION, BuiltIndex, Manifest

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from index.errors import DmlsearchError, ErrorKind
+from foundation.errors import DmlsearchError, ErrorKind
 
 if TYPE_CHECKING:
     from index.filters import ItemFilter

@@ -49,8 +49,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from index.errors import InvalidInputError
-from index.families import IndexType
+from foundation.errors import InvalidInputError
+from foundation.families import IndexType
 
 INDEX_TYPES = tuple(kind for kind in IndexType if kind is not IndexType.AUTO)  # the concrete families
 FLAT_LIMIT = 10_000

@@ -10,7 +10,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-from index.errors import InvalidInputError
+from foundation.errors import InvalidInputError
 
 _SHARD = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
+from foundation.families import IndexType
 from index.faiss_index import FaissIndex, faiss_module
-from index.families import IndexType
 from index.selection import IndexSpec
 from index.sources import VectorSource
 

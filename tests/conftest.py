@@ -45,7 +45,7 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_gallery(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.demo_gallery import write_demo_gallery
+    from engine.gallery.demo import write_demo_gallery
 
     root = tmp_path_factory.mktemp("demo_gallery")
     write_demo_gallery(root)
@@ -54,8 +54,8 @@ def demo_gallery(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_index(tmp_path_factory: pytest.TempPathFactory, exported_model: Path, demo_gallery: Path) -> Path:
-    from engine.embedder import Embedder
-    from engine.indexing import build_index
+    from engine.build.indexing import build_index
+    from engine.model.embedder import Embedder
 
     out = tmp_path_factory.mktemp("demo_index") / "index"
     build_index(demo_gallery, Embedder(exported_model), out, progress=False)

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from engine.model_card import ModelCard
+from engine.model.model_card import ModelCard
 from index.manifest import Manifest
 from index.protocol import Entry
 
@@ -119,7 +119,7 @@ def export_small_model(path: Path, *, seed: int, dim: int = 24, reranker: object
     import torch
     from torch import nn
 
-    from engine.model_card import Preprocessing
+    from engine.model.model_card import Preprocessing
     from training.export import export_onnx
     from training.model import EmbeddingModel
 

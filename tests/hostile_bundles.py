@@ -12,8 +12,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from engine.bundle import STORED_MODEL
-from engine.model_card import ModelCard, file_fingerprint
+from engine.model.bundle import STORED_MODEL
+from engine.model.model_card import ModelCard, file_fingerprint
 from index.manifest import Manifest
 
 # The Loop's trip count: at a microsecond an iteration, longer than anyone waits.

@@ -1,8 +1,8 @@
 """Serving runs without the `train` extra: the serving image has no torch, so neither may the code it runs.
 
 Each module of the `train` extra (read from pyproject.toml) is replaced by one that fails to import; then
-every module of app, engine, index and cli is imported, an index is built and searched through a real
-`dmlsearch serve`.
+every module of app, engine, index, foundation and cli is imported, an index is built and searched through a
+real `dmlsearch serve`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from tests.helpers import export_small_model, image_bytes, make_image, uvicorn_server, write_labelled_folder
 
 REPO = Path(__file__).resolve().parents[1]
-SERVING_PACKAGES = ("app", "engine", "index", "cli")
+SERVING_PACKAGES = ("app", "engine", "index", "foundation", "cli")
 
 
 def train_only_modules() -> list[str]:

@@ -16,8 +16,8 @@ import timm.data
 import torch
 from torch import nn
 
-from engine import defaults
-from engine.model_card import Preprocessing
+from engine.model.model_card import Preprocessing
+from foundation import defaults
 from training.registry import Registry
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.run_proof import EVAL_FILE
-from index.atomic import atomic_write_text
+from engine.model.run_proof import EVAL_FILE
+from foundation.atomic import atomic_write_text
 from training.bootstrap import DEFAULT_RESAMPLES, Interval, paired_bootstrap
 from training.evaluation import EvalSplit, RunEmbeddings, embed_run
 from training.losses.magnet import KNCClassifier

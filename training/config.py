@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine import defaults
+from foundation import defaults
 from training.precision import Precision
 
 Mode = Literal["frozen", "partial", "finetune"]

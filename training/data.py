@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.gallery_files import list_images
-from index.errors import InvalidInputError
+from engine.gallery.files import list_images
+from foundation.errors import InvalidInputError
 
 SPLITS = ("train", "val", "test")
 MIN_VAL_CLASSES = 2  # Recall@1 over a single class is trivially 100%

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from index.errors import UnavailableError
+from foundation.errors import UnavailableError
 
 
 @dataclass(frozen=True)

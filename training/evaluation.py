@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from engine.embedder import Embedder
-from engine.images import ImageDecodeError, load_image_file
+from engine.decode.images import ImageDecodeError, load_image_file
+from engine.model.embedder import Embedder
 from training.backbone import BACKBONES
 from training.config import TrainConfig
 from training.data import LabelledImages, load_labelled_images, split_classes

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.model_card import (
+from engine.model.model_card import (
     EMBEDDINGS_OUTPUT,
     EXPLAINER_OUTPUTS,
     MAPS_OUTPUT,
@@ -31,7 +31,7 @@ from engine.model_card import (
     ValidationCheck,
     file_fingerprint,
 )
-from index.atomic import atomic_path
+from foundation.atomic import atomic_path
 from training.backbone import BACKBONES, create_backbone, split_backbone
 from training.losses.pddm import PDDMUnit
 from training.model import (

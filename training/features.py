@@ -32,13 +32,13 @@ from PIL import Image
 from torchvision.transforms import v2
 from tqdm import tqdm
 
-from engine import defaults, stopping
-from engine.embedder import Embedder
-from engine.images import ImageDecodeError, load_image_file
-from engine.indexing import file_hash
-from engine.model_card import Preprocessing
-from engine.preprocess import to_tensor
-from index.atomic import atomic_path
+from engine.build.indexing import file_hash
+from engine.decode.images import ImageDecodeError, load_image_file
+from engine.model.embedder import Embedder
+from engine.model.model_card import Preprocessing
+from engine.model.preprocess import to_tensor
+from foundation import defaults, stopping
+from foundation.atomic import atomic_path
 from training.backbone import BACKBONES, create_backbone, split_backbone
 from training.config import AUGMENT_MIN_AREA
 from training.export import export_onnx

@@ -21,7 +21,7 @@ import numpy as np
 from sklearn.metrics import normalized_mutual_info_score
 from sklearn.metrics.cluster import pair_confusion_matrix
 
-from index.errors import InvalidInputError
+from foundation.errors import InvalidInputError
 
 DEFAULT_KS = (1, 2, 4, 8)
 

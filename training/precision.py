@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from index.errors import InvalidInputError
+from foundation.errors import InvalidInputError
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}

@@ -14,12 +14,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from index.errors import InvalidInputError
+from foundation.errors import InvalidInputError
 
 if TYPE_CHECKING:  # heavy imports stay inside the functions: the CLI imports this module for its default
     import numpy as np
 
-    from engine.model_card import ModelCard, Preprocessing
+    from engine.model.model_card import ModelCard, Preprocessing
 
 CALIBRATION_BATCH = 16
 
@@ -29,7 +29,7 @@ def calibration_files(folder: Path, count: int, seed: int = 0) -> list[Path]:
     appear, not only the first ones in path order."""
     import numpy as np
 
-    from engine.gallery_files import list_images
+    from engine.gallery.files import list_images
 
     files = list_images(folder)
     if not files:
@@ -51,7 +51,7 @@ class ImageCalibrationReader:
     def _read(self, files: Sequence[Path], preprocessing: Preprocessing) -> Iterator[np.ndarray]:
         import numpy as np
 
-        from engine.prefetch import file_array, prefetch
+        from engine.build.prefetch import file_array, prefetch
 
         batch: list[np.ndarray] = []
         loaded = prefetch(
@@ -82,7 +82,7 @@ def quantize_int8(model_path: Path, calibration: Sequence[Path]) -> ModelCard:
 
     QDQ format (QOperator cannot rewrite this graph's run-time padding), per-channel symmetric int8 weights,
     uint8 activations (onnxruntime's fastest x86 kernels are u8 x s8; with AVX512-VNNI or AVX-VNNI they do
-    not saturate, and without VNNI the engine's sessions ask for exact kernels (``engine.embedder``), so
+    not saturate, and without VNNI the engine's sessions ask for exact kernels (``engine.model.embedder``), so
     ``reduce_range``, which cost precision everywhere, stays off) with MinMax ranges over ``calibration``.
     The backbone's ``float_under_int8`` layers stay in float (see ``training.backbone``).
     """
@@ -90,8 +90,8 @@ def quantize_int8(model_path: Path, calibration: Sequence[Path]) -> ModelCard:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    from engine.model_card import ModelCard, file_fingerprint
-    from index.atomic import atomic_path
+    from engine.model.model_card import ModelCard, file_fingerprint
+    from foundation.atomic import atomic_path
     from training.backbone import BACKBONES
 
     card = ModelCard.load(model_path)

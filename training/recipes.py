@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from index.errors import InvalidInputError
+from foundation.errors import InvalidInputError
 from training.config import Mode, TrainConfig
 from training.losses import LOSSES
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from index.errors import InvalidInputError
+from foundation.errors import InvalidInputError
 
 Spec = TypeVar("Spec")
 

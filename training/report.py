@@ -27,9 +27,9 @@ from matplotlib.figure import Figure
 from sklearn.decomposition import PCA
 from sklearn.manifold import TSNE
 
-from engine.images import load_image_file
-from engine.run_proof import PLOTS, REPORT_FILE, plot_path
-from index.atomic import atomic_path, atomic_write_text
+from engine.decode.images import load_image_file
+from engine.model.run_proof import PLOTS, REPORT_FILE, plot_path
+from foundation.atomic import atomic_path, atomic_write_text
 from training.comparison import Comparison
 from training.evaluation import RunEmbeddings
 from training.metrics import TopHits, retrieval_metrics, top_hits

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError, field_serializer, field_validator
 
-from index.atomic import atomic_path, atomic_write_text
-from index.errors import InvalidInputError
+from foundation.atomic import atomic_path, atomic_write_text
+from foundation.errors import InvalidInputError
 from training.bootstrap import Interval
 from training.config import TrainConfig
 

@@ -8,7 +8,7 @@ own pooled features, without any head: their validation metrics are recorded at 
 and the summary says whether the selected model is *better* than them (``beats_backbone``): the paired
 bootstrap interval on the validation Recall@1 difference (``validation_gain``) lies above zero.
 ``checkpoints/last.pt`` holds everything needed to continue after an interruption (weights, optimiser,
-sampler and generator states); a stop signal (``engine.stopping``) saves it after the current step and
+sampler and generator states); a stop signal (``foundation.stopping``) saves it after the current step and
 ends the run there. At the end the best model is evaluated on the unseen test classes into
 ``summary.json``.
 """
@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from engine import stopping
+from foundation import stopping
 from training.backbone import BACKBONES
 from training.bootstrap import Interval, paired_bootstrap
 from training.config import TrainConfig

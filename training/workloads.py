@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from engine.images import load_image_file
-from engine.model_card import Preprocessing
-from engine.preprocess import to_tensor
-from engine.stopping import obey_stop_signals_from_owner, stop_signals_blocked
+from engine.decode.images import load_image_file
+from engine.model.model_card import Preprocessing
+from engine.model.preprocess import to_tensor
+from foundation.stopping import obey_stop_signals_from_owner, stop_signals_blocked
 from training.config import AUGMENT_MIN_AREA
 from training.features import augment_transform
 from training.model import TrainingObjective
@@ -122,8 +122,8 @@ def training_preprocessing(preprocessing: Preprocessing, train_size: int | None)
 
 class StopSafeLoader(DataLoader):
     """A DataLoader whose decoding workers outlive the SIGTERM and SIGINT that often reach every process
-    of the run (``engine.stopping``): the trainer saves its checkpoint, then ends the workers; a worker killed
-    first would make the DataLoader raise instead. A worker still ends on a SIGTERM from the trainer's
+    of the run (``foundation.stopping``): the trainer saves its checkpoint, then ends the workers; a worker
+    killed first would make the DataLoader raise instead. A worker still ends on a SIGTERM from the trainer's
     process, which is how the DataLoader, and multiprocessing at exit, end it. Workers start with both
     signals blocked: before ``worker_init_fn`` runs, a worker has torch's own SIGTERM handler, which dies
     whoever sent it.

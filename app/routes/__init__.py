@@ -1,4 +1,4 @@
-"""HTTP routes, thin wrappers over the jobs of :class:`engine.search.SearchService`."""
+"""HTTP routes, thin wrappers over the jobs of :class:`engine.serve.search.SearchService`."""
 
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ from app.schemas import (
     ReviewOut,
     TierName,
 )
-from engine.defaults import TRASH_FOLDER
-from index.duplicate_tiers import Tier
-from index.duplicates import DEFAULT_MAX_DISTANCE, MAX_DISTANCE_LIMIT
+from engine.duplicates.groups import DEFAULT_MAX_DISTANCE, MAX_DISTANCE_LIMIT
+from engine.duplicates.tiers import Tier
+from foundation.defaults import TRASH_FOLDER
 
 router = APIRouter(tags=["duplicates"])
 ERRORS: Responses = {code: {"model": ErrorOut} for code in (422, 429, 503)}

@@ -1,4 +1,4 @@
-"""Explain routes: why an item matched a query, as two heatmaps (``engine.explain``)."""
+"""Explain routes: why an item matched a query, as two heatmaps (``engine.serve.explain``)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from fastapi import APIRouter, Query, Request
 from app.deps import INT64_MAX, AppSettings, Compute, QueryBox, Service
 from app.schemas import ErrorOut, ExplainOut, HeatmapOut, ImageJsonIn, Responses
 from app.uploads import read_uploads, request_body_spec
-from engine.heatmap_image import jpeg_bytes, overlay
-from engine.query import ItemQuery
-from engine.query import Query as SearchQuery
-from engine.regions import Box
-from engine.search import SearchService
+from engine.decode.regions import Box
+from engine.serve.heatmap_image import jpeg_bytes, overlay
+from engine.serve.query import ItemQuery
+from engine.serve.query import Query as SearchQuery
+from engine.serve.search import SearchService
 
 router = APIRouter(tags=["explain"])
 ERRORS: Responses = {code: {"model": ErrorOut} for code in (400, 404, 413, 415, 422, 429, 503)}

@@ -22,8 +22,8 @@ from app.schemas import (
     Responses,
 )
 from app.uploads import read_uploads, request_body_spec
-from engine import defaults
-from engine.item_writer import NewItem
+from engine.serve.item_writer import NewItem
+from foundation import defaults
 
 router = APIRouter(tags=["items"])
 ERRORS: Responses = {code: {"model": ErrorOut} for code in (400, 404, 422, 429, 503)}

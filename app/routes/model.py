@@ -16,9 +16,9 @@ from fastapi.responses import FileResponse
 from app.deps import Service
 from app.errors import ApiError
 from app.schemas import IMAGE_HEADERS, ErrorOut, ModelCardOut, PlotOut, Responses
-from engine.model_card import ModelCard
-from engine.run_proof import EVAL_FILE, PLOTS, REPORT_FILE, plot_path
-from index.errors import ErrorKind
+from engine.model.model_card import ModelCard
+from engine.model.run_proof import EVAL_FILE, PLOTS, REPORT_FILE, plot_path
+from foundation.errors import ErrorKind
 
 router = APIRouter(tags=["model"])
 ERRORS: Responses = {code: {"model": ErrorOut} for code in (404, 429, 503)}

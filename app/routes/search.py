@@ -20,7 +20,7 @@ from app.deps import (
 from app.metrics import Metrics
 from app.schemas import BatchSearchOut, ErrorOut, ImageJsonIn, ImagesJsonIn, Responses, SearchOut
 from app.uploads import read_uploads, request_body_spec
-from engine.query import ItemQuery
+from engine.serve.query import ItemQuery
 
 router = APIRouter(tags=["search"])
 AnswerT = TypeVar("AnswerT", SearchOut, BatchSearchOut)

@@ -24,7 +24,7 @@ import schemathesis
 from hypothesis import strategies as st
 from PIL import Image
 
-from engine.labels import LABEL_PATTERN
+from engine.gallery.labels import LABEL_PATTERN
 
 # Media type -> the Pillow format that writes it (those the server decodes and Pillow writes here).
 WRITERS = {

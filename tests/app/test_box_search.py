@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from engine.defaults import MIN_BOX_SIDE
+from foundation.defaults import MIN_BOX_SIDE
 from tests.helpers import API_KEY, Served, image_bytes, make_image
 
 CAT = "cat/00_crop.jpg"

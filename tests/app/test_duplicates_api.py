@@ -9,7 +9,7 @@ import jsonschema_rs
 import pytest
 from fastapi.testclient import TestClient
 
-from index.duplicates import DEFAULT_MAX_DISTANCE, DEFAULT_THRESHOLD
+from engine.duplicates.groups import DEFAULT_MAX_DISTANCE, DEFAULT_THRESHOLD
 from tests.helpers import Served
 
 
@@ -197,7 +197,7 @@ def test_the_plan_path_pattern_is_the_rule_apply_enforces(path: str) -> None:
     import re
 
     from app.schemas import PLAN_PATH_PATTERN
-    from engine.duplicate_review import _inside
+    from engine.duplicates.review import _inside
 
     schema_says = jsonschema_rs.validator_for({"type": "string", "pattern": PLAN_PATH_PATTERN}).is_valid(path)
     assert schema_says == bool(re.match(PLAN_PATH_PATTERN, path)) == (_inside(path) and "\x00" not in path)

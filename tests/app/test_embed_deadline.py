@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.bundle import STORED_MODEL
-from engine.embedder import Embedder, EmbedTimeoutError
+from engine.model.bundle import STORED_MODEL
+from engine.model.embedder import Embedder, EmbedTimeoutError
 from tests.helpers import Served, image_bytes, make_image
 from tests.hostile_bundles import with_hostile_model
 

@@ -11,12 +11,12 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from app.errors import KIND_STATUS, ApiError, install_error_handlers
-from engine.decode_pool import DecodeCancelledError, DecodePoolClosedError
-from engine.images import ImageDecodeError
-from engine.item_reader import ItemNotFoundError
-from engine.item_writer import DuplicateItemError, InvalidItemError, StorageError
-from engine.query import RerankUnavailableError
-from index.errors import DmlsearchError, ErrorKind, NotFoundError
+from engine.decode.images import ImageDecodeError
+from engine.decode.pool import DecodeCancelledError, DecodePoolClosedError
+from engine.serve.item_reader import ItemNotFoundError
+from engine.serve.item_writer import DuplicateItemError, InvalidItemError, StorageError
+from engine.serve.query import RerankUnavailableError
+from foundation.errors import DmlsearchError, ErrorKind, NotFoundError
 from index.filters import UnknownLabelError
 from index.protocol import BackendUnavailableError
 

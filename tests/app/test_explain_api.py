@@ -12,8 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from engine.embedder import Embedder
-from engine.indexing import build_index
+from engine.build.indexing import build_index
+from engine.model.embedder import Embedder
 from tests.helpers import Served
 
 

@@ -1,6 +1,6 @@
 """The fault suite, decoding part (issue 24): files that cost far more to decode than their size or header
 say, sent to real servers under the 2 GB address-space cap. Each decode runs in a worker process with a CPU,
-wall-clock and memory limit (engine.decode_pool); the files are made here (tests/hostile_images.py)."""
+wall-clock and memory limit (engine.decode.pool); the files are made here (tests/hostile_images.py)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from engine.probe import ProbeError, check_sampled_vectors
+from engine.serve.probe import ProbeError, check_sampled_vectors
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
 from index.staging import staging_directory
@@ -500,8 +500,8 @@ def small_served(
     tmp_path_factory: pytest.TempPathFactory, demo_gallery: Path, small_model: Path
 ) -> Iterator[ServerProcess]:
     """A capped server over the demo gallery indexed by the small model (reloads in about a second)."""
-    from engine.embedder import Embedder
-    from engine.indexing import build_index
+    from engine.build.indexing import build_index
+    from engine.model.embedder import Embedder
 
     root = tmp_path_factory.mktemp("race")
     gallery = root / "gallery"

@@ -37,8 +37,8 @@ def _search(base: str, image: bytes) -> httpx.Response:
 def test_the_api_answers_503_while_milvus_is_down_and_recovers_after(
     own_milvus_server: MilvusServerProcess, exported_model: Path, tmp_path: Path
 ) -> None:
-    from engine.embedder import Embedder
-    from engine.indexing import build_index
+    from engine.build.indexing import build_index
+    from engine.model.embedder import Embedder
 
     gallery = tmp_path / "gallery"
     (gallery / "a").mkdir(parents=True)

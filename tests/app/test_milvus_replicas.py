@@ -40,8 +40,8 @@ def replicated(
     milvus_server: MilvusServerProcess,
 ) -> Iterator[list[str]]:
     """An index of a small gallery in a real Milvus server, and the serve arguments of a replica."""
-    from engine.embedder import Embedder
-    from engine.indexing import build_index
+    from engine.build.indexing import build_index
+    from engine.model.embedder import Embedder
 
     root = tmp_path_factory.mktemp("replicas")
     gallery = root / "gallery"

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from app.api import create_app
 from app.settings import Settings
-from index.duplicates import EMBEDDING_ONLY_THRESHOLD
+from engine.duplicates.groups import EMBEDDING_ONLY_THRESHOLD
 from tests.helpers import API_KEY, MILVUS_BACKENDS, image_bytes, make_image, milvus_target
 
 ENGINES = ["faiss", *MILVUS_BACKENDS]
@@ -23,8 +23,8 @@ def built(
     request: pytest.FixtureRequest, exported_model: Path, demo_gallery: Path, tmp_path: Path
 ) -> tuple[str, Path, Path]:
     """(engine, gallery, index) of the demo gallery built on ``engine``."""
-    from engine.embedder import Embedder
-    from engine.indexing import build_index
+    from engine.build.indexing import build_index
+    from engine.model.embedder import Embedder
 
     gallery = tmp_path / "gallery"
     shutil.copytree(demo_gallery, gallery)

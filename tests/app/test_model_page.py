@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from app.ui_model import NOT_APPLICABLE
-from engine.model_card import ModelCard, ValidationCheck
-from engine.run_proof import EVAL_FILE, PLOTS, plot_path
+from engine.model.model_card import ModelCard, ValidationCheck
+from engine.model.run_proof import EVAL_FILE, PLOTS, plot_path
 from tests.helpers import Served, copy_served, uvicorn_server
 from training.comparison import compare_embeddings
 

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from app.api import create_app
 from app.settings import Settings
-from engine.model_card import ModelCard
+from engine.model.model_card import ModelCard
 from tests.helpers import Served, image_bytes, make_image, uvicorn_server
 
 

@@ -17,9 +17,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.embedder import Embedder
-from engine.indexing import build_index
-from engine.rebuild import rebuild_index
+from engine.build.indexing import build_index
+from engine.build.rebuild import rebuild_index
+from engine.model.embedder import Embedder
 from index.manifest import Manifest
 from tests.helpers import API_KEY, Served, app_clients, image_bytes, make_image, uvicorn_process
 

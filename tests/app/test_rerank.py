@@ -12,13 +12,13 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from engine.embedder import Embedder
-from engine.images import decode_image
-from engine.model_card import ModelCard
-from engine.query import SearchOptions
-from engine.reranker import PDDMReranker
-from engine.search import SearchService
-from engine.serving import LoadedBundle
+from engine.decode.images import decode_image
+from engine.model.embedder import Embedder
+from engine.model.model_card import ModelCard
+from engine.model.reranker import PDDMReranker
+from engine.serve.loaded_bundle import LoadedBundle
+from engine.serve.query import SearchOptions
+from engine.serve.search import SearchService
 from index.gallery import GalleryIndex
 from index.protocol import Entry, normalize_rows
 from tests.helpers import Served

@@ -12,8 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import ExifTags, Image
 
-from engine.images import decode_image
-from engine.signature import perceptual_signature
+from engine.decode.images import decode_image
+from engine.duplicates.signature import perceptual_signature
 from index.gallery import GalleryIndex
 from tests.helpers import ADDRESS_SPACE_CAP, API_KEY, Served, image_bytes, make_image, uvicorn_server
 

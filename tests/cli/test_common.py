@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(
     import sys
     import typer
     from cli.common import reports_errors
-    from index.errors import NotFoundError
+    from foundation.errors import NotFoundError
     from index.gallery import IndexMismatchError
 
     RAISED = {

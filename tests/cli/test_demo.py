@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine import defaults
-from engine.embedder import Embedder
-from engine.indexing import build_index
+from engine.build.indexing import build_index
+from engine.model.embedder import Embedder
+from foundation import defaults
 from index.manifest import Manifest
 from tests.helpers import index_digest, make_image
 

@@ -22,11 +22,11 @@ from PIL import Image, ImageEnhance, PngImagePlugin
 from typer.testing import CliRunner
 
 from cli.main import app
-from engine.defaults import TRASH_FOLDER
-from engine.duplicate_review import file_facts
-from engine.embedder import Embedder
-from engine.indexing import build_index
-from index.duplicate_tiers import ALIGNED_NCC, EDITED_BITS
+from engine.build.indexing import build_index
+from engine.duplicates.review import file_facts
+from engine.duplicates.tiers import ALIGNED_NCC, EDITED_BITS
+from engine.model.embedder import Embedder
+from foundation.defaults import TRASH_FOLDER
 from index.gallery import GalleryIndex
 from index.protocol import Item
 from tests.helpers import make_image

@@ -15,9 +15,9 @@ from PIL import Image, ImageEnhance, ImageOps
 from typer.testing import CliRunner
 
 from cli.main import app
-from engine.embedder import Embedder
-from engine.indexing import build_index
-from index.duplicates import DEFAULT_MAX_DISTANCE, DEFAULT_THRESHOLD, EMBEDDING_ONLY_THRESHOLD
+from engine.build.indexing import build_index
+from engine.duplicates.groups import DEFAULT_MAX_DISTANCE, DEFAULT_THRESHOLD, EMBEDDING_ONLY_THRESHOLD
+from engine.model.embedder import Embedder
 from index.items import ItemStore
 
 runner = CliRunner()

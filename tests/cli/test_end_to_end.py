@@ -79,7 +79,7 @@ def test_query_finds_the_image_itself_first(
 def test_query_with_a_different_model_is_a_clear_error(
     exported_model: Path, demo_index: Path, tmp_path: Path
 ) -> None:
-    from engine.model_card import ModelCard
+    from engine.model.model_card import ModelCard
 
     other = tmp_path / "other.onnx"
     other.write_bytes(exported_model.read_bytes())

@@ -7,7 +7,7 @@ import typer
 from typer.testing import CliRunner
 
 from cli.main import app
-from index.duplicates import DEFAULT_THRESHOLD
+from engine.duplicates.groups import DEFAULT_THRESHOLD
 
 WIDTH = 80
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.bundle import stored_model
-from engine.model_card import ModelCard
+from engine.model.bundle import stored_model
+from engine.model.model_card import ModelCard
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
 from index.staging import staging_directory

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import httpx
 
-from engine.embedder import Embedder
-from engine.indexing import build_index
-from engine.model_card import ModelCard
-from engine.rebuild import rebuild_index
+from engine.build.indexing import build_index
+from engine.build.rebuild import rebuild_index
+from engine.model.embedder import Embedder
+from engine.model.model_card import ModelCard
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
 from tests.helpers import image_bytes, make_image, uvicorn_server, wait_until

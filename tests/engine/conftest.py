@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.embedder import Embedder
+from engine.model.embedder import Embedder
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,11 @@ import onnx
 import pytest
 import torch
 
-from engine.embedder import Embedder
-from engine.explainer import Explainer
-from engine.gallery_files import list_images
-from engine.images import load_image_file
-from engine.model_card import EMBEDDINGS_OUTPUT, MAPS_OUTPUT, ModelCard
+from engine.decode.images import load_image_file
+from engine.gallery.files import list_images
+from engine.model.embedder import Embedder
+from engine.model.explainer import Explainer
+from engine.model.model_card import EMBEDDINGS_OUTPUT, MAPS_OUTPUT, ModelCard
 from training.backbone import BACKBONES, create_backbone
 from training.export import export_onnx
 from training.heads import ResidualHead

@@ -12,10 +12,10 @@ import torch
 from typer.testing import CliRunner
 
 from cli.main import app
-from engine.embedder import Embedder
-from engine.images import load_image_file
-from engine.indexing import build_index
-from engine.model_card import ModelCard
+from engine.build.indexing import build_index
+from engine.decode.images import load_image_file
+from engine.model.embedder import Embedder
+from engine.model.model_card import ModelCard
 from tests.helpers import copy_with_truncated_jpeg, tiny_train_config
 from training.backbone import create_backbone
 from training.data import load_labelled_images

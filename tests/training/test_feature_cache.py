@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import stopping
-from engine.images import load_image_file
+from engine.decode.images import load_image_file
+from foundation import stopping
 from tests.helpers import copy_with_truncated_jpeg
 from training import features
 from training.data import load_labelled_images

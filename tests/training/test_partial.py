@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.embedder import Embedder
-from engine.images import load_image_file
+from engine.decode.images import load_image_file
+from engine.model.embedder import Embedder
 from tests.helpers import tiny_train_config
 from training.backbone import create_backbone, split_backbone
 from training.data import load_labelled_images

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from engine.embedder import Embedder
-from engine.images import load_image_file
+from engine.decode.images import load_image_file
+from engine.model.embedder import Embedder
 from tests.helpers import tiny_train_config, write_labelled_folder
 from training import precision
 from training.backbone import create_backbone

@@ -19,9 +19,9 @@ from typer.testing import CliRunner
 from app.api import create_app
 from app.settings import Settings
 from cli.main import app
-from engine.embedder import Embedder
-from engine.indexing import build_index
-from engine.run_proof import EVAL_FILE, PLOTS, REPORT_FILE, plot_path
+from engine.build.indexing import build_index
+from engine.model.embedder import Embedder
+from engine.model.run_proof import EVAL_FILE, PLOTS, REPORT_FILE, plot_path
 from tests.helpers import tiny_train_config
 from training.bootstrap import Interval, paired_bootstrap
 from training.comparison import compare_embeddings, knc_accuracy, validation_gain

@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from engine.embedder import Embedder
-from engine.gallery_files import list_images
-from engine.images import load_image_file
-from engine.model_card import ModelCard
+from engine.decode.images import load_image_file
+from engine.gallery.files import list_images
+from engine.model.embedder import Embedder
+from engine.model.model_card import ModelCard
 from training.quantize import calibration_files, quantize_int8
 
 runner = CliRunner()
@@ -114,7 +114,7 @@ def test_cli_int8_without_calibration_images_exits_2(
 def test_the_int8_model_keeps_its_explainer(int8_model: Path, demo_gallery: Path) -> None:
     """The feature map survives quantisation as the second output, and the (float) explainer splits the
     int8 model's served cosines over positions within the int8 maps' rounding."""
-    from engine.explainer import Explainer
+    from engine.model.explainer import Explainer
 
     embedder = Embedder(int8_model, threads=1)
     assert embedder.card.explainer is not None

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from index.errors import InvalidInputError
+from foundation.errors import InvalidInputError
 from training.losses.base import MetricLoss
 from training.losses.npair import l2_term, log1p_sum_exp
 from training.losses.registry import BatchLayout, register_loss

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from index.errors import InvalidInputError
+from foundation.errors import InvalidInputError
 from training.losses.base import MetricLoss
 from training.losses.npair import NPairLoss, log1p_sum_exp, positive_pairs
 from training.losses.pairs import gram_matrix

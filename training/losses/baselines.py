@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from index.errors import InvalidInputError
+from foundation.errors import InvalidInputError
 from training.losses.pairs import PairLoss
 from training.losses.registry import BatchLayout, register_loss
 

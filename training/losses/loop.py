@@ -58,7 +58,7 @@ from typing import Any, Literal
 import torch
 from torch.autograd.function import once_differentiable
 
-from index.errors import InvalidInputError
+from foundation.errors import InvalidInputError
 from training.losses.baselines import multi_similarity_loss, multi_similarity_mining
 from training.losses.loop_geometry import Geometry, pair_of_pair_distances
 from training.losses.pairs import PairLoss, pairwise_distances

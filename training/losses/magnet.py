@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from index.errors import InvalidInputError
+from foundation.errors import InvalidInputError
 from training.losses.base import MetricLoss
 from training.losses.registry import BatchLayout, register_loss
 

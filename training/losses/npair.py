@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from torch.nn import functional as F
 
-from index.errors import InvalidInputError
+from foundation.errors import InvalidInputError
 from training.losses.base import MetricLoss
 from training.losses.pairs import gram_matrix, label_masks
 from training.losses.registry import BatchLayout, register_loss

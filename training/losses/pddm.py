@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from index.errors import InvalidInputError
+from foundation.errors import InvalidInputError
 from training.losses.base import MetricLoss
 from training.losses.pairs import label_masks
 from training.losses.registry import BatchLayout, register_loss

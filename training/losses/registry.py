@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from index.errors import InvalidInputError
+from foundation.errors import InvalidInputError
 from training.losses.base import MetricLoss
 from training.registry import Registry
 

@@ -8,7 +8,7 @@ import pytest
 import timm.data
 import torch
 
-from engine.model_card import Preprocessing
+from engine.model.model_card import Preprocessing
 from training.backbone import BACKBONES, create_backbone
 from training.losses import LOSSES, BatchLayout, MetricLoss, build_loss, register_loss
 from training.losses.registry import signature_defaults

@@ -1,0 +1,132 @@
+"""Serving near-duplicate groups of the served index: found once per setting and index state, then paged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.duplicates.groups import DEFAULT_MAX_DISTANCE, Duplicates, find_duplicates
+from engine.duplicates.review import (
+    KEEPER_RULE,
+    FileFacts,
+    ReviewReport,
+    group_members,
+    pair_groups,
+    propose,
+    review_groups,
+    set_aside,
+)
+from engine.duplicates.tiers import Evidence, Tier, TieredDuplicates
+from engine.serve.loaded_bundle import CurrentBundle
+from index.protocol import Item
+
+
+@dataclass(frozen=True)
+class DuplicatePage:
+    rows: list[list[tuple[Item, float]]]  # each group's items with their highest cosine in the group
+    total: int  # groups in all
+    threshold: float  # the cosine cut used (the index's default when none was asked for)
+    max_distance: int
+    unsigned: int  # items judged by the embedding alone
+    note: str | None
+    criteria: str  # how pairs were judged (engine.duplicates.groups.Duplicates.criteria)
+
+
+@dataclass(frozen=True)
+class TieredMember:
+    item: Item  # a byte copy's: its item's, under the copy's path
+    evidence: Evidence
+    facts: FileFacts
+    action: str  # the keeper rule's proposal: keep or set_aside
+    byte_copy: bool  # a file with an item's bytes, which the index holds once (engine.duplicates.byte_copies)
+
+
+@dataclass(frozen=True)
+class TieredPage:
+    groups: list[tuple[Tier, list[TieredMember]]]
+    found: TieredDuplicates
+    keeper_rule: tuple[str, ...]
+
+
+class DuplicateFinder:
+    def __init__(self, current: CurrentBundle) -> None:
+        self.current = current
+        self._found: dict[tuple[object, ...], Duplicates] = {}  # of the index as loaded
+        self._tiered: dict[tuple[object, ...], TieredDuplicates] = {}
+
+    def page(
+        self,
+        threshold: float | None,
+        offset: int,
+        limit: int,
+        max_distance: int = DEFAULT_MAX_DISTANCE,
+    ) -> DuplicatePage:
+        """A page of near-duplicate groups, largest first. Groups are found once per setting and index
+        state; ``threshold`` None is the index's default (see
+        ``engine.duplicates.groups.find_duplicates``)."""
+        with self.current.reading() as bundle:
+            index = bundle.index
+            state = (index.stamp, id(index), len(index))
+            found = self._found.get((*state, threshold, max_distance))
+            if found is None:
+                found = find_duplicates(index, threshold, max_distance=max_distance)
+                self._found = {key: value for key, value in self._found.items() if key[:3] == state} | {
+                    (*state, threshold, max_distance): found
+                }
+            page = found.groups[offset : offset + limit]
+            items = index.items.get_many([int(i) for group in page for i in group.ids])
+        rows = [
+            [
+                (items[int(i)], float(score))
+                for i, score in zip(group.ids, group.scores, strict=True)
+                if int(i) in items
+            ]
+            for group in page
+        ]
+        return DuplicatePage(
+            rows,
+            len(found.groups),
+            found.threshold,
+            found.max_distance,
+            found.unsigned,
+            found.note,
+            found.criteria,
+        )
+
+    def tiered_page(
+        self, tier: Tier, offset: int, limit: int, rule: tuple[str, ...] = KEEPER_RULE
+    ) -> TieredPage:
+        """A page of the groups of ``tier`` (``engine.duplicates.tiers``), each member with its evidence and
+        the keeper rule's proposal; pairs found once per tier and index state, byte copies each time."""
+        with self.current.reading() as bundle:
+            index = bundle.index
+            root = Path(index.manifest.gallery_root) if index.manifest.gallery_root else None
+            state = (index.stamp, id(index), len(index))
+            pairs = self._tiered.get((*state, tier))
+            if pairs is None:
+                pairs = pair_groups(index, tier)
+                self._tiered = {key: value for key, value in self._tiered.items() if key[:3] == state} | {
+                    (*state, tier): pairs
+                }
+            found = review_groups(index, pairs)  # byte copies: looked for on every page
+            page = found.groups[offset : offset + limit]
+            items = index.items.get_many([int(i) for group in page for i in group.ids])
+        groups = []
+        for group in page:
+            members = group_members(group, items)
+            facts, actions = propose(members, root, rule)
+            groups.append(
+                (
+                    group.tier,
+                    [
+                        TieredMember(member.item, member.evidence, fact, action, member.byte_copy)
+                        for member, fact, action in zip(members, facts, actions, strict=True)
+                    ],
+                )
+            )
+        return TieredPage(groups, found, rule)
+
+    def apply(self, plan: dict) -> ReviewReport:
+        """Set aside a plan's non-keepers in the served index (``engine.duplicates.review``), alone."""
+        with self.current.writing() as bundle:
+            return set_aside(bundle.index, plan)

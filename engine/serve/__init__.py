@@ -1,0 +1,1 @@
+"""The search service: the loaded bundle, queries, ranking, reading and writing items, explanations."""

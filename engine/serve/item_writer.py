@@ -1,0 +1,185 @@
+"""Adding and removing items of the served index, with their gallery files."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.decode.capture_time import clock_now
+from engine.decode.images import FORMAT_SUFFIXES
+from engine.decode.model_input import RUN_IMAGES, decode_uploads
+from engine.gallery.files import is_writable_folder
+from engine.gallery.labels import InvalidLabelError, check_label
+from engine.serve.item_reader import find_item
+from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle, ServingConfig
+from foundation.atomic import atomic_write_bytes
+from foundation.errors import DmlsearchError, ErrorKind, InvalidInputError
+from index.protocol import Entry, Item
+
+
+class InvalidItemError(InvalidInputError):
+    """An item to add is unacceptable (a bad label, no gallery folder to store it in)."""
+
+    code = "invalid_item"
+
+
+class DuplicateItemError(DmlsearchError, ValueError):
+    """An item with the same content and label is already indexed."""
+
+    kind = ErrorKind.CONFLICT
+    code = "duplicate_item"
+
+
+class StorageError(DmlsearchError, RuntimeError):
+    """The gallery or index folder cannot be written (read-only, full): the server's problem, not the
+    client's. Searches go on; the message says what was and was not written."""
+
+    kind = ErrorKind.UNAVAILABLE
+    code = "storage_unavailable"
+
+
+@contextmanager
+def _storage(outcome: str) -> Iterator[None]:
+    """Turn a failed write of the gallery or the index into a :class:`StorageError` saying ``outcome``.
+
+    Once items.sqlite has committed a change it is durable: a FAISS file not saved after it is brought in
+    step from items.sqlite at the next save or start (see ``index.faiss_backend``).
+    """
+    try:
+        yield
+    except (OSError, sqlite3.OperationalError) as err:
+        raise StorageError(f"{outcome}: the index or gallery folder cannot be written ({err})") from err
+
+
+@dataclass(frozen=True)
+class NewItem:
+    data: bytes
+    label: str | None = None
+
+
+@dataclass(frozen=True)
+class _NewFile:
+    entry: Entry  # what the index is told: the gallery-relative path, label, content hash, capture time
+    target: Path
+    data: bytes
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    files: list[_NewFile]
+    vectors: np.ndarray
+    signatures: list[bytes]
+
+
+class ItemWriter:
+    """Writes run alone under the bundle's lock (searches wait for them) and save the index before
+    returning."""
+
+    def __init__(self, current: CurrentBundle, config: ServingConfig) -> None:
+        self.current = current
+        self.config = config
+
+    def add(self, new_items: Sequence[NewItem]) -> list[Item]:
+        """Store the images under the gallery root (``<label>/<content hash>.<ext>``) and index them.
+
+        Everything is validated, decoded and embedded before the index is touched, so a bad image leaves
+        the index unchanged; that work runs outside the lock, and again under it for the bundle a reload
+        swapped in meanwhile (its model, its gallery). Files are written atomically; the index is saved
+        before returning.
+        """
+        bundle = self.current.bundle
+        prepared = self._prepare(bundle, new_items)
+        with self.current.writing() as served:
+            if served is not bundle:
+                prepared = self._prepare(served, new_items)
+            for file in prepared.files:
+                if served.index.items.get_by_path(file.entry.path) is not None:
+                    raise DuplicateItemError(f"{file.entry.path} is already indexed")
+            written = []
+            try:
+                with _storage("nothing was added"):
+                    for file in prepared.files:
+                        if not file.target.exists():
+                            atomic_write_bytes(file.target, file.data)
+                            written.append(file.target)
+                    ids = served.index.add(
+                        prepared.vectors,
+                        [file.entry for file in prepared.files],
+                        prepared.signatures,
+                    )
+            except BaseException:
+                for target in written:  # files of items that never made it into the index
+                    target.unlink(missing_ok=True)
+                raise
+            with _storage(f"items {ids} were stored and are searchable, but the index files were not saved"):
+                served.index.save()
+            return [find_item(served, item_id) for item_id in ids]
+
+    def _prepare(self, bundle: LoadedBundle, new_items: Sequence[NewItem]) -> _Prepared:
+        """Check, decode and embed the new items for ``bundle``: where each file goes, and its vector."""
+        root = _gallery_root(bundle)
+        preprocessing = bundle.embedder.card.preprocessing
+        decoded = self.config.decoder.run(
+            decode_uploads,
+            [new.data for new in new_items],
+            self.config.budget(bundle.embedder),
+            preprocessing,
+            signatures=True,
+            capture_times=True,
+            images=len(new_items),
+        )
+        files: list[_NewFile] = []
+        assert decoded.capture_times is not None  # asked for above
+        for position, (new, image_format) in enumerate(zip(new_items, decoded.formats, strict=True)):
+            label = _label_folder(bundle, root, new.label, position)
+            digest = hashlib.sha256(new.data).hexdigest()
+            relative = Path(label or ".") / f"{digest[:20]}{FORMAT_SUFFIXES[image_format]}"
+            target = root / relative
+            if target.exists() and (not target.is_file() or target.read_bytes() != new.data):
+                raise InvalidItemError(f"image {position}: {relative} already holds another file")
+            if any(relative.as_posix() == earlier.entry.path for earlier in files):
+                raise DuplicateItemError(f"image {position} repeats an earlier image of this request")
+            # The photo's capture time (read from its header in the decode), else now: the file is new.
+            taken = decoded.capture_times[position] or clock_now()
+            files.append(_NewFile(Entry(relative.as_posix(), label, digest, taken), target, new.data))
+        vectors = bundle.embedder.embed_tensor(decoded.tensor, run_size=RUN_IMAGES)
+        return _Prepared(files, vectors, decoded.signatures or [])
+
+    def remove(self, item_id: int) -> Item:
+        """Remove an item from the index (its gallery file stays on disk) and save the index."""
+        with self.current.writing() as bundle:
+            item = find_item(bundle, item_id)
+            with _storage("nothing was removed"):
+                bundle.index.remove([item_id])
+            with _storage(f"item {item_id} was removed, but the index files were not saved"):
+                bundle.index.save()
+        return item
+
+
+def _label_folder(bundle: LoadedBundle, root: Path, label: str | None, position: int) -> str | None:
+    """The label (NFC) once it is a safe folder name of its own under ``root``; else InvalidItemError."""
+    if label is None:
+        return None
+    try:
+        label = check_label(label)
+    except InvalidLabelError as err:
+        raise InvalidItemError(f"image {position}: {err}") from None
+    folder = root / label
+    if not is_writable_folder(folder):  # a link could lead anywhere; a file (LICENSES.md) holds no images
+        raise InvalidItemError(f"image {position}: label {label!r} names a file in the gallery folder")
+    if bundle.index.directory.resolve().is_relative_to(folder.resolve()):
+        raise InvalidItemError(f"image {position}: label {label!r} names the index's own folder")
+    return label
+
+
+def _gallery_root(bundle: LoadedBundle) -> Path:
+    root = bundle.index.manifest.gallery_root
+    if root is None:
+        raise InvalidItemError("the index records no gallery folder to store new images in")
+    return Path(root).resolve()

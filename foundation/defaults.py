@@ -1,0 +1,84 @@
+"""Defaults that the app, the engine and the CLI share, each written once (import it, never retype it).
+
+``app.settings`` takes its field defaults from here, the engine's constructors and functions take their
+keyword defaults from here, and the CLI's options theirs; ``dmlsearch serve`` then shows the settings'
+defaults in its help. Index options (type, memory budget, target recall) live on ``index.selection``'s
+``IndexOptions`` instead: the index package sits below the engine and may not import it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Where `dmlsearch export` writes the pretrained model and where `serve` looks for the model and index.
+MODEL_PATH = Path("artifacts/model/model.onnx")
+INDEX_PATH = Path("artifacts/index")
+# `dmlsearch demo` (`make demo`) keeps its model, gallery and index here: never in the two paths above,
+# which hold the user's own model and index.
+DEMO_DIR = Path("artifacts/demo")
+
+# Refuse images with more pixels (about 7,000 x 7,000) before decoding them.
+# Where applying a duplicates plan moves the images it sets aside: a folder inside the gallery (same file
+# system, so a move is a rename), never listed as part of the gallery.
+TRASH_FOLDER = ".dmlsearch-trash"
+MAX_IMAGE_PIXELS = 50_000_000
+# Refuse requests whose images decode to more pixels in all: two images at the limit. A batch of 64 phone
+# JPEGs (12 MP, decoded at 1/4 scale by the JPEG draft) takes ~48 MP; eight blank 49-MP PNGs (392 MP,
+# seconds of decoding from a 372 KB request) are refused before any is decoded.
+MAX_BATCH_PIXELS = 100_000_000
+# What decoding one image may cost (engine.decode.pool): CPU seconds, wall-clock seconds (on a CPU shared
+# with other requests) and memory above a decode process's own. Past any of them the image is refused,
+# 422 image_too_costly; the figures behind each: README, "Limits and memory".
+DECODE_CPU_SECONDS = 5.0
+DECODE_WALL_SECONDS = 30.0
+# Wall-clock seconds one model run (at most RUN_IMAGES images, already resized to the model's input) may
+# take in the server before onnxruntime is told to stop it: minutes of a loaded CPU, never a normal run.
+EMBED_RUN_SECONDS = 60.0
+DECODE_MEMORY_BYTES = 1024 * 1024**2
+# Decode large JPEGs at reduced DCT scale (see engine.decode.images.DRAFT_MARGIN for the measured cost).
+JPEG_DRAFT = True
+
+# A query box (search by a region) must be at least this many pixels wide and high in the upright image:
+# the model resizes the region to its 224-px input, and a smaller one is upsampled 14x and more into blur.
+MIN_BOX_SIDE = 16
+
+# The peaks of a why-it-matched explanation (engine.serve.explain.matched_windows): squares of this many x
+# this many grid positions, one in each image, that show the same thing most specifically. One
+# position of Lite0's 7 x 7 grid is a 32-px cell whose features see far beyond it: 3 x 3 windows (96 px of
+# the 224-px view) put the peak inside a pasted 56-96 px object far more often than one position or 2 x 2
+# (bench/results/explain_pointing.md).
+EXPLAIN_PEAK_POSITIONS = 3
+
+# Results per query, the most a client may ask for, and the cosine cut that keeps everything.
+TOP_K = 10
+MAX_K = 1000
+MIN_SCORE = -1.0
+# rerank=pddm re-scores the top max(RERANK_POOL, engine.serve.ranking.RERANK_POOL_FACTOR x k) cosine
+# neighbours.
+RERANK_POOL = 100
+# sigma^2 of the predict=true vote: each neighbour weighs exp(-|q - x|^2 / 2 sigma^2) (engine.serve.voting).
+VOTE_SIGMA2 = 0.05
+
+# The pretrained backbone a model is exported or trained from unless another is named (training.backbone).
+BACKBONE = "efficientnet_lite0"
+# Longest side of the thumbnails the UI shows and the API makes unless told another size.
+THUMBNAIL_SIZE = 256
+
+# Images embedded per model call when indexing a folder.
+BATCH_SIZE = 32
+# Threads decoding and preprocessing images while the model embeds (engine.build.prefetch); why two:
+# bench/results/build_speed.md.
+DECODE_WORKERS = 2
+# Images that calibrate an int8 export's activation ranges (training.quantize; bench/int8_variants.py).
+CALIBRATION_IMAGES = 300
+
+# Where the benchmarks keep extracted features and their training runs: $XDG_CACHE_HOME/dmlsearch, by
+# default ~/.cache/dmlsearch (outside the repository, shared by every checkout on the machine).
+CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dmlsearch"
+
+# Where `dmlsearch serve` listens and `dmlsearch ui` (and the Streamlit page) finds it.
+API_HOST = "127.0.0.1"
+API_PORT = 8000
+API_URL = f"http://{API_HOST}:{API_PORT}"
+UI_PORT = 8501

@@ -1,0 +1,139 @@
+"""The decode processes (engine.decode.pool): real worker processes, real limits, hostile files made here."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from engine.decode.images import ImageDecodeError
+from engine.decode.model_input import DecodedUploads, PixelBudget, decode_uploads
+from engine.decode.pool import (
+    DecodeCancelledError,
+    DecodeLimits,
+    DecodePool,
+    DecodePoolClosedError,
+    cancelled_by,
+)
+from engine.model.model_card import Preprocessing
+from tests.helpers import group_alive, image_bytes, make_image, wait_until
+from tests.hostile_images import LEGIT, jpeg_repeated_scan
+
+BUDGET = PixelBudget(draft_size=224)
+# A CPU limit the repeated scans pass by far, and a wall limit they never reach in these tests.
+LIMITS = DecodeLimits(cpu_seconds=1, wall_seconds=120, memory_bytes=300 * 1024**2)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[DecodePool]:
+    with DecodePool(1, LIMITS) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def scans() -> bytes:
+    return jpeg_repeated_scan(1000)
+
+
+def decode(pool: DecodePool, data: bytes) -> DecodedUploads:
+    return pool.run(decode_uploads, [data], BUDGET, Preprocessing())
+
+
+def worker_pids(pool: DecodePool) -> set[int]:
+    return {worker.process.pid for worker in pool._live}
+
+
+def test_an_image_decodes_to_the_model_input_through_shared_memory(pool: DecodePool) -> None:
+    decoded = decode(pool, image_bytes(make_image(1)))
+    assert decoded.tensor.shape == (1, 3, 224, 224)
+    assert decoded.tensor.flags.writeable  # copied out of the shared block, which the next task reuses
+    assert decoded.formats == ["PNG"]
+
+
+def test_a_corrupt_image_keeps_its_worker(pool: DecodePool) -> None:
+    before = worker_pids(pool)
+    with pytest.raises(ImageDecodeError) as refused:
+        decode(pool, image_bytes(make_image(2))[:300])
+    assert refused.value.code == "corrupt_image"
+    assert worker_pids(pool) == before
+
+
+def test_cpu_over_the_limit_ends_the_worker_and_a_fresh_one_serves(pool: DecodePool, scans: bytes) -> None:
+    before = worker_pids(pool)
+    with pytest.raises(ImageDecodeError, match="s of CPU") as refused:
+        decode(pool, scans)
+    assert refused.value.code == "image_too_costly"
+    assert worker_pids(pool).isdisjoint(before)
+    assert decode(pool, image_bytes(make_image(3))).tensor.shape == (1, 3, 224, 224)
+
+
+def test_memory_over_the_limit_is_too_costly_not_corrupt(pool: DecodePool) -> None:
+    """libwebp reports the failed allocation as "could not create decoder object"."""
+    with pytest.raises(ImageDecodeError, match="300 MB") as refused:
+        decode(pool, LEGIT["webp-lossless-RGBA-49mp"]())
+    assert refused.value.code == "image_too_costly"
+
+
+def test_a_cancelled_decode_stops_at_once(scans: bytes) -> None:
+    patient = DecodeLimits(cpu_seconds=600, wall_seconds=600)
+    with DecodePool(1, patient) as pool:
+        gone = threading.Event()
+        threading.Timer(1.0, gone.set).start()
+        started = time.monotonic()
+        with cancelled_by(gone), pytest.raises(DecodeCancelledError):
+            decode(pool, scans)
+        assert time.monotonic() - started < 5
+        assert decode(pool, image_bytes(make_image(4))).tensor.shape == (1, 3, 224, 224)
+
+
+def test_closing_the_pool_ends_a_decode_in_flight(scans: bytes) -> None:
+    pool = DecodePool(1, DecodeLimits(cpu_seconds=600, wall_seconds=600))
+    threading.Timer(1.0, pool.close).start()
+    started = time.monotonic()
+    with pytest.raises(DecodePoolClosedError):
+        decode(pool, scans)
+    assert time.monotonic() - started < 5
+
+
+def test_a_process_that_never_closes_its_pool_still_exits() -> None:
+    """At exit, multiprocessing ends a pool's daemon workers with SIGTERM and waits for them: a worker
+    ignoring SIGTERM (one session's attempt to survive a process group's stop) hung the exit forever."""
+    script = "from engine.decode.pool import DecodePool; print(DecodePool(1).run(len, b'abc'))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "3", done.stderr
+
+
+def test_a_stop_of_the_whole_process_group_lets_the_decodes_under_way_finish() -> None:
+    """systemd's stop and ``kill -- -PGID`` signal the workers and their forkserver too: the owner (a server
+    draining its requests, a build finishing its batch) must still get the answers of decodes under way. The
+    forkserver's death alone made every worker look dead ("the decoder crashed", exit code 255)."""
+    script = (
+        "import signal, time\n"
+        "from engine.decode.pool import DecodePool\n"
+        "signal.signal(signal.SIGTERM, lambda *_: print('stopping', flush=True))  # finish, then exit\n"
+        "with DecodePool(1) as pool:\n"
+        "    print('started', flush=True)\n"
+        "    pool.run(time.sleep, 3)\n"
+        "    print('finished', flush=True)\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    assert process.stdout.readline().strip() == "started"
+    time.sleep(1)  # the worker is in its task
+    os.killpg(process.pid, signal.SIGTERM)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, output
+    assert output.split() == ["stopping", "finished"], output
+    # The workers and the forkserver end with their owner (the forkserver once it sees its owner gone).
+    wait_until(lambda: not group_alive(process.pid, process), 30, "the owner's processes to end")

@@ -1,0 +1,72 @@
+"""The pretrained backbone, its ONNX export and the onnxruntime embedder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from engine.model.embedder import Embedder
+from engine.model.model_card import ModelCard
+from engine.model.preprocess import to_tensor
+from training.backbone import BACKBONES, create_backbone
+from training.model import EmbeddingModel
+
+PREPROCESSING = BACKBONES["efficientnet_lite0"].preprocessing
+
+
+def test_pretrained_backbone_predicts_imagenet_classes() -> None:
+    """The package's weights, mapped by position into timm's model, classify bundled photos correctly."""
+    import skimage.data
+
+    classifier = create_backbone("efficientnet_lite0", with_classifier=True)
+    photos = {"chelsea": skimage.data.chelsea(), "coffee": skimage.data.coffee()}
+    batch = torch.from_numpy(to_tensor([Image.fromarray(p) for p in photos.values()], PREPROCESSING))
+    with torch.no_grad():
+        top5 = classifier(batch).topk(5).indices.tolist()
+    cats = {281, 282, 283, 284, 285}  # tabby, tiger cat, Persian, Siamese, Egyptian cat
+    assert top5[0][0] in cats, top5[0]
+    assert top5[1][0] in {967, 968}, top5[1]  # espresso, cup
+
+
+@pytest.mark.parametrize("batch_size", [1, 7])
+def test_onnx_export_matches_torch(exported_model: Path, batch_size: int) -> None:
+    torch.manual_seed(batch_size)
+    images = torch.randn(batch_size, 3, 224, 224)
+    model = EmbeddingModel(create_backbone("efficientnet_lite0")).eval()
+    with torch.no_grad():
+        expected = model(images).numpy()
+    actual = Embedder(exported_model, threads=1).embed_tensor(images.numpy())
+    assert actual.shape == (batch_size, 1280)
+    assert np.abs(actual - expected).max() <= 1e-4
+
+
+def test_model_card_describes_the_export(exported_model: Path) -> None:
+    card = ModelCard.load(exported_model)
+    assert card.embedding_dim == 1280
+    assert card.preprocessing.input_size == 224
+    assert card.backbone == "efficientnet_lite0"
+    assert len(card.fingerprint) == 64
+
+
+def test_embeddings_are_unit_float32_and_batch_independent(exported_model: Path) -> None:
+    from tests.helpers import make_image
+
+    embedder = Embedder(exported_model, threads=1)
+    images = [make_image(seed, size=(120 + seed, 90)) for seed in range(5)]
+    together = embedder.embed(images)
+    alone = np.concatenate([embedder.embed([image]) for image in images])
+    assert together.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(together, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(together, alone, atol=1e-5)
+
+
+def test_tampered_model_is_refused(exported_model: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "model.onnx"
+    copy.write_bytes(exported_model.read_bytes() + b"\0")
+    ModelCard.path_for(copy).write_text(ModelCard.path_for(exported_model).read_text())
+    with pytest.raises(ValueError, match=r"does not match its model\.json"):
+        Embedder(copy)

@@ -1,0 +1,170 @@
+"""engine.serve.item_writer: adds and removes store gallery files and index items together, or neither."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from engine.decode.images import ImageDecodeError
+from engine.model.embedder import Embedder
+from engine.serve.item_reader import ItemNotFoundError
+from engine.serve.item_writer import DuplicateItemError, InvalidItemError, ItemWriter, NewItem, StorageError
+from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle, ServingConfig
+from index.gallery import GalleryIndex
+from index.items import ItemStore
+from index.selection import IndexOptions
+from tests.helpers import image_bytes, make_image
+
+IMAGE_SIZE = (40, 36)
+
+
+@dataclass
+class Writable:
+    writer: ItemWriter
+    current: CurrentBundle
+    gallery: Path
+    index: Path
+
+
+def _open(small_model: Path, gallery: Path | None, index: Path) -> Writable:
+    embedder = Embedder(small_model, threads=1)
+    if not index.exists():
+        GalleryIndex.create(
+            index,
+            dim=embedder.dim,
+            model_fingerprint=embedder.fingerprint,
+            gallery_root=gallery,
+            options=IndexOptions("flat"),
+        ).close()
+    current = CurrentBundle(LoadedBundle(embedder, GalleryIndex.open(index)))
+    return Writable(ItemWriter(current, ServingConfig()), current, gallery or index, index)
+
+
+@pytest.fixture
+def writable(small_model: Path, tmp_path: Path) -> Iterator[Writable]:
+    """An empty FAISS index over an empty gallery folder, served with the small model."""
+    gallery = tmp_path / "gallery"
+    gallery.mkdir()
+    opened = _open(small_model, gallery, tmp_path / "index")
+    yield opened
+    opened.current.bundle.index.close()
+
+
+def _png(seed: int) -> bytes:
+    return image_bytes(make_image(seed, size=IMAGE_SIZE))
+
+
+def _files(gallery: Path) -> set[Path]:
+    return {path.relative_to(gallery) for path in gallery.rglob("*") if path.is_file()}
+
+
+def test_added_images_are_stored_by_label_and_content_and_indexed_and_saved(writable: Writable) -> None:
+    data = [_png(1), _png(2)]
+    added = writable.writer.add([NewItem(data[0], "cats"), NewItem(data[1])])
+    digests = [hashlib.sha256(d).hexdigest() for d in data]
+    assert [(i.path, i.label, i.content_hash) for i in added] == [
+        (f"cats/{digests[0][:20]}.png", "cats", digests[0]),
+        (f"{digests[1][:20]}.png", None, digests[1]),  # no label: the gallery root
+    ]
+    assert all(item.taken for item in added)  # no EXIF date: the time the file was added
+    assert [(writable.gallery / i.path).read_bytes() for i in added] == data
+    assert _files(writable.gallery) == {Path(i.path) for i in added}
+    query = writable.current.bundle.embedder.embed([make_image(1, size=IMAGE_SIZE)])
+    ((best, *_),) = writable.current.bundle.index.search(query, 1)
+    assert best.item.id == added[0].id
+    writable.current.bundle.index.close()
+    reopened = GalleryIndex.open(writable.index)  # saved before add returned
+    try:
+        assert [reopened.items.get(i.id) for i in added] == added and reopened.manifest.count == 2
+    finally:
+        reopened.close()
+
+
+def test_a_bad_image_leaves_the_gallery_and_the_index_unchanged(writable: Writable) -> None:
+    with pytest.raises(ImageDecodeError, match="image 1"):
+        writable.writer.add([NewItem(_png(1), "cats"), NewItem(b"not an image", "cats")])
+    assert _files(writable.gallery) == set()
+    assert len(writable.current.bundle.index) == 0
+
+
+def test_duplicates_are_refused_and_the_stored_file_is_kept(writable: Writable) -> None:
+    with pytest.raises(DuplicateItemError, match="repeats an earlier image"):
+        writable.writer.add([NewItem(_png(1), "cats"), NewItem(_png(1), "cats")])
+    assert _files(writable.gallery) == set()
+    (first,) = writable.writer.add([NewItem(_png(1), "cats")])
+    with pytest.raises(DuplicateItemError, match="already indexed"):
+        writable.writer.add([NewItem(_png(2), "cats"), NewItem(_png(1), "cats")])
+    assert _files(writable.gallery) == {Path(first.path)}  # the new image's file was not left behind
+    assert (writable.gallery / first.path).read_bytes() == _png(1)
+    (other,) = writable.writer.add([NewItem(_png(1), "dogs")])  # same content, another label: a new item
+    assert other.path.startswith("dogs/") and len(writable.current.bundle.index) == 2
+
+
+@pytest.mark.parametrize(
+    ("label", "message"),
+    [
+        ("../outside", "image 0: label '../outside' contains"),
+        ("notes.txt", "image 0: label 'notes.txt' names a file"),
+        ("index", "image 0: label 'index' names the index's own folder"),
+    ],
+)
+def test_labels_that_are_no_folder_of_their_own_are_refused(
+    small_model: Path, tmp_path: Path, label: str, message: str
+) -> None:
+    gallery = tmp_path / "gallery"
+    gallery.mkdir()
+    (gallery / "notes.txt").write_text("not a folder of images")
+    opened = _open(small_model, gallery, gallery / "index")  # the index inside its gallery folder
+    before = _files(gallery)
+    try:
+        with pytest.raises(InvalidItemError, match=message):
+            opened.writer.add([NewItem(_png(1), label)])
+        assert _files(gallery) == before and len(opened.current.bundle.index) == 0
+    finally:
+        opened.current.bundle.index.close()
+
+
+def test_an_index_without_a_gallery_folder_takes_no_new_images(small_model: Path, tmp_path: Path) -> None:
+    opened = _open(small_model, None, tmp_path / "index")
+    try:
+        with pytest.raises(InvalidItemError, match="no gallery folder"):
+            opened.writer.add([NewItem(_png(1))])
+    finally:
+        opened.current.bundle.index.close()
+
+
+def test_a_failed_index_write_removes_the_files_it_wrote(writable: Writable) -> None:
+    """Another connection holds items.sqlite's write lock: the insert fails once SQLite stops waiting."""
+    blocker = sqlite3.connect(writable.index / ItemStore.FILE_NAME, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(StorageError, match="nothing was added"):
+            writable.writer.add([NewItem(_png(1), "cats")])
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert _files(writable.gallery) == set() and len(writable.current.bundle.index) == 0
+    (added,) = writable.writer.add([NewItem(_png(1), "cats")])  # the lock released: the same add goes in
+    assert _files(writable.gallery) == {Path(added.path)}
+
+
+def test_removed_items_leave_the_index_but_keep_their_file(writable: Writable) -> None:
+    kept, gone = writable.writer.add([NewItem(_png(1), "cats"), NewItem(_png(2), "cats")])
+    assert writable.writer.remove(gone.id) == gone
+    index = writable.current.bundle.index
+    assert index.items.get(gone.id) is None and len(index) == 1
+    assert (writable.gallery / gone.path).read_bytes() == _png(2)
+    with pytest.raises(ItemNotFoundError):
+        writable.writer.remove(gone.id)
+    index.close()
+    reopened = GalleryIndex.open(writable.index)
+    try:
+        assert reopened.items.get(gone.id) is None and reopened.items.get(kept.id) == kept
+        assert reopened.manifest.count == 1
+    finally:
+        reopened.close()
