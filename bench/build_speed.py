@@ -49,11 +49,12 @@ from PIL import Image
 from tqdm import tqdm
 
 from engine.build import prefetch as prefetch_module
-from engine.build.indexing import build_index, file_hash
+from engine.build.indexing import build_index
 from engine.build.prefetch import decode_file, prefetch
 from engine.decode.images import load_image_file
 from engine.duplicates.signature import perceptual_signature
 from engine.gallery.files import list_images
+from engine.gallery.hashing import file_hash
 from engine.model.embedder import Embedder
 from engine.model.preprocess import to_array
 from foundation import defaults

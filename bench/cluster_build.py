@@ -37,8 +37,9 @@ from pathlib import Path
 
 from PIL import Image
 
-from engine.build.indexing import BuildReport, build_index
+from engine.build.indexing import build_index
 from engine.build.ray_runner import RayRunner
+from engine.build.report import BuildReport
 from engine.gallery.files import list_images
 from engine.model.embedder import Embedder
 from foundation.atomic import atomic_write_text

@@ -13,7 +13,7 @@ from foundation import defaults
 from foundation.errors import DmlsearchError
 
 if TYPE_CHECKING:
-    from engine.build.indexing import MovedFile
+    from engine.build.report import MovedFile
 
 
 def model_for_index(index: Path, model: Path | None) -> Path:

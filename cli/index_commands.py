@@ -17,7 +17,7 @@ from index.manifest import MILVUS_COLLECTION
 from index.selection import KEEP, IndexChanges
 
 if TYPE_CHECKING:
-    from engine.build.indexing import BuildReport
+    from engine.build.report import BuildReport
     from engine.decode.regions import Box
 
 commands = typer.Typer()
@@ -173,7 +173,7 @@ def build_index(
     progress: ProgressOption = True,
 ) -> None:
     """Embed the images under GALLERY into an index; re-running embeds only new or changed files."""
-    from engine.build.indexing import LocalRunner
+    from engine.build.embedding import LocalRunner
     from engine.build.indexing import build_index as run_build
     from engine.model.embedder import Embedder
     from foundation.stopping import StopRequested, stop_on_signals

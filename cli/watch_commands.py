@@ -42,7 +42,7 @@ def watch(
 
     When another index takes the INDEX path (a link repointed to a promoted index, or build-index with a
     new model), the watcher switches to it and to its model, and catches it up."""
-    from engine.build.indexing import BuildReport
+    from engine.build.report import BuildReport
     from engine.build.watching import GalleryWatcher
     from engine.model.embedder import Embedder
     from foundation.stopping import StopRequested, stop_on_signals

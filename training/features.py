@@ -32,8 +32,8 @@ from PIL import Image
 from torchvision.transforms import v2
 from tqdm import tqdm
 
-from engine.build.indexing import file_hash
 from engine.decode.images import ImageDecodeError, load_image_file
+from engine.gallery.hashing import file_hash
 from engine.model.embedder import Embedder
 from engine.model.model_card import Preprocessing
 from engine.model.preprocess import to_tensor

@@ -28,9 +28,11 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from engine.build.indexing import BatchCommitter, BuildReport, GalleryFile, ItemSink, file_hash, hash_files
+from engine.build.embedding import BatchCommitter, ItemSink, hash_files
 from engine.build.prefetch import FILE_ERRORS, WORKER_NICENESS, DecodedFile, decode_file, prefetch
+from engine.build.report import BuildReport
 from engine.decode.pool import DecodePool
+from engine.gallery.hashing import GalleryFile, file_hash
 from engine.model.embedder import Embedder
 from engine.model.model_card import ModelCard
 from foundation import stopping

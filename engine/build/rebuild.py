@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.build.indexing import BuildReport, embed_files, hash_files
+from engine.build.embedding import embed_files, hash_files
+from engine.build.report import BuildReport
 from engine.model.bundle import model_writer
 from engine.model.embedder import Embedder
 from foundation.defaults import BATCH_SIZE

@@ -2,7 +2,7 @@
 
 watchdog reports file events; :class:`engine.build.changes.ChangeBatcher` debounces them into batches of
 settled paths (a file still being copied waits; a burst of 1,000 copies becomes a few batched adds).
-Each batch goes through build-index's own content-hash sync (:func:`engine.build.indexing.sync_files`):
+Each batch goes through build-index's own content-hash sync (:func:`engine.build.sync.sync_files`):
 renamed and moved files keep their ids, changed files are embedded again, deleted files are removed,
 and a file that does not decode yet (half written) is skipped until its next change. The index is
 saved after every batch, so a server on the same index reloads it
@@ -25,7 +25,9 @@ from pathlib import Path
 from watchdog.observers import Observer
 
 from engine.build.changes import DEFAULT_MAX_BATCH, DEFAULT_SETTLE_SECONDS, ChangeBatcher
-from engine.build.indexing import BuildReport, build_index, sync_files
+from engine.build.indexing import build_index
+from engine.build.report import BuildReport
+from engine.build.sync import sync_files
 from engine.gallery.files import is_image_file, list_images
 from engine.model.bundle import resolve_model
 from engine.model.embedder import Embedder

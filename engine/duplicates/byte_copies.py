@@ -1,6 +1,6 @@
 """Byte copies: files of the gallery folder with the bytes of an indexed image.
 
-An index holds one item per content (``engine.build.indexing``: the first path; build-index lists the others),
+An index holds one item per content (``engine.build.sync``: the first path; build-index lists the others),
 so the duplicate review finds the other files here, from the folder: the exact tier's commonest case, the
 same photo saved twice. Only files that are not items and have the size of an item's file are hashed (a
 copy has its original's size), so looking at a folder costs its listing and a ``stat`` per file.
@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from engine.build.indexing import file_hash
 from engine.duplicates.tiers import ByteCopy
 from engine.gallery.files import list_images, resolves_inside
+from engine.gallery.hashing import file_hash
 from index.protocol import Item
 
 

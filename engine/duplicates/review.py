@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from engine.build.indexing import add_images, file_hash, label_of
+from engine.build.indexing import add_images
 from engine.decode.images import decode_image, image_header
 from engine.duplicates.byte_copies import find_byte_copies
 from engine.duplicates.tiers import (
@@ -39,6 +39,7 @@ from engine.duplicates.tiers import (
     find_tiered,
     with_byte_copies,
 )
+from engine.gallery.hashing import file_hash, label_of
 from engine.model.embedder import Embedder
 from foundation.atomic import atomic_write_text
 from foundation.defaults import TRASH_FOLDER

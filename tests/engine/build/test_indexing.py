@@ -10,14 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.build.indexing import (
-    BatchCommitter,
-    BuildReport,
-    GalleryMismatchError,
-    MovedFile,
-    add_images,
-    build_index,
-)
+from engine.build.embedding import BatchCommitter
+from engine.build.indexing import GalleryMismatchError, add_images, build_index
+from engine.build.report import BuildReport, MovedFile
 from engine.model.embedder import Embedder
 from index.gallery import GalleryIndex
 from index.manifest import Manifest

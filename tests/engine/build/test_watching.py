@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.build.indexing import BuildReport, build_index
+from engine.build.indexing import build_index
+from engine.build.report import BuildReport
 from engine.build.watching import GalleryWatcher
 from engine.model.embedder import Embedder
 from index.gallery import GalleryIndex
