@@ -1,1 +1,1 @@
-"""Image decoding, preprocessing, ONNX embedding and the search service."""
+"""All that knows about images and models, in rooms: decode, model, gallery, build, serve, duplicates."""

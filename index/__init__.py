@@ -1,1 +1,1 @@
-"""Vector indexes (FAISS, Milvus), item metadata and atomic persistence. Knows nothing about images."""
+"""Vector indexes (FAISS, Milvus), item metadata, manifests, the staged write. Knows nothing about images."""
