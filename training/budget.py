@@ -2,10 +2,12 @@
 
 Fine-tuning is the largest lever the project has (issue 25: +22.4 test Recall@1 in 150 steps, against
 +9.1 for the frozen recipe on the same data), but on a CPU it costs minutes per epoch. So where no mode
-is given, the speed of one fine-tuning step is measured on this machine (random images at the run's batch
-and compute) and fine-tuning is chosen when at least :data:`MIN_FINETUNE_STEPS` steps, plus validating
-and testing, fit in the budget; otherwise the frozen mode. The steps then fill the budget, up to the
-recipe's ``max_steps``, and the run stops at the budget in any case (``TrainConfig.time_budget``).
+is given, the speed of a fine-tuning step is measured on this machine (random images at the run's batch
+and compute; the fastest of :data:`TIMED_STEPS` steps, so that a passing load does not decide an hour's
+run; the load average read beside it is said when the machine looked busy) and fine-tuning is chosen
+when at least :data:`MIN_FINETUNE_STEPS` steps, plus validating and testing, fit in the budget;
+otherwise the frozen mode. The steps then fill the budget, up to the recipe's ``max_steps``, and the run
+stops at the budget in any case (``TrainConfig.time_budget``).
 A ``frozen_first`` run's frozen stage is counted too, from a head step measured the same way.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -35,6 +38,35 @@ MIN_FINETUNE_STEPS = 150
 # A forward pass costs about a third of a training step (forward + backward): what embedding the
 # validation and test images (twice: trained and untrained) is estimated at.
 FORWARD_SHARE = 1 / 3
+# Timed steps of a speed measurement, after an untimed warm-up; the fastest counts. Other work slows some
+# steps, not the machine: on a quiet 2-core machine one step measured 48.8 img/s, one step beside other
+# work 5.2 img/s, and that one step flipped an hour's run to the frozen mode (issue 44).
+TIMED_STEPS = 3
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class Load:
+    """The 1-minute load average when a speed was measured, against the cores this process may use."""
+
+    average: float
+    cores: int
+
+    @classmethod
+    def now(cls) -> Load:
+        return cls(os.getloadavg()[0], len(os.sched_getaffinity(0)))
+
+    @property
+    def busy(self) -> bool:
+        """More runnable work than cores: every process, the measured steps too, waited for a core."""
+        return self.average > self.cores
+
+    def describe(self) -> str:
+        return (
+            f"the machine looked busy (load average {self.average:.1f} on {self.cores} cores), so the "
+            "measured speed may be low: measure again when it is quiet, or give --mode"
+        )
 
 
 @dataclass(frozen=True)
@@ -44,9 +76,11 @@ class Plan:
     reason: str
 
 
-def measure_finetune_speed(config: TrainConfig, batch: int, *, steps: int = 1) -> float:
-    """Images per second of ``config``'s fine-tuning step on this CPU (after a warm-up step): the run's
-    own objective, precision and memory format on random images."""
+def measure_finetune_speed(
+    config: TrainConfig, batch: int, *, steps: int = TIMED_STEPS, clock: Clock = time.perf_counter
+) -> float:
+    """Images per second of ``config``'s fine-tuning step on this CPU (the fastest of ``steps``, after a
+    warm-up step): the run's own objective, precision and memory format on random images."""
     finetune = config.model_copy(update={"mode": "finetune"})
     compute = resolve_compute(finetune.precision, finetune.channels_last, torch.device("cpu"))
     objective = compute.prepare_module(build_objective(finetune, BACKBONES[config.backbone].feature_dim))
@@ -54,18 +88,20 @@ def measure_finetune_speed(config: TrainConfig, batch: int, *, steps: int = 1) -
     size = config.train_size or BACKBONES[config.backbone].preprocessing.input_size
     images = model_inputs(torch.randn(batch, 3, size, size), compute.channels_last)
     labels = torch.arange(batch) // 4  # classes of 4 images
-    return batch / _seconds_per_step(objective, images, labels, steps, compute.autocast_context)
+    return batch / _seconds_per_step(objective, images, labels, steps, clock, compute.autocast_context)
 
 
-def measure_head_speed(config: TrainConfig, batch: int, *, steps: int = 5) -> float:
-    """Steps per second of the frozen mode's step (head and loss on cached features) on this CPU, after a
-    warm-up step: what a ``frozen_first`` run's frozen stage trains with."""
+def measure_head_speed(
+    config: TrainConfig, batch: int, *, steps: int = 5, clock: Clock = time.perf_counter
+) -> float:
+    """Steps per second of the frozen mode's step (head and loss on cached features) on this CPU, the
+    fastest of ``steps`` after a warm-up step: what a ``frozen_first`` run's frozen stage trains with."""
     frozen = config.model_copy(update={"mode": "frozen", "frozen_first": False})
     feature_dim = BACKBONES[config.backbone].feature_dim
     objective = build_objective(frozen, feature_dim).train()
     features = torch.randn(batch, feature_dim)
     labels = torch.arange(batch) // 4
-    return 1 / _seconds_per_step(objective, features, labels, steps)
+    return 1 / _seconds_per_step(objective, features, labels, steps, clock)
 
 
 def _seconds_per_step(
@@ -73,21 +109,22 @@ def _seconds_per_step(
     inputs: torch.Tensor,
     labels: torch.Tensor,
     steps: int,
+    clock: Clock,
     forward_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> float:
-    """Mean seconds of ``steps`` training steps (forward in ``forward_context``, backward, Adam) after an
-    untimed warm-up step."""
+    """Seconds of the fastest of ``steps`` training steps (forward in ``forward_context``, backward,
+    Adam) after an untimed warm-up step: the machine's speed, less what other work took of it."""
     optimizer = torch.optim.Adam(objective.parameters(), lr=1e-9)
-    elapsed = 0.0
-    for step in range(steps + 1):
-        started = time.perf_counter()
+    timed = []
+    for _ in range(steps + 1):
+        started = clock()
         with forward_context():
             value = objective(inputs, labels)
         optimizer.zero_grad(set_to_none=True)
         value.backward()
         optimizer.step()
-        elapsed += (time.perf_counter() - started) if step else 0.0
-    return elapsed / steps
+        timed.append(clock() - started)
+    return min(timed[1:])
 
 
 def finetune_seconds(
@@ -111,6 +148,7 @@ class Speed:
     images: dict[str, int]  # train / val / test
     eval_area: float  # pixels of an evaluated image over those of a training crop
     frozen_stage_s: float = 0.0  # a frozen_first run's frozen stage at its full step budget (0: none)
+    load: Load | None = None  # the load average when the step was measured
 
     def seconds(self, steps: int) -> float:
         fine_tuning = finetune_seconds(
@@ -126,6 +164,8 @@ class Speed:
         text = f"a fine-tuning step of {self.batch} images measured at {self.img_per_s:.1f} img/s on this CPU"
         if self.frozen_stage_s:
             text += f"; a frozen stage of at most {self.frozen_stage_s / 60:.0f} minutes first"
+        if self.load is not None and self.load.busy:
+            text += f"; {self.load.describe()}"
         return text
 
 
@@ -152,8 +192,10 @@ def plan_mode(speed: Speed, *, budget_s: float, max_steps: int) -> Plan:
     return Plan("frozen", max_steps, reason)
 
 
-def measure(config: TrainConfig) -> Speed:
-    """The speed of ``config``'s fine-tuning step on this CPU, with its data's split sizes."""
+def measure(config: TrainConfig, *, clock: Clock = time.perf_counter, load: Load | None = None) -> Speed:
+    """The speed of ``config``'s fine-tuning step on this CPU, with its data's split sizes and the load
+    average (``load``: read now unless given)."""
+    load = load or Load.now()  # before measuring: the measurement's own steps load the machine
     layout = LOSSES[config.loss].layout
     batch = (config.classes_per_batch or layout.classes) * (
         config.samples_per_class or layout.samples_per_class
@@ -170,8 +212,10 @@ def measure(config: TrainConfig) -> Speed:
     eval_area = (input_size / (config.train_size or input_size)) ** 2
     frozen_stage_s = 0.0
     if config.frozen_first:  # the stage runs the frozen mode's step budget (trainer.frozen_stage)
-        frozen_stage_s = TrainConfig.model_fields["max_steps"].default / measure_head_speed(config, batch)
-    return Speed(measure_finetune_speed(config, batch), batch, images, eval_area, frozen_stage_s)
+        max_steps = TrainConfig.model_fields["max_steps"].default
+        frozen_stage_s = max_steps / measure_head_speed(config, batch, clock=clock)
+    img_per_s = measure_finetune_speed(config, batch, clock=clock)
+    return Speed(img_per_s, batch, images, eval_area, frozen_stage_s, load)
 
 
 def plan_for(config: TrainConfig, budget_s: float) -> Plan:

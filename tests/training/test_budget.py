@@ -10,7 +10,14 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from tests.helpers import tiny_train_config
-from training.budget import MIN_FINETUNE_STEPS, Speed, finetune_seconds, plan_mode
+from training.budget import (
+    MIN_FINETUNE_STEPS,
+    Load,
+    Speed,
+    finetune_seconds,
+    measure_head_speed,
+    plan_mode,
+)
 from training.run_dir import RunDirectory
 from training.trainer import train
 
@@ -114,3 +121,33 @@ def test_the_frozen_stage_is_a_fixed_cost_of_the_plan() -> None:
     assert with_stage.mode == "finetune" and with_stage.max_steps < plain.max_steps
     assert "a frozen stage of at most 10 minutes first" in with_stage.reason
     assert speed(42.0).steps_within(60.0) == 19  # 60 s of 128-image steps at 42 img/s
+
+
+def test_a_speed_is_the_fastest_of_several_steps_so_a_passing_load_does_not_decide(tmp_path: Path) -> None:
+    # An injected clock: the warm-up takes 100 s, the first timed step 50 s (other work ran then), the
+    # next two 2 and 3 s. The speed is the fastest step's, not the slow one's nor their mean.
+    durations = iter([100.0, 50.0, 2.0, 3.0])
+    ticks: list[float] = []
+
+    def clock() -> float:
+        if len(ticks) % 2 == 0:  # a step starts
+            ticks.append(ticks[-1] if ticks else 0.0)
+        else:  # and ends
+            ticks.append(ticks[-1] + next(durations))
+        return ticks[-1]
+
+    config = tiny_train_config(tmp_path, tmp_path / "cache")
+    assert measure_head_speed(config, batch=8, steps=3, clock=clock) == 1 / 2.0
+    assert len(ticks) == 8  # a warm-up and three timed steps
+
+
+def test_the_plan_says_when_the_machine_looked_busy() -> None:
+    busy = Speed(5.2, 128, IMAGES, 1.0, load=Load(5.6, 2))
+    plan = plan_mode(busy, budget_s=3600, max_steps=3000)
+    assert plan.mode == "frozen"
+    assert "the machine looked busy (load average 5.6 on 2 cores)" in plan.reason
+    assert "give --mode" in plan.reason
+    quiet = plan_mode(Speed(48.8, 128, IMAGES, 1.0, load=Load(0.9, 2)), budget_s=3600, max_steps=3000)
+    assert quiet.mode == "finetune" and "busy" not in quiet.reason
+    now = Load.now()  # this machine's own reading
+    assert now.average >= 0 and now.cores >= 1
