@@ -14,6 +14,7 @@ from engine.serve.explain import Heatmap
 from engine.serve.query import BatchResponse
 from engine.serve.ranking import QueryHits
 from engine.serve.voting import Prediction
+from foundation.names import readable_name
 from index.protocol import Item
 
 # Every image the API sends: browsers must not sniff another type out of a gallery file's bytes.
@@ -22,11 +23,13 @@ IMAGE_HEADERS = {"X-Content-Type-Options": "nosniff"}
 
 # An image as base64 text (checked and decoded by app.uploads, which also takes a data: URL prefix).
 Base64Image = Annotated[str, Field(json_schema_extra={"contentEncoding": "base64"})]
+# A gallery path as a response shows it: a name that is not UTF-8 with backslash escapes (foundation.names).
+ShownPath = Annotated[str, BeforeValidator(readable_name)]
 
 
 class ResultOut(BaseModel):
     id: int
-    path: str
+    path: ShownPath
     label: str | None
     score: float = Field(description="cosine similarity to the query, in [-1, 1]")
     rank: int = Field(description="1-based position among all results (paging keeps ranks global)")
@@ -98,7 +101,7 @@ class BatchSearchOut(BaseModel):
 
 class ItemOut(BaseModel):
     id: int
-    path: str = Field(description="relative to the gallery folder")
+    path: ShownPath = Field(description="relative to the gallery folder")
     label: str | None
     content_hash: str
     added: str = Field(description="when it was indexed (ISO 8601, UTC)")
@@ -151,7 +154,7 @@ class ReviewOut(BaseModel):
 
 class DuplicateOut(BaseModel):
     id: int = Field(description="the item's id (a byte copy's: the id of the item whose bytes it has)")
-    path: str
+    path: ShownPath
     label: str | None
     byte_copy: bool = Field(
         False,
@@ -252,13 +255,13 @@ class PlanIn(BaseModel):
 
 
 class LeftOut(BaseModel):
-    path: str
+    path: ShownPath
     reason: str
 
 
 class AppliedPlanOut(BaseModel):
-    moved: list[str] = Field(description="files moved into the trash folder by this request")
-    already: list[str] = Field(description="files already in the trash folder (an apply run again)")
+    moved: list[ShownPath] = Field(description="files moved into the trash folder by this request")
+    already: list[ShownPath] = Field(description="files already in the trash folder (an apply run again)")
     left: list[LeftOut] = Field(description="files not moved, and why")
     removed: int = Field(description="items removed from the index")
     handed: int = Field(

@@ -11,6 +11,7 @@ import typer
 
 from foundation import defaults
 from foundation.errors import DmlsearchError
+from foundation.names import readable_name
 
 if TYPE_CHECKING:
     from engine.build.report import MovedFile
@@ -70,7 +71,7 @@ def require_training() -> None:
 def echo_duplicate_files(duplicates: list[tuple[str, str]]) -> None:
     """Name each file that was not embedded because an indexed file has the same bytes."""
     for path, original in duplicates:
-        typer.echo(f"  {path}: same content as {original} (indexed once)")
+        typer.echo(f"  {readable_name(path)}: same content as {readable_name(original)} (indexed once)")
 
 
 def echo_moves(moves: list[MovedFile]) -> None:
@@ -81,7 +82,7 @@ def echo_moves(moves: list[MovedFile]) -> None:
             if move.old_label != move.new_label
             else ""
         )
-        typer.echo(f"  {move.old_path} -> {move.new_path}{relabelled}")
+        typer.echo(f"  {readable_name(move.old_path)} -> {readable_name(move.new_path)}{relabelled}")
 
 
 def moves_heading(moves: list[MovedFile]) -> str:

@@ -11,6 +11,8 @@ from pathlib import Path
 import typer
 
 from cli.common import fail
+from foundation import defaults
+from foundation.regular_files import read_regular
 
 
 def tiered(
@@ -152,7 +154,7 @@ def apply_or_undo(index: Path, apply: Path | None, undo: Path | None, *, progres
     path = apply or undo
     assert path is not None
     try:
-        plan = json.loads(path.read_text())
+        plan = json.loads(read_regular(path, defaults.PLAN_BYTES))
     except (OSError, ValueError) as err:
         raise fail(f"cannot read the plan {path}: {err}") from None
     if apply is not None:

@@ -9,6 +9,7 @@ import typer
 
 from cli.common import fail, reports_errors
 from cli.index_commands import BoxOption, StoredModelOption, parse_box
+from foundation.regular_files import read_image_file
 
 commands = typer.Typer()
 
@@ -34,12 +35,12 @@ def explain(
     from engine.serve.search import SearchService
     from foundation.atomic import atomic_write_bytes
 
-    if not query.is_file():
+    if not query.exists():
         raise fail(f"query image {query} does not exist")
     region = parse_box(box)
     service = SearchService.open(model, index)
     try:
-        explanation = service.explanations.explain(query.read_bytes(), item_id, region)
+        explanation = service.explanations.explain(read_image_file(query), item_id, region)
     except ImageDecodeError as err:  # named by its file
         raise fail(f"{query}: {err.message}") from None
     finally:

@@ -13,6 +13,8 @@ import typer
 from cli.common import echo_duplicate_files, echo_moves, fail, model_for_index, moves_heading, reports_errors
 from foundation import defaults
 from foundation.families import Backend, IndexType
+from foundation.names import readable_name
+from foundation.regular_files import read_image_file
 from index.manifest import MILVUS_COLLECTION
 from index.selection import KEEP, IndexChanges
 
@@ -125,7 +127,7 @@ def _print_build_summary(out: Path, report: BuildReport) -> None:
     if report.skipped:
         typer.secho(f"skipped {len(report.skipped)} files:", fg=typer.colors.YELLOW, err=True)
         for path, reason in report.skipped:
-            typer.echo(f"  {path}: {reason}", err=True)
+            typer.echo(f"  {readable_name(path)}: {reason}", err=True)
 
 
 @commands.command("build-index")
@@ -263,7 +265,7 @@ def query(
     from engine.serve.search import SearchService
     from index.filters import ItemFilter
 
-    if not image.is_file():
+    if not image.exists():
         raise fail(f"query image {image} does not exist")
     region = parse_box(box)
     try:
@@ -272,13 +274,13 @@ def query(
             raise fail("--added-from/--taken-from must be earlier than --added-to/--taken-to")
         service = SearchService.open(model, index)
         options = SearchOptions(k=k, min_score=min_score, where=where)
-        response = service.queries.search([image.read_bytes()], options, [region])
+        response = service.queries.search([read_image_file(image)], options, [region])
     except ImageDecodeError as err:  # named by its file
         raise fail(f"{image}: {err.message}") from None
     (hits,) = response.queries
     if as_json:
         payload = {
-            "results": [asdict(result) for result in hits.results],
+            "results": [{**asdict(result), "path": readable_name(result.path)} for result in hits.results],
             "took_ms": response.took_ms,
             "model_fingerprint": response.model_fingerprint,
         }
@@ -291,7 +293,9 @@ def query(
         return
     typer.echo(f"{'rank':>4}  {'score':>7}  {'label':<24} path")
     for result in hits.results:
-        typer.echo(f"{result.rank:>4}  {result.score:7.4f}  {result.label or '-':<24} {result.path}")
+        typer.echo(
+            f"{result.rank:>4}  {result.score:7.4f}  {result.label or '-':<24} {readable_name(result.path)}"
+        )
 
 
 @index_app.command("add")

@@ -36,6 +36,15 @@ DECODE_WALL_SECONDS = 30.0
 # take in the server before onnxruntime is told to stop it: minutes of a loaded CPU, never a normal run.
 EMBED_RUN_SECONDS = 60.0
 DECODE_MEMORY_BYTES = 1024 * 1024**2
+# The most bytes read of a file we read whole (foundation.regular_files): an index's manifest.json and a
+# model's card (model.json) are about 1 KB, so 1 MiB is a damaged or a wrong file; a duplicates plan lists
+# every member of every group (~200 bytes each), 64 MiB some 300,000; an image file, the query of
+# `dmlsearch query`/`explain` or a gallery image served, holds at most MAX_IMAGE_PIXELS of 4 channels of
+# 16 bits uncompressed (400 MB) and its header.
+MANIFEST_BYTES = 1024**2
+MODEL_CARD_BYTES = 1024**2
+PLAN_BYTES = 64 * 1024**2
+IMAGE_FILE_BYTES = 512 * 1024**2
 # Decode large JPEGs at reduced DCT scale (see engine.decode.images.DRAFT_MARGIN for the measured cost).
 JPEG_DRAFT = True
 

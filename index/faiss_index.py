@@ -26,6 +26,7 @@ import numpy as np
 from foundation.atomic import atomic_path
 from foundation.errors import DamagedFileError, InvalidInputError, MissingDependencyError
 from foundation.families import IndexType
+from foundation.regular_files import require_regular
 from index.protocol import check_dim, normalize_rows
 from index.selection import IndexSpec
 
@@ -360,6 +361,7 @@ class FaissIndex:
     @classmethod
     def load(cls, path: Path, spec: IndexSpec, *, mmap: bool = True) -> FaissIndex:
         faiss = faiss_module()
+        require_regular(path)  # faiss would wait on a FIFO for ever
         # IVF lists map as read-only OnDiskInvertedLists; flat codes (flat, an HNSW graph's vectors) as views.
         flag = faiss.IO_FLAG_MMAP if spec.nlist is not None else faiss.IO_FLAG_MMAP_IFC
         try:

@@ -4,6 +4,9 @@ The stored vectors are the source of truth the FAISS file is derived from: a bui
 resumes from them, an index is re-trained or changes type without re-embedding any image, an HNSW graph
 is rebuilt from them once removed items pile up in it, and shard directories merge from them.
 
+A path that is not UTF-8 (a Latin-1 file name) is stored as the name's bytes (a BLOB in the path column)
+and read back with Python's surrogate escapes: the same name opens the same file.
+
 Items also carry when their photo was taken (column ``taken``, see ``index.filters``): indexes written before
 it gain the column when next opened for writing, and their items have none until a build reads it.
 
@@ -15,19 +18,39 @@ when next opened for writing, and their items simply have none.
 from __future__ import annotations
 
 import datetime as dt
+import os
 import sqlite3
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from foundation.errors import NotFoundError
+from foundation.regular_files import require_regular
 from index.filters import TAKEN_OR_ADDED, ItemFilter
 from index.protocol import Entry, Item, Move, check_dim, normalize_rows, not_unit_rows
 
 _COLUMNS = "id, path, label, content_hash, added, taken"
 _COLUMNS_BEFORE_TAKEN = "id, path, label, content_hash, added, NULL"  # an old store, opened read-only
 _SQL_CHUNK = 10_000  # ids per "IN (...)" query, below SQLite's variable limit
+
+
+def _stored(path: str) -> str | bytes:
+    """A gallery-relative path as the store keeps it: text, or the name's bytes when it is not UTF-8
+    (a Latin-1 name from an old zip file, which Python holds with surrogate escapes): SQLite takes text
+    only as UTF-8, and the bytes are what opens the file again."""
+    try:
+        path.encode()
+    except UnicodeEncodeError:
+        return os.fsencode(path)
+    return path
+
+
+def _item(row: Sequence[Any]) -> Item:
+    """An item from its row, its path back in Python's form for file names (see :func:`_stored`)."""
+    path = row[1]
+    return Item(row[0], os.fsdecode(path) if isinstance(path, bytes) else path, *row[2:])
 
 
 def now_utc() -> str:
@@ -41,9 +64,11 @@ class ItemStore:
         """``read_only``: open an existing store without the right to change it (reading another index)."""
         self.dim = dim
         path = directory / self.FILE_NAME
+        if read_only and not path.exists():
+            raise NotFoundError(f"{directory} has no {self.FILE_NAME}")
+        if path.exists() or path.is_symlink():
+            require_regular(path)  # SQLite would wait on a FIFO for ever
         if read_only:
-            if not path.is_file():
-                raise NotFoundError(f"{directory} has no {self.FILE_NAME}")
             self.connection = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
             self._columns = _COLUMNS if self._has_taken() else _COLUMNS_BEFORE_TAKEN
             return
@@ -100,7 +125,7 @@ class ItemStore:
             for vector, entry, time, item_id, signature in rows:
                 cursor.execute(
                     f"INSERT INTO items ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
-                    (item_id, entry.path, entry.label, entry.content_hash, time, entry.taken),
+                    (item_id, _stored(entry.path), entry.label, entry.content_hash, time, entry.taken),
                 )
                 assert cursor.lastrowid is not None  # the row id of the INSERT just run
                 new_ids.append(int(cursor.lastrowid))
@@ -142,7 +167,7 @@ class ItemStore:
         with self.connection:
             return self.connection.executemany(
                 "UPDATE items SET path = ?, label = ? WHERE id = ?",
-                [(move.path, move.label, int(move.id)) for move in moves],
+                [(_stored(move.path), move.label, int(move.id)) for move in moves],
             ).rowcount
 
     def set_taken(self, taken: Mapping[int, str]) -> int:
@@ -161,15 +186,17 @@ class ItemStore:
             rows = self.connection.execute(
                 f"SELECT {self._columns} FROM items WHERE id IN ({placeholders})", chunk
             ).fetchall()
-            found.update((row[0], Item(*row)) for row in rows)
+            found.update((row[0], _item(row)) for row in rows)
         return found
 
     def get(self, item_id: int) -> Item | None:
         return self.get_many([item_id]).get(item_id)
 
     def get_by_path(self, path: str) -> Item | None:
-        row = self.connection.execute(f"SELECT {self._columns} FROM items WHERE path = ?", (path,)).fetchone()
-        return Item(*row) if row else None
+        row = self.connection.execute(
+            f"SELECT {self._columns} FROM items WHERE path = ?", (_stored(path),)
+        ).fetchone()
+        return _item(row) if row else None
 
     def matching_ids(self, where: ItemFilter) -> np.ndarray:
         """The ids of the items ``where`` lets through, ascending."""
@@ -183,11 +210,11 @@ class ItemStore:
         rows = self.connection.execute(
             f"SELECT {self._columns} FROM items ORDER BY id LIMIT ? OFFSET ?", (limit, offset)
         ).fetchall()
-        return [Item(*row) for row in rows]
+        return [_item(row) for row in rows]
 
     def scan(self) -> Iterator[Item]:
         for row in self.connection.execute(f"SELECT {self._columns} FROM items ORDER BY id"):
-            yield Item(*row)
+            yield _item(row)
 
     def label_counts(self) -> dict[str, int]:
         rows = self.connection.execute(

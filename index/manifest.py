@@ -14,9 +14,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from foundation import defaults
 from foundation.atomic import atomic_write_text
 from foundation.errors import InvalidInputError, NotFoundError
 from foundation.families import Backend, IndexType
+from foundation.regular_files import read_regular
 from index.selection import IndexOptions
 
 FORMAT_VERSION = 3
@@ -115,7 +117,7 @@ class Manifest(BaseModel):
         if not path.exists():
             raise NotFoundError(f"{directory} is not an index directory (no manifest.json)")
         try:
-            manifest = cls.model_validate_json(path.read_text())
+            manifest = cls.model_validate_json(read_regular(path, defaults.MANIFEST_BYTES))
         except ValidationError as err:  # not the JSON of a manifest: a damaged file, not a bug
             raise InvalidInputError(str(err)) from err
         if manifest.format_version != FORMAT_VERSION:

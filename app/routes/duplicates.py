@@ -136,7 +136,13 @@ async def _tiered(service: Service, compute: Compute, tier: Tier, offset: int, l
 @router.post(
     "/v1/duplicates/apply",
     response_model=AppliedPlanOut,
-    responses={code: {"model": ErrorOut} for code in (401, 403, 422, 429, 503)},
+    responses={
+        **{code: {"model": ErrorOut} for code in (401, 403, 422, 429, 503)},
+        409: {
+            "model": ErrorOut,
+            "description": "`not_a_file`: a member to set aside is a folder, a FIFO or a device",
+        },
+    },
     dependencies=[Depends(require_api_key)],
 )
 async def apply_plan(plan: PlanIn, service: Service, compute: Compute) -> AppliedPlanOut:
@@ -144,7 +150,7 @@ async def apply_plan(plan: PlanIn, service: Service, compute: Compute) -> Applie
     the trash folder inside the gallery and its item removed from the index (a byte copy's item stays; an
     item whose byte copy is kept now names the copy); nothing is deleted. Applying
     a plan again is harmless; ``dmlsearch duplicates --undo PLAN`` puts the files back and indexes them."""
-    report = (await compute.run(service.duplicates.apply, plan.model_dump()))[0]  # PlanError: 422
+    report = (await compute.run(service.duplicates.apply, plan.model_dump()))[0]  # PlanError: 422 or 409
     return AppliedPlanOut(
         moved=report.moved,
         already=report.already,

@@ -43,7 +43,9 @@ from engine.gallery.hashing import file_hash, label_of
 from engine.model.embedder import Embedder
 from foundation.atomic import atomic_write_text
 from foundation.defaults import TRASH_FOLDER
-from foundation.errors import InvalidInputError
+from foundation.errors import ErrorKind, InvalidInputError
+from foundation.names import readable_name
+from foundation.regular_files import is_regular, read_image_file
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
 from index.protocol import Item, Move
@@ -103,7 +105,7 @@ def pixel_digests(root: Path) -> Callable[[Sequence[Item]], dict[int, str]]:
         found = {}
         for item in items:
             try:
-                image = decode_image((root / item.path).read_bytes())
+                image = decode_image(read_image_file(root / item.path))
             except Exception:  # unreadable or gone: no digest, so never an exact copy by pixels
                 continue
             digest = hashlib.sha256(f"{image.width}x{image.height}".encode())
@@ -230,6 +232,14 @@ class PlanError(InvalidInputError):
     code = "invalid_plan"
 
 
+class PlanMemberNotAFileError(PlanError):
+    """A member to set aside names a folder, a FIFO or a device of the gallery: a plan at odds with the
+    gallery (a label folder took the name since), not a malformed one."""
+
+    kind = ErrorKind.CONFLICT
+    code = "not_a_file"
+
+
 @dataclass(frozen=True)
 class SetAside:
     id: int
@@ -326,6 +336,13 @@ def move_aside(
     """Move each member's file into the trash (see the module's doc); repeatable."""
     report = ReviewReport()
     trash = root / TRASH_FOLDER / plan_id
+    # Before any move: a member that names a folder, a FIFO or a device is a wrong plan, not a file to hash.
+    for member in members:
+        source = root / member.path
+        if source.exists() and not is_regular(source):
+            raise PlanMemberNotAFileError(
+                f"{readable_name(member.path)} is not a regular file in the gallery: nothing was set aside"
+            )
     for member in members:
         source, target = root / member.path, trash / member.path
         if _same_file(source, target):  # killed between the link and the unlink

@@ -6,6 +6,9 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from foundation.names import readable_name
+from foundation.regular_files import open_regular
+
 
 @dataclass(frozen=True)
 class GalleryFile:
@@ -16,10 +19,11 @@ class GalleryFile:
 
 
 def label_of(relative: str) -> str | None:
-    """A gallery file's label: the name of its folder (None for a file at the top of the gallery)."""
-    return Path(relative).parent.name or None
+    """A gallery file's label: the name of its folder (None for a file at the top of the gallery), in its
+    readable form when the name is not UTF-8 (a label is shown and matched, never opened)."""
+    return readable_name(Path(relative).parent.name) or None
 
 
 def file_hash(path: Path) -> str:
-    with path.open("rb") as file:  # in chunks: no copy of a whole 12-MP photo in memory
+    with open_regular(path) as file:  # in chunks: no copy of a whole 12-MP photo in memory
         return hashlib.file_digest(file, "sha256").hexdigest()

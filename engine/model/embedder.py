@@ -19,6 +19,7 @@ from foundation.errors import (
     NotFoundError,
     UnavailableError,
 )
+from foundation.regular_files import require_regular
 from index.protocol import normalize_rows
 
 # How onnxruntime's arena reports an allocation it could not make (bfc_arena.cc).
@@ -159,6 +160,7 @@ def onnx_session(
     # makes them use exact u8u8 kernels there, and changes nothing on VNNI CPUs or for float models.
     options.add_session_config_entry("session.x64quantprecision", "1")
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    require_regular(path)  # onnxruntime would wait on a FIFO for ever, or read a device without end
     return ort.InferenceSession(str(path), sess_options=options, providers=select_providers(device))
 
 

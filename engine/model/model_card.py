@@ -8,8 +8,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
+from foundation import defaults
 from foundation.atomic import atomic_write_text
 from foundation.errors import InvalidInputError, NotFoundError
+from foundation.regular_files import open_regular, read_regular
 
 
 class Preprocessing(BaseModel):
@@ -101,7 +103,7 @@ class ModelCard(BaseModel):
         if not card_path.exists():
             raise NotFoundError(f"{card_path} is missing: every model.onnx needs its model.json")
         try:
-            return cls.model_validate_json(card_path.read_text())
+            return cls.model_validate_json(read_regular(card_path, defaults.MODEL_CARD_BYTES))
         except ValidationError as err:  # not the JSON of a model card: a damaged file, not a bug
             raise InvalidInputError(str(err)) from err
 
@@ -121,7 +123,7 @@ def check_fingerprint(path: Path, expected: str, model_path: Path) -> None:
 
 def file_fingerprint(path: Path) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as handle:
+    with open_regular(path) as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()

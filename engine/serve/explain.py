@@ -30,6 +30,7 @@ from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle, ServingConfi
 from engine.serve.query import ItemQuery, Query
 from foundation.defaults import EXPLAIN_PEAK_POSITIONS
 from foundation.errors import DmlsearchError
+from foundation.regular_files import read_image_file
 
 
 class ExplainUnavailableError(DmlsearchError, ValueError):
@@ -180,9 +181,9 @@ class ExplainService:
                 raise ExplainUnavailableError(
                     unavailable_message(bundle.embedder.model_path, bundle.embedder.card)
                 )
-            item_bytes = image_path(bundle, item_id).read_bytes()
+            item_bytes = read_image_file(image_path(bundle, item_id))
             query_bytes = (
-                image_path(bundle, query.item_id).read_bytes() if isinstance(query, ItemQuery) else query
+                read_image_file(image_path(bundle, query.item_id)) if isinstance(query, ItemQuery) else query
             )
         preprocessing = bundle.embedder.card.preprocessing
         images = [query_bytes, item_bytes]

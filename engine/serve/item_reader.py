@@ -12,6 +12,7 @@ from engine.decode.pool import Decoder, InProcessDecoder
 from engine.gallery.files import resolves_inside
 from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle
 from foundation.errors import DmlsearchError, ErrorKind
+from foundation.regular_files import read_image_file
 from index.protocol import Item
 
 
@@ -77,7 +78,7 @@ class ItemReader:
                 raise refused
             if (kept := self._thumbnails.get((content, size))) is not None:
                 return kept
-        data = self.image_path(item_id).read_bytes()
+        data = read_image_file(self.image_path(item_id))
         try:
             thumbnail = self.decoder.run(thumbnail_jpeg, data, size, max_pixels=self.max_pixels)
         except ImageDecodeError as err:

@@ -20,6 +20,7 @@ from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle, ServingConfi
 from engine.serve.ranking import QueryHits, rank_page, rerank_depth
 from foundation import defaults
 from foundation.errors import InvalidInputError
+from foundation.regular_files import read_image_file
 from foundation.timing import StageTimer
 from index.filters import ItemFilter
 from index.gallery import Hit
@@ -120,7 +121,7 @@ class QueryService:
         embedder = bundle.embedder
         with timer.stage("decode"):
             images = [
-                item_image(query.item_id).read_bytes() if isinstance(query, ItemQuery) else query
+                read_image_file(item_image(query.item_id)) if isinstance(query, ItemQuery) else query
                 for query in queries
             ]
             budget, preprocessing = self.config.budget(embedder), embedder.card.preprocessing
