@@ -15,6 +15,7 @@ from cli import (
     serve_commands,
     watch_commands,
 )
+from cli.usage import plain_usage
 
 # Click's plain help, not Rich's panels: those cut flag names and env variables to "…" at 80 columns and
 # read "[default: …]" in a help text as a markup tag, dropping it.
@@ -32,6 +33,7 @@ for module in (
 ):
     app.registered_commands.extend(module.commands.registered_commands)
     app.registered_groups.extend(module.commands.registered_groups)
+plain_usage(app)
 
 
 def _plain_warning(

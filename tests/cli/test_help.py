@@ -45,3 +45,16 @@ def test_defaults_written_in_help_texts_are_shown() -> None:
     serve = _help(["serve"])
     assert "DMLSEARCH_INDEX_PATH" in serve
     assert "[default: artifacts/index]" in " ".join(serve.split())  # not "(artifacts/index)"
+
+
+@pytest.mark.parametrize("path", _command_paths(), ids=lambda path: " ".join(path) or "dmlsearch")
+def test_usage_lines_name_arguments_plainly(path: list[str]) -> None:
+    usage = _help(path).splitlines()[0]
+    assert usage.startswith("Usage: ") and "{" not in usage and "}" not in usage, usage
+
+
+def test_usage_line_of_a_command_with_arguments() -> None:
+    result = CliRunner().invoke(app, ["query"], terminal_width=WIDTH)  # IMAGE missing: the usage line
+    assert result.exit_code == 2
+    assert result.output.splitlines()[0] == "Usage: root query [OPTIONS] IMAGE"
+    assert _help(["index", "add"]).splitlines()[0] == "Usage: root index add [OPTIONS] [INDEX] PATHS..."
