@@ -12,6 +12,7 @@ import typer
 from foundation import defaults
 from foundation.errors import DmlsearchError
 from foundation.names import readable_name
+from foundation.regular_files import read_image_file
 
 if TYPE_CHECKING:
     from engine.build.report import MovedFile
@@ -36,6 +37,15 @@ def fail(message: str) -> typer.Exit:
     """Print ``error: message`` in red on stderr; raise the returned exit (code 2)."""
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     return typer.Exit(code=2)
+
+
+def read_query_image(path: Path) -> bytes:
+    """The bytes of the query image file ``path``, or an error that says what ``path`` is instead."""
+    if path.is_dir():
+        raise fail(f"{readable_name(str(path))} is a folder, not a regular file: a query is an image file")
+    if not path.exists():
+        raise fail(f"query image {path} does not exist")
+    return read_image_file(path)  # a FIFO or a device is refused, not waited on
 
 
 P = ParamSpec("P")

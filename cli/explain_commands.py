@@ -7,9 +7,8 @@ from typing import Annotated
 
 import typer
 
-from cli.common import fail, reports_errors
+from cli.common import fail, read_query_image, reports_errors
 from cli.index_commands import BoxOption, StoredModelOption, parse_box
-from foundation.regular_files import read_image_file
 
 commands = typer.Typer()
 
@@ -35,12 +34,11 @@ def explain(
     from engine.serve.search import SearchService
     from foundation.atomic import atomic_write_bytes
 
-    if not query.exists():
-        raise fail(f"query image {query} does not exist")
+    query_bytes = read_query_image(query)
     region = parse_box(box)
     service = SearchService.open(model, index)
     try:
-        explanation = service.explanations.explain(read_image_file(query), item_id, region)
+        explanation = service.explanations.explain(query_bytes, item_id, region)
     except ImageDecodeError as err:  # named by its file
         raise fail(f"{query}: {err.message}") from None
     finally:

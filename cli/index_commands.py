@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
-from cli.common import echo_duplicate_files, echo_moves, fail, model_for_index, moves_heading, reports_errors
+from cli.common import (
+    echo_duplicate_files,
+    echo_moves,
+    fail,
+    model_for_index,
+    moves_heading,
+    read_query_image,
+    reports_errors,
+)
 from foundation import defaults
 from foundation.families import Backend, IndexType
 from foundation.names import readable_name
-from foundation.regular_files import read_image_file
 from index.manifest import MILVUS_COLLECTION
 from index.selection import KEEP, IndexChanges
 
@@ -61,6 +69,34 @@ BoxOption = Annotated[
     ),
 ]
 ProgressOption = Annotated[bool, typer.Option("--progress/--no-progress", help="Show progress bars.")]
+# The ``index ...`` commands take their index as their first argument, as they always did, or with
+# --index, as every other command does.
+IndexFlag = Annotated[
+    Path | None, typer.Option("--index", help="Index directory (or give it as the first argument).")
+]
+A = TypeVar("A", str, Path)
+
+
+def index_and_arguments(flag: Path | None, arguments: Sequence[A]) -> tuple[Path, list[A]]:
+    """The index (``--index``, else the first argument) and the arguments that follow it."""
+    if flag is not None:
+        return flag, list(arguments)
+    if not arguments:
+        raise fail("name the index: --index DIR (or as the first argument)")
+    return Path(arguments[0]), list(arguments[1:])
+
+
+def index_given(flag: Path | None, argument: Path | None) -> Path:
+    """The index of a command whose one argument is the index."""
+    index, rest = index_and_arguments(flag, [] if argument is None else [argument])
+    if rest:
+        raise fail(f"the index is given twice: {rest[0]} and --index {index}")
+    return index
+
+
+IndexArgument = Annotated[
+    Path | None, typer.Argument(metavar="[INDEX]", help="Index directory (or --index).")
+]
 
 
 def _index_changes(
@@ -265,8 +301,7 @@ def query(
     from engine.serve.search import SearchService
     from index.filters import ItemFilter
 
-    if not image.exists():
-        raise fail(f"query image {image} does not exist")
+    image_bytes = read_query_image(image)
     region = parse_box(box)
     try:
         where = ItemFilter(tuple(label or ()), path_prefix, added_from, added_to, taken_from, taken_to)
@@ -274,7 +309,7 @@ def query(
             raise fail("--added-from/--taken-from must be earlier than --added-to/--taken-to")
         service = SearchService.open(model, index)
         options = SearchOptions(k=k, min_score=min_score, where=where)
-        response = service.queries.search([read_image_file(image)], options, [region])
+        response = service.queries.search([image_bytes], options, [region])
     except ImageDecodeError as err:  # named by its file
         raise fail(f"{image}: {err.message}") from None
     (hits,) = response.queries
@@ -301,10 +336,15 @@ def query(
 @index_app.command("add")
 @reports_errors
 def add(
-    index: Annotated[Path, typer.Argument(help="Index directory.")],
-    paths: Annotated[
-        list[Path], typer.Argument(help="Image files or folders inside the index's gallery folder.")
+    arguments: Annotated[
+        list[Path],
+        typer.Argument(
+            metavar="[INDEX] PATHS...",
+            help="The index directory (unless --index names it), then image files or folders inside its "
+            "gallery folder.",
+        ),
     ],
+    index: IndexFlag = None,
     model: StoredModelOption = None,
     batch_size: Annotated[int, typer.Option(min=1, max=1024)] = defaults.BATCH_SIZE,
     progress: ProgressOption = True,
@@ -314,6 +354,9 @@ def add(
     from engine.model.bundle import resolve_model
     from engine.model.embedder import Embedder
 
+    index, paths = index_and_arguments(index, arguments)
+    if not paths:
+        raise fail("name the images to add: files or folders inside the index's gallery folder")
     missing = [path for path in paths if not path.exists()]
     if missing:
         raise fail(f"{missing[0]} does not exist")
@@ -325,22 +368,28 @@ def add(
 @index_app.command("remove")
 @reports_errors
 def remove(
-    index: Annotated[Path, typer.Argument(help="Index directory.")],
-    paths: Annotated[
-        list[str] | None, typer.Argument(help="Gallery-relative paths of items to remove.")
+    arguments: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="[INDEX] [PATHS]...",
+            help="The index directory (unless --index names it), then gallery-relative paths of items to "
+            "remove.",
+        ),
     ] = None,
+    index: IndexFlag = None,
     ids: Annotated[list[int] | None, typer.Option("--id", help="Item id to remove (repeatable).")] = None,
 ) -> None:
     """Remove items by path or id (gallery files stay on disk). An HNSW graph is rebuilt once a tenth of it is
     removed items."""
     from index.gallery import GalleryIndex
 
+    index, paths = index_and_arguments(index, arguments or [])
     if not paths and not ids:
         raise fail("name the items to remove: gallery-relative paths and/or --id")
     gallery = GalleryIndex.open(index)
     try:
         wanted = list(ids or [])
-        for path in paths or []:
+        for path in paths:
             item = gallery.items.get_by_path(path)
             if item is None:
                 raise fail(f"no item with path {path} in {index}")
@@ -358,14 +407,15 @@ def remove(
 @index_app.command("stats")
 @reports_errors
 def stats(
-    index: Annotated[Path, typer.Argument(help="Index directory.")],
+    index_argument: IndexArgument = None,
+    index: IndexFlag = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Backend, index type and parameters, achieved recall, counts and sizes of an index."""
     from index.gallery import GalleryIndex
     from index.selection import format_bytes
 
-    gallery = GalleryIndex.open(index)
+    gallery = GalleryIndex.open(index_given(index, index_argument))
     info = gallery.describe()
     gallery.close()
     if as_json:
@@ -382,15 +432,16 @@ def stats(
 @index_app.command("rebuild")
 @reports_errors
 def rebuild(
-    index: Annotated[Path, typer.Argument(help="Index directory to re-embed (only read).")],
     model: Annotated[Path, typer.Option(help="The new exported model.onnx.")],
     out: Annotated[Path, typer.Option(help="New index directory to write.")],
+    index_argument: IndexArgument = None,
     gallery: Annotated[
         Path | None, typer.Option(help="Where the gallery is now, if not where INDEX recorded it.")
     ] = None,
     batch_size: Annotated[int, typer.Option(min=1, max=1024)] = defaults.BATCH_SIZE,
     threads: Annotated[int, typer.Option(min=0, help="onnxruntime threads (0 = all cores).")] = 0,
     progress: ProgressOption = True,
+    index: IndexFlag = None,
 ) -> None:
     """Re-embed INDEX's gallery with a new model into a new index: same items, labels and ids.
 
@@ -401,7 +452,7 @@ def rebuild(
     from engine.model.embedder import Embedder
 
     report = rebuild_index(
-        index,
+        index_given(index, index_argument),
         Embedder(model, threads=threads),
         out,
         gallery_root=gallery,

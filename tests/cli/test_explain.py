@@ -61,3 +61,12 @@ def test_explain_a_box_of_the_query(demo_index: Path, demo_gallery: Path, tmp_pa
     bad = _dmlsearch(*args, str(tmp_path / "bad.png"), "--box", "0.7,0.2,0.1,0.9")
     assert bad.returncode == 2 and bad.stderr.startswith("error: --box:"), bad.stderr
     assert not (tmp_path / "bad.png").exists()
+
+
+def test_a_folder_given_as_the_query_is_named_as_a_folder(tmp_path: Path) -> None:
+    for command in ("query", "explain"):
+        args = [str(tmp_path), "1"] if command == "explain" else [str(tmp_path)]
+        run = _dmlsearch(command, *args, "--index", str(tmp_path))  # said before the index is opened
+        assert run.returncode == 2
+        expected = f"error: {tmp_path} is a folder, not a regular file: a query is an image file"
+        assert run.stderr.startswith(expected), run.stderr

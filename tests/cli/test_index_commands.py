@@ -286,3 +286,21 @@ def test_a_write_the_milvus_server_refuses_is_reported_with_its_message(
         client.close()
     assert f"error: Milvus at {milvus_server.uri}:" in output and "max length" in output
     assert "decoded" not in output
+
+
+def test_index_commands_take_the_index_as_an_argument_or_with_index(
+    small_model: Path, synthetic_gallery: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "index"
+    _run("build-index", synthetic_gallery, "--out", out, "--model", small_model, "--no-progress")
+    as_argument = _run("index", "stats", out, "--json")
+    assert _run("index", "stats", "--index", out, "--json") == as_argument
+    assert "the index is given twice" in _fails("index", "stats", out, "--index", out)
+    assert "name the index: --index DIR" in _fails("index", "stats")
+    assert "removed 1 items; 8 remain" in _run("index", "remove", "--index", out, "alpha/alpha_0.png")
+    added = _run("index", "add", "--index", out, synthetic_gallery / "alpha" / "alpha_0.png", "--no-progress")
+    assert "indexed 1 images" in added
+    assert "name the images to add" in _fails("index", "add", out)
+    rebuilt = tmp_path / "rebuilt"
+    _run("index", "rebuild", "--index", out, "--model", small_model, "--out", rebuilt, "--no-progress")
+    assert json.loads(_run("index", "stats", rebuilt, "--json"))["count"] == 9
