@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -34,14 +36,39 @@ from engine.decode.pool import DecodePool
 log = logging.getLogger("dmlsearch.app")
 
 
-async def _poll_index(app: FastAPI, seconds: float) -> None:
-    """Serve the index again when another process saved it (see ``Reloader.refresh``), or load it when the
-    server started while the index's server (Milvus) was down."""
+DirectoryState = frozenset[tuple[str, int, int]] | None
+
+
+def _directory_state(directory: Path) -> DirectoryState:
+    """Each file of ``directory`` with its modification time and size (None: no such directory): what
+    changes when an index is copied, moved or saved into it."""
+    try:
+        with os.scandir(directory) as entries:
+            return frozenset((entry.name, *_stamp(entry)) for entry in entries)
+    except OSError:
+        return None
+
+
+def _stamp(entry: os.DirEntry) -> tuple[int, int]:
+    try:
+        status = entry.stat()
+    except OSError:  # removed while listed
+        return (0, -1)
+    return (status.st_mtime_ns, status.st_size)
+
+
+async def _poll_index(app: FastAPI, seconds: float, tried: DirectoryState) -> None:
+    """Serve the index again when another process saved it (see ``Reloader.refresh``); or load it where
+    the start-up load failed: when the index's server (Milvus) was down, or, asked to wait for the index,
+    once its directory changed since the last try (``tried``: what the start-up load saw)."""
     reloader: Reloader = app.state.reloader
+    settings: Settings = app.state.settings
     while seconds > 0:
         await asyncio.sleep(seconds)
         if app.state.engine.service is None:
-            if app.state.engine.index_server_down:  # started while Milvus was down: load once it is back
+            now = _directory_state(settings.index_path) if settings.wait_for_index else tried
+            if app.state.engine.index_server_down or now != tried:
+                tried = now
                 with contextlib.suppress(ReloadError):  # the reloader logs why
                     await run_in_threadpool(reloader.reload)
             continue
@@ -72,6 +99,7 @@ anywhere else is 503 `out_of_memory` with `Retry-After`; a read-only or full ind
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The API over one model and one index, both loaded once at start-up and shared by all requests."""
     settings = settings or Settings()
+    EngineState.require_bundle(settings)  # nothing to serve: refused before any process starts
     metrics = Metrics()
 
     @asynccontextmanager
@@ -83,8 +111,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # their forkserver imports the decoders (seconds).
         limits = settings.decode_limits()
         app.state.decoder = await run_in_threadpool(DecodePool, app.state.compute.slots, limits)
+        tried = _directory_state(settings.index_path)
         app.state.engine = await run_in_threadpool(EngineState.load, settings, decoder=app.state.decoder)
-        poller = asyncio.create_task(_poll_index(app, settings.index_poll_seconds))
+        poller = asyncio.create_task(_poll_index(app, settings.index_poll_seconds, tried))
         stop_sighup = reload_on_sighup(app.state.reloader)
         yield
         stop_sighup()

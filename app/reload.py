@@ -28,12 +28,12 @@ import numpy as np
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from app.state import EngineState
+from app.state import EngineState, failure_reason
 from engine.model.model_card import ModelCard
 from engine.serve.loaded_bundle import LoadedBundle
 from engine.serve.probe import probe_output, prove_bundle, prove_index
 from engine.serve.search import SearchService
-from foundation.errors import DmlsearchError, ErrorKind
+from foundation.errors import DmlsearchError
 from foundation.families import Backend
 from index.gallery import IndexMismatchError
 
@@ -41,17 +41,15 @@ log = logging.getLogger("dmlsearch.app")
 
 
 class ReloadError(DmlsearchError):
-    """The new bundle could not be loaded or failed its probe: the served one stays. Of kind not found
-    when the index directory or model file named does not exist."""
+    """The new bundle could not be loaded or failed its probe: the served one stays. 422 whatever the
+    reason, a directory or model named that does not exist included: the request names it in its body,
+    and the route itself is there."""
 
     code = "reload_failed"
 
     @classmethod
     def of(cls, err: Exception) -> ReloadError:
-        error = cls(f"{type(err).__name__}: {err}")
-        if isinstance(err, FileNotFoundError):
-            error.kind = ErrorKind.NOT_FOUND
-        return error
+        return cls(failure_reason(err))
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,13 @@ class Settings(BaseSettings):
         description="check this often whether another process (dmlsearch watch, build-index) saved the "
         "index, and reload it (0 = never)",
     )
+    wait_for_index: bool = Field(
+        False,
+        description="start even when there is no index to serve (no such directory, not an index, its model "
+        "missing or not the index's): stay up not ready (503 not_ready) and load it once its directory "
+        "changes, checked every index_poll_seconds (a replica whose index is copied in later); without "
+        "this, serve exits 2 with the reason",
+    )
     reload_probe_seconds: float = Field(
         30.0,
         gt=0,

@@ -14,10 +14,23 @@ from engine.serve.loaded_bundle import LoadedBundle, ServingConfig
 from engine.serve.probe import prove_index
 from engine.serve.search import SearchService
 from foundation.atomic import remove_abandoned
+from foundation.errors import DmlsearchError
 from index.gallery import GalleryIndex
 from index.protocol import BackendUnavailableError
 
 log = logging.getLogger("dmlsearch.app")
+
+
+class NothingToServeError(DmlsearchError):
+    """At start, there is no index to serve at the configured path, or no model for it, and the server was
+    not asked to wait for one."""
+
+    code = "nothing_to_serve"
+
+
+def failure_reason(err: Exception) -> str:
+    """What went wrong, as the user reads it: the error's message, never the name of our class."""
+    return str(err) or "an unexpected error (the server's log has its traceback)"
 
 
 @dataclass
@@ -82,13 +95,30 @@ class EngineState:
         return cls(SearchService(bundle, cls.config(settings, decoder)), None)
 
     @classmethod
+    def require_bundle(cls, settings: Settings) -> None:
+        """Refuse to start where there is nothing to serve (a typo in the index path, an index not built
+        yet, its model missing or not the index's), unless ``wait_for_index`` asks to wait for it: only the
+        manifest and the model card are read. An index that is there but fails to load or to answer its
+        probe is the start-up load's to report (:meth:`load`: not ready, with the reason)."""
+        if settings.wait_for_index:
+            return
+        try:
+            cls.locate(settings)
+        except (DmlsearchError, OSError) as err:
+            raise NothingToServeError(
+                f"{failure_reason(err)}; to start anyway and serve the index once it is there, give "
+                "--wait-for-index (DMLSEARCH_WAIT_FOR_INDEX=true)"
+            ) from err
+
+    @classmethod
     def load(cls, settings: Settings, *, decoder: Decoder) -> EngineState:
         """The configured engine, or a not-ready state with the reason (the process stays up)."""
         try:
             state = cls.open(settings, decoder=decoder)
         except Exception as err:  # any load failure leaves the process up and not ready
-            log.error("search engine not ready: %s", err)
-            return cls(None, f"{type(err).__name__}: {err}", isinstance(err, BackendUnavailableError))
+            reason = failure_reason(err)
+            log.error("search engine not ready: %s", reason, exc_info=not isinstance(err, DmlsearchError))
+            return cls(None, reason, isinstance(err, BackendUnavailableError))
         assert state.service is not None  # open returns a ready state or raises
         if state.service.index.manifest.gallery_root is not None:
             _remove_abandoned_uploads(Path(state.service.index.manifest.gallery_root))

@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 
 from app.settings import Settings
-from cli.common import fail
+from cli.common import fail, reports_errors
 from cli.index_commands import build_index
 from cli.model_commands import export
 from cli.settings_flags import settings_flags
@@ -37,6 +37,7 @@ SERVE_FLAG_ALIASES = {
 
 @commands.command()
 @settings_flags(Settings, SERVE_FLAG_ALIASES)
+@reports_errors  # nothing to serve (no index at the path, say): error: the reason, exit 2
 def serve(
     settings: Settings,
     host: str = defaults.API_HOST,

@@ -21,14 +21,14 @@ router = APIRouter()
     response_model=ReloadOut,
     tags=["admin"],
     dependencies=[Depends(require_api_key)],
-    responses={code: {"model": ErrorOut} for code in (400, 401, 403, 404, 422)},
+    responses={code: {"model": ErrorOut} for code in (400, 401, 403, 422)},
 )
 async def reload(request: Request, body: Annotated[ReloadIn | None, Body()] = None) -> ReloadOut:
     """Load another index directory (default: the configured path again) and swap it in.
 
     Queries in flight finish on the old index; later ones use the new index and the model it carries.
-    If the new index cannot be loaded or fails its probe query, the served one stays and the answer says
-    why: 404 when the directory or model named does not exist, else 422.
+    If the new index cannot be loaded or fails its probe query (a directory or model named that does not
+    exist included), the served one stays and the answer says why: 422 ``reload_failed``.
     """
     body = body or ReloadIn()
     reloader: Reloader = request.app.state.reloader

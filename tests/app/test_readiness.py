@@ -1,9 +1,13 @@
-"""A missing or mismatched model or index at start: the process stays up, /readyz says why, search is 503."""
+"""A missing or mismatched model or index at start: serve exits 2 saying why, unless asked to wait for the
+index (then the process stays up, /readyz says why, search is 503, until the index is there)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -13,11 +17,12 @@ from fastapi.testclient import TestClient
 from app.api import create_app
 from app.settings import Settings
 from engine.model.model_card import ModelCard
-from tests.helpers import Served, image_bytes, make_image, uvicorn_server
+from foundation.errors import DmlsearchError
+from tests.helpers import Served, free_port, image_bytes, make_image, uvicorn_server, wait_until
 
 
 def not_ready_client(model: Path, index: Path) -> TestClient:
-    settings = Settings(model_path=model, index_path=index, rate_limit_per_second=0)
+    settings = Settings(model_path=model, index_path=index, rate_limit_per_second=0, wait_for_index=True)
     return TestClient(create_app(settings), raise_server_exceptions=False)
 
 
@@ -68,17 +73,38 @@ def test_model_whose_bytes_do_not_match_its_card(served: Served, tmp_path: Path)
         assert_not_ready(client, "does not match its model.json")
 
 
-def test_a_real_server_with_no_index_stays_up_and_not_ready(served: Served, tmp_path: Path) -> None:
-    args = ["--index", str(tmp_path / "nowhere"), "--model", str(served.model)]
+def test_serve_with_no_index_exits_2_saying_why(served: Served, tmp_path: Path) -> None:
+    """A typo in the index path is an error at once, not a server that answers 503 for ever."""
+    typo = tmp_path / "typo"
+    command = [sys.executable, "-m", "cli.main", "serve", "--port", str(free_port())]
+    run = subprocess.run([*command, "--index", str(typo)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.startswith(f"error: {typo} is not an index directory (no manifest.json); "), run.stderr
+    assert "--wait-for-index" in run.stderr and "Traceback" not in run.stderr
+    # Its model missing, through the environment as a container sets it: the same.
+    env = {**os.environ, "DMLSEARCH_INDEX_PATH": str(served.index), "DMLSEARCH_MODEL_PATH": str(typo)}
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 2 and run.stderr.startswith(f"error: model file {typo} does not exist"), (
+        run.stderr
+    )
+    with pytest.raises(DmlsearchError, match="not an index directory"):  # any host of the app, not only serve
+        create_app(Settings(index_path=typo))
+
+
+@pytest.mark.server
+def test_a_server_waiting_for_its_index_serves_it_once_it_is_there(served: Served, tmp_path: Path) -> None:
+    later = tmp_path / "later"
+    args = ["--index", str(later), "--wait-for-index", "--index-poll-seconds", "0.2"]
+    query = {"image": ("q.png", image_bytes(make_image(1)))}
     with uvicorn_server(args, ready_path="/healthz") as url:
         ready = httpx.get(f"{url}/readyz", timeout=10)
         assert ready.status_code == 503
-        assert "no manifest.json" in ready.json()["error"]["message"]
-        search = httpx.post(
-            f"{url}/v1/search", files={"image": ("q.png", image_bytes(make_image(1)))}, timeout=10
-        )
-        assert search.status_code == 503
-        assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+        assert f"{later} is not an index directory (no manifest.json)" in ready.json()["error"]["message"]
+        assert httpx.post(f"{url}/v1/search", files=query, timeout=10).status_code == 503
+        shutil.copytree(served.index, later)  # the replica's index arrives (it carries its model)
+        wait_until(lambda: httpx.get(f"{url}/readyz", timeout=10).status_code == 200, 60, "the index loaded")
+        search = httpx.post(f"{url}/v1/search", files=query, timeout=60)
+        assert search.status_code == 200 and search.json()["results"], search.text
 
 
 def test_invalid_serve_settings_are_cli_errors(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import threading
@@ -24,7 +25,6 @@ from index.manifest import Manifest
 from tests.helpers import API_KEY, Served, app_clients, image_bytes, make_image, uvicorn_process
 
 PNG = image_bytes(make_image(3))
-MISSING = {"missing directory", "not an index", "its model is missing"}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,8 @@ def test_an_empty_model_path_variable_means_the_model_the_index_carries(
 def test_a_model_that_is_not_the_index_s_keeps_the_server_not_ready(
     served_module: Served, small_model: Path, client_for: Callable[..., TestClient]
 ) -> None:
-    client = client_for(index_path=served_module.index, model_path=small_model)
+    # Asked to wait: without that, a model that is not the index's is refused at start (test_readiness.py).
+    client = client_for(index_path=served_module.index, model_path=small_model, wait_for_index=True)
     response = client.get("/readyz")
     assert response.status_code == 503
     assert "is not the model" in response.json()["error"]["message"]
@@ -120,8 +121,8 @@ def test_reload_switches_index_and_model_together(
 
 
 def _broken_indexes(new_index: Path, exported_model: Path, root: Path) -> dict[str, tuple[dict, str]]:
-    """Reload bodies that must fail, with what the answer must say (404 where a directory or a model file
-    named is missing: MISSING, else 422)."""
+    """Reload bodies that must fail, with what the answer must say (all 422, as the README says: a
+    directory or model named that does not exist is a wrong body, not a wrong URL)."""
     truncated = root / "truncated"
     shutil.copytree(new_index, truncated)
     faiss_file = truncated / "vectors.faiss"
@@ -157,10 +158,11 @@ def test_a_failed_reload_keeps_the_served_index_and_says_why(
         caplog.clear()
         with caplog.at_level(logging.ERROR, logger="dmlsearch.app"):
             response = client.post("/v1/admin/reload", headers={"X-API-Key": API_KEY}, json=body)
-        assert response.status_code == (404 if case in MISSING else 422), (case, response.text)
+        assert response.status_code == 422, (case, response.text)
         error = response.json()["error"]
         assert error["code"] == "reload_failed", case
-        assert error["message"].startswith("still serving the loaded index"), case
+        assert error["message"].startswith("still serving the loaded index: "), case
+        assert not re.search(r"\w+Error: ", error["message"]), (case, error["message"])
         assert reason in error["message"], (case, error["message"])
         assert any("reload of" in record.message and reason in record.message for record in caplog.records)
         assert client.get("/readyz").status_code == 200, case
@@ -290,6 +292,7 @@ def _stats_fingerprint(http: httpx.Client, base: str) -> str:
     return http.get(f"{base}/v1/stats").json()["model"]["fingerprint"]
 
 
+@pytest.mark.server
 def test_hot_swap_under_load_in_a_real_server(served_module: Served, new_index: Path, tmp_path: Path) -> None:
     """Reload by API and by SIGHUP (the served path is a symlink that gets repointed) while clients query
     without pause: every answer is a 200, /readyz never fails, answers move to the new model, and the
@@ -321,7 +324,7 @@ def test_hot_swap_under_load_in_a_real_server(served_module: Served, new_index: 
             headers={"X-API-Key": API_KEY},
             json={"index_path": str(tmp_path / "nowhere")},
         )
-        assert failed.status_code == 404 and "still serving" in failed.json()["error"]["message"]
+        assert failed.status_code == 422 and "still serving" in failed.json()["error"]["message"]
         assert _stats_fingerprint(http, base) == new
         # 3. The API switches to a named directory (back to the old bundle).
         response = http.post(
