@@ -12,14 +12,15 @@ import secrets
 from typing import Annotated, Literal
 
 from fastapi import Depends, Header, Path, Query, Request
-from pydantic import BeforeValidator, StringConstraints, WithJsonSchema
+from pydantic import AfterValidator, BeforeValidator, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 from app.compute import ComputeSlots
 from app.errors import ApiError
 from app.metrics import Metrics
 from app.settings import Settings
 from app.state import EngineState
-from engine.decode.regions import Box
+from engine.decode.regions import BOX_FORMAT, Box
 from engine.serve.query import SearchOptions
 from engine.serve.search import SearchService
 from foundation import defaults
@@ -63,7 +64,17 @@ LocalTime = Annotated[
 ItemId = Annotated[int, Path(ge=0, le=INT64_MAX, description="The item's id in the index.")]
 # A query box as the API takes it: four non-negative numbers (engine.decode.regions says what they mean).
 _NUMBER = r"[0-9]+(\.[0-9]+)?"
-BoxText = Annotated[str, StringConstraints(pattern=rf"^{_NUMBER}(,{_NUMBER}){{3}}$")]
+BOX_PATTERN = rf"^{_NUMBER}(,{_NUMBER}){{3}}$"
+
+
+def _box_text(value: str) -> str:
+    """The pattern's text only, refused in words (pydantic's own refusal shows the regular expression)."""
+    if not re.fullmatch(BOX_PATTERN, value):
+        raise PydanticCustomError("box_format", "{why}", {"why": f"a box is {BOX_FORMAT}; got {value!r}"})
+    return value
+
+
+BoxText = Annotated[str, AfterValidator(_box_text), WithJsonSchema({"type": "string", "pattern": BOX_PATTERN})]
 _BOX_HELP = (
     "Search by a region of the query image: x0,y0,x1,y1 (left, top, right, bottom) in pixels of the upright "
     "image (after EXIF rotation), or as fractions of its width and height when all four are within [0, 1]. "

@@ -33,6 +33,13 @@ class BoxError(ImageDecodeError):
         return BoxError, (self.code, self.message)  # raised in a decode process, re-raised here
 
 
+# What a box is, in words: every refusal of a malformed one says it (the API, the command line).
+BOX_FORMAT = (
+    "four numbers x0,y0,x1,y1 (left, top, right, bottom), in pixels of the upright image or as fractions "
+    "of its width and height, e.g. 40,30,200,180 or 0.25,0.2,0.75,0.8"
+)
+
+
 @dataclass(frozen=True)
 class Box:
     x0: float
@@ -49,7 +56,7 @@ class Box:
         except ValueError:
             values = []
         if len(parts) != 4 or len(values) != 4 or not all(map(math.isfinite, values)):
-            raise BoxError("invalid_box", f"box {text!r} is not four numbers x0,y0,x1,y1")
+            raise BoxError("invalid_box", f"box {text!r} is not {BOX_FORMAT}")
         box = cls(*values)
         if box.x0 >= box.x1 or box.y0 >= box.y1:
             raise BoxError(

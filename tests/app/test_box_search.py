@@ -3,6 +3,8 @@ gallery item, and every way a box is refused (422 naming which)."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 
 import pytest
@@ -153,3 +155,30 @@ def test_similar_takes_a_box_on_the_gallery_item(
     outside = client.get(f"/v1/items/{item['id']}/similar", params={"box": "0,0,901,100"})
     assert outside.status_code == 422
     assert outside.json()["error"]["code"] == "box_outside_image"
+
+
+def test_a_malformed_box_is_explained_in_words_on_every_route_that_takes_one(client: TestClient) -> None:
+    data = image_bytes(make_image(1, (200, 200)))
+    answers = {
+        "search": client.post("/v1/search", params={"box": "1,2,3"}, files={"image": ("q.png", data)}),
+        "batch": client.post(
+            "/v1/search/batch", params={"box": "1,2,3"}, files=[("images", ("q.png", data))]
+        ),
+        "similar": client.get("/v1/items/1/similar", params={"box": "1,2,3"}),
+        "explain": client.get("/v1/explain", params={"item": 1, "query_item": 2, "box": "1,2,3"}),
+        "explain an upload": client.post(
+            "/v1/explain", params={"item": 1, "box": "1,2,3"}, files={"image": ("q.png", data)}
+        ),
+    }
+    for route, answer in answers.items():
+        assert answer.status_code == 422, (route, answer.text)
+        message = answer.json()["error"]["message"]
+        assert "a box is four numbers x0,y0,x1,y1 (left, top, right, bottom)" in message, (route, message)
+        assert "e.g. 40,30,200,180 or 0.25,0.2,0.75,0.8; got '1,2,3'" in message, (route, message)
+        assert "pattern" not in message and "[0-9]" not in message, (route, message)
+    # The schema still states the pattern, and it is the one applied.
+    search = client.get("/openapi.json").json()["paths"]["/v1/search"]["post"]
+    (box,) = [parameter for parameter in search["parameters"] if parameter["name"] == "box"]
+    (pattern,) = re.findall(r'"pattern": ("(?:[^"\\]|\\.)*")', json.dumps(box))
+    pattern = json.loads(pattern)
+    assert re.fullmatch(pattern, "1,2,3.5,4") and not re.fullmatch(pattern, "1,2,3")
