@@ -23,7 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib import colormaps
+from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from sklearn.decomposition import PCA
 from sklearn.manifold import TSNE
 
@@ -39,6 +42,9 @@ from training.trainer import SELECTION_METRIC
 CURVE_KS = (1, 2, 4, 8, 16, 32)
 TABLE_METRICS = ("recall@1", "recall@2", "recall@4", "recall@8", "map@r", "nmi", "f1")
 MAP_POINTS = 2000  # t-SNE cost grows with the points: a seeded sample of the test images beyond this
+# The t-SNE map names this many classes in its legend, those with the most points; the rest are "other".
+LEGEND_CLASSES = 10
+OTHER_COLOUR = "lightgray"
 EXAMPLES = 5  # fixed and broken queries shown each
 THUMBNAIL = 160
 TRAINED_COLOUR, UNTRAINED_COLOUR = "tab:blue", "tab:gray"
@@ -162,20 +168,42 @@ def embedding_figure(embedded: RunEmbeddings, seed: int = 0) -> Figure:
         rows = np.sort(np.random.default_rng(seed).choice(rows, MAP_POINTS, replace=False))
     labels = embedded.labels[rows]
     classes = np.unique(labels)
-    colours = np.searchsorted(classes, labels)
-    figure = Figure(figsize=(11, 5.2), layout="constrained")
+    colours, named, legend = _map_colours(labels, embedded.class_names)
+    order = np.argsort(named, kind="stable")  # the grey "other" points first, beneath the named ones
+    figure = Figure(figsize=(13, 5.2), layout="constrained")
     for axes, (name, vectors) in zip(
         figure.subplots(1, 2),
         (("untrained backbone", embedded.untrained), ("trained", embedded.trained)),
         strict=True,
     ):
-        points = _map_coordinates(vectors[rows], seed)
+        points = _map_coordinates(vectors[rows], seed)[order]
         size = 9 if len(rows) > 500 else 30  # small maps: bigger dots
-        axes.scatter(points[:, 0], points[:, 1], c=colours, cmap="tab20", s=size, alpha=0.8, linewidths=0)
+        axes.scatter(points[:, 0], points[:, 1], c=colours[order], s=size, alpha=0.8, linewidths=0)
         axes.set_title(f"{name}: {len(rows)} test images, {len(classes)} classes")
         axes.set_xticks([])
         axes.set_yticks([])
+    figure.legend(handles=legend, loc="outside right upper", title="class", fontsize="small")
     return figure
+
+
+def _map_colours(labels: np.ndarray, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[Line2D]]:
+    """Each point's colour, whether its class is named, and the map's legend: the ``LEGEND_CLASSES``
+    classes with the most points each in a colour of its own, every other class grey (a colour per class
+    repeats past 20 classes, and a legend of 98 names cannot be read)."""
+    classes, counts = np.unique(labels, return_counts=True)
+    top = classes[np.argsort(-counts, kind="stable")[:LEGEND_CLASSES]]
+    colours = np.tile(to_rgba(OTHER_COLOUR), (len(labels), 1))
+    legend = []
+    for colour, label in zip(colormaps["tab10"].colors, top, strict=False):
+        colours[labels == label] = to_rgba(colour)
+        legend.append(_dot(colour, names[label]))
+    if len(classes) > len(top):
+        legend.append(_dot(OTHER_COLOUR, f"other ({len(classes) - len(top)} classes)"))
+    return colours, np.isin(labels, top), legend
+
+
+def _dot(colour: object, label: str) -> Line2D:
+    return Line2D([], [], marker="o", linestyle="", color=colour, label=label)
 
 
 def _thumbnail(path: Path) -> np.ndarray:

@@ -251,3 +251,21 @@ def test_recall_curve_labels_stay_apart_and_inside(trained_noise: float) -> None
     assert [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :] if a.overlaps(b)] == []
     frame = axes.get_window_extent(renderer)
     assert all(frame.y0 <= box.y0 and box.y1 <= frame.y1 for box in boxes)
+
+
+def test_the_t_sne_map_has_a_legend_of_the_largest_classes_and_other() -> None:
+    from training.evaluation import RunEmbeddings
+    from training.report import LEGEND_CLASSES, embedding_figure
+
+    rng = np.random.default_rng(0)
+    labels = np.repeat(np.arange(25), np.arange(25) % 4 + 3)  # 25 classes of 3 to 6 images
+    vectors = rng.normal(size=(len(labels), 8)).astype(np.float32)
+    names = tuple(f"class {label}" for label in range(25))
+    embedded = RunEmbeddings(None, None, vectors, vectors, labels, [], names)  # type: ignore[arg-type]
+    (legend,) = embedding_figure(embedded).legends
+    shown = [text.get_text() for text in legend.get_texts()]
+    largest = [f"class {label}" for label in (3, 7, 11, 15, 19, 23, 2, 6, 10, 14)]  # 6 images, then 5
+    assert shown == [*largest, "other (15 classes)"] and LEGEND_CLASSES == 10
+    small = RunEmbeddings(None, None, vectors[:9], vectors[:9], labels[:9], [], names)  # type: ignore[arg-type]
+    (legend,) = embedding_figure(small).legends
+    assert [text.get_text() for text in legend.get_texts()] == ["class 1", "class 0", "class 2"]
