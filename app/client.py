@@ -72,6 +72,11 @@ class SearchClient:
         """Apply a duplicates plan (``POST /v1/duplicates/apply``, with the API key)."""
         return self._call("POST", "/v1/duplicates/apply", json=plan, headers={"X-API-Key": api_key}).json()
 
+    def undo_plan(self, plan_id: str, api_key: str) -> dict:
+        """Undo an applied plan (``POST /v1/duplicates/undo``, with the API key)."""
+        body = {"plan_id": plan_id}
+        return self._call("POST", "/v1/duplicates/undo", json=body, headers={"X-API-Key": api_key}).json()
+
     def model(self) -> dict:
         return self._call("GET", "/v1/model").json()
 

@@ -102,8 +102,18 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, err: RequestValidationError) -> JSONResponse:
+        errors = err.errors()
+        broken = next((error for error in errors if error["type"] == "json_invalid"), None)
+        if broken is not None:  # Pydantic says "body.12: JSON decode error": say where and what
+            where, why = broken["loc"][-1], broken.get("ctx", {}).get("error", "")
+            return error_response(
+                422,
+                "invalid_request",
+                f"the request body is not valid JSON: {why} (at character {where}); send it with "
+                "Content-Type: application/json",
+            )
         details = "; ".join(
-            f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in err.errors()
+            f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}" for error in errors
         )
         return error_response(422, "invalid_request", details)
 

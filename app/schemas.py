@@ -147,8 +147,14 @@ class ReviewOut(BaseModel):
 
     content_hash: str
     pixels: int = Field(description="width x height (0: the file cannot be read)")
+    width: int = Field(0, description="0: the file cannot be read")
+    height: int = Field(0, description="0: the file cannot be read")
     bytes: int = Field(description="file size (0: the file cannot be read)")
-    date: str = Field(description="when the photo was taken, else when it was indexed")
+    camera: str | None = Field(None, description="the camera's make and model from the file's EXIF")
+    date: str = Field(
+        description="when the photo was taken: the camera's clock (EXIF), else the file's time (dated_by)"
+    )
+    dated_by: str | None = Field(None, description="camera clock, file time, or index (an unreadable file)")
     action: ActionName = Field(description="the keeper rule's proposal")
 
 
@@ -170,6 +176,11 @@ class DuplicateGroupOut(BaseModel):
     size: int
     items: list[DuplicateOut]
     tier: TierName | None = Field(None, description="with tier only: the strictest tier whose pairs join it")
+    reason: str | None = Field(
+        None,
+        description="with tier only: why the keeper rule keeps the member it keeps (a similar group: why "
+        "every member is kept)",
+    )
 
 
 class DuplicatesOut(BaseModel):
@@ -205,6 +216,9 @@ def _json_number(value: object) -> object:
 
 
 PlanInteger = Annotated[int, BeforeValidator(_json_number)]
+
+
+PLAN_ID_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$"  # a trash folder's name inside the gallery
 
 
 class PlanMemberIn(BaseModel):
@@ -248,9 +262,7 @@ class PlanIn(BaseModel):
     """A duplicates plan, as ``dmlsearch duplicates --plan`` writes it (other fields are ignored)."""
 
     version: PlanInteger = Field(ge=1, le=1, description="the plan format's version: 1")
-    plan_id: str = Field(
-        pattern="^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$", description="names its trash folder inside the gallery"
-    )
+    plan_id: str = Field(pattern=PLAN_ID_PATTERN, description="names its trash folder inside the gallery")
     groups: list[PlanGroupIn]
 
 
@@ -268,7 +280,21 @@ class AppliedPlanOut(BaseModel):
         description="items whose file was set aside while a byte copy of it was kept: the item now names the "
         "copy (same id and vector)"
     )
-    trash: str = Field(description="the trash folder, relative to the gallery")
+    trash: str = Field(description="the trash folder, relative to the gallery (it holds the plan)")
+    plan_id: str = Field(description="undoes this apply: POST /v1/duplicates/undo")
+    count: int = Field(description="items in the index now")
+
+
+class UndoIn(BaseModel):
+    plan_id: str = Field(pattern=PLAN_ID_PATTERN, description="the plan whose apply is undone")
+
+
+class UndoneOut(BaseModel):
+    moved: list[str] = Field(description="files put back from the trash folder by this request")
+    already: list[str] = Field(description="files already back in place (an undo run again)")
+    left: list[LeftOut] = Field(description="files left in the trash folder, and why")
+    restored: int = Field(description="items put back under the ids they had")
+    reindexed: int = Field(description="files indexed again under new ids (changed in the trash)")
     count: int = Field(description="items in the index now")
 
 
@@ -426,7 +452,9 @@ class PeakOut(BaseModel):
 
     box: tuple[int, int, int, int] = Field(description="x0, y0, x1, y1 in pixels of the model's view.")
     share: float = Field(
-        description="The share of the cosine carried between this window and the other image's peak window."
+        description="The part of the cosine carried between this region and the other image's outlined "
+        "region, in the cosine's units: share / cosine is the part of the match the two outlined regions "
+        "carry (0.022 of a cosine of 0.839: 2.6% of the match; summary says it in words)."
     )
 
 
@@ -435,9 +463,15 @@ class HeatmapOut(BaseModel):
     (shorter side), as the model saw it. ``grid`` has ``h`` rows of ``w`` positions (7 x 7 for a 224-pixel
     input), row 0 at the top; ``sum(grid) + rest == total``, which is the cosine within float rounding."""
 
-    grid: list[list[float]]
-    rest: float = Field(description="The share no position carries (the embedding head's biases).")
-    total: float
+    grid: list[list[float]] = Field(
+        description="Each area's part of the cosine, row by row: above 0 it made the two images alike (the "
+        "overlay colours it), below 0 less alike."
+    )
+    rest: float = Field(
+        description="The part of the cosine that no area carries: the model's fixed offset (its embedding "
+        "head's biases); 0 for a model without a head."
+    )
+    total: float = Field(description="sum(grid) + rest: the cosine, within float rounding.")
     peak: PeakOut
     overlay_jpeg: str = Field(
         description="The model's view with the positions that raised the similarity coloured and the peak "
@@ -461,7 +495,13 @@ class ExplainOut(BaseModel):
 
     item_id: int
     query_item_id: int | None = Field(description="The query's item id; null for an uploaded query.")
-    cosine: float
+    cosine: float = Field(
+        description="The similarity: the cosine of the two embeddings (1: the same picture)."
+    )
     query: HeatmapOut
     item: HeatmapOut
     model_fingerprint: str
+    summary: str = Field(
+        description="The explanation in words, as `dmlsearch explain` prints it: the similarity, what the "
+        "colours show and the part of the match the outlined regions carry."
+    )

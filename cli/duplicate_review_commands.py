@@ -7,12 +7,11 @@ import csv
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
 from cli.common import fail
-from foundation import defaults
-from foundation.regular_files import read_regular
 
 
 def tiered(
@@ -30,14 +29,15 @@ def tiered(
     """Print (or write as a plan) the groups of ``tier_name``; ``threshold`` and ``max_distance`` are the
     edited tier's cosine and signature bits when given."""
     from engine.duplicates.review import (
-        check_rule,
         group_members,
         make_plan,
         pair_groups,
+        propose,
         review_groups,
         write_plan,
     )
     from engine.duplicates.tiers import EDITED_BITS, EDITED_COSINE, Tier, TierSettings
+    from engine.gallery.keeper import GroupVectors, check_rule
     from index.gallery import GalleryIndex
 
     tier = Tier.parse(tier_name)
@@ -49,9 +49,20 @@ def tiered(
     )
     gallery = GalleryIndex.open(index)
     try:
-        root = gallery.manifest.gallery_root
+        root = None if gallery.manifest.gallery_root is None else Path(gallery.manifest.gallery_root)
+        if plan is not None and root is None:
+            raise fail(f"{index} records no gallery folder: its images cannot be set aside")
         found = review_groups(gallery, pair_groups(gallery, tier, settings))
-        items = gallery.items.get_many([int(i) for group in found.groups for i in group.ids])
+        if plan is not None and root is not None:
+            written = make_plan(found, gallery, index_dir=index, root=root, rule=rule)
+        else:  # the keeper rule's proposal, shown with the groups
+            items = gallery.items.get_many([int(i) for group in found.groups for i in group.ids])
+            vectors = GroupVectors(gallery)
+            reviewed = [
+                (group, members, propose(group.tier, members, root, rule, vectors))
+                for group in found.groups
+                if len(members := group_members(group, items)) >= 2
+            ]
     finally:
         gallery.close()
     if found.unsigned:
@@ -61,26 +72,29 @@ def tiered(
             err=True,
         )
     if plan is not None:
-        if root is None:
-            raise fail(f"{index} records no gallery folder: its images cannot be set aside")
-        written = make_plan(found, items, index_dir=index, root=Path(root), rule=rule)
         write_plan(written, plan)
         aside = sum(m["action"] == "set_aside" for g in written["groups"] for m in g["members"])
+        for number, group in enumerate(written["groups"], start=1):
+            keeper = "" if group["keeper_path"] is None else f"keep {group['keeper_path']}: "
+            typer.echo(f"group {number} ({group['tier']}): {keeper}{group['reason']}")
         typer.echo(
             f"wrote {plan}: {len(written['groups'])} {tier.label}-tier groups, {aside} images to set aside; "
             f"keeper rule {' > '.join(rule)} (change with --keep-by, or edit each member's action: keep or "
             f"set_aside), then: dmlsearch duplicates --index {index} --apply {plan}"
         )
         return
-    groups = [
+    groups: list[dict[str, Any]] = [
         {
             "tier": group.tier.label,
+            "keeper": None if proposal.keeper is None else members[proposal.keeper].item.path,
+            "reason": proposal.reason,
             "items": [
                 {
                     "id": member.item.id,
                     "path": member.item.path,
                     "label": member.item.label,
                     "byte_copy": member.byte_copy,
+                    "action": action,
                     "pairs_with": member.evidence.other,
                     "tier": member.evidence.tier.label,
                     "signature_bits": member.evidence.bits,
@@ -88,10 +102,10 @@ def tiered(
                     "hash": member.evidence.digest,
                     "alignment": member.evidence.alignment,
                 }
-                for member in group_members(group, items)
+                for member, action in zip(members, proposal.actions, strict=True)
             ],
         }
-        for group in found.groups
+        for group, members, proposal in reviewed
     ]
     if as_json:
         payload = {
@@ -135,6 +149,8 @@ def tiered(
     else:
         for number, group in enumerate(groups, start=1):
             typer.echo(f"group {number}: {group['tier']}, {len(group['items'])} images")
+            keeper = "" if group["keeper"] is None else f"keep {group['keeper']}: "
+            typer.echo(f"  {keeper}{group['reason']}")
             for row in group["items"]:
                 bits = "-" if row["signature_bits"] is None else row["signature_bits"]
                 evidence = f"{row['tier']:<7} bits {bits!s:>2} cosine {row['cosine']:.4f}"
@@ -147,19 +163,17 @@ def tiered(
 
 
 def apply_or_undo(index: Path, apply: Path | None, undo: Path | None, *, progress: bool) -> None:
-    from engine.duplicates.review import apply_plan, undo_plan
+    """``undo``: the plan file, the trash folder of the apply or its plan id."""
+    from engine.duplicates.review import apply_plan, find_plan, gallery_root, read_plan_file, undo_plan
     from engine.model.bundle import resolve_model
     from engine.model.embedder import Embedder
 
-    path = apply or undo
-    assert path is not None
-    try:
-        plan = json.loads(read_regular(path, defaults.PLAN_BYTES))
-    except (OSError, ValueError) as err:
-        raise fail(f"cannot read the plan {path}: {err}") from None
     if apply is not None:
+        plan = read_plan_file(apply)
         report = apply_plan(index, plan, on_move=lambda moved: typer.echo(f"set aside {moved}"))
     else:
+        assert undo is not None
+        plan = find_plan(gallery_root(index), str(undo))
         report = undo_plan(index, plan, Embedder(resolve_model(index)), progress=progress)
         for moved in report.moved:
             typer.echo(f"put back {moved}")
@@ -170,10 +184,10 @@ def apply_or_undo(index: Path, apply: Path | None, undo: Path | None, *, progres
             f"set aside {len(report.moved)} images ({len(report.already)} were already), removed "
             f"{report.removed} items from the index"
             + (f", {report.handed} now named by a kept copy" if report.handed else "")
-            + f"; undo with: dmlsearch duplicates --index {index} --undo {path}"
+            + f"; undo with: dmlsearch duplicates --index {index} --undo {plan['plan_id']}"
         )
     else:
         typer.echo(
-            f"put back {len(report.moved)} images ({len(report.already)} were already in place), indexed "
-            f"{report.reindexed} again"
+            f"put back {len(report.moved)} images ({len(report.already)} were already in place), "
+            f"{report.restored} items under their ids, indexed {report.reindexed} again"
         )

@@ -20,8 +20,13 @@ from engine.duplicates.groups import (
     MAX_DISTANCE_LIMIT,
 )
 from engine.duplicates.tiers import EDITED_BITS, TIER_NAMES
+from foundation.defaults import KEEPER_RULE
 
-KEEPER_HELP = "Keeper rule: the order in which pixels, bytes and date break ties (most, largest, earliest)."
+KEEPER_HELP = (
+    "Keeper rule: the order in which camera (the file with the camera's EXIF), source (not a crop or "
+    "reduction of another), date (the earliest capture time), folder (in its label folder), pixels (most) "
+    "and bytes (largest) decide which file of a group is kept."
+)
 
 commands = typer.Typer()
 
@@ -70,12 +75,16 @@ def duplicates(
     plan: Annotated[
         Path | None, typer.Option(help="Write the groups of --tier (default edited) as a plan to review.")
     ] = None,
-    keep_by: Annotated[str, typer.Option(help=KEEPER_HELP)] = "pixels,bytes,date",
+    keep_by: Annotated[str, typer.Option(help=KEEPER_HELP)] = ",".join(KEEPER_RULE),
     apply: Annotated[
         Path | None, typer.Option(help="Move a plan's set-aside images to the gallery's trash folder.")
     ] = None,
     undo: Annotated[
-        Path | None, typer.Option(help="Put a plan's set-aside images back and index them.")
+        Path | None,
+        typer.Option(
+            help="Put an applied plan's set-aside images and their items back: the plan file, the trash "
+            "folder of the apply (.dmlsearch-trash/PLAN_ID) or its plan id.",
+        ),
     ] = None,
 ) -> None:
     """Print groups of near-duplicate images: images joined by chains of pairs whose perceptual signatures

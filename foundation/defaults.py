@@ -22,6 +22,9 @@ DEMO_DIR = Path("artifacts/demo")
 # Where applying a duplicates plan moves the images it sets aside: a folder inside the gallery (same file
 # system, so a move is a rename), never listed as part of the gallery.
 TRASH_FOLDER = ".dmlsearch-trash"
+# The duplicate review's keeper rule (engine.gallery.keeper): the keys that find a group's source, in
+# the order they break ties; the CLI's --keep-by default.
+KEEPER_RULE = ("camera", "source", "date", "folder", "centre")
 MAX_IMAGE_PIXELS = 50_000_000
 # Refuse requests whose images decode to more pixels in all: two images at the limit. A batch of 64 phone
 # JPEGs (12 MP, decoded at 1/4 scale by the JPEG draft) takes ~48 MP; eight blank 49-MP PNGs (392 MP,

@@ -136,8 +136,20 @@ class FaissIndex:
     def add(self, ids: np.ndarray, vectors: np.ndarray) -> None:
         vectors = normalize_rows(vectors)
         check_dim(vectors, self.dim)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if len(self._removed):
+            # An HNSW tombstone added again: an item put back under its id (an undone duplicates apply), so
+            # with its vector. Its node is still in the graph and only counts again: a second node under
+            # the same id would make searches find it twice.
+            back = np.isin(ids, self._removed)
+            if back.any():
+                self._removed = np.setdiff1d(self._removed, ids[back])
+                self._live = None
+                ids, vectors = ids[~back], vectors[~back]
+        if not len(ids):
+            return
         self._make_writable()
-        self.index.add_with_ids(vectors, np.ascontiguousarray(ids, dtype=np.int64))
+        self.index.add_with_ids(vectors, ids)
         self._id_order = None
 
     def remove(self, ids: np.ndarray) -> int:

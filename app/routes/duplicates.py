@@ -19,6 +19,8 @@ from app.schemas import (
     Responses,
     ReviewOut,
     TierName,
+    UndoIn,
+    UndoneOut,
 )
 from engine.duplicates.groups import DEFAULT_MAX_DISTANCE, MAX_DISTANCE_LIMIT
 from engine.duplicates.tiers import Tier
@@ -89,8 +91,9 @@ async def _tiered(service: Service, compute: Compute, tier: Tier, offset: int, l
     found, settings = page.found, page.found.settings
     groups = [
         DuplicateGroupOut(
-            size=len(members),
-            tier=group_tier.label,
+            size=len(group.members),
+            tier=group.tier.label,
+            reason=group.reason,
             items=[
                 DuplicateOut(
                     id=m.item.id,
@@ -109,15 +112,19 @@ async def _tiered(service: Service, compute: Compute, tier: Tier, offset: int, l
                     review=ReviewOut(
                         content_hash=m.item.content_hash,
                         pixels=m.facts.pixels,
+                        width=m.facts.width,
+                        height=m.facts.height,
                         bytes=m.facts.size,
+                        camera=m.facts.camera,
                         date=m.facts.date,
+                        dated_by=m.facts.dated_by,
                         action=m.action,
                     ),
                 )
-                for m in members
+                for m in group.members
             ],
         )
-        for group_tier, members in page.groups
+        for group in page.groups
     ]
     return DuplicatesOut(
         threshold=settings.edited_cosine,
@@ -148,8 +155,9 @@ async def _tiered(service: Service, compute: Compute, tier: Tier, offset: int, l
 async def apply_plan(plan: PlanIn, service: Service, compute: Compute) -> AppliedPlanOut:
     """Apply a duplicates plan (``X-API-Key`` required): each ``set_aside`` member's file is moved into
     the trash folder inside the gallery and its item removed from the index (a byte copy's item stays; an
-    item whose byte copy is kept now names the copy); nothing is deleted. Applying
-    a plan again is harmless; ``dmlsearch duplicates --undo PLAN`` puts the files back and indexes them."""
+    item whose byte copy is kept now names the copy); nothing is deleted. The plan is written into the
+    trash folder: ``POST /v1/duplicates/undo`` with its ``plan_id`` (or ``dmlsearch duplicates --undo
+    PLAN_ID``) puts the files and their items back. Applying a plan again is harmless."""
     report = (await compute.run(service.duplicates.apply, plan.model_dump()))[0]  # PlanError: 422 or 409
     return AppliedPlanOut(
         moved=report.moved,
@@ -158,5 +166,27 @@ async def apply_plan(plan: PlanIn, service: Service, compute: Compute) -> Applie
         removed=report.removed,
         handed=report.handed,
         trash=f"{TRASH_FOLDER}/{plan.plan_id}",
+        plan_id=plan.plan_id,
+        count=len(service.index),
+    )
+
+
+@router.post(
+    "/v1/duplicates/undo",
+    response_model=UndoneOut,
+    responses={code: {"model": ErrorOut} for code in (401, 403, 404, 422, 429, 503)},
+    dependencies=[Depends(require_api_key)],
+)
+async def undo_plan(undo: UndoIn, service: Service, compute: Compute) -> UndoneOut:
+    """Undo an apply (``X-API-Key`` required), from the plan its trash folder holds: each set-aside file
+    goes back to its place and its item back into the index under the id it had (404: no apply of that
+    plan id). Undoing again is harmless."""
+    report = (await compute.run(service.duplicates.undo, undo.plan_id))[0]
+    return UndoneOut(
+        moved=report.moved,
+        already=report.already,
+        left=[LeftOut(path=path, reason=reason) for path, reason in report.left],
+        restored=report.restored,
+        reindexed=report.reindexed,
         count=len(service.index),
     )

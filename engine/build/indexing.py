@@ -2,9 +2,10 @@
 
 Re-running on the same folder embeds only new or changed files (by content hash) and removes the items
 whose files are gone. Every embedded batch is committed to the index's store at once, so an interrupted
-build resumes where it stopped. Files with identical content are indexed once (the first path in sorted
-order). With a shard ``I/N`` only the files whose path hashes to shard I are handled, so N processes or
-machines share one gallery (FAISS shard directories are then combined by ``index.merge``).
+build resumes where it stopped. Files with identical content are indexed once, under the path the keeper
+rule picks (``engine.build.sync.keep_sources``: the photo in its label folder, not a copy). With a shard
+``I/N`` only the files whose path hashes to shard I are handled, so N processes or machines share one
+gallery (FAISS shard directories are then combined by ``index.merge``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ from pathlib import Path
 from engine.build.embedding import EmbeddingRunner, LocalRunner
 from engine.build.report import BuildReport, MovedFile
 from engine.decode.capture_time import photo_time
-from engine.gallery.hashing import GalleryFile
+from engine.gallery.hashing import GalleryFile, label_of
+from engine.gallery.keeper import GroupVectors, choose_keeper, file_facts
 from engine.model.embedder import Embedder
 from foundation.defaults import DECODE_WORKERS
 from index.gallery import GalleryIndex
@@ -38,9 +39,9 @@ def plan_sync(
     again. An item whose path is not among ``files`` and whose file is ``gone`` has moved when one of
     ``files`` holds its content (it keeps its id and vector under the new path), and is removed otherwise.
     Content already indexed is reported as a duplicate instead of being embedded twice; among new files of
-    one content, a file in a label folder is indexed before one without a label (a stray `IMG_3 copy.jpg`
-    beside the folders must not take the labelled photo's place), then the first in path order. Kept items
-    indexed before capture times were kept are listed to be dated.
+    one content, a file in a label folder is indexed before one without a label, then the first in path
+    order (:func:`keep_sources` then gives the item to the file the keeper rule picks). Kept items indexed
+    before capture times were kept are listed to be dated.
     """
     plan = SyncPlan()
     current = {f.relative: f.content_hash for f in files}
@@ -114,4 +115,36 @@ def sync_files(
     if plan.undated:  # an index from before capture times were kept: read them from the headers, once
         report.dated = index.set_taken({item_id: photo_time(path) for item_id, path in plan.undated.items()})
     runner.embed_files(index, embedder, plan.embed, report, batch_size=batch_size, progress=progress)
+    if plan.duplicates:  # after the embedding: the keeper rule's folder key reads the items' vectors
+        report.duplicates = keep_sources(index, root, plan.duplicates)
     return plan
+
+
+def keep_sources(
+    index: GalleryIndex, root: Path, duplicates: Sequence[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    """Give each item whose content several files hold the path the keeper rule picks among them
+    (``engine.gallery.keeper``: the photo in its label folder, not ``edited/IMG_4 copy.jpg`` by path
+    order). ``duplicates``: (path, the path whose item holds its content); returns them as (path, the
+    path that holds it now)."""
+    copies: dict[str, list[str]] = {}
+    for path, held_by in duplicates:
+        copies.setdefault(held_by, []).append(path)
+    vectors = GroupVectors(index)
+    moves: list[Move] = []
+    kept: list[tuple[str, str]] = []
+    for held_by, paths in copies.items():
+        item = index.items.get_by_path(held_by)
+        if item is None:  # not this index's item (another shard's)
+            kept.extend((path, held_by) for path in paths)
+            continue
+        files = [held_by, *paths]
+        facts = [file_facts(root / path, label_of(path), item.taken or item.added) for path in files]
+        home = vectors.home_folder([item.id], [fact.label for fact in facts])
+        chosen = files[choose_keeper(facts, home).keeper]
+        if chosen != held_by:
+            moves.append(Move(item.id, chosen, label_of(chosen)))
+        kept.extend((path, chosen) for path in files if path != chosen)
+    if moves:
+        index.move(moves)
+    return kept

@@ -39,6 +39,17 @@ def capture_time(image: Image.Image) -> str | None:
     return None
 
 
+def camera_name(image: Image.Image) -> str | None:
+    """The camera's make and model from an opened image's EXIF (its header is enough), or None where it
+    names none: what a re-save without care drops, and a byte copy keeps."""
+    try:
+        exif = _header_exif(image)
+        parts = [str(exif.get(tag) or "").strip("\x00 ") for tag in (ExifTags.Base.Make, ExifTags.Base.Model)]
+    except Exception:  # untrusted bytes: a broken EXIF block names no camera
+        return None
+    return " ".join(part for part in parts if part) or None
+
+
 def _header_exif(image: Image.Image) -> Image.Exif:
     """The image's EXIF without decoding its pixels.
 

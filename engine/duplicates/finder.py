@@ -7,17 +7,20 @@ from pathlib import Path
 
 from engine.duplicates.groups import DEFAULT_MAX_DISTANCE, Duplicates, find_duplicates
 from engine.duplicates.review import (
-    KEEPER_RULE,
-    FileFacts,
+    PlanError,
     ReviewReport,
+    applied_plan,
     group_members,
     pair_groups,
     propose,
+    put_back,
     review_groups,
     set_aside,
 )
 from engine.duplicates.tiers import Evidence, Tier, TieredDuplicates
+from engine.gallery.keeper import FileFacts, GroupVectors
 from engine.serve.loaded_bundle import CurrentBundle
+from foundation.defaults import KEEPER_RULE
 from index.protocol import Item
 
 
@@ -42,8 +45,15 @@ class TieredMember:
 
 
 @dataclass(frozen=True)
+class ReviewedGroup:
+    tier: Tier
+    members: list[TieredMember]
+    reason: str  # why the keeper was chosen (or why every member is kept)
+
+
+@dataclass(frozen=True)
 class TieredPage:
-    groups: list[tuple[Tier, list[TieredMember]]]
+    groups: list[ReviewedGroup]
     found: TieredDuplicates
     keeper_rule: tuple[str, ...]
 
@@ -111,22 +121,28 @@ class DuplicateFinder:
             found = review_groups(index, pairs)  # byte copies: looked for on every page
             page = found.groups[offset : offset + limit]
             items = index.items.get_many([int(i) for group in page for i in group.ids])
-        groups = []
-        for group in page:
-            members = group_members(group, items)
-            facts, actions = propose(members, root, rule)
-            groups.append(
-                (
-                    group.tier,
-                    [
-                        TieredMember(member.item, member.evidence, fact, action, member.byte_copy)
-                        for member, fact, action in zip(members, facts, actions, strict=True)
-                    ],
-                )
-            )
+            vectors = GroupVectors(index)
+            groups = []
+            for group in page:
+                members = group_members(group, items)
+                proposal = propose(group.tier, members, root, rule, vectors)
+                reviewed = [
+                    TieredMember(member.item, member.evidence, fact, action, member.byte_copy)
+                    for member, fact, action in zip(members, proposal.facts, proposal.actions, strict=True)
+                ]
+                groups.append(ReviewedGroup(group.tier, reviewed, proposal.reason))
         return TieredPage(groups, found, rule)
 
     def apply(self, plan: dict) -> ReviewReport:
         """Set aside a plan's non-keepers in the served index (``engine.duplicates.review``), alone."""
         with self.current.writing() as bundle:
             return set_aside(bundle.index, plan)
+
+    def undo(self, plan_id: str) -> ReviewReport:
+        """Undo the apply of ``plan_id`` in the served index, from the plan its trash folder holds."""
+        with self.current.writing() as bundle:
+            root = bundle.index.manifest.gallery_root
+            if root is None:
+                raise PlanError("the index records no gallery folder: nothing was set aside from it")
+            plan = applied_plan(Path(root), plan_id)
+            return put_back(bundle.index, plan, bundle.embedder)

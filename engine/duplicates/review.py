@@ -1,13 +1,17 @@
 """Reviewing duplicate groups: a keeper per group, a plan on disk, and applying or undoing it safely.
 
 A plan (JSON) lists each group with its tier, evidence and members; each member is ``keep`` or
-``set_aside``. The keeper rule proposes one keeper per group (largest pixel count, then largest file, then
-earliest date; the order can be changed); a person may edit the plan. Applying it moves each set-aside
-file into ``TRASH_FOLDER/<plan id>/`` inside the gallery (same relative path) and removes its item from
-the index; undoing moves the files back and indexes them again. A byte copy (a file with an item's bytes,
-which the index holds once: ``engine.duplicates.byte_copies``) is a member under its item's id and its own
-path: it is proposed to be set aside, which moves only its file; keeping it while setting its item's file
-aside hands the item to the copy's path (same id and vector). Nothing is ever deleted:
+``set_aside``. The keeper rule (``engine.gallery.keeper``: the source of the copies, not the largest
+file) proposes one keeper per group, with the reason it was chosen; a similar group keeps every member
+(another take of a scene is no duplicate). A person may edit the plan. Applying it writes the plan into
+``TRASH_FOLDER/<plan id>/`` inside the gallery (``PLAN_FILE``: an undo needs nothing else), moves each
+set-aside file there (same relative path), keeps the items it removes from the index (``ITEMS_FILE``:
+vectors, signatures and metadata) and removes them; undoing moves the files back and puts their items
+back under their ids (a file changed in the trash, or an index that takes no ids, is indexed again). A
+byte copy (a file with an item's bytes, which the index holds once: ``engine.duplicates.byte_copies``) is a
+member under its item's id and its own path, ranked by the keeper rule like any file: setting it aside
+moves only its file; keeping it while setting its item's file aside hands the item to the copy's path
+(same id and vector). Nothing is ever deleted:
 
 - a file is moved by a hard link at the new name, then the old name unlinked (never overwriting
   anything: a link fails if the name is taken), so at any instant the bytes have one or two names;
@@ -19,16 +23,21 @@ aside hands the item to the copy's path (same id and vector). Nothing is ever de
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeGuard
 
-from engine.build.indexing import add_images
-from engine.decode.images import decode_image, image_header
+import numpy as np
+
+from engine.build.report import BuildReport
+from engine.build.sync import sync_files
+from engine.decode.images import decode_image
 from engine.duplicates.byte_copies import find_byte_copies
 from engine.duplicates.tiers import (
     Evidence,
@@ -40,62 +49,24 @@ from engine.duplicates.tiers import (
     with_byte_copies,
 )
 from engine.gallery.hashing import file_hash, label_of
+from engine.gallery.keeper import FileFacts, GroupVectors, check_rule, choose_keeper, file_facts
 from engine.model.embedder import Embedder
-from foundation.atomic import atomic_write_text
-from foundation.defaults import TRASH_FOLDER
-from foundation.errors import ErrorKind, InvalidInputError
+from foundation.atomic import atomic_write_bytes, atomic_write_text
+from foundation.defaults import BATCH_SIZE, KEEPER_RULE, PLAN_BYTES, TRASH_FOLDER
+from foundation.errors import ErrorKind, InvalidInputError, NotFoundError
 from foundation.names import readable_name
-from foundation.regular_files import is_regular, read_image_file
+from foundation.regular_files import is_regular, read_image_file, read_regular
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
-from index.protocol import Item, Move
+from index.protocol import Entry, Item, Move
 
 PLAN_VERSION = 1
 KEEP, SET_ASIDE = "keep", "set_aside"
 ACTIONS = (KEEP, SET_ASIDE)
-KEEPER_KEYS = ("pixels", "bytes", "date")  # the keeper rule: each key in turn breaks the previous key's ties
-KEEPER_RULE = KEEPER_KEYS  # the default order
-
-
-@dataclass(frozen=True)
-class FileFacts:
-    """What the keeper rule compares."""
-
-    pixels: int  # 0 where the file cannot be read
-    size: int
-    date: str  # when the photo was taken, else when it was indexed
-
-
-def file_facts(root: Path | None, item: Item) -> FileFacts:
-    """``root`` None: an index without a gallery folder, whose files cannot be looked at."""
-    size, pixels = 0, 0  # a file that cannot be read now wins by no size
-    if root is not None:
-        path = root / item.path
-        with image_header(path) as image:
-            if image is not None:
-                size, pixels = path.stat().st_size, image.width * image.height
-    return FileFacts(pixels, size, item.taken or item.added)
-
-
-def check_rule(rule: Sequence[str]) -> tuple[str, ...]:
-    unknown = [key for key in rule if key not in KEEPER_KEYS]
-    if unknown or len(set(rule)) != len(rule) or not rule:
-        raise InvalidInputError(
-            f"a keeper rule is an order of {', '.join(KEEPER_KEYS)} without repeats, got {','.join(rule)}"
-        )
-    return tuple(rule)
-
-
-def keeper(members: Sequence[tuple[int, FileFacts]], rule: Sequence[str] = KEEPER_RULE) -> int:
-    """The id to keep: the best by each key of ``rule`` in turn (most pixels, largest file, earliest
-    date), then the smallest id."""
-
-    def rank(member: tuple[int, FileFacts]) -> tuple:
-        item_id, facts = member
-        by = {"pixels": -facts.pixels, "bytes": -facts.size, "date": facts.date}
-        return (*(by[key] for key in rule), item_id)
-
-    return min(members, key=rank)[0]
+# In the trash folder of a plan (names no image file has: they are not images).
+PLAN_FILE = ".dmlsearch-plan.json"  # the plan as applied: what an undo reads
+ITEMS_FILE = ".dmlsearch-items.npz"  # the items the apply removed, so that an undo keeps their ids
+SIMILAR_REASON = "similar, not duplicate: every image is kept unless you untick it"
 
 
 def pixel_digests(root: Path) -> Callable[[Sequence[Item]], dict[int, str]]:
@@ -156,47 +127,79 @@ def group_members(group: TieredGroup, items: dict[int, Item]) -> list[Member]:
     return members
 
 
+@dataclass(frozen=True)
+class Proposal:
+    """The keeper rule's proposal for a group's members (in order)."""
+
+    facts: list[FileFacts]
+    actions: list[str]  # keep or set_aside, one per member
+    keeper: int | None  # the kept member's position (None: every member kept, a similar group)
+    reason: str  # why, in words
+
+
 def propose(
-    members: Sequence[Member], root: Path | None, rule: Sequence[str] = KEEPER_RULE
-) -> tuple[list[FileFacts], list[str]]:
-    """Each member's facts and the keeper rule's action: one item kept (a byte copy ties with its item,
-    and the index names the item), every other member set aside."""
-    facts = [file_facts(root, member.item) for member in members]
-    items = [(m.item.id, fact) for m, fact in zip(members, facts, strict=True) if not m.byte_copy]
-    chosen = keeper(items, rule) if items else None
-    actions = [KEEP if not m.byte_copy and m.item.id == chosen else SET_ASIDE for m in members]
-    return facts, actions
+    tier: Tier,
+    members: Sequence[Member],
+    root: Path | None,
+    rule: Sequence[str] = KEEPER_RULE,
+    vectors: GroupVectors | None = None,
+) -> Proposal:
+    """Each member's facts and the keeper rule's action (``engine.gallery.keeper``): one member kept,
+    a byte copy as well as an item, every other set aside; in a similar group, every member kept.
+    ``vectors``: tell the group's label folder and centre (None: those keys tie)."""
+    facts = [
+        file_facts(root / m.item.path if root else None, label_of(m.item.path), m.item.taken or m.item.added)
+        for m in members
+    ]
+    if tier is Tier.SIMILAR:
+        return Proposal(facts, [KEEP] * len(members), None, SIMILAR_REASON)
+    ids = sorted({m.item.id for m in members})
+    home = vectors.home_folder(ids, [fact.label for fact in facts]) if vectors else None
+    centrality = vectors.centrality([m.item.id for m in members]) if vectors else None
+    choice = choose_keeper(facts, home, rule, centrality)
+    actions = [KEEP if position == choice.keeper else SET_ASIDE for position in range(len(members))]
+    return Proposal(facts, actions, choice.keeper, choice.reason)
 
 
 def make_plan(
     found: TieredDuplicates,
-    items: dict[int, Item],
+    index: GalleryIndex,
     *,
     index_dir: Path,
     root: Path,
     rule: Sequence[str] = KEEPER_RULE,
 ) -> dict:
-    """A plan with the keeper rule's proposal: the keeper ``keep``, every other member ``set_aside``."""
+    """A plan with the keeper rule's proposal (:func:`propose`) for each group of ``found`` (of the open
+    ``index``), and the reason for each keeper."""
     rule = check_rule(rule)
+    items = index.items.get_many([int(i) for group in found.groups for i in group.ids])
+    vectors = GroupVectors(index)
     groups = []
     for group in found.groups:
         members = group_members(group, items)
         if len(members) < 2:
             continue
-        facts, actions = propose(members, root, rule)
+        proposal = propose(group.tier, members, root, rule, vectors)
+        kept = None if proposal.keeper is None else members[proposal.keeper].item
         groups.append(
             {
                 "tier": group.tier.label,
-                "keeper": next(m.item.id for m, a in zip(members, actions, strict=True) if a == KEEP),
+                "keeper": None if kept is None else kept.id,
+                "keeper_path": None if kept is None else kept.path,
+                "reason": proposal.reason,
                 "members": [
                     {
                         "id": member.item.id,
                         "path": member.item.path,
                         "content_hash": member.item.content_hash,
                         "byte_copy": member.byte_copy,
+                        "width": fact.width,
+                        "height": fact.height,
                         "pixels": fact.pixels,
                         "bytes": fact.size,
+                        "camera": fact.camera,
                         "date": fact.date,
+                        "dated_by": fact.dated_by,
                         "action": action,
                         "evidence": {
                             "pairs_with": member.evidence.other,
@@ -206,7 +209,7 @@ def make_plan(
                             "hash": member.evidence.digest,
                         },
                     }
-                    for member, fact, action in zip(members, facts, actions, strict=True)
+                    for member, fact, action in zip(members, proposal.facts, proposal.actions, strict=True)
                 ],
             }
         )
@@ -254,7 +257,7 @@ def read_plan(plan: dict) -> tuple[str, list[SetAside]]:
     if not isinstance(plan, dict) or plan.get("version") != PLAN_VERSION:
         raise PlanError(f"not a duplicates plan of version {PLAN_VERSION}")
     plan_id = plan.get("plan_id")
-    if not isinstance(plan_id, str) or not plan_id or "/" in plan_id or plan_id.startswith("."):
+    if not _plan_id_ok(plan_id):
         raise PlanError("the plan has no valid plan_id")
     aside = []
     for number, group in enumerate(plan.get("groups") or [], start=1):
@@ -298,7 +301,8 @@ class ReviewReport:
     left: list[tuple[str, str]] = field(default_factory=list)  # (path, why) not moved
     removed: int = 0  # items removed from the index
     handed: int = 0  # items whose file was set aside, now named by a kept byte copy
-    reindexed: int = 0  # items indexed again
+    restored: int = 0  # items put back under their ids (an undo)
+    reindexed: int = 0  # files indexed again, under new ids (an undo)
 
 
 def _move(source: Path, target: Path) -> None:
@@ -392,35 +396,145 @@ def gallery_root(index_dir: Path) -> Path:
     return Path(root)
 
 
-def set_aside(index: GalleryIndex, plan: dict, on_move: Callable[[str], None] | None = None) -> ReviewReport:
-    """Set aside the plan's non-keepers in an open index: files into the trash, then their items out of
-    the index, which is saved."""
-    plan_id, aside = read_plan(plan)
+def _root(index: GalleryIndex) -> Path:
     if index.manifest.gallery_root is None:
         raise PlanError("the index records no gallery folder: its images cannot be set aside")
-    root = Path(index.manifest.gallery_root)
+    return Path(index.manifest.gallery_root)
+
+
+def read_plan_file(path: Path) -> dict:
+    """The plan in the file ``path``; a file that is no JSON is refused with where it breaks."""
+    try:
+        text = read_regular(path, PLAN_BYTES).decode()  # a FIFO or a device is refused, not waited on
+    except (OSError, UnicodeDecodeError) as err:
+        raise PlanError(f"cannot read the plan {path}: {err}") from None
+    try:
+        plan = json.loads(text)
+    except ValueError as err:
+        where = (
+            f" (line {err.lineno}, column {err.colno}: {err.msg})"
+            if isinstance(err, json.JSONDecodeError)
+            else ""
+        )
+        raise PlanError(
+            f"{path} is not a duplicates plan: it is not valid JSON{where}; write one with "
+            "dmlsearch duplicates --plan"
+        ) from None
+    read_plan(plan)  # refused here, naming the file's fault, rather than half-way through
+    return plan
+
+
+def find_plan(root: Path, given: str) -> dict:
+    """The applied plan ``given`` names: a plan file, the trash folder of an apply (which holds its plan;
+    as given or inside the gallery ``root``) or a plan id (:func:`applied_plan`)."""
+    for candidate in (Path(given), root / given):
+        if candidate.is_dir():
+            candidate = candidate / PLAN_FILE
+        if candidate.is_file():
+            return read_plan_file(candidate)
+    return applied_plan(root, given)
+
+
+def applied_plan(root: Path, plan_id: str) -> dict:
+    """The plan an apply wrote into its trash folder in the gallery ``root``."""
+    path = root / TRASH_FOLDER / plan_id / PLAN_FILE
+    if not _plan_id_ok(plan_id) or not path.is_file():
+        raise PlanNotFoundError(
+            f"{plan_id} is no plan file, and no trash folder ({TRASH_FOLDER}/<plan id>) or plan id of an "
+            f"apply in {root}"
+        )
+    return read_plan_file(path)
+
+
+class PlanNotFoundError(NotFoundError):
+    """No plan at the path, trash folder or plan id given for an undo."""
+
+    code = "plan_not_found"
+
+
+def _plan_id_ok(plan_id: object) -> TypeGuard[str]:
+    return isinstance(plan_id, str) and bool(plan_id) and "/" not in plan_id and not plan_id.startswith(".")
+
+
+@dataclass(frozen=True)
+class KeptItem:
+    """An item an apply removed, as the index held it: an undo puts it back under its id."""
+
+    item: Item
+    vector: np.ndarray
+    signature: bytes | None
+
+
+def _kept_items(trash: Path) -> dict[int, KeptItem]:
+    path = trash / ITEMS_FILE
+    if not path.is_file():
+        return {}
+    with np.load(path, allow_pickle=False) as stored:
+        rows = json.loads(str(stored["items"]))
+        vectors = stored["vectors"]
+    return {
+        row["id"]: KeptItem(
+            Item(row["id"], row["path"], row["label"], row["content_hash"], row["added"], row["taken"]),
+            vector,
+            None if row["signature"] is None else bytes.fromhex(row["signature"]),
+        )
+        for row, vector in zip(rows, vectors, strict=True)
+    }
+
+
+def _keep_items(index: GalleryIndex, trash: Path, ids: Sequence[int]) -> None:
+    """Write the items about to be removed into the trash's ``ITEMS_FILE`` (with those of an earlier run
+    of the same plan), before they are removed."""
+    kept = _kept_items(trash)
+    stored = index.items.get_many([i for i in ids if i not in kept])
+    if not stored:
+        return
+    new = sorted(stored)
+    signatures = index.signatures(new)
+    for item_id, vector in zip(new, index.vectors(new), strict=True):
+        kept[item_id] = KeptItem(stored[item_id], vector, signatures.get(item_id))
+    rows = [
+        {**asdict(entry.item), "signature": None if entry.signature is None else entry.signature.hex()}
+        for entry in kept.values()
+    ]
+    buffer = io.BytesIO()
+    np.savez(buffer, items=np.array(json.dumps(rows)), vectors=np.stack([e.vector for e in kept.values()]))
+    atomic_write_bytes(trash / ITEMS_FILE, buffer.getvalue())
+
+
+def set_aside(index: GalleryIndex, plan: dict, on_move: Callable[[str], None] | None = None) -> ReviewReport:
+    """Set aside the plan's non-keepers in an open index: the plan into its trash folder, files into it,
+    then their items out of the index (kept in the trash folder for an undo), which is saved."""
+    plan_id, aside = read_plan(plan)
+    root = _root(index)
+    trash = root / TRASH_FOLDER / plan_id
+    trash.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(trash / PLAN_FILE, json.dumps(plan, indent=2) + "\n")  # first: an undo needs it
     report = move_aside(root, plan_id, aside, on_move)
     in_trash = [member for member in aside if member.path in {*report.moved, *report.already}]
     stored = index.items.get_many([member.id for member in in_trash])
     # Only a member that is its item's file: a byte copy's item stays, and an id whose item now has
     # another path was indexed again since (an undo) or handed to a copy (a re-run): not this plan's.
     own = [m for m in in_trash if m.id in stored and stored[m.id].path == m.path]
-    heirs = [Move(m.id, m.heir, label_of(m.heir)) for m in own if m.heir and _holds(root / m.heir, m)]
+    heirs = [
+        Move(m.id, m.heir, label_of(m.heir)) for m in own if m.heir and _holds(root / m.heir, m.content_hash)
+    ]
     handed = {heir.id for heir in heirs}
     removed = [m.id for m in own if m.id not in handed]
     if heirs:
         report.handed = index.move(heirs)
     if removed:
+        _keep_items(index, trash, removed)
         report.removed = index.remove(removed)
     if heirs or removed:
         index.save()
     return report
 
 
-def _holds(path: Path, member: SetAside) -> bool:
-    """Whether ``path`` (a kept byte copy) still has the bytes of the member's item."""
+def _holds(path: Path, content_hash: str) -> bool:
+    """Whether ``path`` still has the bytes whose hash is ``content_hash``."""
     try:
-        return file_hash(path) == member.content_hash
+        return file_hash(path) == content_hash
     except OSError:
         return False
 
@@ -435,13 +549,61 @@ def apply_plan(index_dir: Path, plan: dict, on_move: Callable[[str], None] | Non
         index.close()
 
 
-def undo_plan(index_dir: Path, plan: dict, embedder: Embedder, *, progress: bool = False) -> ReviewReport:
-    """Put the plan's set-aside files back and index them again (those still indexed stay as they are)."""
+def put_back(index: GalleryIndex, plan: dict, embedder: Embedder, *, progress: bool = False) -> ReviewReport:
+    """Undo an applied plan in an open index: its set-aside files back in place, and their items back
+    under their ids (kept by the apply); a file whose bytes changed in the trash, or an index that takes
+    no items under given ids (Milvus), is indexed again. Items still indexed stay as they are (a byte
+    copy's item, an item handed to a kept copy). The index is built and saved."""
     plan_id, aside = read_plan(plan)
-    root = gallery_root(index_dir)
+    root = _root(index)
+    trash = root / TRASH_FOLDER / plan_id
     report = move_back(root, plan_id, aside)
-    back = [root / path for path in (*report.moved, *report.already)]
+    back = [*report.moved, *report.already]
+    kept = {entry.item.path: entry for entry in _kept_items(trash).values()}
+    restored = [
+        entry
+        for path in back
+        if (entry := kept.get(path)) is not None
+        and index.capabilities.mergeable
+        and index.items.get(entry.item.id) is None
+        and index.items.get_by_path(path) is None
+        and _holds(root / path, entry.item.content_hash)
+    ]
+    if restored:
+        index.copy_in(
+            np.stack([entry.vector for entry in restored]),
+            [Entry(e.item.path, e.item.label, e.item.content_hash, e.item.taken) for e in restored],
+            [entry.signature for entry in restored],
+            added=[entry.item.added for entry in restored],
+            ids=[entry.item.id for entry in restored],
+        )
+    again = {entry.item.path for entry in restored}
+    embed = [root / path for path in back if path not in again]
+    built = BuildReport()
+    if embed:
+        sync_files(
+            index,
+            root,
+            embed,
+            embedder,
+            built,
+            gone=lambda _: False,
+            batch_size=BATCH_SIZE,
+            progress=progress,
+        )
+    report.restored, report.reindexed = len(restored), built.indexed
     if back:
-        built = add_images(index_dir, embedder, back, progress=progress)
-        report.reindexed = built.indexed
+        index.build(retune=False, progress=progress)
+        index.save()
     return report
+
+
+def undo_plan(index_dir: Path, plan: dict, embedder: Embedder, *, progress: bool = False) -> ReviewReport:
+    """:func:`put_back` on the index in ``index_dir``."""
+    read_plan(plan)
+    index = GalleryIndex.open(index_dir)
+    try:
+        index.check_model(embedder.fingerprint, embedder.dim)
+        return put_back(index, plan, embedder, progress=progress)
+    finally:
+        index.close()

@@ -10,6 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.duplicates.groups import DEFAULT_MAX_DISTANCE, DEFAULT_THRESHOLD
+from foundation.defaults import KEEPER_RULE
 from tests.helpers import Served
 
 
@@ -70,14 +71,20 @@ def test_tiers_give_evidence_and_a_keeper_proposal(make_client: Callable[..., Te
     client = make_client()
     for tier in ("exact", "edited", "similar"):
         page = client.get("/v1/duplicates", params={"tier": tier, "limit": 100}).json()
-        assert page["tier"] == tier and page["keeper_rule"] == ["pixels", "bytes", "date"]
+        assert page["tier"] == tier and page["keeper_rule"] == list(KEEPER_RULE)
         rank = ["exact", "edited", "similar"].index(tier)
         for group in page["groups"]:
             assert ["exact", "edited", "similar"].index(group["tier"]) <= rank
             actions = [item["review"]["action"] for item in group["items"]]
-            assert actions.count("keep") == 1 and len(actions) == group["size"] >= 2
+            assert len(actions) == group["size"] >= 2
+            if group["tier"] == "similar":  # no duplicate: nothing is proposed to be set aside
+                assert set(actions) == {"keep"} and "similar, not duplicate" in group["reason"]
+                continue
+            assert actions.count("keep") == 1 and group["reason"]
             kept = next(item for item in group["items"] if item["review"]["action"] == "keep")
             assert kept["review"]["pixels"] == max(item["review"]["pixels"] for item in group["items"])
+            # The demo's variants are written with their photo, in one go: their times tell nothing.
+            assert "earliest capture time" not in group["reason"]
             for item in group["items"]:
                 evidence = item["evidence"]
                 assert evidence["pairs_with"] in {other["id"] for other in group["items"]} - {item["id"]}
@@ -167,6 +174,55 @@ def test_a_byte_copy_is_an_exact_member_and_a_kept_copy_takes_its_item_over(
     assert body["moved"] == [original] and body["removed"] == 0 and body["handed"] == 1
     assert client.get(f"/v1/items/{item['id']}").json()["path"] == backup
     assert (served.gallery / body["trash"] / original).is_file() and (served.gallery / backup).is_file()
+
+
+def test_an_apply_is_undone_by_its_plan_id_and_its_items_keep_their_ids(
+    make_client: Callable[..., TestClient], served: Served
+) -> None:
+    client = make_client(api_key="secret")
+    key = {"X-API-Key": "secret"}
+    count = client.get("/v1/stats").json()["count"]
+    group = client.get("/v1/duplicates", params={"tier": "edited", "limit": 1}).json()["groups"][0]
+    plan = _plan(group, "undo-me")
+    aside = {m["id"]: m["path"] for m in plan["groups"][0]["members"] if m["action"] == "set_aside"}
+    applied = client.post("/v1/duplicates/apply", json=plan, headers=key).json()
+    assert applied["plan_id"] == "undo-me" and applied["count"] == count - len(aside)
+    assert (
+        served.gallery / applied["trash"] / ".dmlsearch-plan.json"
+    ).is_file()  # the undo needs nothing else
+
+    assert client.post("/v1/duplicates/undo", json={"plan_id": "undo-me"}).status_code == 401
+    undone = client.post("/v1/duplicates/undo", json={"plan_id": "undo-me"}, headers=key)
+    assert undone.status_code == 200, undone.text
+    body = undone.json()
+    assert sorted(body["moved"]) == sorted(aside.values()) and body["restored"] == len(aside)
+    assert body["reindexed"] == 0 and body["count"] == count
+    for item_id, path in aside.items():  # the same ids, not new items
+        assert client.get(f"/v1/items/{item_id}").json()["path"] == path
+        assert (served.gallery / path).is_file()
+    page = client.get("/v1/duplicates", params={"tier": "edited", "limit": 1}).json()["groups"][0]
+    assert {i["path"] for i in page["items"]} == {
+        i["path"] for i in group["items"]
+    }  # the group is whole again
+    again = client.post("/v1/duplicates/undo", json={"plan_id": "undo-me"}, headers=key).json()
+    assert again["moved"] == [] and again["restored"] == 0 and again["count"] == count
+    missing = client.post("/v1/duplicates/undo", json={"plan_id": "never-applied"}, headers=key)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "plan_not_found"
+
+
+def test_a_plan_that_is_not_json_gets_a_clear_422(make_client: Callable[..., TestClient]) -> None:
+    client = make_client(api_key="secret")
+    broken = client.post(
+        "/v1/duplicates/apply",
+        content=b'{"version": 1, "plan_id": }',
+        headers={"X-API-Key": "secret", "Content-Type": "application/json"},
+    )
+    assert broken.status_code == 422
+    error = broken.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert error["message"].startswith(
+        "the request body is not valid JSON: Expecting value (at character 26)"
+    )
 
 
 @pytest.mark.parametrize(

@@ -422,16 +422,50 @@ def test_real_browser_applies_duplicate_decisions(sync_api: ModuleType, writable
             view.get_by_label("API key").fill("k3y")
             view.get_by_label("API key").press("Enter")
             time.sleep(1)  # the rerun with the key
+            # Each group says why its keeper is kept.
+            view.get_by_text(f"Keep {keeper['path']}: {group['reason']}").wait_for(timeout=30_000)
             view.get_by_role("button", name="Apply: set aside the unticked images").click()
             view.get_by_text(re.compile(r"^Set aside \d+ images into ")).wait_for(timeout=90_000)
+            set_aside = {item["path"] for item in aside} - {changed_mind["path"]}
+            trash = next((served.gallery / ".dmlsearch-trash").iterdir())
+            for path in set_aside:  # other groups of the page may have been set aside too: these at least
+                assert (trash / path).is_file() and not (served.gallery / path).exists()
+            assert (served.gallery / changed_mind["path"]).is_file()
+            assert (served.gallery / keeper["path"]).is_file()
+            assert httpx.get(f"{api}/v1/items/{changed_mind['id']}", timeout=30).status_code == 200
+            for item in aside[1:]:
+                expected = 200 if item["byte_copy"] else 404  # a byte copy's item is the keeper's
+                assert httpx.get(f"{api}/v1/items/{item['id']}", timeout=30).status_code == expected
+            # The page shows the groups as they are now: the images set aside are gone from it.
+            view.get_by_text(re.compile(r"^Group 1 · \w+ · \d+ images$")).first.wait_for(timeout=90_000)
+            shown = " ".join(view.locator('[data-testid="stCaptionContainer"]').all_inner_texts())
+            assert not any(f" · {path}" in shown for path in set_aside), shown
+            view.get_by_role("button", name="Undo").click()
+            view.get_by_text(re.compile(r"^Put back \d+ images and their \d+ items")).wait_for(timeout=90_000)
+            for item in aside:  # back, under the ids they had
+                assert (served.gallery / item["path"]).is_file()
+                found = httpx.get(f"{api}/v1/items/{item['id']}", timeout=30)
+                assert found.status_code == 200
+                assert item["byte_copy"] or found.json()["path"] == item["path"]
+            view.get_by_text(re.compile(r"^Group 1 · \w+ · \d+ images$")).first.wait_for(timeout=90_000)
+            view.wait_for_function(
+                "(paths) => paths.every(p => [...document.querySelectorAll("
+                "'[data-testid=stCaptionContainer]')].some(c => c.innerText.includes(' · ' + p)))",
+                arg=sorted(set_aside),
+                timeout=60_000,
+            )
+            # The similar tier proposes to set aside no image of a similar group (its groups of stricter
+            # tiers keep one image each), and says why.
+            similar = httpx.get(f"{api}/v1/duplicates", params={"tier": "similar", "limit": 10}, timeout=60)
+            groups = similar.json()["groups"]
+            kept = sum(len(g["items"]) if g["tier"] == "similar" else 1 for g in groups)
+            view.get_by_text("similar", exact=True).first.click()
+            view.get_by_text("Similar is not duplicate", exact=False).first.wait_for(timeout=90_000)
+            view.wait_for_function(
+                "([n, all]) => { const boxes = [...document.querySelectorAll('input[type=checkbox]')];"
+                " return boxes.length == all && boxes.filter(b => b.checked).length == n; }",
+                arg=[kept, sum(len(g["items"]) for g in groups)],
+                timeout=60_000,
+            )
         finally:
             browser.close()
-    set_aside = {item["path"] for item in aside} - {changed_mind["path"]}
-    trash = next((served.gallery / ".dmlsearch-trash").iterdir())
-    for path in set_aside:  # the rest of the page's groups may have been set aside too: at least these
-        assert (trash / path).is_file() and not (served.gallery / path).exists()
-    assert (served.gallery / changed_mind["path"]).is_file() and (served.gallery / keeper["path"]).is_file()
-    assert httpx.get(f"{api}/v1/items/{changed_mind['id']}", timeout=30).status_code == 200
-    for item in aside[1:]:
-        expected = 200 if item["byte_copy"] else 404  # a byte copy's item is the keeper's
-        assert httpx.get(f"{api}/v1/items/{item['id']}", timeout=30).status_code == expected
