@@ -82,6 +82,10 @@ BATCH_SIZE = 32
 # Threads decoding and preprocessing images while the model embeds (engine.build.prefetch); why two:
 # bench/results/build_speed.md.
 DECODE_WORKERS = 2
+# Progress written to a file or a pipe (foundation.progress): a plain line every this many percent, and at
+# least every this many seconds while work moves, instead of a bar redrawn with carriage returns.
+PROGRESS_LINE_PERCENT = 10
+PROGRESS_LINE_SECONDS = 10.0
 # Images that calibrate an int8 export's activation ranges (training.quantize; bench/int8_variants.py).
 CALIBRATION_IMAGES = 300
 

@@ -14,6 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from foundation.families import IndexType
+from foundation.progress import progress_bar
 from index.faiss_index import PQ_POINTS_PER_CENTROID, FaissIndex
 from index.selection import PQ_BITS, IndexSpec
 from index.sources import ExcludingSource, VectorSource, all_ids, fetch_vectors
@@ -73,7 +74,9 @@ def build_faiss_index(
     else:
         queries, aside = np.zeros((0, spec.dim), dtype=np.float32), np.zeros(0, dtype=np.int64)
     rest = [ExcludingSource(source, aside) for source in sources]
-    with tqdm(total=len(ids), desc=f"adding to {spec.index_type}", unit="vec", disable=not progress) as bar:
+    with progress_bar(
+        total=len(ids), desc=f"adding to {spec.index_type}", unit="vec", disable=not progress
+    ) as bar:
         if len(rest) == 1 or spec.index_type is IndexType.HNSW:  # faiss cannot merge HNSW graphs
             for source in rest:
                 _fill(index, source, bar)

@@ -13,9 +13,9 @@ from contextlib import ExitStack, closing
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from foundation.errors import InvalidInputError
+from foundation.progress import progress_bar
 from index.gallery import GalleryIndex, ModelWriter
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item
@@ -99,7 +99,7 @@ def _copy_items(stores: Sequence[GalleryIndex], target: GalleryIndex, progress: 
                 first_by_content[item.content_hash] = (number, item)
     ordered = sorted(first_by_content.values(), key=lambda pair: pair[1].path)
     new_ids: list[list[int]] = [[] for _ in stores]
-    bar = tqdm(total=len(ordered), desc="copying shard items", unit="item", disable=not progress)
+    bar = progress_bar(total=len(ordered), desc="copying shard items", unit="item", disable=not progress)
     for start in range(0, len(ordered), COPY_CHUNK):
         chunk = ordered[start : start + COPY_CHUNK]
         vectors = np.zeros((len(chunk), target.manifest.dim), dtype=np.float32)

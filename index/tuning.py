@@ -38,9 +38,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from tqdm import tqdm
 
 from foundation.families import IndexType
+from foundation.progress import progress_bar
 from index.faiss_index import FaissIndex, faiss_module
 from index.selection import IndexSpec
 from index.sources import VectorSource
@@ -199,7 +199,7 @@ def tune(
             measured[value] = recall_at_k(found, truth)
         return measured[value]
 
-    bar = tqdm(desc=f"tuning {next(iter(to_params(1)))}", unit="try", disable=not progress)
+    bar = progress_bar(desc=f"tuning {next(iter(to_params(1)))}", unit="try", disable=not progress)
     passing, failing = None, None
     for value in values:
         bar.update()

@@ -14,10 +14,10 @@ from typing import Literal
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from engine.decode.images import ImageDecodeError, load_image_file
 from engine.model.embedder import Embedder
+from foundation.progress import progress_bar
 from training.backbone import BACKBONES
 from training.config import TrainConfig
 from training.data import LabelledImages, load_labelled_images, split_classes
@@ -51,7 +51,7 @@ def evaluate_onnx(
     indices = _split_indices(images, split, train_classes)
     draft = embedder.card.preprocessing.resize_size
     vectors, labels, batch = [], [], []
-    for index in tqdm(indices, desc="embedding", unit="img", disable=not progress):
+    for index in progress_bar(indices, desc="embedding", unit="img", disable=not progress):
         path = images.root / images.paths[index]
         try:
             batch.append(load_image_file(path, draft_size=draft))

@@ -39,6 +39,7 @@ from engine.model.model_card import Preprocessing
 from engine.model.preprocess import to_tensor
 from foundation import defaults, stopping
 from foundation.atomic import atomic_path
+from foundation.progress import progress_bar
 from training.backbone import BACKBONES, create_backbone, split_backbone
 from training.config import AUGMENT_MIN_AREA
 from training.export import export_onnx
@@ -144,7 +145,7 @@ class FeatureExtractor:
         directory = self.cache_dir / "features" / self._key(files, view, seed)
         shards = [files[start : start + SHARD_SIZE] for start in range(0, len(files), SHARD_SIZE)]
         missing = [i for i in range(len(shards)) if not _shard_path(directory, i).exists()]
-        bar = tqdm(
+        bar = progress_bar(
             total=sum(len(shards[i]) for i in missing),
             desc=f"backbone features (view {view})",
             unit="img",

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from foundation import stopping
+from foundation.progress import progress_bar
 from training.backbone import BACKBONES
 from training.bootstrap import Interval, paired_bootstrap
 from training.config import TrainConfig
@@ -382,7 +382,7 @@ class _Training:
         labels = torch.as_tensor(self.data.labels("train"))
         eval_every = config.eval_every or max(1, math.ceil(len(labels) / sampler.batch_size))
         batches = self.workload.batches(sampler, self.view_rng)
-        bar = tqdm(
+        bar = progress_bar(
             initial=state.step,
             total=config.max_steps,
             desc=f"training {config.loss}",

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-from tqdm import tqdm
 
 from engine.build.prefetch import WORKER_NICENESS, DecodedFile, decode_file, prefetch
 from engine.build.report import BuildReport
@@ -20,6 +19,7 @@ from engine.gallery.hashing import GalleryFile, file_hash, label_of
 from engine.model.embedder import Embedder
 from foundation import stopping
 from foundation.defaults import DECODE_WORKERS
+from foundation.progress import progress_bar
 from index.protocol import Entry
 
 # How a runner hashes files: ``(path, content hash or the error that made the file unreadable)``, any order.
@@ -55,7 +55,7 @@ def hash_files(
         hashes = prefetch(inside, file_hash, workers=workers, depth=2 * max(workers, 1))
     else:
         hashes = hasher(inside)
-    for path, content_hash in tqdm(
+    for path, content_hash in progress_bar(
         hashes, total=len(inside), desc="hashing", unit="file", disable=not progress
     ):
         relative = path.relative_to(root).as_posix()
@@ -166,7 +166,7 @@ def embed_files(
         depth=2 * batch_size,
     )
     with pool, BatchCommitter(index, report) as committer:
-        for gallery_file, result in tqdm(
+        for gallery_file, result in progress_bar(
             loaded, total=len(files), desc="embedding", unit="img", disable=not progress
         ):
             if isinstance(result, Exception):

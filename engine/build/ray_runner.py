@@ -26,7 +26,6 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from engine.build.embedding import BatchCommitter, ItemSink, hash_files
 from engine.build.prefetch import FILE_ERRORS, WORKER_NICENESS, DecodedFile, decode_file, prefetch
@@ -37,6 +36,7 @@ from engine.model.embedder import Embedder
 from engine.model.model_card import ModelCard
 from foundation import stopping
 from foundation.errors import MissingDependencyError, UnavailableError
+from foundation.progress import progress_bar
 from index.protocol import Entry
 
 # Files per hashing task: enough that a task's start (milliseconds) is small beside its reads.
@@ -162,7 +162,7 @@ class RayRunner:
         try:
             with (
                 BatchCommitter(index, report) as committer,
-                tqdm(total=len(files), desc="embedding", unit="img", disable=not progress) as bar,
+                progress_bar(total=len(files), desc="embedding", unit="img", disable=not progress) as bar,
             ):
                 for batch in embedded.iter_batches(batch_size=None, batch_format="numpy"):
                     keep = []

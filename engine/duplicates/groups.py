@@ -30,7 +30,6 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
-from tqdm import tqdm
 
 from engine.duplicates.signature_layout import (
     THUMBNAIL_SIDE,
@@ -40,6 +39,7 @@ from engine.duplicates.signature_layout import (
     views_of,
 )
 from foundation.errors import InvalidInputError
+from foundation.progress import progress_bar
 from index.faiss_index import faiss_module
 from index.selection import IndexSpec
 
@@ -162,7 +162,7 @@ def candidate_pairs(
     exact = _exact_scores(index.manifest)
     cut = threshold if exact else threshold - QUANTISED_MARGIN
     firsts, seconds, cosines = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.float32)]
-    with tqdm(total=total, desc="duplicates", unit="item", disable=not progress) as bar:
+    with progress_bar(total=total, desc="duplicates", unit="item", disable=not progress) as bar:
         for ids, vectors in _all_vectors(index):
             found, scores = index.nearest(vectors, min(neighbours + 1, total))
             rows, columns = np.nonzero((scores >= cut) & (found > ids[:, None]))  # each pair once
