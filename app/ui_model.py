@@ -70,8 +70,17 @@ def render_model(client: SearchClient) -> None:
     if card["validation"]:
         line = " · ".join(f"{name} {100 * value:.2f}" for name, value in card["validation"].items())
         st.caption(plain(f"validation: {line}"))
-    if card["evaluation"] is not None:
-        _show_evaluation(card["evaluation"])
+    evaluation = card["evaluation"]
+    failure = (evaluation or {}).get("learned_nothing")
+    if failure:  # its checkpoint is the head training started from: not a trained model's proof
+        st.error(
+            plain(
+                f"This model learned nothing in training: {failure}. Its selected checkpoint is step 0, "
+                "the head training started from, so it is not presented as a trained model."
+            )
+        )
+    elif evaluation is not None:
+        _show_evaluation(evaluation)
     if not card["plots"]:
         if card["loss"] is None:
             st.info(

@@ -228,6 +228,8 @@ def train(
             saved = "the backbone features extracted so far are cached"
         typer.echo(f"{stop}: {saved}; run the same command again to continue")
         raise typer.Exit(stop.exit_code) from None
+    if summary.failure is not None:  # its step-0 head's metrics would read as a trained model's
+        raise fail(f"the run in {out} failed, it learned nothing: {summary.failure}")
     typer.echo(f"best step {summary.best_step} of {summary.steps} ({summary.train_seconds} s training)")
     typer.echo(f"validation  {_metrics_line(summary.val)}")
     typer.echo(f"test        {_metrics_line(summary.test)}")

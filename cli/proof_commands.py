@@ -45,7 +45,13 @@ def _comparison_text(comparison: Comparison) -> str:
         f"[{_percent(interval.low)}, {_percent(interval.high)}] (paired bootstrap, {interval.resamples} "
         f"resamples of the queries; {comparison.images} {comparison.split} images)"
     )
-    rows.append(f"verdict: {comparison.verdict} (trained vs the untrained backbone)")
+    if comparison.learned_nothing is not None:
+        rows.append(
+            f"verdict: the run learned nothing ({comparison.learned_nothing}); its selected checkpoint is "
+            "step 0, the untrained head, so the difference above is that head's, not training's"
+        )
+    else:
+        rows.append(f"verdict: {comparison.verdict} (trained vs the untrained backbone)")
     return "\n".join(rows)
 
 

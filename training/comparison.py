@@ -71,11 +71,20 @@ class Comparison:
     def verdict(self) -> str:
         return self.recall_at_1.verdict
 
+    @property
+    def learned_nothing(self) -> str | None:
+        """Why the run failed (its loss was stuck, the trainer's reason), or None. Its selected checkpoint
+        is then step 0, the head training started from: what it changes over the backbone is that head's,
+        not training's."""
+        failure = self.run.get("failure")
+        return failure if isinstance(failure, str) else None
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "split": self.split,
             "images": self.images,
             "verdict": self.verdict,
+            "learned_nothing": self.learned_nothing,
             "recall@1_difference": self.recall_at_1.to_dict(),
             "trained": self.trained,
             "untrained": self.untrained,
@@ -128,6 +137,7 @@ def run_description(run_path: Path, embedded: RunEmbeddings) -> dict[str, Any]:
         "backbone": config.backbone,
         "best_step": None if summary is None else summary.best_step,
         "steps": None if summary is None else summary.steps,
+        "failure": None if summary is None else summary.failure,
     }
 
 

@@ -287,6 +287,13 @@ def _summary_html(run_path: Path, comparison: Comparison, embedded: RunEmbedding
     }
     items = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>" for k, v in facts.items())
     verdict = comparison.verdict
+    if comparison.learned_nothing is not None:
+        return (
+            f"<dl>{items}</dl><p class='verdict worse'>The run <b>learned nothing</b>: "
+            f"{html.escape(comparison.learned_nothing)}. Its selected checkpoint is step 0, the head "
+            "training started from, so it is not compared with the backbone as a trained model: only the "
+            "training curves are shown.</p>"
+        )
     return (
         f"<dl>{items}</dl>"
         f"<p class='verdict {verdict.replace(' ', '-')}'>Trained vs the untrained backbone: "
@@ -320,17 +327,21 @@ def write_report(run_path: Path, comparison: Comparison, embedded: RunEmbeddings
     )
     summary = run.read_summary()
     best_step = 0 if summary is None else summary.best_step
-    figures = {
-        "training": training_figure(records, best_step),
-        "recall_at_k": recall_figure(embedded),
-        "per_class": per_class_figure(per_class_change(embedded, trained, untrained)),
-        "embedding_map": embedding_figure(embedded, seed),
-        "examples": examples_figure(embedded, trained, untrained, seed),
-    }
+    figures = {"training": training_figure(records, best_step)}
+    if comparison.learned_nothing is None:  # else there is no training to compare with the backbone
+        figures |= {
+            "recall_at_k": recall_figure(embedded),
+            "per_class": per_class_figure(per_class_change(embedded, trained, untrained)),
+            "embedding_map": embedding_figure(embedded, seed),
+            "examples": examples_figure(embedded, trained, untrained, seed),
+        }
     plots, sections = {}, []
     for name, caption in PLOTS.items():
-        data = _png(figures[name])
         path = plot_path(run_path, name)
+        if name not in figures:
+            path.unlink(missing_ok=True)  # an earlier report's plot must not stand for this run
+            continue
+        data = _png(figures[name])
         with atomic_path(path) as temporary:
             temporary.write_bytes(data)
         plots[name] = path

@@ -48,9 +48,9 @@ class RunSummary(BaseModel):
     """``summary.json``: the finished run, its selected step and its test evaluation.
 
     Fields recorded later than the first runs are optional, so that those runs still load:
-    ``val_backbone`` and ``beats_backbone`` (commit 8556230), ``validation_gain`` (c31444f) and
-    ``frozen_stage`` (fine-tuning runs with a frozen first stage only). Written without the fields a run
-    lacks, in this order: the bytes the trainer always wrote.
+    ``val_backbone`` and ``beats_backbone`` (commit 8556230), ``validation_gain`` (c31444f),
+    ``frozen_stage`` (fine-tuning runs with a frozen first stage only) and ``failure`` (failed runs
+    only). Written without the fields a run lacks, in this order: the bytes the trainer always wrote.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -69,6 +69,7 @@ class RunSummary(BaseModel):
     test_backbone: Metrics
     skipped_images: int
     frozen_stage: FrozenStageSummary | None = None
+    failure: str | None = None  # why the run learned nothing (a stuck loss, training.trainer.LossWatch)
 
     @field_validator("validation_gain", mode="before")
     @classmethod

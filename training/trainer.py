@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, replace
+from collections import deque
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,13 @@ from training.samplers import sampler_for
 from training.workloads import CachedWorkload, FinetuneWorkload
 
 SELECTION_METRIC = "recall@1"
-MAX_NONFINITE_STEPS = 20  # consecutive non-finite losses before a run is declared diverged
+# A run whose loss is stuck learns nothing: 0 (every example already meets the loss's margin, so there is
+# no gradient), the same value step after step, or not finite. Judged over the last STUCK_WINDOW steps
+# (or, at the end, over a run's STUCK_MIN_STEPS or more): stuck when the loss moved at no more than
+# STUCK_MOVING_SHARE of them (at least one step allowed: a first batch may still have something to learn).
+STUCK_WINDOW = 50
+STUCK_MIN_STEPS = 5
+STUCK_MOVING_SHARE = 0.05
 FROZEN_STAGE = "frozen-stage"  # the run directory, inside a fine-tuning run's, of its frozen first stage
 
 
@@ -130,6 +137,42 @@ def prepare_data(
         else {name: base_inputs[kept] for name, kept in indices.items()},
         train_views=np.stack(views),
     )
+
+
+@dataclass
+class LossWatch:
+    """The last :data:`STUCK_WINDOW` training losses, to tell a run that is learning nothing."""
+
+    loss: str
+    when_zero: str = ""  # the loss's own explanation of a zero loss (LossSpec.when_zero)
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=STUCK_WINDOW))
+
+    def add(self, value: float) -> None:
+        self.recent.append(value)
+
+    def stuck(self, *, final: bool = False) -> str | None:
+        """Why the loss is stuck, in plain words, or None: over a full window, or ``final``ly over what
+        there is (a run that stopped before the window filled)."""
+        values = np.asarray(self.recent, dtype=np.float64)
+        if len(values) < (STUCK_MIN_STEPS if final else STUCK_WINDOW):
+            return None
+        least = len(values) - max(1, int(STUCK_MOVING_SHARE * len(values)))  # steps that must be stuck
+        finite = np.isfinite(values)
+        last = f"of the last {len(values)} steps"
+        if (~finite).sum() >= least:
+            return (
+                f"the {self.loss} loss was not finite at {(~finite).sum()} {last}: training diverged "
+                "(a lower learning rate, -p lr=..., may help)"
+            )
+        if (values[finite] == 0).sum() >= least:
+            why = f": {self.when_zero}" if self.when_zero else ": every batch already met its margin"
+            zero = int((values[finite] == 0).sum())
+            return f"the {self.loss} loss was 0 at {zero} {last}, so nothing was learned{why}"
+        scale = max(1.0, float(np.abs(values[finite]).max()))
+        still = int((np.abs(np.diff(values[finite])) <= 1e-6 * scale).sum())
+        if still >= least - 1:  # n values hold n - 1 changes
+            return f"the {self.loss} loss stayed at {values[finite][-1]:.4g} through {still + 1} {last}"
+        return None
 
 
 @dataclass(frozen=True)
@@ -285,6 +328,7 @@ class _Training:
         self.records: list[dict[str, Any]] = []  # one per validation, as in metrics.jsonl
         self.best: BestCheckpoint | None = None
         self.first_stage: FrozenStageSummary | None = None  # frozen_first: what the frozen stage reached
+        self.watch = LossWatch(config.loss, spec.when_zero)  # this session's steps
 
     def start_from(self, stage: FrozenStage) -> None:
         """Start from a frozen stage's head and loss parameters instead of the PCA-initialised head."""
@@ -391,7 +435,6 @@ class _Training:
         )
         self.objective.train()
         losses: list[float] = []
-        nonfinite = 0
         started = time.perf_counter()
         images, step_seconds = 0, 0.0  # this session's training steps, validation excluded: img/s
         while state.step < config.max_steps and not state.stopped:
@@ -408,11 +451,10 @@ class _Training:
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
                 losses.append(float(value.detach()))
-                nonfinite = 0
-            else:
-                nonfinite += 1
-                if nonfinite >= MAX_NONFINITE_STEPS:
-                    raise FloatingPointError(f"{config.loss}: {nonfinite} consecutive non-finite losses")
+            self.watch.add(float(value.detach()))
+            # A stuck loss ends the run (validated at this step, as at the time budget): after a first
+            # validated gain there is nothing more to learn; before one, the run failed (_finish says why).
+            stuck = not self.dist.all_true(self.watch.stuck() is None)
             sampler.after_step(indices, self.objective.loss)
             state.step += 1
             images, step_seconds = images + len(indices), step_seconds + time.perf_counter() - step_started
@@ -423,13 +465,13 @@ class _Training:
             out_of_time = config.time_budget is not None and (
                 state.elapsed + time.perf_counter() - started >= config.time_budget
             )
-            if state.step % eval_every == 0 or state.step == config.max_steps or out_of_time:
+            if state.step % eval_every == 0 or state.step == config.max_steps or out_of_time or stuck:
                 state.elapsed += time.perf_counter() - started
                 started = time.perf_counter()
                 train_loss = float(np.mean(losses)) if losses else None
                 self.records.append(self._validate(state.step, train_loss))
                 losses = []
-                state.stopped = state.stopped or out_of_time
+                state.stopped = state.stopped or out_of_time or stuck
                 bar.set_postfix(
                     loss=train_loss,
                     val_r1=self.records[-1]["val"][SELECTION_METRIC],
@@ -495,6 +537,9 @@ class _Training:
         )
         gain = ValidationGain(val_backbone[SELECTION_METRIC], best.val[SELECTION_METRIC], best.step, interval)
         first_stage = self.records[0].get("frozen_stage")
+        # Failed: no validated gain and a stuck loss; the summary, the CLI, the report and the Model page
+        # then say that the run learned nothing and why, rather than compare its step-0 head.
+        failure = self.watch.stuck(final=True) if best.step == 0 else None
         summary = RunSummary(
             loss=self.config.loss,
             mode=self.config.mode,
@@ -510,10 +555,11 @@ class _Training:
             test_backbone=self._backbone_metrics("test"),
             skipped_images=int(len(self.data.images) - sum(len(v) for v in self.data.indices.values())),
             frozen_stage=FrozenStageSummary.model_validate(first_stage) if first_stage else None,
+            failure=failure,
         )
         if self.dist.is_main:
             self.run_dir.write_summary(summary)
-        if not gain.improved:
+        if not gain.improved and failure is None:
             warnings.warn(
                 f"{self.config.loss}: the selected model is not better than the untrained backbone's own "
                 f"features ({gain.describe()}); export refuses it, keep serving the untrained backbone",

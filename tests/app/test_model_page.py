@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,25 +21,28 @@ from app.ui_model import NOT_APPLICABLE
 from engine.model.model_card import ModelCard, ValidationCheck
 from engine.model.run_proof import EVAL_FILE, PLOTS, plot_path
 from tests.helpers import Served, copy_served, uvicorn_server
+from tests.tiers import starts
 from training.comparison import compare_embeddings
 
 PAGE = Path(__file__).resolve().parents[2] / "app" / "ui.py"
 FORCED_DETAIL = "validation recall@1 70.00 at step 40 vs 68.00 untrained, ...: not distinguishable"
 
 
-def _attach_run(model: Path, run: Path) -> dict:
+def _attach_run(model: Path, run: Path, *, best_step: int = 40, failure: str | None = None) -> dict:
     """Make ``run`` the served model's training run, with an eval result (a constructed better model)
     and one PNG per report plot, exported with --force (validation could not tell it from the untrained
-    model, as on small folders); returns the eval result."""
+    model, as on small folders); returns the eval result. ``best_step`` 0 and a ``failure``: a run that
+    learned nothing, whose report has the training plot only."""
     rng = np.random.default_rng(0)
     labels = np.repeat(np.arange(10), 6)
     centres = rng.standard_normal((10, 16))
     trained = centres[labels] + 0.2 * rng.standard_normal((60, 16))
     untrained = centres[labels] + 3.0 * rng.standard_normal((60, 16))
-    evaluation = compare_embeddings(trained, untrained, labels, resamples=200).to_dict()
+    described = {"best_step": best_step, "failure": failure}
+    evaluation = compare_embeddings(trained, untrained, labels, resamples=200, run=described).to_dict()
     run.mkdir(parents=True)
     (run / EVAL_FILE).write_text(json.dumps(evaluation))
-    for number, name in enumerate(PLOTS):
+    for number, name in enumerate(PLOTS if best_step else ["training"]):
         plot_path(run, name).parent.mkdir(exist_ok=True)
         Image.new("RGB", (320, 200), (40 * number, 120, 200)).save(plot_path(run, name))
     (run / "report.html").write_text("<html></html>")
@@ -47,7 +51,7 @@ def _attach_run(model: Path, run: Path) -> dict:
         "mode": "frozen",
         "recipe": "recommended",
         "trained": "2026-11-23T07:00:00+00:00",
-        "best_step": 40,
+        "best_step": best_step,
     }
     check = ValidationCheck(passed=False, detail=FORCED_DETAIL)
     update = {"loss": "magnet", "run": str(run), "extra": {**extra, "val": {"recall@1": 0.7}}}
@@ -151,3 +155,31 @@ def test_model_page_of_the_pretrained_backbone(
     assert "pretrained backbone, untrained" in page.info[0].value
     assert "dmlsearch report RUN` on the run it was exported from" not in page.info[0].value
     assert len(page.image) == 0
+
+
+LEARNED_NOTHING = "the magnet loss was 0 at 7 of the last 8 steps, so nothing was learned"
+
+
+@pytest.fixture(scope="module")
+@starts("server")
+def failed_api_url(
+    tmp_path_factory: pytest.TempPathFactory, demo_gallery: Path, demo_index: Path, exported_model: Path
+) -> Iterator[str]:
+    target = tmp_path_factory.mktemp("failed")
+    served = copy_served(demo_gallery, demo_index, exported_model, target)
+    _attach_run(served.model, target / "runs" / "magnet-0", best_step=0, failure=LEARNED_NOTHING)
+    args = ["--index", str(served.index), "--model", str(served.model), "--rate-limit", "0"]
+    with uvicorn_server(args) as url:
+        yield url
+
+
+def test_model_page_of_a_run_that_learned_nothing_says_so_and_why(
+    failed_api_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 44: a run whose best checkpoint is step 0 is not presented as training (its eval's "better"
+    verdict compares the head it started from): the page says that it learned nothing, and why."""
+    page = _model_page(failed_api_url, monkeypatch)
+    errors = [re.sub(r"\\(.)", r"\1", error.value) for error in page.error]  # Markdown escapes undone
+    assert any(f"learned nothing in training: {LEARNED_NOTHING}" in error for error in errors), errors
+    assert not page.success  # no verdict box
+    assert [caption for image in page.image for caption in image.captions] == [PLOTS["training"]]

@@ -251,4 +251,7 @@ register_loss(
     paper="Rippel et al., Metric Learning with Adaptive Density Discrimination, ICLR 2016 (Eq. 5)",
     summary="Magnet loss: each example vs its own cluster mean and other classes' cluster means, "
     "in units of the batch variance, with gap alpha and a hinge; kNC classifier (Eq. 6) for prediction.",
+    when_zero="every example was already nearer its own cluster's mean than any other class's cluster, by "
+    "the gap alpha in units of the batch variance: on few training classes there are no close impostor "
+    "clusters to learn from (more classes and more images per class give it some)",
 )

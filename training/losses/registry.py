@@ -67,6 +67,8 @@ class LossSpec:
     paper: str
     summary: str
     fixed: dict[str, Any] = field(default_factory=dict)
+    # Why the loss can be 0 at every step, in a user's words: what a run that learned nothing is told.
+    when_zero: str = ""
 
     def build(self, **hparams: Any) -> MetricLoss:
         unknown = set(hparams) - set(self.defaults)
@@ -89,11 +91,12 @@ def register_loss(
     paper: str,
     summary: str,
     fixed: dict[str, Any] | None = None,
+    when_zero: str = "",
 ) -> LossSpec:
     """Add a loss to the registry; its defaults are its constructor's (see the module docstring)."""
     fixed = dict(fixed or {})
     defaults = signature_defaults(factory, exclude=set(fixed))
-    return LOSSES.add(name, LossSpec(name, factory, defaults, layout, paper, summary, fixed))
+    return LOSSES.add(name, LossSpec(name, factory, defaults, layout, paper, summary, fixed, when_zero))
 
 
 def build_loss(name: str, **hparams: Any) -> MetricLoss:
