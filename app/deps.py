@@ -74,7 +74,9 @@ def _box_text(value: str) -> str:
     return value
 
 
-BoxText = Annotated[str, AfterValidator(_box_text), WithJsonSchema({"type": "string", "pattern": BOX_PATTERN})]
+BoxText = Annotated[
+    str, AfterValidator(_box_text), WithJsonSchema({"type": "string", "pattern": BOX_PATTERN})
+]
 _BOX_HELP = (
     "Search by a region of the query image: x0,y0,x1,y1 (left, top, right, bottom) in pixels of the upright "
     "image (after EXIF rotation), or as fractions of its width and height when all four are within [0, 1]. "

@@ -157,12 +157,9 @@ def render_explanation(explain: Callable[[int], dict], item_id: int) -> None:
     except ApiCallError as err:
         st.warning(f"No explanation: {plain(err)}")
         return
-    for side in ("query", "item"):
-        heatmap = body[side]
-        positions, rest = heatmap["total"] - heatmap["rest"], heatmap["rest"]
-        peak = heatmap["peak"]["share"]  # carried between the two outlined regions
-        caption = f"why: {side} (positions {positions:+.3f}, rest {rest:+.3f}; outlined pair {peak:+.3f})"
-        st.image(base64.b64decode(heatmap["overlay_jpeg"]), caption=caption, width="stretch")
+    for side, name in (("query", "query"), ("item", "result")):
+        st.image(base64.b64decode(body[side]["overlay_jpeg"]), caption=f"why: {name}", width="stretch")
+    st.caption(plain(body["summary"]))  # the API's words: the similarity, the colours, the outlined regions
 
 
 def render_results(body: dict, *, filtered: bool, explain: Callable[[int], dict]) -> None:

@@ -44,10 +44,11 @@ def explain(
     finally:
         service.close()
     atomic_write_bytes(out, png_bytes(side_by_side(explanation)))
-    typer.echo(f"cosine {explanation.cosine:.4f}")
-    for name, heatmap in (("query", explanation.query), ("item", explanation.item)):
-        typer.echo(
-            f"{name}: positions {heatmap.grid.sum():+.4f}, rest {heatmap.rest:+.4f}, "
-            f"peak {heatmap.peak_box} (pixels of the model's view) {heatmap.peak.share:+.4f}"
-        )
+    for line in explanation.in_words():
+        typer.echo(line)
+    view = explanation.query.view.shape[0]
+    typer.echo(
+        f"Outlined: {explanation.query.peak_box} in the query, {explanation.item.peak_box} in the result "
+        f"(x0, y0, x1, y1 in pixels of the model's {view}-pixel view)."
+    )
     typer.echo(f"wrote {out}")

@@ -78,4 +78,5 @@ def _explained(service: SearchService, query: SearchQuery, item: int, box: Box |
         query=HeatmapOut.of(explanation.query, jpeg_bytes(overlay(explanation.query))),
         item=HeatmapOut.of(explanation.item, jpeg_bytes(overlay(explanation.item))),
         model_fingerprint=explanation.model_fingerprint,
+        summary=" ".join(explanation.in_words()),
     )

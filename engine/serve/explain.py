@@ -125,6 +125,36 @@ class Explanation:
     item: Heatmap
     model_fingerprint: str
 
+    def in_words(self) -> list[str]:
+        """What the explanation says, a sentence a line: the PNG's caption, ``dmlsearch explain``'s output
+        and the API's ``summary``. The model's fixed offset (the rest) is said only where it is felt."""
+        cosine = self.cosine
+        outlined = share_of_match(self.query.peak.share, cosine)
+        lines = [
+            f"Similarity {self.cosine:.3f} (the cosine of the two embeddings; 1 is the same picture).",
+            "Coloured: the areas that made the two images alike, brighter for more.",
+            f"The outlined regions, one in each image, carry {outlined}.",
+        ]
+        if max(abs(self.query.rest), abs(self.item.rest)) >= REST_WORTH_SAYING:
+            lines.append(
+                f"No area but the model's fixed offset carries {share_of_match(self.query.rest, cosine)} on "
+                f"the query's side, {share_of_match(self.item.rest, cosine)} on the result's."
+            )
+        return lines
+
+
+# Below this (in cosine), the share no area carries (the head's biases) goes unsaid.
+REST_WORTH_SAYING = 0.005
+
+
+def share_of_match(part: float, cosine: float) -> str:
+    """``part`` of the cosine in words: "2.6% of the match" where the images match (a positive cosine);
+    else the number itself, as there is no match to take a share of."""
+    if cosine <= 0.0:
+        return f"{part:+.3f} of a similarity of {cosine:.3f}"
+    fraction = part / cosine
+    return f"{fraction:.{1 if abs(fraction) < 0.1 else 0}%} of the match"
+
 
 def unavailable_message(model_path: Path, card: ModelCard) -> str:
     if card.explainer is not None:

@@ -7,13 +7,17 @@ import io
 
 import numpy as np
 from matplotlib import colormaps
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 from engine.serve.explain import Explanation, Heatmap
 
 COLOURMAP = "inferno"
 OPACITY = 0.7  # of the colour at the position that carried the most similarity
-CAPTION_HEIGHT = 24
+# `dmlsearch explain`'s PNG: each image at twice the model's 224-pixel view, big enough to see what is
+# coloured and outlined, with the explanation in words under them (about 930 x 600 pixels).
+DISPLAY_SIDE = 448
+MARGIN = 12
+FONT_SIZE = 18
 PNG_COMPRESS_LEVEL = 1
 # The API's overlays: JPEG encodes a 224-px overlay in ~1 ms and ~19 KB, PNG at level 1 in 5-11 ms and
 # ~90 KB (an explanation draws two per request, sent base64 in JSON).
@@ -21,15 +25,17 @@ OVERLAY_JPEG_QUALITY = 90
 PEAK_OUTLINE = (0, 255, 255)  # cyan: apart from the colour map's black-red-yellow
 
 
-def overlay(heatmap: Heatmap) -> Image.Image:
+def overlay(heatmap: Heatmap, side: int | None = None) -> Image.Image:
     """The model's view with each position tinted by its share of the cosine.
 
     Positions that raised the similarity are coloured, the most by the largest share; those that lowered
     it (negative shares) stay as they are. The grid is upsampled bilinearly to the view's pixels. The peak
     window (this image's region of the two that matched, ``engine.serve.explain.matched_windows``) is
-    outlined.
+    outlined. ``side``: the overlay's size in pixels (None: the view's own, the model's input size).
     """
     view = heatmap.view
+    if side is not None and side != view.shape[0]:
+        view = np.asarray(Image.fromarray(view).resize((side, side), Image.Resampling.LANCZOS))
     raised = np.clip(heatmap.grid, 0.0, None).astype(np.float32)
     peak = float(raised.max())
     scaled = raised / peak if peak > 0 else raised
@@ -40,8 +46,10 @@ def overlay(heatmap: Heatmap) -> Image.Image:
     colours = colormaps[COLOURMAP](weights[..., 0], bytes=True)[..., :3].astype(np.float32)
     blended = view * (1.0 - OPACITY * weights) + colours * (OPACITY * weights)
     image = Image.fromarray(np.clip(np.rint(blended), 0, 255).astype(np.uint8), "RGB")
-    x0, y0, x1, y1 = heatmap.peak_box
-    ImageDraw.Draw(image).rectangle((x0, y0, x1 - 1, y1 - 1), outline=PEAK_OUTLINE, width=2)
+    x0, y0, x1, y1 = heatmap.peak.box(heatmap.grid.shape, size)
+    ImageDraw.Draw(image).rectangle(
+        (x0, y0, x1 - 1, y1 - 1), outline=PEAK_OUTLINE, width=max(2, size[0] // 150)
+    )
     return image
 
 
@@ -61,14 +69,37 @@ def jpeg_bytes(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
-def side_by_side(explanation: Explanation) -> Image.Image:
-    """The query's overlay beside the item's, with the cosine and each image's share of it as a caption."""
-    query, item = overlay(explanation.query), overlay(explanation.item)
-    width, height = query.width + item.width, max(query.height, item.height)
-    canvas = Image.new("RGB", (width, height + CAPTION_HEIGHT), "white")
-    canvas.paste(query, (0, CAPTION_HEIGHT))
-    canvas.paste(item, (query.width, CAPTION_HEIGHT))
+def side_by_side(explanation: Explanation, side: int = DISPLAY_SIDE) -> Image.Image:
+    """The query's overlay beside the result's, each ``side`` pixels square under its title, over the
+    explanation in words (``Explanation.in_words``), wrapped to the width."""
+    font = ImageFont.load_default(size=FONT_SIZE)
+    line_height = round(FONT_SIZE * 1.45)
+    width = 2 * side + 3 * MARGIN
+    lines = [
+        line for sentence in explanation.in_words() for line in _wrapped(sentence, font, width - 2 * MARGIN)
+    ]
+    top = MARGIN + line_height
+    height = top + side + MARGIN + line_height * len(lines) + MARGIN
+    canvas = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(canvas)
-    draw.text((4, 6), f"query  (rest {explanation.query.rest:+.3f})", fill="black")
-    draw.text((query.width + 4, 6), f"item  cosine {explanation.cosine:.3f}", fill="black")
+    for column, (title, heatmap) in enumerate((("query", explanation.query), ("result", explanation.item))):
+        x = MARGIN + column * (side + MARGIN)
+        draw.text((x, MARGIN), title, fill="black", font=font)
+        canvas.paste(overlay(heatmap, side), (x, top))
+    for row, line in enumerate(lines):
+        draw.text((MARGIN, top + side + MARGIN + row * line_height), line, fill="black", font=font)
     return canvas
+
+
+def _wrapped(text: str, font: ImageFont.FreeTypeFont | ImageFont.ImageFont, width: int) -> list[str]:
+    """``text`` in lines of at most ``width`` pixels, broken between words."""
+    lines: list[str] = []
+    line = ""
+    for word in text.split():
+        longer = f"{line} {word}".strip()
+        if line and font.getlength(longer) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = longer
+    return [*lines, line]

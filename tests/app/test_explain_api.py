@@ -31,6 +31,10 @@ def _check(body: dict, cosine: float | None = None) -> None:
     assert body["query"]["peak"]["share"] == body["item"]["peak"]["share"]  # the share between the two
     if cosine is not None:
         assert body["cosine"] == pytest.approx(cosine, abs=1e-3)
+    fraction = body["query"]["peak"]["share"] / body["cosine"]
+    share = f"{fraction:.{1 if abs(fraction) < 0.1 else 0}%}"
+    assert body["summary"].startswith(f"Similarity {body['cosine']:.3f} (the cosine of the two embeddings")
+    assert f"The outlined regions, one in each image, carry {share} of the match." in body["summary"]
 
 
 def test_an_uploaded_query_and_a_result(make_client: Callable[..., TestClient], served: Served) -> None:

@@ -127,7 +127,9 @@ def test_a_result_shows_why_it_matched_when_asked(page, demo_gallery: Path) -> N
     assert not page.exception and not page.warning
     captions = [caption for image in page.image for caption in image.captions]
     why = [caption for caption in captions if caption.startswith("why:")]
-    assert [caption.split(" (")[0] for caption in why] == ["why: query", "why: item"]
+    assert why == ["why: query", "why: result"]
+    (summary,) = [text for text in texts(page.caption) if text.startswith("Similarity ")]
+    assert "of the match" in summary and "positions" not in summary, summary
 
 
 def test_min_score_slider_filters_results(page, demo_gallery: Path) -> None:
@@ -263,7 +265,10 @@ def test_real_browser_upload_shows_the_result_grid(
             assert images.count() == 13  # 12 result thumbnails and the query
             view.screenshot(path=str(screenshot), full_page=True)
             view.get_by_text("Why it matched").nth(1).click()  # the second result's heatmaps
-            view.get_by_text(re.compile(r"^why: item \(positions")).wait_for(timeout=60_000)
+            view.get_by_text(re.compile(r"^why: result$")).wait_for(timeout=60_000)
+            view.get_by_text(
+                re.compile(r"The outlined regions, one in each image, carry .*% of the match")
+            ).wait_for(timeout=10_000)
             view.wait_for_function(
                 "() => [...document.querySelectorAll('[data-testid=stImage] img')]"
                 ".filter(img => img.complete && img.naturalWidth > 0).length >= 15",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,9 +33,12 @@ def test_explain_writes_the_overlay_png(demo_index: Path, demo_gallery: Path, tm
         str(out),
     )
     assert run.returncode == 0, run.stderr
-    assert run.stdout.startswith("cosine ") and f"wrote {out}" in run.stdout
-    image = Image.open(out)
-    assert image.format == "PNG" and image.width == 2 * 224 and image.height > 224
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("Similarity 0.") and "(the cosine of the two embeddings" in lines[0]
+    assert re.fullmatch(r"The outlined regions, one in each image, carry -?[0-9.]+% of the match\.", lines[2])
+    assert lines[-1] == f"wrote {out}" and "positions" not in run.stdout
+    image = Image.open(out)  # two 448-px images side by side, a person can read them (224-px each before)
+    assert image.format == "PNG" and image.width >= 2 * 448 and image.height > 448 + 3 * 18
 
 
 def test_explain_names_what_is_wrong(demo_index: Path, demo_gallery: Path, tmp_path: Path) -> None:
