@@ -64,7 +64,7 @@ class Load:
 
     def describe(self) -> str:
         return (
-            f"the machine looked busy (load average {self.average:.1f} on {self.cores} cores), so the "
+            f"the machine looked busy, load average {self.average:.1f} on {self.cores} cores, so the "
             "measured speed may be low: measure again when it is quiet, or give --mode"
         )
 
