@@ -7,7 +7,9 @@ the server rightly refuses (400 ``not_an_image``). These hooks give it what the 
 of each format made here with Pillow, of drawn sizes and colours, in multipart parts and in JSON bodies.
 The other rules stated only in words are kept the same way: the number of labels, and a query box that
 fits its image (a positive case's box is the whole image: boxes are tested against images of known
-sizes in tests/app). Two artefacts of the generator are corrected: schemathesis 4.32 reads \\p{M} as
+sizes in tests/app), and a reload that names an index directory (a positive case's is the served index,
+CONTRACT_INDEX_PATH; a path that is no index is a 422, tested in tests/app/test_reload.py).
+Two artefacts of the generator are corrected: schemathesis 4.32 reads \\p{M} as
 U+20D0-U+20FF, unassigned code points included, so positive labels the schema's own validator
 (jsonschema-rs, Rust's regex) refuses are replaced; and a multipart part is text, so a negative case
 that only changed a text part's JSON type (an integer label) sends a valid request and is dropped.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 
 import jsonschema_rs
 import schemathesis
@@ -53,6 +56,7 @@ for media_type, pillow_format in WRITERS.items():
     schemathesis.openapi.media_type(media_type, images(pillow_format))
 
 WHOLE_IMAGE_BOX = "0,0,1,1"
+RELOAD = "/v1/admin/reload"
 LABEL = jsonschema_rs.validator_for({"type": "string", "pattern": LABEL_PATTERN})
 LABEL_FIELDS = ("label", "labels")
 
@@ -105,6 +109,10 @@ def map_case(context: schemathesis.HookContext, case: schemathesis.Case) -> sche
         case.query["box"] = [WHOLE_IMAGE_BOX] if isinstance(case.query["box"], list) else WHOLE_IMAGE_BOX
     body = getattr(case.body, "body", case.body)  # a multipart body with its parts' media types
     if not positive or not isinstance(body, dict):
+        return case
+    if case.operation.path == RELOAD:  # the served index again (its model: the one it carries)
+        body.clear()
+        body["index_path"] = os.environ["CONTRACT_INDEX_PATH"]
         return case
     _one_label_per_image_or_one(body)
     _labels_the_schema_takes(body)

@@ -56,6 +56,7 @@ def test_the_api_keeps_its_openapi_contract(served_module: Served, tmp_path: Pat
             env={
                 **os.environ,
                 "SCHEMATHESIS_HOOKS": "tests.app.schemathesis_hooks",
+                "CONTRACT_INDEX_PATH": str(served_module.index),  # what a positive reload case names
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
             },
         )
