@@ -23,6 +23,7 @@ from app.middleware import (
     BodySizeLimitMiddleware,
     RateLimitMiddleware,
     RequestMetricsMiddleware,
+    ShutdownAnswerMiddleware,
     UploadLimitMiddleware,
 )
 from app.openapi import served_openapi
@@ -146,6 +147,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             metrics=metrics,
             api_key=settings.write_key,
         )
+    app.add_middleware(ShutdownAnswerMiddleware)  # inside the metrics: they count its 503
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     if settings.cors_origins:
         app.add_middleware(

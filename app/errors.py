@@ -165,3 +165,13 @@ def busy_response(what: str) -> JSONResponse:
         f"too many {what}: retry after {BUSY_RETRY_AFTER_S} s",
         headers={"Retry-After": str(BUSY_RETRY_AFTER_S), "Connection": "close"},
     )
+
+
+def shutdown_response() -> JSONResponse:
+    """The 503 of a request the server's stop cut short (past its shutdown grace)."""
+    return error_response(
+        503,
+        "shutting_down",
+        "the server stopped before this request was answered: retry",
+        _ERROR_HEADERS["shutting_down"],
+    )

@@ -1,4 +1,5 @@
-"""ASGI middleware: request metrics, per-client rate limiting, the request-body size limit and the upload cap.
+"""ASGI middleware: request metrics, per-client rate limiting, the request-body size limit, the upload cap,
+and the answer to a request the server's stop cut short.
 
 Plain ASGI (not ``BaseHTTPMiddleware``) so that bodies stream through untouched and a refusal is sent
 before the body is read.
@@ -6,13 +7,14 @@ before the body is read.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import ApiError, busy_response, error_response
+from app.errors import ApiError, busy_response, error_response, shutdown_response
 from app.metrics import Metrics
 from app.ratelimit import TokenBucketLimiter
 from foundation.errors import ErrorKind
@@ -163,3 +165,30 @@ class UploadLimitMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.active -= 1
+
+
+class ShutdownAnswerMiddleware:
+    """A request still unanswered when the shutdown grace ends gets 503 ``shutting_down`` in the API's
+    error format. uvicorn cancels such requests and answers them itself with a plain-text 500
+    ``Internal Server Error``: a server error in a shape no client of the API reads, for what is a stop."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            if not started:  # once started, only closing the connection can tell the client
+                await shutdown_response()(scope, receive, send)
+            raise  # the cancelled task ends as uvicorn expects; its answer is sent already

@@ -198,6 +198,13 @@ class ItemStore:
         ).fetchone()
         return _item(row) if row else None
 
+    def get_by_content(self, content_hash: str) -> Item | None:
+        """The item (the first, by id) whose file has the content ``content_hash``, or None."""
+        row = self.connection.execute(
+            f"SELECT {self._columns} FROM items WHERE content_hash = ? ORDER BY id LIMIT 1", (content_hash,)
+        ).fetchone()
+        return _item(row) if row else None
+
     def matching_ids(self, where: ItemFilter) -> np.ndarray:
         """The ids of the items ``where`` lets through, ascending."""
         condition, values = where.sql()

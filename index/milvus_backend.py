@@ -457,9 +457,16 @@ class MilvusBackend:
         return self.get_many([item_id]).get(item_id)
 
     def get_by_path(self, path: str) -> Item | None:
+        return self._first(f"path == {_literal(path)}")
+
+    def get_by_content(self, content_hash: str) -> Item | None:
+        return self._first(f"content_hash == {_literal(content_hash)}")
+
+    def _first(self, condition: str) -> Item | None:
+        """One item that meets the Milvus filter ``condition``, or None."""
         rows = self.client.query(
             self.collection,
-            filter=f"path == {_literal(path)}",
+            filter=condition,
             output_fields=self._metadata_fields,
             limit=1,
             consistency_level=CONSISTENCY,

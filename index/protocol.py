@@ -87,6 +87,10 @@ class ItemCatalog(Protocol):
 
     def get_by_path(self, path: str) -> Item | None: ...
 
+    def get_by_content(self, content_hash: str) -> Item | None:
+        """An item whose file has the content ``content_hash`` (sha256 hex), or None."""
+        ...
+
     def page(self, offset: int, limit: int) -> list[Item]:
         """Items in id order, ``limit`` of them after skipping ``offset``."""
         ...

@@ -20,6 +20,8 @@ from engine.serve.item_reader import find_item
 from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle, ServingConfig
 from foundation.atomic import atomic_write_bytes
 from foundation.errors import DmlsearchError, ErrorKind, InvalidInputError
+from foundation.names import readable_name
+from index.filters import label_key
 from index.protocol import Entry, Item
 
 
@@ -30,7 +32,8 @@ class InvalidItemError(InvalidInputError):
 
 
 class DuplicateItemError(DmlsearchError, ValueError):
-    """An item with the same content and label is already indexed."""
+    """An image whose content is indexed already, under any label: one content is one item (as
+    build-index keeps it)."""
 
     kind = ErrorKind.CONFLICT
     code = "duplicate_item"
@@ -98,9 +101,13 @@ class ItemWriter:
         with self.current.writing() as served:
             if served is not bundle:
                 prepared = self._prepare(served, new_items)
-            for file in prepared.files:
-                if served.index.items.get_by_path(file.entry.path) is not None:
-                    raise DuplicateItemError(f"{file.entry.path} is already indexed")
+            for position, file in enumerate(prepared.files):
+                known = served.index.items.get_by_content(file.entry.content_hash)
+                if known is not None:
+                    raise DuplicateItemError(
+                        f"image {position} is already indexed, as item {known.id} "
+                        f"({readable_name(known.path)}, label {known.label!r}): one content is one item"
+                    )
             written = []
             try:
                 with _storage("nothing was added"):
@@ -136,14 +143,15 @@ class ItemWriter:
         )
         files: list[_NewFile] = []
         assert decoded.capture_times is not None  # asked for above
+        stored_labels = list(bundle.index.items.label_counts())
         for position, (new, image_format) in enumerate(zip(new_items, decoded.formats, strict=True)):
-            label = _label_folder(bundle, root, new.label, position)
+            label = _label_folder(bundle, root, new.label, position, stored_labels)
             digest = hashlib.sha256(new.data).hexdigest()
             relative = Path(label or ".") / f"{digest[:20]}{FORMAT_SUFFIXES[image_format]}"
             target = root / relative
             if target.exists() and (not target.is_file() or target.read_bytes() != new.data):
                 raise InvalidItemError(f"image {position}: {relative} already holds another file")
-            if any(relative.as_posix() == earlier.entry.path for earlier in files):
+            if any(digest == earlier.entry.content_hash for earlier in files):
                 raise DuplicateItemError(f"image {position} repeats an earlier image of this request")
             # The photo's capture time (read from its header in the decode), else now: the file is new.
             taken = decoded.capture_times[position] or clock_now()
@@ -162,14 +170,20 @@ class ItemWriter:
         return item
 
 
-def _label_folder(bundle: LoadedBundle, root: Path, label: str | None, position: int) -> str | None:
-    """The label (NFC) once it is a safe folder name of its own under ``root``; else InvalidItemError."""
+def _label_folder(
+    bundle: LoadedBundle, root: Path, label: str | None, position: int, stored: Sequence[str]
+) -> str | None:
+    """The label (NFC) once it is a safe folder name of its own under ``root``; else InvalidItemError.
+
+    A label that a stored one matches as label filters match (``CAT`` and ``cat``) is that stored label:
+    one label is one folder, whatever the case it is sent in."""
     if label is None:
         return None
     try:
         label = check_label(label)
     except InvalidLabelError as err:
         raise InvalidItemError(f"image {position}: {err}") from None
+    label = next((known for known in stored if label_key(known) == label_key(label)), label)
     folder = root / label
     if not is_writable_folder(folder):  # a link could lead anywhere; a file (LICENSES.md) holds no images
         raise InvalidItemError(f"image {position}: label {label!r} names a file in the gallery folder")

@@ -12,7 +12,8 @@ CONTRACT_INDEX_PATH; a path that is no index is a 422, tested in tests/app/test_
 Two artefacts of the generator are corrected: schemathesis 4.32 reads \\p{M} as
 U+20D0-U+20FF, unassigned code points included, so positive labels the schema's own validator
 (jsonschema-rs, Rust's regex) refuses are replaced; and a multipart part is text, so a negative case
-that only changed a text part's JSON type (an integer label) sends a valid request and is dropped.
+that only changed a text part's JSON type (an integer or null label, sent as the text "1" or "null") sends a
+valid request and is dropped.
 Everything else of the generated requests (every other field, every negative case) is left as generated.
 """
 
@@ -95,7 +96,8 @@ def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> b
     if not (negative and (case.media_type or "").startswith("multipart/") and isinstance(body, dict)):
         return True
     values = [value for field in LABEL_FIELDS for value in _as_list(body.get(field))]
-    return not any(isinstance(value, int | float) for value in values)  # sent as text: a valid label
+    # Sent as text ("null", "1"): a valid label.
+    return not any(value is None or isinstance(value, int | float) for value in values)
 
 
 def _as_list(value: object) -> list:

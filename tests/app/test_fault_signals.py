@@ -119,6 +119,21 @@ def test_sigterm_with_a_stalled_client_exits_0_after_the_grace(served: Served) -
         assert _port_closed(base)
 
 
+def test_a_request_cut_short_by_the_stop_is_answered_in_the_json_error_format(served: Served) -> None:
+    args = serve_args(served, "--shutdown-grace-seconds", "1", "--body-timeout-seconds", "0")
+    with uvicorn_process(args) as (base, process):
+        head, body = _search_request(base)
+        sock = _connect(base)
+        sock.sendall(head + body[:100])  # the app waits for the rest of the body past the grace
+        time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        answer = _read_until_closed(sock)
+        assert process.wait(timeout=20) == 0
+    # Before: "HTTP/1.1 500 Internal Server Error", text/plain, "Internal Server Error".
+    assert answer.startswith(b"HTTP/1.1 503"), answer[:300]
+    assert b"application/json" in answer and b'{"error":{"code":"shutting_down"' in answer, answer[:300]
+
+
 def test_sigint_exits_0(served: Served) -> None:
     with uvicorn_process(serve_args(served)) as (base, process):
         assert httpx.get(f"{base}/healthz", timeout=10).status_code == 200

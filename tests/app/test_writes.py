@@ -30,6 +30,33 @@ def test_writes_are_disabled_without_a_configured_key(make_client: Callable[...,
     assert client.get("/v1/stats").json()["count"] == 78
 
 
+def test_one_content_is_one_item_whatever_the_label_and_its_case(
+    make_client: Callable[..., TestClient],
+) -> None:
+    """Before: the same bytes under 7 labels became 7 items, `CAT` and `cat` among them."""
+    client = make_client(api_key=API_KEY)
+    data = image_bytes(make_image(45))
+    first = client.post("/v1/items", files={"images": ("a.png", data)}, data={"label": "cat"}, headers=KEY)
+    assert first.status_code == 201, first.text
+    (item,) = first.json()["items"]
+    for label in ("CAT", "Cat", "dog", "cat", "b", "c"):
+        again = client.post(
+            "/v1/items", files={"images": ("a.png", data)}, data={"label": label}, headers=KEY
+        )
+        assert again.status_code == 409, (label, again.text)
+        assert again.json()["error"]["code"] == "duplicate_item"
+        assert f"as item {item['id']}" in again.json()["error"]["message"]
+    other = client.post(
+        "/v1/items",
+        files={"images": ("b.png", image_bytes(make_image(46)))},
+        data={"label": "CAT"},
+        headers=KEY,
+    )
+    assert other.status_code == 201, other.text
+    assert other.json()["items"][0]["label"] == "cat"  # the stored label, as a label filter matches it
+    assert client.get("/v1/stats").json()["count"] == 80
+
+
 def test_added_items_are_stored_searchable_and_persisted(
     make_client: Callable[..., TestClient], served: Served
 ) -> None:

@@ -75,6 +75,8 @@ def test_ids_are_distinct_and_metadata_is_kept(filled: tuple[GalleryIndex, list[
     assert Entry(item.path, item.label, item.content_hash) == entries(COUNT)[5]
     assert index.items.get_by_path("img/00007.png").id == ids[7]
     assert index.items.get_by_path("img/missing.png") is None
+    assert index.items.get_by_content(entries(COUNT)[9].content_hash).id == ids[9]
+    assert index.items.get_by_content("no-such-hash") is None
     assert [i.id for i in index.items.page(0, 3)] == sorted(ids)[:3]
     assert {i.id for i in index.items.scan()} == set(ids)
 

@@ -101,8 +101,21 @@ def test_duplicates_are_refused_and_the_stored_file_is_kept(writable: Writable) 
         writable.writer.add([NewItem(_png(2), "cats"), NewItem(_png(1), "cats")])
     assert _files(writable.gallery) == {Path(first.path)}  # the new image's file was not left behind
     assert (writable.gallery / first.path).read_bytes() == _png(1)
-    (other,) = writable.writer.add([NewItem(_png(1), "dogs")])  # same content, another label: a new item
-    assert other.path.startswith("dogs/") and len(writable.current.bundle.index) == 2
+    # Another label: still one content, so one item.
+    with pytest.raises(DuplicateItemError, match=f"as item {first.id}"):
+        writable.writer.add([NewItem(_png(1), "dogs")])
+    with pytest.raises(DuplicateItemError, match="repeats an earlier image"):
+        writable.writer.add([NewItem(_png(3), "dogs"), NewItem(_png(3), "birds")])
+    assert len(writable.current.bundle.index) == 1
+
+
+def test_a_label_in_another_case_is_the_stored_label(writable: Writable) -> None:
+    (first,) = writable.writer.add([NewItem(_png(1), "Cats")])
+    added = writable.writer.add(
+        [NewItem(_png(n), label) for n, label in ((2, "CATS"), (3, "cats"), (4, "cAtS"))]
+    )
+    assert {item.label for item in added} == {"Cats"}
+    assert all(item.path.startswith("Cats/") for item in [first, *added])
 
 
 @pytest.mark.parametrize(
