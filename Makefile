@@ -1,10 +1,12 @@
 # The two commands a newcomer needs: `make demo` and `make test`. Both set up .venv first.
+# `make test` runs the fast tier (no server process, cluster, browser or container: tests/tiers.py);
+# `make test-all` runs every test, as CI does.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck bench clean
+.PHONY: setup demo test test-all lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +22,9 @@ demo: setup
 	$(BIN)/dmlsearch demo
 
 test: setup
+	$(BIN)/pytest -q -m "not slow"
+
+test-all: setup
 	$(BIN)/pytest -q
 
 lint: setup typecheck

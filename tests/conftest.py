@@ -8,16 +8,25 @@ from pathlib import Path
 
 import pytest
 
+from tests import tiers
 from tests.helpers import (
     MilvusServerProcess,
     export_small_model,
     make_image,
     running_milvus_server,
 )
+from tests.tiers import starts
 
 # Set before pymilvus loads gRPC: its fork handlers restart pollers in a forked child, which can then abort
 # before exec (grpc/grpc#43055); the tests fork server processes after Milvus Lite tests ran.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The fast tier (`make test`) and the slow one: the markers, the marking of tests from the fixtures they
+    # use, and the guard that fails a fast-tier test which starts a server, a cluster, a browser or a
+    # container (tests/tiers.py).
+    config.pluginmanager.register(tiers, "dmlsearch-tiers")
 
 
 @pytest.fixture(scope="session")
@@ -77,6 +86,7 @@ def synthetic_gallery(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+@starts("server")
 def milvus_server() -> Iterator[MilvusServerProcess]:
     """The real Milvus standalone server (``milvus`` package), started once per session in a temporary data
     folder on a free port; stopped (its process group killed if need be) and its folder removed at the end.

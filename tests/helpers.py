@@ -556,6 +556,8 @@ def _state(pid: int) -> str | None:
 
 # The Milvus engines the backend suites run on besides FAISS: Milvus Lite in-process, the real server.
 MILVUS_BACKENDS = ("milvus-lite", "milvus-server")
+# The same as test parameters: the real server's puts its tests in the slow tier (tests/tiers.py).
+MILVUS_PARAMS = ("milvus-lite", pytest.param("milvus-server", marks=pytest.mark.server))
 
 
 def milvus_target(backend: str, request: pytest.FixtureRequest, directory: Path) -> dict[str, object]:

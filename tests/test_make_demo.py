@@ -10,6 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 STUB = """#!/bin/sh
 trap 'echo "demo stopped"; exit 0' TERM INT
@@ -18,6 +20,7 @@ while :; do sleep 0.1; done
 """
 
 
+@pytest.mark.server
 def test_sigterm_to_make_demo_stops_the_demo_which_exits_0_and_make_exits_143(tmp_path: Path) -> None:
     venv_bin = tmp_path / "bin"
     venv_bin.mkdir()

@@ -65,6 +65,7 @@ def test_every_serving_module_imports_without_the_train_extra(without_training: 
     assert "ImportError: torch belongs to the train extra" in result.stderr.splitlines()[-1], result.stderr
 
 
+@pytest.mark.server
 def test_build_index_serve_and_search_without_the_train_extra(
     without_training: dict[str, str], tmp_path: Path
 ) -> None:

@@ -25,6 +25,7 @@ from tests.helpers import (
     make_image,
     uvicorn_server,
 )
+from tests.tiers import starts
 
 MAX_UPLOAD = 400_000
 MAX_REQUEST = 1_000_000
@@ -33,6 +34,7 @@ MAX_BATCH = 4
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def server(served_module: Served) -> Iterator[tuple[str, Served]]:
     """A server over a copy of the demo index in which two items point outside the gallery."""
     served = served_module

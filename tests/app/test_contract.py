@@ -22,6 +22,7 @@ REQUEST_SECONDS = 60
 
 
 @pytest.mark.skipif(SCHEMATHESIS is None, reason="schemathesis is not installed (pip install -e '.[dev]')")
+@pytest.mark.server
 def test_the_api_keeps_its_openapi_contract(served_module: Served, tmp_path: Path) -> None:
     args = ["--index", str(served_module.index), "--model", str(served_module.model), "--rate-limit", "0"]
     env = {"DMLSEARCH_API_KEY": API_KEY}

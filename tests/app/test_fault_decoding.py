@@ -41,6 +41,7 @@ from tests.hostile_images import (
     png_comment_text,
     png_many_chunks,
 )
+from tests.tiers import starts
 
 KEY = {"X-API-Key": API_KEY}
 MB = 1024**2
@@ -59,6 +60,7 @@ def scans(repeats: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def tight(served_module: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("tight") / "server.log"
     with capped_serving(served_module, *NO_RATE_LIMIT, *TIGHT, log=log) as server:
@@ -66,6 +68,7 @@ def tight(served_module: Served, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def default_limits(served_module: Served) -> Iterator[ServerProcess]:
     with capped_serving(served_module, *NO_RATE_LIMIT) as server:
         yield server
@@ -139,6 +142,7 @@ def test_a_thumbnail_over_budget_is_refused_once_then_at_once(
     assert time.monotonic() - started < decoding  # three answers in less than one decode: none decoded
 
 
+@pytest.mark.server
 def test_a_client_that_gives_up_stops_its_decode(served_module: Served) -> None:
     """Before: a client that gave up did not stop the decode (242 s for 10,000 scans) nor free its slot."""
     with capped_serving(served_module, *NO_RATE_LIMIT, *PATIENT) as server:
@@ -150,6 +154,7 @@ def test_a_client_that_gives_up_stops_its_decode(served_module: Served) -> None:
         assert time.monotonic() - started < 10
 
 
+@pytest.mark.server
 def test_sigterm_ends_the_server_within_its_grace_with_a_decode_in_flight(served_module: Served) -> None:
     """Before: the port closed at once, but the process exited only after 320 s."""
     with capped_serving(served_module, *NO_RATE_LIMIT, *PATIENT, "--shutdown-grace-seconds", "1") as server:
@@ -203,6 +208,7 @@ def test_eight_49_mp_webp_at_once_are_answered_and_never_blamed_on_the_image(
     assert default_limits.status("VmHWM") - before < SMALL_REQUEST_BUDGET
 
 
+@pytest.mark.server
 def test_memory_over_the_decode_limit_is_422_and_a_decoder_killed_from_outside_is_503(
     served_module: Served,
 ) -> None:

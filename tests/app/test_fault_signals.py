@@ -28,6 +28,7 @@ from tests.helpers import (
     uvicorn_process,
     wait_until,
 )
+from tests.tiers import starts
 
 MB = 1024**2
 # Short limits so that every cut happens within seconds (the defaults are 10 s, 30 s and 10 s).
@@ -81,6 +82,7 @@ def _port_closed(base: str) -> bool:
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def limited_server(served_module: Served) -> Iterator[ServerProcess]:
     """A server with the short limits above, under the fault suite's 2 GB address-space cap."""
     with capped_serving(served_module, *LIMITS) as server:
@@ -92,6 +94,7 @@ def limited(limited_server: ServerProcess) -> str:
     return limited_server.url
 
 
+@pytest.mark.server
 def test_sigterm_lets_an_in_flight_request_finish_then_exits_0(served: Served) -> None:
     with uvicorn_process(serve_args(served, "--shutdown-grace-seconds", "20")) as (base, process):
         head, body = _search_request(base)
@@ -106,6 +109,7 @@ def test_sigterm_lets_an_in_flight_request_finish_then_exits_0(served: Served) -
         assert process.wait(timeout=20) == 0
 
 
+@pytest.mark.server
 def test_sigterm_with_a_stalled_client_exits_0_after_the_grace(served: Served) -> None:
     # No body timeout: only the shutdown grace can end the stalled upload.
     args = serve_args(served, "--shutdown-grace-seconds", "1", "--body-timeout-seconds", "0")
@@ -134,6 +138,7 @@ def test_a_request_cut_short_by_the_stop_is_answered_in_the_json_error_format(se
     assert b"application/json" in answer and b'{"error":{"code":"shutting_down"' in answer, answer[:300]
 
 
+@pytest.mark.server
 def test_sigint_exits_0(served: Served) -> None:
     with uvicorn_process(serve_args(served)) as (base, process):
         assert httpx.get(f"{base}/healthz", timeout=10).status_code == 200
@@ -225,6 +230,7 @@ def _listening(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
+@pytest.mark.server
 def test_sigterm_of_demo_stops_the_api_and_the_ui_and_exits_0(
     tmp_path: Path, demo_gallery: Path, exported_model: Path
 ) -> None:

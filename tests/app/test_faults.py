@@ -48,6 +48,7 @@ from tests.hostile_bundles import (
     with_garbage_vectors,
     with_hostile_model,
 )
+from tests.tiers import starts
 
 KEY = {"X-API-Key": API_KEY}
 LABEL = {"label": "kill"}
@@ -80,12 +81,14 @@ def capped_server(served: Served, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def capped(served_module: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     with capped_server(served_module, tmp_path_factory) as server:
         yield server
 
 
 @pytest.fixture
+@starts("server")
 def fresh_capped(served_module: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The same, new for one test: memory that the module's server freed before cannot serve its requests."""
     with capped_server(served_module, tmp_path_factory) as server:
@@ -231,6 +234,7 @@ def read_only_prefix(path: Path) -> list[str]:
     return prefix
 
 
+@pytest.mark.server
 def test_a_read_only_index_refuses_writes_and_searches_go_on(served: Served) -> None:
     prefix = read_only_prefix(served.index)
     gallery_before = sorted(served.gallery.rglob("*"))
@@ -249,6 +253,7 @@ def test_a_read_only_index_refuses_writes_and_searches_go_on(served: Served) -> 
     assert sorted(served.gallery.rglob("*")) == gallery_before  # the stored file was taken back
 
 
+@pytest.mark.server
 def test_a_truncated_index_is_not_ready_with_the_reason_and_forwarded_headers_are_not_believed(
     served: Served,
 ) -> None:
@@ -267,6 +272,7 @@ def test_a_truncated_index_is_not_ready_with_the_reason_and_forwarded_headers_ar
         assert server.process.poll() is None
 
 
+@pytest.mark.server
 def test_an_index_file_overwritten_in_place_does_not_kill_the_server(served: Served, tmp_path: Path) -> None:
     """``cp new.faiss SERVED/vectors.faiss`` while serving: cp truncates the file the server had mapped and
     the next search died with SIGBUS (exit 135, nothing in the log). The server reads its index into
@@ -308,6 +314,7 @@ def litter(served: Served) -> list[Path]:
     return [path for folder in folders for path in folder.glob(".*.tmp")]
 
 
+@pytest.mark.server
 def test_kill_9_during_adds_loses_nothing_acknowledged_and_leaves_no_litter(
     served: Served, tmp_path: Path
 ) -> None:
@@ -477,6 +484,7 @@ def test_the_probe_of_an_index_server_samples_its_stored_vectors(
 
 
 @pytest.mark.parametrize("case", ["narrow", "nan", "endless", "garbage blobs"])
+@pytest.mark.server
 def test_a_bundle_that_fails_its_probe_at_start_up_is_not_served(
     hostile_bundles: dict[str, Path], case: str
 ) -> None:
@@ -496,6 +504,7 @@ def test_a_bundle_that_fails_its_probe_at_start_up_is_not_served(
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def small_served(
     tmp_path_factory: pytest.TempPathFactory, demo_gallery: Path, small_model: Path
 ) -> Iterator[ServerProcess]:

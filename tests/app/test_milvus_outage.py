@@ -18,12 +18,14 @@ from tests.helpers import (
     running_milvus_server,
     serving,
 )
+from tests.tiers import starts
 
 # How long the API may take to answer again once Milvus is back (it reloads its collections first).
 RECOVERY_S = 120
 
 
 @pytest.fixture
+@starts("server")
 def own_milvus_server() -> Iterator[MilvusServerProcess]:
     """A Milvus server of this test's own, to stop and start again (the session's server stays up)."""
     with running_milvus_server("dmlsearch-milvus-outage-") as server:

@@ -12,9 +12,9 @@ from fastapi.testclient import TestClient
 from app.api import create_app
 from app.settings import Settings
 from engine.duplicates.groups import EMBEDDING_ONLY_THRESHOLD
-from tests.helpers import API_KEY, MILVUS_BACKENDS, image_bytes, make_image, milvus_target
+from tests.helpers import API_KEY, MILVUS_BACKENDS, MILVUS_PARAMS, image_bytes, make_image, milvus_target
 
-ENGINES = ["faiss", *MILVUS_BACKENDS]
+ENGINES = ["faiss", *MILVUS_PARAMS]
 GALLERY_SIZE = 78  # the demo gallery's images
 
 

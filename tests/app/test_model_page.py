@@ -96,6 +96,7 @@ def test_card_of_a_trained_model_lists_its_plots(
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def reported_api_url(
     tmp_path_factory: pytest.TempPathFactory, demo_gallery: Path, demo_index: Path, exported_model: Path
 ) -> Iterator[str]:
@@ -134,6 +135,7 @@ def test_model_page_shows_the_card_verdict_and_plots(
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def pretrained_api_url(exported_model: Path, demo_index: Path) -> Iterator[str]:
     args = ["--index", str(demo_index), "--model", str(exported_model), "--rate-limit", "0"]
     with uvicorn_server(args) as url:

@@ -73,6 +73,7 @@ def test_model_whose_bytes_do_not_match_its_card(served: Served, tmp_path: Path)
         assert_not_ready(client, "does not match its model.json")
 
 
+@pytest.mark.server
 def test_serve_with_no_index_exits_2_saying_why(served: Served, tmp_path: Path) -> None:
     """A typo in the index path is an error at once, not a server that answers 503 for ever."""
     typo = tmp_path / "typo"

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.helpers import free_port, uvicorn_server
+from tests.tiers import starts
 
 PAGE = Path(__file__).resolve().parents[2] / "app" / "ui.py"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -25,6 +26,7 @@ RESULT_CAPTION = re.compile(r" · (\S+\.jpg)$")
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def api_url(exported_model: Path, demo_index: Path) -> Iterator[str]:
     args = ["--index", str(demo_index), "--model", str(exported_model), "--rate-limit", "0"]
     with uvicorn_server(args) as url:
@@ -201,6 +203,7 @@ def test_search_controls_show_on_the_search_page_only_and_keep_their_values(page
 
 
 @pytest.fixture
+@starts("server")
 def streamlit_url(api_url: str) -> Iterator[str]:
     """``dmlsearch ui`` (it becomes ``streamlit run app/ui.py``) on a free port, talking to the live API."""
     port = free_port()
@@ -351,6 +354,7 @@ def test_duplicates_page_by_tier_shows_evidence_and_keep_ticks(page) -> None:
 
 
 @pytest.fixture
+@starts("server")
 def writable_ui(
     tmp_path: Path, demo_gallery: Path, demo_index: Path, exported_model: Path
 ) -> Iterator[tuple]:

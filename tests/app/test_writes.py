@@ -129,6 +129,7 @@ def test_deleted_items_leave_the_results_and_the_saved_index(
     reopened.close()
 
 
+@pytest.mark.server
 def test_concurrent_writes_and_searches_on_a_real_server(served: Served) -> None:
     """Searches keep answering while items are added and removed; the saved index ends consistent."""
     args = ["--index", str(served.index), "--model", str(served.model), "--rate-limit", "0"]

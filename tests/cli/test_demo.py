@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from engine.build.indexing import build_index
 from engine.model.embedder import Embedder
 from foundation import defaults
@@ -22,6 +24,7 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow  # the whole demo setup (export, gallery, index) in a CLI process
 def test_the_demo_never_touches_the_users_model_or_index(
     tmp_path: Path, demo_gallery: Path, exported_model: Path
 ) -> None:

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from index.gallery import GalleryIndex
 from tests.helpers import free_port, image_bytes, make_image
+from tests.tiers import starts
 
 runner = CliRunner()
 
@@ -102,6 +103,7 @@ def test_query_with_a_different_model_is_a_clear_error(
 
 
 @pytest.fixture(scope="module")
+@starts("server")
 def live_api(exported_model: Path, demo_index: Path) -> Iterator[str]:
     port = free_port()
     process = subprocess.Popen(

@@ -64,6 +64,7 @@ def test_sigterm_of_build_index_stops_at_a_batch_and_the_rerun_continues(
     index.close()
 
 
+@pytest.mark.server
 def test_sigterm_of_watch_exits_0_and_the_next_start_catches_up(tmp_path: Path, exported_model: Path) -> None:
     gallery, index, log = tmp_path / "gallery", tmp_path / "index", tmp_path / "watch.log"
     (gallery / "cats").mkdir(parents=True)

@@ -13,7 +13,7 @@ from engine.model.model_card import ModelCard
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
 from tests.helpers import (
-    MILVUS_BACKENDS,
+    MILVUS_PARAMS,
     MilvusServerProcess,
     free_port,
     make_image,
@@ -147,7 +147,7 @@ def test_two_shards_merge_into_what_one_process_builds(
     )
 
 
-@pytest.mark.parametrize("engine", MILVUS_BACKENDS)
+@pytest.mark.parametrize("engine", MILVUS_PARAMS)
 def test_milvus_backend_end_to_end(
     engine: str,
     exported_model: Path,

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from engine.build.indexing import build_index
 from engine.build.rebuild import rebuild_index
@@ -16,6 +17,8 @@ from engine.model.model_card import ModelCard
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
 from tests.helpers import image_bytes, make_image, uvicorn_server, wait_until
+
+pytestmark = pytest.mark.server  # every test runs `dmlsearch watch`, a long-running process
 
 TIMEOUT = 90  # a process start (model load) plus a batch, on a busy 2-core machine
 

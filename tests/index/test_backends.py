@@ -12,11 +12,11 @@ import pytest
 from index.gallery import GalleryIndex, IndexMismatchError
 from index.protocol import Entry, Move
 from index.selection import IndexOptions
-from tests.helpers import MILVUS_BACKENDS, clustered_vectors, entries, milvus_target
+from tests.helpers import MILVUS_BACKENDS, MILVUS_PARAMS, clustered_vectors, entries, milvus_target
 
 DIM = 32
 COUNT = 600
-BACKENDS = ["faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfsq", "faiss-ivfpq", *MILVUS_BACKENDS]
+BACKENDS = ["faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfsq", "faiss-ivfpq", *MILVUS_PARAMS]
 # Fraction of exact top-10 neighbours each backend must find on these small sets (PQ codes are lossy).
 MIN_RECALL = {
     "faiss-flat": 1.0,

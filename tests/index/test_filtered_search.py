@@ -13,12 +13,12 @@ from index.gallery import GalleryIndex
 from index.items import ItemStore
 from index.protocol import Entry
 from index.selection import IndexOptions
-from tests.helpers import MILVUS_BACKENDS, clustered_vectors, milvus_target
+from tests.helpers import MILVUS_BACKENDS, MILVUS_PARAMS, clustered_vectors, milvus_target
 
 DIM = 32
 COUNT = 3000
 K = 10
-BACKENDS = ["faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfsq", "faiss-ivfpq", *MILVUS_BACKENDS]
+BACKENDS = ["faiss-flat", "faiss-hnsw", "faiss-ivf", "faiss-ivfsq", "faiss-ivfpq", *MILVUS_PARAMS]
 # recall@10 against brute force over the subset (flat: the same results).
 MIN_RECALL = {"faiss-ivfpq": 0.5}
 DEFAULT_MIN_RECALL = 0.9

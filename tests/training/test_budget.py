@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -66,6 +67,7 @@ def test_a_run_stops_at_its_time_budget_with_its_best_checkpoint(
     assert run.require_best().step == summary.best_step
 
 
+@pytest.mark.slow  # measures real fine-tuning steps on the CPU, which is what it tests
 def test_cli_chooses_the_mode_by_the_measured_speed_and_says_why(
     labelled_folder: Path, feature_cache: Path, tmp_path: Path
 ) -> None:
@@ -86,6 +88,7 @@ def test_cli_chooses_the_mode_by_the_measured_speed_and_says_why(
     assert (saved["mode"], saved["max_steps"], saved["time_budget"]) == ("finetune", 2, 1800.0)
 
 
+@pytest.mark.slow  # measures real fine-tuning steps on the CPU, which is what it tests
 def test_cli_says_how_long_an_explicit_fine_tuning_run_will_take(
     labelled_folder: Path, feature_cache: Path, tmp_path: Path
 ) -> None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers import free_port, tiny_train_config
@@ -15,6 +16,7 @@ from training.run_dir import RunDirectory
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.cluster  # torchrun: a rendezvous and two training processes
 def test_two_cpu_processes_end_with_identical_weights(
     labelled_folder: Path, feature_cache: Path, tmp_path: Path
 ) -> None:

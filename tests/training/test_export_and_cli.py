@@ -122,6 +122,8 @@ def test_cli_train_eval_export(labelled_folder: Path, feature_cache: Path, tmp_p
             "train",
             "--loss",
             "triplet",
+            "--mode",  # else a CPU measures a fine-tuning step to choose one (tests/training/test_budget.py)
+            "frozen",
             "--data",
             str(labelled_folder),
             "--out",

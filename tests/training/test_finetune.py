@@ -21,6 +21,7 @@ from training.trainer import frozen_stage, train
 from training.workloads import FinetuneWorkload
 
 
+@pytest.mark.slow  # a real fine-tuning run on the CPU
 def test_finetune_trains_the_backbone_slowly_and_keeps_batch_norm_statistics(
     feature_cache: Path, tmp_path: Path
 ) -> None:
@@ -95,6 +96,7 @@ def test_train_size_makes_smaller_training_crops_and_evaluation_keeps_the_input_
     assert workload.embed("val").shape == (4, 8)
 
 
+@pytest.mark.slow  # a real fine-tuning run on the CPU
 def test_frozen_first_fine_tunes_from_the_head_the_frozen_mode_trained(
     feature_cache: Path, tmp_path: Path
 ) -> None:

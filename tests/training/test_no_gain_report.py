@@ -35,7 +35,7 @@ def test_cli_train_says_so_without_a_python_warning(
 ) -> None:
     out = tmp_path / "run"
     args = ["train", "--loss", "contrastive", "--data", str(labelled_folder), "--out", str(out)]
-    args += ["--cache-dir", str(feature_cache)]
+    args += ["--cache-dir", str(feature_cache), "--mode", "frozen"]  # no fine-tuning step measured
     args += [arg for key, value in NO_GAIN.items() for arg in ("-p", f"{key}={value}")]
     results = []
     assert _no_gain_warnings(lambda: results.append(runner.invoke(app, args))) == []

@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from engine.decode.images import load_image_file
@@ -29,6 +30,7 @@ def test_trunk_then_last_stage_is_the_backbone() -> None:
     assert {id(p) for p in last_stage.parameters()} <= {id(p) for p in backbone.parameters()}
 
 
+@pytest.mark.slow  # trains the backbone's last stage on the CPU
 def test_partial_run_trains_the_last_stage_only_and_exports_it(
     labelled_folder: Path, feature_cache: Path, tmp_path: Path
 ) -> None:

@@ -180,6 +180,7 @@ def _watch_first_convolution(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torc
     return seen
 
 
+@pytest.mark.slow  # a real fine-tuning run on the CPU
 def test_a_bf16_finetune_run_records_it_and_exports_float32_matching_torch(
     feature_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

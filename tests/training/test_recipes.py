@@ -132,7 +132,8 @@ def test_cli_and_benches_build_the_same_config(monkeypatch: pytest.MonkeyPatch, 
 
 
 def test_cli_train_records_the_recipe(labelled_folder: Path, feature_cache: Path, tmp_path: Path) -> None:
-    common = ["--data", str(labelled_folder), "--cache-dir", str(feature_cache), *TINY]
+    # --mode: without it, a CPU measures a fine-tuning step to choose one (tests/training/test_budget.py).
+    common = ["--data", str(labelled_folder), "--cache-dir", str(feature_cache), "--mode", "frozen", *TINY]
     steps = ["-p", "max_steps=2", "-p", "eval_every=2"]
     out = tmp_path / "magnet"
     result = runner.invoke(app, ["train", "--loss", "angular", "--out", str(out), *common, *steps])

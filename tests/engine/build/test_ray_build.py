@@ -28,6 +28,7 @@ from tests.helpers import (
     wait_until,
     write_labelled_folder,
 )
+from tests.tiers import starts
 
 pytest.importorskip("ray", reason="ray is not installed (pip install 'dmlsearch[ray]')")
 
@@ -35,8 +36,12 @@ pytest.importorskip("ray", reason="ray is not installed (pip install 'dmlsearch[
 ACTOR_TITLE = "MapBatches(EmbedActor)"
 BUILD_TIMEOUT_S = 300
 
+# Every test runs Ray: a local cluster in the CLI's process, or the module's cluster.
+pytestmark = pytest.mark.cluster
+
 
 @pytest.fixture(scope="module")
+@starts("cluster")
 def ray_cluster() -> Iterator[RayCluster]:
     with running_ray_cluster(cpus_per_node=1) as cluster:
         yield cluster

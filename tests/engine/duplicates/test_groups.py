@@ -23,7 +23,7 @@ from engine.duplicates.groups import (
 from index.gallery import GalleryIndex
 from index.items import ItemStore
 from index.selection import IndexOptions
-from tests.helpers import MILVUS_BACKENDS, clustered_vectors, entries, milvus_target
+from tests.helpers import MILVUS_PARAMS, clustered_vectors, entries, milvus_target
 
 DIM = 32
 THRESHOLD = 0.95
@@ -191,7 +191,7 @@ def test_no_pairs_no_groups_and_bad_thresholds(tmp_path: Path) -> None:
     index.close()
 
 
-@pytest.mark.parametrize("engine", MILVUS_BACKENDS)
+@pytest.mark.parametrize("engine", MILVUS_PARAMS)
 def test_milvus_indexes_are_grouped_through_the_index_protocol(
     engine: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
