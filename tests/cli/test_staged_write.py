@@ -62,6 +62,10 @@ app()
 """
 
 
+# Each test kills real CLI processes at each step of a write: a process start each, about 60 s of CPU in all.
+pytestmark = pytest.mark.slow
+
+
 def _run(*args: object, kill_after: str | None = None) -> subprocess.CompletedProcess[str]:
     argv = [str(a) for a in args] + ["--no-progress"]
     if kill_after is None:

@@ -20,6 +20,7 @@ from training import workloads
 from training.run_dir import RunDirectory
 
 
+@pytest.mark.slow  # a real training process, fine-tuning in one case: 20 and 95 s of CPU
 @pytest.mark.parametrize(("mode", "whole_group"), [("frozen", False), ("finetune", True)])
 def test_sigterm_of_train_saves_last_pt_and_the_rerun_resumes(
     tmp_path: Path, labelled_folder: Path, feature_cache: Path, mode: str, whole_group: bool
