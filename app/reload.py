@@ -34,7 +34,6 @@ from engine.serve.loaded_bundle import LoadedBundle
 from engine.serve.probe import probe_output, prove_bundle, prove_index
 from engine.serve.search import SearchService
 from foundation.errors import DmlsearchError
-from foundation.families import Backend
 from index.gallery import IndexMismatchError
 
 log = logging.getLogger("dmlsearch.app")
@@ -78,9 +77,10 @@ class Reloader:
             return self._reload(index_path, model_path)
 
     def refresh(self) -> Reloaded | None:
-        """Serve the served FAISS index again when another process saved it (None: it did not), with the
-        model already served; an index rebuilt in place with another model is reloaded whole, with the
-        model it carries. Raises :class:`ReloadError` when the saved index cannot be served."""
+        """Serve the served index again when another process saved it and seeing that takes opening it
+        again (FAISS; None: neither), with the model already served; an index rebuilt in place with
+        another model is reloaded whole, with the model it carries. Raises :class:`ReloadError` when the
+        saved index cannot be served."""
         with self._lock:
             service: SearchService | None = self.app.state.engine.service
             if service is None or not service.saved_elsewhere():
@@ -88,7 +88,7 @@ class Reloader:
             directory = service.index.directory
             started = time.perf_counter()
             try:
-                index = LoadedBundle.open_index(directory, backend=Backend.FAISS)
+                index = LoadedBundle.open_index(directory, backend=service.index.manifest.backend)
             except Exception as err:  # a save in progress or a bad index: keep serving the one loaded
                 raise ReloadError.of(err) from err
             try:

@@ -15,6 +15,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.decode.pool import DecodeLimits
 from foundation import defaults
+from foundation.families import Backend
+from index.connection import MilvusConnection
 
 
 class Settings(BaseSettings):
@@ -27,7 +29,7 @@ class Settings(BaseSettings):
     model_path: Path | None = Field(
         None, description="model.onnx to embed queries with (default: the model the index carries)"
     )
-    backend: str | None = Field(None, pattern="^(faiss|milvus)$", description="expected index backend")
+    backend: Backend | None = Field(None, description="expected index backend")
     milvus_uri: str | None = Field(None, description="reach the index's Milvus collection here instead")
     threads: int = Field(0, ge=0, description="onnxruntime intra-op threads (0 = all cores)")
     compute_slots: int = Field(
@@ -160,6 +162,11 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [origin.strip() for origin in value.split(",") if origin.strip()]
         return value
+
+    @property
+    def milvus(self) -> MilvusConnection:
+        """How to reach the served index's Milvus collection where it is not where the index recorded."""
+        return MilvusConnection(uri=self.milvus_uri)
 
     def decode_limits(self) -> DecodeLimits:
         memory = self.decode_memory_mb * 1024**2

@@ -67,7 +67,7 @@ class EngineState:
 
     @staticmethod
     def open_index(settings: Settings, index_path: Path) -> GalleryIndex:
-        return LoadedBundle.open_index(index_path, backend=settings.backend, milvus_uri=settings.milvus_uri)
+        return LoadedBundle.open_index(index_path, backend=settings.backend, milvus=settings.milvus)
 
     @staticmethod
     def open_bundle(settings: Settings, index_path: Path, model_path: Path) -> LoadedBundle:
@@ -77,7 +77,7 @@ class EngineState:
             index_path,
             threads=settings.threads,
             backend=settings.backend,
-            milvus_uri=settings.milvus_uri,
+            milvus=settings.milvus,
             run_seconds=settings.embed_run_seconds,
         )
 

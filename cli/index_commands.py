@@ -23,6 +23,7 @@ from cli.common import (
 from foundation import defaults
 from foundation.families import Backend, IndexType
 from foundation.names import readable_name
+from index.connection import MilvusConnection
 from index.manifest import MILVUS_COLLECTION
 from index.selection import KEEP, IndexChanges
 
@@ -238,8 +239,7 @@ def build_index(
                 progress=progress,
                 changes=_index_changes(index_type, memory_budget, target_recall),
                 backend=backend,
-                milvus_uri=milvus_uri,
-                milvus_collection=milvus_collection,
+                milvus=MilvusConnection(milvus_uri, milvus_collection),
                 shard=Shard.parse(shard) if shard else None,
                 runner=chosen,
             )

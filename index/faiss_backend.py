@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -43,6 +45,17 @@ HNSW_MAX_REMOVED = 0.1
 
 class FaissBackend:
     FILE_NAME = "vectors.faiss"
+    # Before the search structure is built: its tuning parameter comes with it (``capabilities``).
+    CAPABILITIES: ClassVar[Capabilities] = Capabilities(
+        local_build=True,
+        removes_in_place=True,  # an HNSW graph keeps tombstones, rebuilt past HNSW_MAX_REMOVED
+        mergeable=True,
+        gpu_capable=True,  # with faiss-gpu and a GPU, not HNSW (index.faiss_index)
+        tuning_parameter=None,
+        lives_in_folder=True,
+        reopen_to_see_saves=True,
+        lists_items_cheaply=True,  # items.sqlite
+    )
 
     def __init__(
         self, directory: Path, manifest: Manifest, store: ItemStore, index: FaissIndex | None
@@ -101,14 +114,9 @@ class FaissBackend:
 
     @property
     def capabilities(self) -> Capabilities:
-        spec = self.index.spec if self.index is not None else None
-        return Capabilities(
-            local_build=True,
-            removes_in_place=True,  # an HNSW graph keeps tombstones, rebuilt past HNSW_MAX_REMOVED
-            mergeable=True,
-            gpu_capable=True,  # with faiss-gpu and a GPU, not HNSW (index.faiss_index)
-            tuning_parameter=tuning_parameter(spec) if spec is not None else None,
-        )
+        if self.index is None:
+            return self.CAPABILITIES
+        return replace(self.CAPABILITIES, tuning_parameter=tuning_parameter(self.index.spec))
 
     @property
     def items(self) -> ItemStore:

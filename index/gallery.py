@@ -16,7 +16,8 @@ import numpy as np
 from foundation.atomic import remove_abandoned
 from foundation.errors import DmlsearchError, ErrorKind
 from foundation.families import Backend
-from index.faiss_backend import FaissBackend
+from index.backends import capabilities_of, connect
+from index.connection import MilvusConnection
 from index.filters import ItemFilter, UnknownLabelError, match_labels
 from index.items import now_utc
 from index.manifest import FLAT_REQUESTED, MANIFEST_NAME, Manifest
@@ -42,24 +43,6 @@ class Hit:
     rank: int
 
 
-def _connect(
-    directory: Path,
-    manifest: Manifest,
-    *,
-    create: bool,
-    milvus_uri: str | None = None,
-    mapped: bool = True,
-    read_only: bool = False,
-) -> VectorIndex:
-    if manifest.backend == "milvus":
-        from index.milvus_backend import MilvusBackend  # pymilvus is an optional extra
-
-        return MilvusBackend.connect(directory, manifest, uri=milvus_uri)
-    if create:
-        return FaissBackend.create(directory, manifest)
-    return FaissBackend.open(directory, manifest, mapped=mapped, read_only=read_only)
-
-
 class GalleryIndex:
     """Search, add and remove over one index directory; ``save`` makes changes durable."""
 
@@ -80,14 +63,17 @@ class GalleryIndex:
         model_fingerprint: str,
         gallery_root: Path | None,
         options: IndexOptions | None = None,
-        backend: str = "faiss",
-        milvus_uri: str | None = None,
-        milvus_collection: str | None = None,
+        backend: str = Backend.FAISS,
+        milvus: MilvusConnection | None = None,
         shard: str | None = None,
     ) -> GalleryIndex:
-        """A new, empty index directory (its manifest is written at once, so a build can resume)."""
+        """A new, empty index directory (its manifest is written at once, so a build can resume);
+        ``milvus``: where the collection of an index that lives in a server is (recorded in its manifest)."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        connection = MilvusConnection()  # only an index outside its folder records where it lives
+        if milvus is not None and not capabilities_of(Backend(backend)).lives_in_folder:
+            connection = milvus.absolute()
         directory.mkdir(parents=True, exist_ok=True)
         if (directory / MANIFEST_NAME).exists():
             raise FileExistsError(f"{directory} already holds an index")
@@ -98,14 +84,14 @@ class GalleryIndex:
             model_fingerprint=model_fingerprint,
             gallery_root=str(gallery_root.resolve()) if gallery_root else None,
             shard=shard,
-            milvus_uri=_absolute_local(milvus_uri),
-            milvus_collection=milvus_collection if backend == "milvus" else None,
+            milvus_uri=connection.uri,
+            milvus_collection=connection.collection,
             created=now,
             updated=now,
             identity=uuid.uuid4().hex,
         )
         manifest.set_options(options or IndexOptions())
-        index = cls(directory, manifest, _connect(directory, manifest, create=True))
+        index = cls(directory, manifest, connect(directory, manifest, create=True))
         manifest.save(directory)
         index.stamp = _disk_stamp(directory)
         return index
@@ -116,14 +102,14 @@ class GalleryIndex:
         directory: Path,
         *,
         backend: str | None = None,
-        milvus_uri: str | None = None,
+        milvus: MilvusConnection | None = None,
         mapped: bool = True,
         read_only: bool = False,
     ) -> GalleryIndex:
         """Open an index directory; a FAISS index is memory-mapped until its first change.
 
-        ``backend``: refuse an index of another backend; ``milvus_uri``: reach its Milvus collection at
-        another address than the one recorded when it was built; ``mapped`` False: read the FAISS file
+        ``backend``: refuse an index of another backend; ``milvus``: reach its Milvus collection otherwise
+        than recorded when it was built (another address); ``mapped`` False: read the FAISS file
         into memory instead (a server: a file truncated under a mapping, ``cp new.faiss vectors.faiss``,
         kills the process with SIGBUS at its next search); ``read_only``: its items and vectors only,
         nothing written (the source of a merge or rebuild, which a server may be serving).
@@ -135,8 +121,8 @@ class GalleryIndex:
         manifest = Manifest.load(directory)
         if backend is not None and backend != manifest.backend:
             raise ValueError(f"{directory} is a {manifest.backend} index, not {backend}")
-        connection = _connect(
-            directory, manifest, create=False, milvus_uri=milvus_uri, mapped=mapped, read_only=read_only
+        connection = connect(
+            directory, manifest, create=False, milvus=milvus, mapped=mapped, read_only=read_only
         )
         index = cls(directory, manifest, connection)
         index.stamp = stamp
@@ -343,10 +329,3 @@ def _disk_stamp(directory: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return stat.st_ino, stat.st_mtime_ns
-
-
-def _absolute_local(uri: str | None) -> str | None:
-    """Local Milvus Lite paths given on the command line are made absolute; remote URIs kept as given."""
-    if uri is None or "://" in uri:
-        return uri
-    return str(Path(uri).resolve())

@@ -19,6 +19,7 @@ from foundation.atomic import atomic_write_text
 from foundation.errors import InvalidInputError, NotFoundError
 from foundation.families import Backend, IndexType
 from foundation.regular_files import read_regular
+from index.connection import MilvusConnection
 from index.selection import IndexOptions
 
 FORMAT_VERSION = 3
@@ -98,6 +99,11 @@ class Manifest(BaseModel):
     def origin(self) -> tuple[str, str | None]:
         """Which index this is: the same for every save of it, another for another index at its path."""
         return self.created, self.identity
+
+    @property
+    def milvus(self) -> MilvusConnection:
+        """Where its Milvus collection was when it was built (fields None for an index of another backend)."""
+        return MilvusConnection(self.milvus_uri, self.milvus_collection)
 
     @property
     def options(self) -> IndexOptions:

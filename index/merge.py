@@ -16,6 +16,7 @@ import numpy as np
 
 from foundation.errors import InvalidInputError
 from foundation.progress import progress_bar
+from index.backends import capabilities_of
 from index.gallery import GalleryIndex, ModelWriter
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item
@@ -30,7 +31,7 @@ def _check_shards(manifests: Sequence[Manifest], directories: Sequence[Path]) ->
     first = manifests[0]
     shards = []
     for manifest, directory in zip(manifests, directories, strict=True):
-        if manifest.backend != "faiss":
+        if not capabilities_of(manifest.backend).mergeable:
             raise InvalidInputError(
                 f"{directory} is a {manifest.backend} index: only FAISS shard directories merge"
             )

@@ -30,11 +30,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from foundation.errors import InvalidInputError, MissingDependencyError
+from index.connection import MilvusConnection
 from index.filters import ItemFilter
 from index.items import now_utc
 from index.manifest import MILVUS_COLLECTION, BuiltIndex, Manifest
@@ -183,11 +184,21 @@ def _open_client(uri: str) -> _Server:
 
 class MilvusBackend:
     built = True  # the Milvus server indexes its collection itself
+    CAPABILITIES: ClassVar[Capabilities] = Capabilities(
+        local_build=False,
+        removes_in_place=True,
+        mergeable=False,  # ids and times added are the server's (auto_id) or this process's clock
+        gpu_capable=False,  # a GPU index is the server's business
+        tuning_parameter=None,  # the search parameters are fixed per index type (MILVUS_INDEXES)
+        lives_in_folder=False,  # the collection is the server's (Milvus Lite: a file it holds open)
+        reopen_to_see_saves=False,  # reads go to the live collection
+        lists_items_cheaply=False,  # a scan of the collection, page by page
+    )
 
-    def __init__(self, client: _Server, manifest: Manifest) -> None:
+    def __init__(self, client: _Server, manifest: Manifest, collection: str) -> None:
         self.client = client
         self.model_fingerprint = manifest.model_fingerprint
-        self.collection = manifest.milvus_collection or MILVUS_COLLECTION
+        self.collection = collection
         self.dim = manifest.dim
         _, _, self.search_params = MILVUS_INDEXES[manifest.requested.index_type]
         self.index_type = "none"  # the collection's, read from the server
@@ -198,10 +209,11 @@ class MilvusBackend:
         self._ids = IdClock()
 
     @classmethod
-    def connect(cls, directory: Path, manifest: Manifest, *, uri: str | None = None) -> MilvusBackend:
-        """Connect to the manifest's collection, creating it if it does not exist yet."""
-        client = _open_client(resolve_uri(uri or manifest.milvus_uri or DEFAULT_LITE_FILE, directory))
-        backend = cls(client, manifest)
+    def connect(cls, directory: Path, manifest: Manifest, connection: MilvusConnection) -> MilvusBackend:
+        """Connect to the index's collection (``connection``: where it is), creating it if it does not
+        exist yet."""
+        client = _open_client(resolve_uri(connection.uri or DEFAULT_LITE_FILE, directory))
+        backend = cls(client, manifest, connection.collection or MILVUS_COLLECTION)
         if not client.has_collection(backend.collection):
             backend._create_collection(manifest.options)
         backend._check_collection()
@@ -258,13 +270,7 @@ class MilvusBackend:
 
     @property
     def capabilities(self) -> Capabilities:
-        return Capabilities(
-            local_build=False,
-            removes_in_place=True,
-            mergeable=False,  # ids and times added are the server's (auto_id) or this process's clock
-            gpu_capable=False,  # a GPU index is the server's business
-            tuning_parameter=None,  # the search parameters are fixed per index type (MILVUS_INDEXES)
-        )
+        return self.CAPABILITIES
 
     def built_index(self) -> BuiltIndex:
         return BuiltIndex(index_type=self.index_type)

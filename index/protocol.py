@@ -76,6 +76,14 @@ class Capabilities:
     mergeable: bool
     gpu_capable: bool  # the search structure can run on a GPU in this process
     tuning_parameter: str | None  # the search-time knob tuned to the target recall (None: none here)
+    # The whole index lives in its folder (FAISS files), so a new one can be written aside and swapped in;
+    # else its vectors live in a server (Milvus; Milvus Lite: a file it holds open) and it fills in place.
+    lives_in_folder: bool
+    # Another process's save is seen only by opening the index again (its files are read into memory);
+    # else this process sees it live (a server's collection).
+    reopen_to_see_saves: bool
+    # Every item can be listed for the price of reading a local file; else each listing is a server scan.
+    lists_items_cheaply: bool
 
 
 class ItemCatalog(Protocol):

@@ -30,6 +30,7 @@ import pytest
 from PIL import Image, ImageOps
 
 from engine.model.model_card import ModelCard
+from index.connection import MilvusConnection
 from index.manifest import Manifest
 from index.protocol import Entry
 
@@ -579,7 +580,7 @@ def milvus_target(backend: str, request: pytest.FixtureRequest, directory: Path)
             client.close()
 
     request.addfinalizer(drop)
-    return {"backend": "milvus", "milvus_uri": server.uri, "milvus_collection": collection}
+    return {"backend": "milvus", "milvus": MilvusConnection(server.uri, collection)}
 
 
 @contextmanager

@@ -25,6 +25,8 @@ from engine.model.embedder import Embedder
 from foundation.defaults import BATCH_SIZE, DECODE_WORKERS
 from foundation.errors import DmlsearchError, ErrorKind, InvalidInputError
 from foundation.families import Backend
+from index.backends import capabilities_of
+from index.connection import MilvusConnection
 from index.gallery import GalleryIndex
 from index.manifest import MANIFEST_NAME, Manifest
 from index.selection import IndexChanges, IndexOptions
@@ -58,7 +60,7 @@ def _check_gallery(out_dir: Path, manifest: Manifest, gallery_root: Path, files:
     old, new = manifest.gallery_root, gallery_root.resolve()
     if old is None or Path(old) == new:
         return
-    if manifest.backend == "faiss":
+    if capabilities_of(manifest.backend).lists_items_cheaply:
         listed = {path.relative_to(gallery_root).as_posix() for path in files}
         stored = GalleryIndex.open(out_dir, read_only=True)
         try:
@@ -130,8 +132,7 @@ def build_index(
     progress: bool = True,
     changes: IndexChanges = IndexChanges(),
     backend: str | None = None,
-    milvus_uri: str | None = None,
-    milvus_collection: str | None = None,
+    milvus: MilvusConnection | None = None,
     shard: Shard | None = None,
     decode_workers: int = DECODE_WORKERS,
     runner: EmbeddingRunner | None = None,
@@ -139,7 +140,8 @@ def build_index(
     """Make the index at ``out_dir`` match the images below ``gallery_root`` (or its shard of them).
 
     ``changes`` to the index options, and a backend not given, keep what an existing index was built
-    with (a new index starts from ``IndexOptions()``'s defaults and the faiss backend). The index stores
+    with (a new index starts from ``IndexOptions()``'s defaults and the faiss backend); ``milvus``: where a
+    new index's collection is to be, or where an existing one's server is now. The index stores
     the embedder's model (``engine.model.bundle``). An index built from another folder is refused
     (:class:`GalleryMismatchError`) unless ``replace``.
     An index built with another model is rebuilt aside and swapped in when complete (``index.staging``):
@@ -163,6 +165,8 @@ def build_index(
                 f"refusing to write into {out_dir}: it is not empty and not an index directory"
             )
 
+        new_backend = Backend(backend or Backend.FAISS)
+
         def create(staging: Path) -> GalleryIndex:
             return GalleryIndex.create(
                 staging,
@@ -170,18 +174,17 @@ def build_index(
                 model_fingerprint=embedder.fingerprint,
                 gallery_root=gallery_root,
                 options=IndexOptions().with_changes(changes),
-                backend=backend or "faiss",
-                milvus_uri=milvus_uri,
-                milvus_collection=milvus_collection,
+                backend=new_backend,
+                milvus=milvus,
                 shard=str(shard) if shard else None,
             )
 
-        if backend == Backend.MILVUS:
-            # Its vectors live in the Milvus server at a URI the user gave (milvus-lite's file may lie
-            # inside out_dir, held open): the directory cannot be written aside and swapped in whole.
-            _fill_in_place(create(out_dir), gallery, report)
-        else:
+        if capabilities_of(new_backend).lives_in_folder:
             _build_new(out_dir, create, gallery, report, backend=backend, changes=changes, replace=replace)
+        else:
+            # Its vectors live in a server at an address the user gave (Milvus Lite's file may lie inside
+            # out_dir, held open): the directory cannot be written aside and swapped in whole.
+            _fill_in_place(create(out_dir), gallery, report)
         return report
     manifest = Manifest.load(out_dir)
     if not replace:
@@ -192,7 +195,7 @@ def build_index(
     if (manifest.model_fingerprint, manifest.dim) != (embedder.fingerprint, embedder.dim):
         _build_for_new_model(out_dir, manifest, gallery, report, options)
         return report
-    index = GalleryIndex.open(out_dir, milvus_uri=milvus_uri)
+    index = GalleryIndex.open(out_dir, milvus=milvus.server_only() if milvus else None)
     try:
         index.set_gallery_root(gallery_root)
         changed = gallery.sync(index, report) or options is not None
@@ -265,7 +268,7 @@ def _build_for_new_model(
     or moved since keep theirs too. A shard or an empty index is built afresh instead. The staging copy is
     saved once re-embedded (its count says so), so a killed run re-embeds nothing again. ``options``:
     changed index options (None: the old index's)."""
-    if manifest.backend == "milvus":
+    if not capabilities_of(manifest.backend).lives_in_folder:
         raise InvalidInputError(
             f"{out_dir} was built with another model and its Milvus collection holds those vectors: "
             "build into a new directory and collection"

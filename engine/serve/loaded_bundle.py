@@ -16,8 +16,8 @@ from engine.model.embedder import Embedder
 from engine.model.explainer import Explainer
 from engine.model.reranker import PDDMReranker
 from foundation import defaults
-from foundation.families import Backend
 from foundation.locks import ReadWriteLock
+from index.connection import MilvusConnection
 from index.gallery import GalleryIndex
 
 
@@ -45,26 +45,26 @@ class LoadedBundle:
         *,
         threads: int = 0,
         backend: str | None = None,
-        milvus_uri: str | None = None,
+        milvus: MilvusConnection | None = None,
         run_seconds: float | None = None,
     ) -> LoadedBundle:
         """``model_path``: None serves the model the index carries; ``backend``: refuse an index of another
-        backend; ``milvus_uri``: where its Milvus collection is. The model's PDDM unit is loaded too when
+        backend; ``milvus``: where its Milvus collection is. The model's PDDM unit is loaded too when
         its card names one (a model exported from a pddm run), and its explainer when it has one.
         ``run_seconds``: the deadline of each model run (:class:`engine.model.embedder.EmbedTimeoutError`)."""
         embedder = Embedder(resolve_model(index_dir, model_path), threads=threads, run_seconds=run_seconds)
-        index = cls.open_index(index_dir, backend=backend, milvus_uri=milvus_uri)
+        index = cls.open_index(index_dir, backend=backend, milvus=milvus)
         reranker = PDDMReranker.for_model(embedder.model_path, embedder.card, threads=threads)
         explainer = Explainer.for_model(embedder.model_path, embedder.card, threads=threads)
         return cls(embedder, index, reranker, explainer)
 
     @staticmethod
     def open_index(
-        index_dir: Path, *, backend: str | None = None, milvus_uri: str | None = None
+        index_dir: Path, *, backend: str | None = None, milvus: MilvusConnection | None = None
     ) -> GalleryIndex:
         """An index to serve: a FAISS file is read into memory, not mapped, so that another process
         overwriting it in place (``cp new.faiss vectors.faiss``) cannot kill the server with SIGBUS."""
-        return GalleryIndex.open(index_dir, backend=backend, milvus_uri=milvus_uri, mapped=False)
+        return GalleryIndex.open(index_dir, backend=backend, milvus=milvus, mapped=False)
 
     def with_index(self, index: GalleryIndex) -> LoadedBundle:
         """The same model over another index (checked to be embedded by it)."""
@@ -98,13 +98,15 @@ class CurrentBundle:
     def swap(self, bundle: LoadedBundle) -> LoadedBundle:
         """Serve ``bundle`` from now on and close what the old one does not share; returns the bundle served.
 
-        The swap waits for the searches and writes under way, and no write runs during it. A FAISS index
-        opened before a write of this process (or another) saved its directory is read again first, under
-        the same lock: every write acknowledged before the swap is in the index served after it.
+        The swap waits for the searches and writes under way, and no write runs during it. An index that
+        sees saves only when opened again (FAISS), opened before a write of this process (or another) saved
+        its directory, is read again first, under the same lock: every write acknowledged before the swap
+        is in the index served after it.
         """
         with self.lock.write():
-            if bundle.index.manifest.backend is Backend.FAISS and bundle.index.saved_elsewhere():
-                reopened = LoadedBundle.open_index(bundle.index.directory, backend=Backend.FAISS)
+            index = bundle.index
+            if index.capabilities.reopen_to_see_saves and index.saved_elsewhere():
+                reopened = LoadedBundle.open_index(index.directory, backend=index.manifest.backend)
                 try:
                     fresh = bundle.with_index(reopened)  # rebuilt with another model meanwhile: refused
                 except ValueError:

@@ -19,7 +19,7 @@ from engine.serve.item_reader import ItemReader
 from engine.serve.item_writer import ItemWriter
 from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle, ServingConfig
 from engine.serve.query import QueryService
-from foundation.families import Backend
+from index.connection import MilvusConnection
 from index.gallery import GalleryIndex
 
 
@@ -41,13 +41,11 @@ class SearchService:
         *,
         threads: int = 0,
         backend: str | None = None,
-        milvus_uri: str | None = None,
+        milvus: MilvusConnection | None = None,
         config: ServingConfig | None = None,
     ) -> SearchService:
         """Load the bundle (see :meth:`LoadedBundle.open`) and serve it under ``config``."""
-        bundle = LoadedBundle.open(
-            model_path, index_dir, threads=threads, backend=backend, milvus_uri=milvus_uri
-        )
+        bundle = LoadedBundle.open(model_path, index_dir, threads=threads, backend=backend, milvus=milvus)
         return cls(bundle, config)
 
     @property
@@ -67,11 +65,11 @@ class SearchService:
         return self.current.bundle.rerankers
 
     def saved_elsewhere(self) -> bool:
-        """Whether another process saved the served FAISS index since it was loaded (``dmlsearch watch``,
-        ``build-index``, ``index add``). Milvus collections are live: their changes are seen without a
-        reload."""
+        """Whether another process saved the served index since it was loaded (``dmlsearch watch``,
+        ``build-index``, ``index add``) and serving its changes takes opening it again (FAISS); a server's
+        collection (Milvus) is live: its changes are seen without a reload."""
         index = self.index
-        return index.manifest.backend is Backend.FAISS and index.saved_elsewhere()
+        return index.capabilities.reopen_to_see_saves and index.saved_elsewhere()
 
     def swap(self, bundle: LoadedBundle) -> LoadedBundle:
         """Serve ``bundle`` from now on (``CurrentBundle.swap``: after the writes under way, with every

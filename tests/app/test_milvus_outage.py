@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from index.connection import MilvusConnection
 from index.milvus_backend import REQUEST_TIMEOUT_S
 from tests.helpers import (
     MilvusServerProcess,
@@ -53,7 +54,7 @@ def test_the_api_answers_503_while_milvus_is_down_and_recovers_after(
         index,
         progress=False,
         backend="milvus",
-        milvus_uri=own_milvus_server.uri,
+        milvus=MilvusConnection(own_milvus_server.uri),
     )
     query = (gallery / "a" / "0.png").read_bytes()
     with serving(["--index", str(index), "--model", str(exported_model)]) as api:

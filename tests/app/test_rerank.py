@@ -19,6 +19,7 @@ from engine.model.reranker import PDDMReranker
 from engine.serve.loaded_bundle import LoadedBundle
 from engine.serve.query import SearchOptions
 from engine.serve.search import SearchService
+from index.connection import MilvusConnection
 from index.gallery import GalleryIndex
 from index.protocol import Entry, normalize_rows
 from tests.helpers import Served
@@ -182,7 +183,7 @@ def test_a_milvus_index_reranks_from_its_stored_vectors(
         model_fingerprint=card.fingerprint,
         gallery_root=None,
         backend="milvus",
-        milvus_uri=str(tmp_path / "milvus_index" / "milvus.db"),
+        milvus=MilvusConnection(str(tmp_path / "milvus_index" / "milvus.db")),
     )
     try:
         vectors = np.random.default_rng(0).normal(size=(6, card.embedding_dim)).astype(np.float32)

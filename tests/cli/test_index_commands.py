@@ -158,7 +158,9 @@ def test_milvus_backend_end_to_end(
 ) -> None:
     out = tmp_path / "index"
     target = milvus_target(engine, request, out)
-    where = [f"--{key.replace('_', '-')}={value}" for key, value in target.items() if key != "backend"]
+    where = []
+    if (milvus := target.get("milvus")) is not None:  # the real server's: its address and a collection
+        where = [f"--milvus-uri={milvus.uri}", f"--milvus-collection={milvus.collection}"]
     make_image(555).save(synthetic_gallery / "loose.png")  # directly in the folder: no label
     output = _run(
         "build-index",

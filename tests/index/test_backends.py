@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from index.connection import MilvusConnection
 from index.gallery import GalleryIndex, IndexMismatchError
 from index.protocol import Entry, Move
 from index.selection import IndexOptions
@@ -242,8 +243,9 @@ def test_an_index_refuses_another_model(
                 model_fingerprint="model-b",
                 gallery_root=None,
                 backend="milvus",
-                milvus_uri=manifest.milvus_uri or str(tmp_path / "index" / "milvus.db"),
-                milvus_collection=manifest.milvus_collection,
+                milvus=MilvusConnection(
+                    manifest.milvus_uri or str(tmp_path / "index" / "milvus.db"), manifest.milvus_collection
+                ),
             )
 
 

@@ -14,6 +14,7 @@ from engine.build.embedding import BatchCommitter
 from engine.build.indexing import GalleryMismatchError, add_images, build_index
 from engine.build.report import BuildReport, MovedFile
 from engine.model.embedder import Embedder
+from index.connection import MilvusConnection
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
 from index.protocol import Entry
@@ -174,7 +175,7 @@ def test_an_interrupted_milvus_build_holds_its_model_and_resumes(
     fewer items and its model, never items without the model that embedded them."""
     pytest.importorskip("milvus_lite")
     out = tmp_path / "index"
-    milvus = {"backend": "milvus", "milvus_uri": str(tmp_path / "milvus.db")}
+    milvus = {"backend": "milvus", "milvus": MilvusConnection(str(tmp_path / "milvus.db"))}
     real_embed = _die_during_the_third_batch(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         build_index(gallery, embedder, out, batch_size=2, progress=False, **milvus)
