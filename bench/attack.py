@@ -3,10 +3,10 @@ and some refused ones, hostile labels and file names, sent to ``dmlsearch serve`
 
     python bench/attack.py  # writes bench/results/attack_session13_run.json and .md
 
-Makes a small gallery (tests.helpers.write_labelled_folder), a small seeded model (export_small_model, needs
+Makes a small gallery (lib.images.write_labelled_folder), a small seeded model (export_small_model, needs
 torch) and an index with ``dmlsearch build-index``, then starts ``dmlsearch serve`` with its default limits
 and writes enabled under ``--address-space`` (3 GB: ``prlimit --as=3000000000``). Each file of
-tests.hostile_images.HOSTILE_SECOND (made on the spot) is sent to ``/v1/search``, then to ``/v1/items``
+lib.hostile_images.HOSTILE_SECOND (made on the spot) is sent to ``/v1/search``, then to ``/v1/items``
 (with the key); an added item's thumbnail and original are fetched. For each: the answers, the seconds, the
 server's peak RSS over its RSS before (``VmHWM`` after ``clear_refs``; decodes run in worker processes of
 their own, with their own limits), and whether a normal search is still answered 200. Then ``build-index``
@@ -15,7 +15,6 @@ on a folder of all the files. Written to ``--out`` (JSON and a Markdown table be
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import subprocess
@@ -26,19 +25,13 @@ import time
 from pathlib import Path
 
 import httpx
-
-from tests.helpers import (
-    API_KEY,
-    ServerProcess,
-    export_small_model,
-    image_bytes,
-    make_image,
-    serving,
-    write_labelled_folder,
-)
-from tests.hostile_images import HOSTILE_SECOND
+from lib.hostile_images import HOSTILE_SECOND
+from lib.images import export_small_model, image_bytes, make_image, write_labelled_folder
+from lib.options import bench_parser, out_option
+from lib.servers import ServerProcess, serving
 
 MB = 1024**2
+API_KEY = "attack-key-0123456789"  # the key writes are enabled with, on the server this script starts
 KEY = {"X-API-Key": API_KEY}
 SUFFIXES = {"jpeg": ".jpg", "mpo": ".jpg", "png": ".png", "apng": ".png", "gif": ".gif", "tiff": ".tif"}
 SUFFIXES |= {
@@ -282,10 +275,7 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", type=Path, default=Path("bench/results/attack_session13_run.json"))
+    parser = bench_parser(__doc__, out_option(Path("bench/results/attack_session13_run.json")))
     parser.add_argument("--address-space", type=int, default=3_000_000_000)
     parser.add_argument("--cases", nargs="*", default=sorted(HOSTILE_SECOND), help="names in HOSTILE_SECOND")
     args = parser.parse_args()

@@ -19,7 +19,6 @@ serves.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import tempfile
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from lib.options import bench_parser, data_option, model_option, out_option, seed_option, threads_option
 from PIL import Image
 from tqdm import tqdm
 
@@ -100,15 +100,15 @@ def recalls(queries: np.ndarray, gallery: np.ndarray, labels: np.ndarray) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = bench_parser(
+        __doc__,
+        data_option("Cars196 images/ (one folder per class)"),
+        model_option(),
+        seed_option(),
+        threads_option(0),
+        out_option(Path("bench/results/box_search")),
     )
-    parser.add_argument("--data", type=Path, required=True, help="Cars196 images/ (one folder per class)")
-    parser.add_argument("--model", type=Path, help="model.onnx (default: the pretrained backbone)")
     parser.add_argument("--count", type=int, default=400)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/box_search"))
     args = parser.parse_args()
 
     data = load_labelled_images(args.data)

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from lib.options import bench_parser, data_option, model_option, out_option, threads_option
 from PIL import Image
 from tqdm import tqdm
 
@@ -59,23 +60,11 @@ from engine.model.embedder import Embedder
 from engine.model.preprocess import to_array
 from foundation import defaults
 from foundation.atomic import atomic_write_text
+from foundation.defaults import BACKBONE
+from training.features import backbone_model
 
 LARGE_SIZE = (4000, 3000)
 LARGE_QUALITY = 92
-
-
-def pretrained_model(work: Path) -> Path:
-    """The pretrained embedder exported once under ``work`` (what ``dmlsearch export`` writes)."""
-    path = work / "model" / "model.onnx"
-    if not path.exists():
-        from training.backbone import BACKBONES, create_backbone
-        from training.export import export_onnx
-        from training.model import EmbeddingModel
-
-        backbone = "efficientnet_lite0"
-        model = EmbeddingModel(create_backbone(backbone))
-        export_onnx(model, path, preprocessing=BACKBONES[backbone].preprocessing, backbone=backbone)
-    return path
 
 
 def small_folder(data: Path, count: int, work: Path) -> Path:
@@ -215,14 +204,16 @@ def bracketed(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = bench_parser(
+        __doc__,
+        data_option("Folder of 224-px images (Cars196)."),
+        model_option("model.onnx (default: the pretrained export)."),
+        threads_option(0, help="onnxruntime intra-op threads (0 = all)."),
+        out_option(Path("bench/results/build_speed")),
     )
-    parser.add_argument("--data", type=Path, required=True, help="Folder of 224-px images (Cars196).")
     parser.add_argument(
         "--work", type=Path, default=defaults.CACHE_DIR / "ingest", help="Cache for the generated files."
     )
-    parser.add_argument("--model", type=Path, help="model.onnx (default: the pretrained export).")
     parser.add_argument("--count", type=positive, default=2000, help="224-px images built end to end.")
     parser.add_argument("--large-count", type=positive, default=200, help="12-MP JPEGs built end to end.")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, defaults.DECODE_WORKERS])
@@ -234,18 +225,16 @@ def main() -> None:
         help="niceness added to the decode workers (engine/build/prefetch.py), each measured",
     )
     parser.add_argument("--repeats", type=int, default=1, help="end-to-end runs of each setting, interleaved")
-    parser.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0 = all).")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--model-batches", type=int, default=10, help="Batches per model-only timing.")
     parser.add_argument(
         "--split-count", type=int, default=100, help="Files per folder timed for the cost split."
     )
-    parser.add_argument("--out", type=Path, default=Path("bench/results/build_speed"))
     args = parser.parse_args()
 
     args.work.mkdir(parents=True, exist_ok=True)
     load_start = os.getloadavg()
-    model = args.model or pretrained_model(args.work)
+    model = args.model or backbone_model(args.work, BACKBONE)
     embedder = Embedder(model, threads=args.threads)  # as build-index runs it (no spinning)
     sessions = {"no_spin": embedder, "spin": Embedder(model, threads=args.threads, spinning=True)}
     folders = {

@@ -1,20 +1,19 @@
-"""Fit the synthetic generator's growth to real embeddings (bench/vector_data.py's CALIBRATED).
+"""Fit the synthetic generator's growth to real embeddings (bench/lib/vector_data.py's CALIBRATED).
 
     python bench/calibrate_synthetic.py --cars196 /work/shared/data/cars196 --cache-dir /work/cache/dmlsearch
 
 Real: the pretrained Cars196 views of all images (``real`` data of bench/index_bench.py), queries held-out
-images. Synthetic: the same gallery size and query count, grown from seed images (bench/vector_data.py's
+images. Synthetic: the same gallery size and query count, grown from seed images (bench/lib/vector_data.py's
 ``embedding_like``). The 1M rows grow about 5x from Cars196's images, so the fit scores growth: for every
 point of a small grid over (class spread, view scale) the generator grows the images of the first
 ``--fit-chunks`` chunks to the whole real gallery's size (about 4x) and is scored against the whole real
-data's two statistics (bench/vector_data.py): the mean absolute difference of the 10th-neighbour cosine's
+data's two statistics (bench/lib/vector_data.py): the mean absolute difference of the 10th-neighbour cosine's
 quantiles plus that of the nearest-cell fraction (both in cosine / fraction units, so they weigh alike).
 The best point is then also grown 1x from all the images. Copy it into CALIBRATED.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import itertools
 import json
@@ -23,12 +22,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
-from vector_data import (
+from lib.options import bench_parser, out_option
+from lib.vector_data import (
     CALIBRATED,
     CHUNK_IMAGES,
     DIM,
     QUANTILES,
+    ArraySource,
     GrowthParams,
     SeedImages,
     cars196_seeds,
@@ -38,9 +38,9 @@ from vector_data import (
     real_split,
     seed_images,
 )
+from tqdm import tqdm
 
 from foundation.atomic import atomic_write_text
-from index.sources import ArraySource
 from index.tuning import exact_neighbours
 
 CLASS_SPREADS = (0.5, 1.0, 1.5, 2.0, 3.0, 5.0)
@@ -71,16 +71,13 @@ def row_text(name: str, stats: dict, target: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__, out_option(Path("bench/results/synthetic_calibration")))
     parser.add_argument("--cars196", type=Path, required=True, help="Cars196 folder holding labels.csv")
     parser.add_argument("--cache-dir", type=Path, required=True, help="feature cache (shared with training)")
     parser.add_argument(
         "--fit-chunks", type=int, default=4, help="chunks of 1024 images whose growth is fitted"
     )
     parser.add_argument("--queries", type=int, default=1000, help="held-out images")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/synthetic_calibration"))
     parser.add_argument(
         "--check-only", action="store_true", help="no grid: only grow CALIBRATED (4x and 1x) and compare"
     )
@@ -146,7 +143,7 @@ def main() -> None:
         f"Real: {meta['views']} views of {meta['real_images']:,} readable Cars196 images through the "
         f"pretrained EfficientNet-Lite0 (1280-d); gallery {meta['gallery']:,} vectors (every view of all but "
         f"{meta['queries']} images), queries view 0 of the {meta['queries']} held-out images. Synthetic "
-        f"({DIM}-d, bench/vector_data.py's embedding_like): the same gallery size and query count, new "
+        f"({DIM}-d, bench/lib/vector_data.py's embedding_like): the same gallery size and query count, new "
         "images "
         "grown from seed images (real images, every view through one random projection): a smoothed "
         "bootstrap of the seed's class, its views the seed's real view offsets; queries view 0 of "

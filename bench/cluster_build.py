@@ -10,7 +10,7 @@ build into a fresh index:
 - local: ``engine.build.indexing.build_index`` with its default runner (this process, decode processes);
 - ray local: the same with ``engine.build.ray_runner.RayRunner()`` on a Ray runtime started in this process
   (started before the clock runs; the build's own actor start, model load and scheduling are timed);
-- one node / two nodes: a real cluster (``tests.helpers.RayCluster``: ``ray start`` processes, 1 CPU per
+- one node / two nodes: a real cluster (``lib.cluster.RayCluster``: ``ray start`` processes, 1 CPU per
   node, each node pinned to a core of its own, so a node computes on one core as a 1-core machine would),
   first the head alone, then with a second node joined. The driver (listing, the sync plan, the index
   writes) runs on the head's core, as ``build-index`` run on the head machine would: left free, it took
@@ -35,6 +35,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from lib.cluster import RayCluster
+from lib.images import make_image
+from lib.options import bench_parser, data_option, model_option, out_option
 from PIL import Image
 
 from engine.build.indexing import build_index
@@ -43,7 +46,6 @@ from engine.build.report import BuildReport
 from engine.gallery.files import list_images
 from engine.model.embedder import Embedder
 from foundation.atomic import atomic_write_text
-from tests.helpers import RayCluster, make_image
 
 HEAD_CORE = 0  # RayCluster(pin_cores=True) runs node k on core k: the head is node 0
 
@@ -99,14 +101,11 @@ def _timed(build: Callable[[Path], BuildReport], scratch: Path) -> dict[str, flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = bench_parser(
+        __doc__, data_option(required=False), model_option(), out_option(Path("bench/results/cluster_build"))
     )
-    parser.add_argument("--data", type=Path, default=None)
     parser.add_argument("--count", type=int, default=300)
-    parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "dmlsearch" / "cluster_build")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/cluster_build"))
     parser.add_argument(
         "--free-driver", action="store_true", help="leave the driver on every core (the cluster rows)"
     )

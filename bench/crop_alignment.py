@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from duplicate_tiers import (  # bench/ scripts run from bench/ on sys.path
+from lib.duplicate_sets import (
     EDITS,
     FALSE_IMAGE_GOAL,
     PRECISION_GOAL,
@@ -59,6 +59,7 @@ from duplicate_tiers import (  # bench/ scripts run from bench/ on sys.path
     second_take,
     true_tiers,
 )
+from lib.options import bench_parser, data_option, out_option, seed_option
 from PIL import Image
 from skimage.feature import match_template
 
@@ -445,14 +446,9 @@ def write_markdown(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--data", type=Path, required=True)
+    parser = bench_parser(__doc__, data_option(), seed_option(3), out_option(RESULTS / "crop_alignment"))
     parser.add_argument("--classes", type=int, default=16, help="car models per half")
-    parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--tiers-cache", type=Path, help="bench/duplicate_tiers.py's --cache")
-    parser.add_argument("--out", type=Path, default=RESULTS / "crop_alignment")
     args = parser.parse_args()
     result: dict = {
         "command": "python " + " ".join(sys.argv),

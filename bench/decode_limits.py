@@ -1,6 +1,6 @@
 """What decoding costs, per format and per hostile trick, and how the decode processes answer.
 
-For every file of ``tests/hostile_images.py`` (the costliest legitimate files, 49 MP in each format and
+For every file of ``bench/lib/hostile_images.py`` (the costliest legitimate files, 49 MP in each format and
 pixel mode, and the hostile ones): its size, what decoding it as an upload costs in a fresh process
 without limits (peak memory over the process's start, CPU seconds; under a 4 GB address-space cap and a
 ``--measure-timeout`` so that a bomb cannot take the machine), and what ``engine.decode.pool`` answers
@@ -27,12 +27,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from lib.hostile_images import HOSTILE, LEGIT, encode, noise
+from lib.options import bench_parser, out_option
+
 from engine.build.prefetch import WORKER_NICENESS, decode_file, prefetch
 from engine.decode.images import ImageDecodeError
 from engine.decode.model_input import PixelBudget, decode_uploads
 from engine.decode.pool import DecodePool, InProcessDecoder
 from engine.model.model_card import Preprocessing
-from tests.hostile_images import HOSTILE, LEGIT, encode, noise
 
 BUDGET = PixelBudget(draft_size=Preprocessing().resize_size)
 MEASURE_CAP = 4 * 1024**3
@@ -148,11 +150,10 @@ def build_decode_rates(folder: Path, count: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__.splitlines()[0], out_option(Path("bench/results/decode_limits")))
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--only", nargs="*", help="case names (default: all)")
     parser.add_argument("--measure-timeout", type=float, default=60.0)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/decode_limits"))
     parser.add_argument("--files", type=Path, help="a folder of JPEGs (Cars196) for the build-index rates")
     parser.add_argument("--count", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=4)

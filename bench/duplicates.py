@@ -27,7 +27,6 @@ Writes ``bench/results/duplicates.{json,md}``.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import hashlib
 import inspect
@@ -41,11 +40,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+from lib.duplicate_sets import synthetic_index
+from lib.options import bench_parser, data_option, model_option, out_option, seed_option, threads_option
 from PIL import Image, ImageEnhance, ImageOps
 from tqdm import tqdm
 
 from engine.decode.images import decode_image
-from engine.duplicates.finder import signature as signature_module
+from engine.duplicates import signature as signature_module
 from engine.duplicates.groups import (
     DEFAULT_MAX_DISTANCE,
     DEFAULT_NEIGHBOURS,
@@ -59,7 +60,6 @@ from engine.duplicates.groups import (
     signature_pairs,
 )
 from engine.duplicates.signature import perceptual_signature
-from engine.duplicates.signature_layout import THUMBNAIL_SIDE, VIEWS
 from engine.model.embedder import Embedder
 from index.gallery import GalleryIndex
 from index.protocol import Entry
@@ -218,85 +218,6 @@ def choose(rows: dict, distances: list[str]) -> str:
     return max((key for key in rows if key.split("/")[1] in distances), key=rank)
 
 
-def _smooth_thumbnails(rng: np.random.Generator, count: int) -> np.ndarray:
-    """Random photo-like greyscale thumbnails (an 8x8 random image scaled up smoothly)."""
-    coarse = rng.integers(0, 256, size=(count, 8, 8), dtype=np.uint8)
-    return np.array(
-        [
-            np.asarray(Image.fromarray(c).resize((THUMBNAIL_SIDE,) * 2, Image.Resampling.BICUBIC))
-            for c in coarse
-        ],
-        dtype=np.uint8,
-    ).reshape(count, THUMBNAIL_SIDE, THUMBNAIL_SIDE)
-
-
-def _window(thumbnail: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """An off-centre window of 80-95% of each side, scaled back to a thumbnail: a crop's thumbnail."""
-    side = THUMBNAIL_SIDE
-    w, h = (round(side * share) for share in rng.uniform(0.8, 0.95, size=2))
-    left, top = rng.integers(0, side - w + 1), rng.integers(0, side - h + 1)
-    window = Image.fromarray(thumbnail).crop((left, top, left + w, top + h))
-    return np.asarray(window.resize((side, side), Image.Resampling.BILINEAR))
-
-
-def synthetic_index(
-    real: np.ndarray, count: int, seed: int, work: Path, *, crops: float = 0.0, siblings: float = 0.0
-) -> tuple[GalleryIndex, int, float]:
-    """An index of about ``count`` vectors made from ``real`` embeddings (see the module's doc), saved as
-    build-index would; also the planted copies and the seconds the save (build and tuning) took.
-
-    ``crops``, ``siblings``: shares of ``count`` planted for the aligned check of the edited tier
-    (bench/duplicate_tiers.py): off-centre crops of a photo (about 0.93 cosine to it, a random signature,
-    its thumbnail a window of the photo's) and other photos of the same thing (about 0.9 cosine, a random
-    signature and thumbnail)."""
-    rng = np.random.default_rng(seed)
-    dim = real.shape[1]
-    planted_aligned = round(count * crops) + round(count * siblings)
-    originals = count - count * 5 // 100 * 5 // 2 - planted_aligned  # room for 2-3 copies of 5% of them
-    noise = rng.standard_normal((originals, dim)).astype(np.float32)
-    # Noise of norm 0.6 around a unit vector: about 0.85 cosine to it, like another photo of that car.
-    noise *= 0.6 / np.linalg.norm(noise, axis=1, keepdims=True)
-    base = real[rng.integers(len(real), size=originals)] + noise
-    base /= np.linalg.norm(base, axis=1, keepdims=True)
-    signatures = rng.integers(0, 2**63, size=(originals, VIEWS), dtype=np.int64).view(np.uint64)
-    thumbnails = _smooth_thumbnails(rng, originals)
-    duplicated = rng.choice(originals, size=count // 20, replace=False)
-    copies = np.repeat(duplicated, rng.integers(2, 4, size=len(duplicated)))
-    noise = rng.standard_normal((len(copies), dim)).astype(np.float32)
-    noisy = base[copies] + 0.25 * noise / np.linalg.norm(noise, axis=1, keepdims=True)  # ~0.97 cosine
-    flipped = signatures[copies].copy()
-    flipped[:, 0] ^= np.uint64(0b101)  # two bits off the photo's own view
-    vector_parts, signature_parts, thumbnail_parts = (
-        [base, noisy],
-        [signatures, flipped],
-        [thumbnails, thumbnails[copies]],
-    )
-    for share, spread, windows in ((crops, 0.38, True), (siblings, 0.45, False)):  # ~0.93, ~0.9 cosine
-        of = rng.choice(originals, size=round(count * share), replace=False)
-        noise = rng.standard_normal((len(of), dim)).astype(np.float32)
-        vector_parts.append(base[of] + spread * noise / np.linalg.norm(noise, axis=1, keepdims=True))
-        signature_parts.append(rng.integers(0, 2**63, size=(len(of), VIEWS), dtype=np.int64).view(np.uint64))
-        planted = (
-            [_window(thumbnails[i], rng) for i in of] if windows else list(_smooth_thumbnails(rng, len(of)))
-        )
-        thumbnail_parts.append(np.array(planted, dtype=np.uint8).reshape(-1, THUMBNAIL_SIDE, THUMBNAIL_SIDE))
-    vectors = np.concatenate(vector_parts)  # about count items
-    all_signatures = np.concatenate(signature_parts)
-    all_thumbnails = np.concatenate(thumbnail_parts)
-    index = GalleryIndex.create(work, dim=dim, model_fingerprint="bench", gallery_root=None)
-    for start in range(0, len(vectors), 20_000):
-        chunk = slice(start, start + 20_000)
-        entries = [Entry(f"{start + i}", None, f"{start + i}") for i in range(len(vectors[chunk]))]
-        blobs = [
-            row.tobytes() + thumbnail.tobytes()
-            for row, thumbnail in zip(all_signatures[chunk], all_thumbnails[chunk], strict=True)
-        ]
-        index.add(vectors[chunk], entries, blobs)
-    started = time.perf_counter()
-    index.save()  # builds and tunes the index the automatic choice picks
-    return index, len(copies) + planted_aligned, time.perf_counter() - started
-
-
 def speed(real: np.ndarray, count: int, seed: int, work: Path) -> dict:
     """Time find_duplicates at its defaults over ``count`` vectors made from ``real`` embeddings."""
     index, planted, built_s = synthetic_index(real, count, seed, work)
@@ -397,19 +318,19 @@ def recall_by_variant(data: dict, work: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = bench_parser(
+        __doc__,
+        data_option("Cars196 folder with labels.csv"),
+        model_option(required=True),
+        seed_option(),
+        threads_option(0),
+        out_option(RESULTS / "duplicates"),
     )
-    parser.add_argument("--data", type=Path, required=True, help="Cars196 folder with labels.csv")
-    parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--sources", type=int, default=400, help="photos to make copies of")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--speed-items", type=int, default=100_000)
-    parser.add_argument("--threads", type=int, default=0)
     parser.add_argument(
         "--cache", type=Path, default=Path.home() / ".cache/dmlsearch/bench/duplicates_embeddings.npz"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS / "duplicates")
     parser.add_argument("--speed-only", action="store_true", help="rerun the speed part, keep the rest")
     args = parser.parse_args()
     load_average = " ".join(f"{load:.2f}" for load in os.getloadavg())

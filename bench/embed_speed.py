@@ -11,7 +11,6 @@ load on the machine inflates it as little as possible. ``--out`` writes the tabl
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from lib.options import bench_parser, out_option, threads_option
 
 from engine.model.embedder import Embedder
 from foundation import defaults
@@ -44,14 +44,12 @@ def best_seconds(run: Callable[[], object], repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = bench_parser(
+        __doc__, threads_option(2), out_option(help="Write the table to OUT.md and OUT.json.")
     )
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calibration", type=Path, help="Image folder to calibrate an int8 model on.")
     parser.add_argument("--calibration-count", type=int, default=defaults.CALIBRATION_IMAGES)
-    parser.add_argument("--out", type=Path, help="Write the table to OUT.md and OUT.json.")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)

@@ -13,7 +13,6 @@ Without ``--model`` the pretrained model is exported to a temporary folder first
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+from lib.options import bench_parser, model_option, threads_option
 from PIL import Image
 
 from engine.gallery.demo import PHOTOS
@@ -29,6 +29,8 @@ from engine.model.embedder import Embedder
 from engine.model.explainer import Explainer
 from engine.serve.explain import Heatmap, explain_tensor, model_view
 from engine.serve.heatmap_image import jpeg_bytes, overlay
+from foundation.defaults import BACKBONE
+from training.features import backbone_model
 
 
 def best_ms(run: Callable[[], object], repeats: int) -> float:
@@ -39,19 +41,6 @@ def best_ms(run: Callable[[], object], repeats: int) -> float:
         run()
         timings.append(time.perf_counter() - started)
     return 1000 * min(timings)
-
-
-def pretrained_model(folder: Path) -> Path:
-    from training.backbone import BACKBONES, create_backbone
-    from training.export import export_onnx
-    from training.model import EmbeddingModel
-
-    path = folder / "model.onnx"
-    preprocessing = BACKBONES["efficientnet_lite0"].preprocessing
-    export_onnx(
-        EmbeddingModel(create_backbone()), path, preprocessing=preprocessing, backbone="efficientnet_lite0"
-    )
-    return path
 
 
 def photo_pair(embedder: Embedder) -> np.ndarray:
@@ -90,16 +79,12 @@ def measure(model: Path, threads: int, repeats: int, noise: bool = False) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", type=Path)
-    parser.add_argument("--threads", type=int, default=1)
+    parser = bench_parser(__doc__, model_option(), threads_option(1))
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--noise", action="store_true", help="two noise images instead of two photos")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        model = args.model or pretrained_model(Path(folder))
+        model = args.model or backbone_model(Path(folder), BACKBONE)
         result = measure(model, args.threads, args.repeats, args.noise)
     pair = "noise" if args.noise else "photos"
     print(json.dumps({"threads": args.threads, "repeats": args.repeats, "pair": pair, **result}, indent=2))

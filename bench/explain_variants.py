@@ -22,18 +22,19 @@ scored to see what a non-exact choice would gain:
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from explain_cost import pretrained_model  # bench/ scripts run from bench/ on sys.path
-from explain_pointing import SIDE, centre, explainable_bundle, heatmap_peak, inside, pasted_pairs
+from lib.options import bench_parser, model_option, out_option, seed_option
+from lib.pasted_pairs import SIDE, centre, explainable_bundle, heatmap_peak, inside, pasted_pairs
 from scipy.ndimage import gaussian_filter
 
 from engine.serve.explain import Peak, matched_windows, window_sums
 from foundation.atomic import atomic_write_text
+from foundation.defaults import BACKBONE
+from training.features import backbone_model
 
 
 def largest_pair(query: np.ndarray, item: np.ndarray, size: int) -> tuple[Peak, Peak]:
@@ -94,18 +95,13 @@ def run(model: Path, pairs: int, seed: int, any_photos: bool, objects: Path | No
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", type=Path)
+    parser = bench_parser(__doc__, model_option(), seed_option(), out_option())
     parser.add_argument("--pairs", type=int, default=240)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--any-photos", action="store_true", help="explain_pointing.py's first protocol")
     parser.add_argument("--objects", type=Path, help="take the objects from the images (*.jpg) under it")
-    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        model = args.model or pretrained_model(Path(folder))
+        model = args.model or backbone_model(Path(folder), BACKBONE)
         result = run(model, args.pairs, args.seed, args.any_photos, args.objects)
     text = json.dumps(result, indent=2)
     print(text)

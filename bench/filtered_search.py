@@ -13,7 +13,6 @@ Writes ``bench/results/filtered_search.{json,md}``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -21,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from lib.options import bench_parser, out_option, seed_option
 
 from index.filters import ItemFilter
 from index.gallery import GalleryIndex
@@ -53,14 +53,10 @@ def measure(index: GalleryIndex, queries: np.ndarray, where: ItemFilter | None, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__, seed_option(), out_option(RESULTS / "filtered_search"))
     parser.add_argument("--items", type=int, default=100_000)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--queries", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "filtered_search")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # as the server runs FAISS (cli/serve_commands.py)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lib.options import bench_parser, data_option
 
 from foundation.atomic import atomic_write_text
 from foundation.defaults import CACHE_DIR
@@ -180,10 +181,7 @@ def markdown(curves: dict[int, dict[str, dict[str, Any]]], command: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--data", type=Path, required=True, help="Cars196 images folder")
+    parser = bench_parser(__doc__, data_option("Cars196 images folder"))
     parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="backbone feature cache")
     parser.add_argument("--runs-dir", type=Path, default=CACHE_DIR / "finetune-pilots")
     parser.add_argument("--pilots", nargs="*", choices=sorted(PILOTS), help="pilots to run (default: all)")

@@ -23,7 +23,6 @@ Writes ``bench/results/head_init.{md,json}``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import statistics
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from lib.options import bench_parser, data_option
 from sklearn.decomposition import PCA
 
 from foundation.atomic import atomic_write_text
@@ -120,10 +120,7 @@ def folder(labels: np.ndarray, pool_classes: np.ndarray, classes: int, images: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--data", type=Path, required=True)
+    parser = bench_parser(__doc__, data_option())
     parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="backbone feature cache")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--report-only", action="store_true", help="rebuild the table from the .json")

@@ -19,7 +19,6 @@ Writes ``bench/results/hnsw_tuning.{json,md,png}``.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import os
@@ -29,17 +28,17 @@ import time
 from pathlib import Path
 
 import matplotlib
+from lib.options import bench_parser, out_option
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
-from vector_data import cars196_seeds, embedding_like
+from lib.vector_data import ArraySource, cars196_seeds, embedding_like
 
 from foundation.atomic import atomic_write_text
 from index.faiss_build import tuning_set_aside
 from index.faiss_index import FaissIndex, faiss_module
 from index.selection import IndexOptions, IndexSpec, choose_index
-from index.sources import ArraySource
 from index.tuning import (
     NEIGHBOURHOOD,
     exact_neighbours,
@@ -88,9 +87,7 @@ def single_query_ms(index: FaissIndex, queries: np.ndarray, ef: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__, out_option(Path("bench/results/hnsw_tuning")))
     parser.add_argument(
         "--cars196", type=Path, required=True, help="Cars196 folder: the synthetic data's seeds"
     )
@@ -98,7 +95,6 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1_000_000)
     parser.add_argument("--queries", type=int, default=1000)
     parser.add_argument("--factory", help="another faiss factory string than the automatic graph's")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/hnsw_tuning"))
     args = parser.parse_args()
     faiss_module().omp_set_num_threads(os.cpu_count() or 1)
     began = time.perf_counter()

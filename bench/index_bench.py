@@ -12,7 +12,7 @@ or at searches slower than 20 ms a query); the table shows what they reach on th
 All rows of one run share the machine, so their ratios compare. Rows left out (--skip, Milvus above
 --milvus-max) are listed under the table with what the nearest measured row cost.
 
-Data (bench/vector_data.py): ``real``, pretrained embeddings of 13 views of every Cars196 image (1280-d,
+Data (bench/lib/vector_data.py): ``real``, pretrained embeddings of 13 views of every Cars196 image (1280-d,
 about 210k vectors; queries are held-out images), extracted once into --cache-dir; ``embedding``, a
 512-d synthetic stand-in at any size, new images grown from seed images with a growth calibrated on
 ``real`` (seeds: the real images projected to 512-d with --cars196, random classes otherwise);
@@ -34,13 +34,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
-from vector_data import (
+from lib.options import bench_parser, out_option
+from lib.vector_data import (
     CALIBRATED,
     DIM,
     QUANTILES,
     RANDOM_SEED_CLASSES,
     RANDOM_SEED_IMAGES,
+    ArraySource,
     K,
     cars196_files,
     cars196_seeds,
@@ -51,6 +52,7 @@ from vector_data import (
     real_split,
     uniform,
 )
+from tqdm import tqdm
 
 from foundation.atomic import atomic_write_text
 from index import tuning as tuning_module
@@ -58,7 +60,6 @@ from index.faiss_build import build_faiss_index
 from index.faiss_index import faiss_module
 from index.protocol import Entry
 from index.selection import IndexOptions, IndexSpec, choose_index, format_bytes, parse_size
-from index.sources import ArraySource
 from index.tuning import exact_neighbours, recall_at_k
 
 MILVUS_TUNING_QUERIES = 500
@@ -231,7 +232,7 @@ def run_size(
     name: str, base: np.ndarray, held_out: np.ndarray, args: argparse.Namespace
 ) -> tuple[list[dict], list[dict], dict]:
     """The measured rows for one data set and size, the rows left out (``--skip``, ``--milvus-max``) and
-    the data's statistics (bench/vector_data.py)."""
+    the data's statistics (bench/lib/vector_data.py)."""
     count, dim = base.shape
     tqdm.write(f"{name} x {count}: exact ground truth")
     truth = exact_neighbours(held_out, [ArraySource(np.arange(count), base)], K)
@@ -317,9 +318,9 @@ def statistics_lines(statistics: list[dict]) -> list[str]:
     quantiles = " | ".join(f"10th cos p{round(100 * q)}" for q in QUANTILES)
     lines = [
         "",
-        "The data, on the held-out queries (bench/vector_data.py): quantiles of each query's cosine to its "
-        "10th exact neighbour, and the fraction of its true top-10 in its nearest IVF cell (the product's "
-        "quantizer for this size trained on the gallery):",
+        "The data, on the held-out queries (bench/lib/vector_data.py): quantiles of each query's cosine to "
+        "its 10th exact neighbour, and the fraction of its true top-10 in its nearest IVF cell "
+        "(the product's quantizer for this size trained on the gallery):",
         "",
         f"| data | n | dim | {quantiles} | nearest-cell fraction (lists) |",
         "|---|---|---|" + "---|" * (len(QUANTILES) + 1),
@@ -393,9 +394,7 @@ def markdown(rows: list[dict], left_out: list[dict], statistics: list[dict], met
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__, out_option(Path("bench/results/index_bench")))
     parser.add_argument("--sizes", default="100k", help="comma-separated gallery sizes, e.g. 100k,1M")
     parser.add_argument("--data", default="embedding,uniform", help="embedding and/or uniform")
     parser.add_argument("--types", default="flat,hnsw,ivf,ivfsq,ivfpq", help="FAISS index types to build")
@@ -431,7 +430,6 @@ def main() -> None:
         default=tuning_module.NEIGHBOURHOOD,
         help="nearest gallery vectors set aside per IVF tuning query (0: the tuning before they were)",
     )
-    parser.add_argument("--out", type=Path, default=Path("bench/results/index_bench"))
     args = parser.parse_args()
     tuning_module.NEIGHBOURHOOD = args.tuning_neighbourhood
     args.types = args.types.split(",")

@@ -15,7 +15,6 @@ of 5), so that load on a shared machine hits both alike. ``dmlsearch export --in
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import shlex
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from lib.options import bench_parser, data_option, out_option, threads_option
 
 from engine.build.prefetch import file_array
 from engine.model.embedder import onnx_session
@@ -61,15 +61,12 @@ def main() -> None:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = bench_parser(
+        __doc__, data_option(), threads_option(2), out_option(Path("bench/results/int8_variants"))
     )
-    parser.add_argument("--data", type=Path, required=True)
     parser.add_argument("--calibration", type=Path, required=True)
     parser.add_argument("--calibration-count", type=int, default=defaults.CALIBRATION_IMAGES)
     parser.add_argument("--queries", type=int, default=480)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/int8_variants"))
     args = parser.parse_args()
     logging.disable(logging.WARNING)  # onnxruntime's per-shape-tensor warnings
 

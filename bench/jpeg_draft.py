@@ -16,7 +16,6 @@ printed and written with ``--json``.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import tempfile
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from lib.options import bench_parser, data_option, model_option, threads_option
 from PIL import Image
 from scipy.stats import binomtest
 from tqdm import tqdm
@@ -56,16 +56,16 @@ def timed_decode(embedder: Embedder, data: bytes, margin: int | None) -> tuple[n
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = bench_parser(
+        __doc__,
+        data_option("ImageFolder directory or labels CSV"),
+        model_option(),
+        threads_option(0),
     )
-    parser.add_argument("--data", type=Path, required=True, help="ImageFolder directory or labels CSV")
-    parser.add_argument("--model", type=Path, help="model.onnx (default: the pretrained backbone)")
     parser.add_argument("--classes", type=int, default=98, help="use the first N test classes")
     parser.add_argument("--size", type=int, default=1600, help="side of the upscaled 'phone photo'")
     parser.add_argument("--quality", type=int, default=90)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=0)
     parser.add_argument(
         "--draft-margins",
         type=lambda text: [int(margin) for margin in text.split(",")],

@@ -23,9 +23,6 @@ import argparse
 import io
 import json
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -35,6 +32,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from lib.options import bench_parser, data_option, model_option, out_option, threads_option
+from lib.servers import serving
 from PIL import Image
 
 from engine.build.indexing import build_index
@@ -107,37 +106,12 @@ def prepare_gallery(args: argparse.Namespace, workdir: Path, embedder: Embedder)
     return index_dir, files
 
 
-def start_server(args: argparse.Namespace, index_dir: Path, port: int) -> subprocess.Popen:
-    command = [
-        sys.executable,
-        "-m",
-        "cli.main",
-        "serve",
-        "--index",
-        str(index_dir),
-        "--model",
-        str(args.model),
+def server_args(args: argparse.Namespace, index_dir: Path) -> list[str]:
+    """``serve``'s arguments: the index and model measured, no rate limit, the threads and slots asked for."""
+    return [
+        *("--index", str(index_dir), "--model", str(args.model), "--threads", str(args.threads)),
+        *("--rate-limit", "0", "--compute-slots", str(args.compute_slots)),
     ]
-    command += ["--port", str(port), "--threads", str(args.threads), "--rate-limit", "0"]
-    command += ["--compute-slots", str(args.compute_slots)]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def wait_ready(url: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
-    answer = "no answer"
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited with code {process.returncode}")
-        try:
-            response = httpx.get(f"{url}/readyz", timeout=2)
-            if response.status_code == 200:
-                return
-            answer = response.text
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit(f"server did not become ready: {answer}")
 
 
 def rss_mb(pid: int) -> float:
@@ -256,33 +230,27 @@ def single_query_overhead(url: str, alone: StagesAlone, query: Query, repeats: i
     }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def main() -> None:
     # One OpenMP thread per FAISS search in this process too, as `dmlsearch serve` does, so that the stage
     # measured alone is the one the server runs. FAISS is imported lazily, after this line.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = bench_parser(
+        __doc__,
+        data_option("Cars196 images folder (default: the demo gallery)", required=False),
+        model_option("model.onnx (default: export the pretrained backbone)"),
+        threads_option(0, help="server onnxruntime threads (0 = all cores)"),
+        out_option(Path("bench/results/load.json")),
     )
-    parser.add_argument("--data", type=Path, help="Cars196 images folder (default: the demo gallery)")
-    parser.add_argument("--model", type=Path, help="model.onnx (default: export the pretrained backbone)")
     parser.add_argument("--gallery-size", type=int, default=1000)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds of load before measuring")
     parser.add_argument("--share-12mp", type=float, default=0.25, help="share of 12-MP queries")
     parser.add_argument("--single-repeats", type=int, default=40)
-    parser.add_argument("--threads", type=int, default=0, help="server onnxruntime threads (0 = all cores)")
     parser.add_argument(
         "--compute-slots", type=int, default=0, help="server compute slots (0 = one per core)"
     )
     parser.add_argument("--k", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/load.json"))
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -300,26 +268,21 @@ def main() -> None:
         repeats = max(1, round(len(crops) * args.share_12mp / max(1e-9, 1 - args.share_12mp) / len(large)))
         queries = crops + large * repeats
 
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = start_server(args, index_dir, port)
-        try:
-            wait_ready(url, server)
+        # Quiet (its access log would interleave with this script's output); waited for up to 2 minutes.
+        with serving(server_args(args, index_dir), log=Path(os.devnull), timeout=120) as server:
+            url, pid = server.url, server.process.pid
             print(f"warm-up {args.warmup:.0f} s with {args.clients} clients", flush=True)
-            run_load(url, queries, args.clients, args.warmup, args.k, server.pid)
-            rss_before = rss_mb(server.pid)
+            run_load(url, queries, args.clients, args.warmup, args.k, pid)
+            rss_before = rss_mb(pid)
             print(f"load {args.duration:.0f} s with {args.clients} clients", flush=True)
-            load = run_load(url, queries, args.clients, args.duration, args.k, server.pid)
-            rss_after = rss_mb(server.pid)
+            load = run_load(url, queries, args.clients, args.duration, args.k, pid)
+            rss_after = rss_mb(pid)
             print("single queries, one at a time, interleaved with their stages run alone", flush=True)
             alone = StagesAlone(args.model, index_dir, args.threads, args.k)
             overhead = {
                 kind: single_query_overhead(url, alone, sample, args.single_repeats, args.k)
                 for kind, sample in (("crop", crops[0]), ("12mp", large[0]))
             }
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
 
     requests = sum(len(v) for v in load.latencies_ms.values())
     result = {

@@ -11,13 +11,12 @@ warm-up. Ratios < 1 mean we are faster.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
+from lib.options import bench_parser, out_option, threads_option
 
 from training.losses import LOSSES
 
@@ -91,14 +90,10 @@ def ours(name: str, **override: object) -> Timed:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__, threads_option(2), out_option(help="write OUT.md and OUT.json"))
     parser.add_argument("--batches", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--budget", type=float, default=3.0, help="seconds of repeats per measurement")
-    parser.add_argument("--out", type=Path, help="write OUT.md and OUT.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 

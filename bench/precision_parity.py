@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from lib.options import bench_parser, data_option, out_option, seed_option, threads_option
 
 from foundation.atomic import atomic_write_text
-from training.evaluation import evaluate_run
+from training.evaluation import embed_run
+from training.metrics import evaluate
 from training.run_dir import RunDirectory
 
 PRECISIONS = ("fp32", "bf16")
@@ -86,7 +88,8 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
             "test_backbone_recall@1": round(100 * summary.test_backbone["recall@1"], 2),
         }
         if args.same_step:  # the last checkpoints, in float32 as export runs them
-            metrics = evaluate_run(path, args.data, progress=False, last=True)
+            embedded = embed_run(path, args.data, progress=False, last=True)
+            metrics = evaluate(embedded.trained, embedded.labels)
             runs[precision]["test_last"] = {name: round(100 * value, 2) for name, value in metrics.items()}
     return {
         "loss": args.loss,
@@ -169,15 +172,16 @@ def markdown(result: dict[str, Any], command: str, machine: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = bench_parser(
+        __doc__,
+        data_option(),
+        seed_option(help="the same in both runs"),
+        threads_option(os.cpu_count() or 1),
+        out_option(Path(__file__).parent / "results" / "precision_parity"),
     )
-    parser.add_argument("--data", type=Path, required=True)
     parser.add_argument("--runs-dir", type=Path, required=True)
     parser.add_argument("--loss", default="angular")
     parser.add_argument("--max-steps", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0, help="the same in both runs")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--workers", type=int, default=2, help="image loading processes per run")
     parser.add_argument(
         "--frozen-first",
@@ -197,7 +201,6 @@ def main() -> None:
         "--same-step", action="store_true", help="also test both runs' last checkpoints (the same step)"
     )
     parser.add_argument("--machine", default=platform.processor() or platform.machine(), help="for the table")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "precision_parity")
     args = parser.parse_args()
     if not args.tabulate:
         for precision in args.precisions:

@@ -13,13 +13,9 @@ mapped address space (``VmSize``). Written to ``--out`` (JSON and a Markdown tab
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
-import resource
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -27,6 +23,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from lib.options import bench_parser, model_option, out_option, threads_option
+from lib.servers import ServerProcess, reset_peak, start_server, wait_ready
 from PIL import Image
 
 MB = 1024**2
@@ -45,51 +43,9 @@ def photo_jpeg(seed: int, size: tuple[int, int] = (640, 480)) -> bytes:
     return buffer.getvalue()
 
 
-def status(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def start(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [
-        sys.executable,
-        "-m",
-        "cli.main",
-        "serve",
-        "--index",
-        str(args.index),
-        "--model",
-        str(args.model),
-    ]
-    command += ["--port", str(port), "--rate-limit", "0", "--threads", str(args.threads)]
-
-    def cap() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (args.address_space, args.address_space))
-
-    process = subprocess.Popen(command, preexec_fn=cap, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with code {process.returncode} under the cap")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit("the server never became ready")
-
-
-def measure(pid: int, send) -> dict:
+def measure(server: ServerProcess, send) -> dict:
     """Run ``send()`` (returns status codes); the server's peak and final RSS around it, in MB."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = status(pid, "VmRSS")
+    before = reset_peak(server)
     started = time.perf_counter()
     statuses = send()
     seconds = time.perf_counter() - started
@@ -97,27 +53,41 @@ def measure(pid: int, send) -> dict:
         "status": statuses,
         "seconds": round(seconds, 2),
         "rss_before_mb": round(before / MB),
-        "peak_over_before_mb": round((status(pid, "VmHWM") - before) / MB),
-        "rss_after_mb": round(status(pid, "VmRSS") / MB),
+        "peak_over_before_mb": round((server.status("VmHWM") - before) / MB),
+        "rss_after_mb": round(server.status("VmRSS") / MB),
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = bench_parser(
+        __doc__,
+        model_option(default=Path("artifacts/model/model.onnx")),
+        threads_option(1, help="onnxruntime threads"),
+        out_option(Path("bench/results/request_memory.json")),
     )
-    parser.add_argument("--model", type=Path, default=Path("artifacts/model/model.onnx"))
     parser.add_argument("--index", type=Path, default=Path("artifacts/index"))
     parser.add_argument("--address-space", type=int, default=2 * 1024**3, help="RLIMIT_AS in bytes")
-    parser.add_argument("--threads", type=int, default=1, help="onnxruntime threads")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/request_memory.json"))
     args = parser.parse_args()
 
     big = {mode: png(7000, 7000, mode) for mode in ("L", "RGB", "RGBA", "LA", "I;16")}
     big["P+transparency"] = png(7000, 7000, "P", transparency=0)
     small = [photo_jpeg(seed) for seed in range(64)]
-    process, url = start(args)
-    pid = process.pid
+    server = start_server(
+        [
+            "--index",
+            str(args.index),
+            "--model",
+            str(args.model),
+            "--rate-limit",
+            "0",
+            "--threads",
+            str(args.threads),
+        ],
+        address_space=args.address_space,
+        log=Path(os.devnull),
+    )
+    wait_ready(server, timeout=120)
+    process, url = server.process, server.url
     http = httpx.Client(timeout=600)
 
     def search(data: bytes) -> int:
@@ -139,7 +109,7 @@ def main() -> None:
     for data in small[:4]:  # warm up: model arena, worker threads
         search(data)
     batch(small[:8])
-    idle = {"rss_mb": round(status(pid, "VmRSS") / MB), "vmsize_mb": round(status(pid, "VmSize") / MB)}
+    idle = {"rss_mb": round(server.status("VmRSS") / MB), "vmsize_mb": round(server.status("VmSize") / MB)}
     cases = {
         "one 640x480 JPEG": lambda: search(small[0]),
         "1x100000 PNG": lambda: search(png(1, 100_000)),
@@ -154,10 +124,10 @@ def main() -> None:
     }
     results = {}
     for name, send in cases.items():
-        results[name] = measure(pid, send)
+        results[name] = measure(server, send)
         print(f"{name:48s} {results[name]}", flush=True)
     alive = process.poll() is None and httpx.get(f"{url}/readyz", timeout=10).status_code == 200
-    final = {"rss_mb": round(status(pid, "VmRSS") / MB), "vmsize_mb": round(status(pid, "VmSize") / MB)}
+    final = {"rss_mb": round(server.status("VmRSS") / MB), "vmsize_mb": round(server.status("VmSize") / MB)}
     process.terminate()
     process.wait(timeout=30)
     report = {

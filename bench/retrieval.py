@@ -10,7 +10,6 @@ to a temporary directory first. Unreadable images are skipped with a warning.
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
@@ -18,6 +17,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from lib.options import bench_parser, data_option, model_option, threads_option
 from tqdm import tqdm
 
 from engine.decode.images import ImageDecodeError, load_image_file
@@ -44,14 +44,14 @@ def embed_files(embedder: Embedder, files: list[Path], batch_size: int) -> tuple
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = bench_parser(
+        __doc__,
+        data_option(),
+        model_option(),
+        threads_option(0),
     )
-    parser.add_argument("--data", type=Path, required=True)
-    parser.add_argument("--model", type=Path, help="model.onnx (default: the pretrained backbone)")
     parser.add_argument("--split", choices=("train", "val", "test"), default="test")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--clustering", action="store_true", help="also NMI and F1 of k-means")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()

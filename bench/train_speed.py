@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lib.options import bench_parser, out_option, threads_option
 
 from training.config import TrainConfig
 from training.precision import Compute, cpu_has_native_bf16, model_inputs
@@ -182,9 +183,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__, threads_option(2), out_option(Path("bench/results/train_speed")))
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--memory-batch", type=int, default=128)
     parser.add_argument(
@@ -195,7 +194,6 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="the rows to run")
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--omp-wait-policy",
         default="PASSIVE",
@@ -208,7 +206,6 @@ def main() -> None:
         default="auto",
         help="auto: where the CPU has it natively; on: emulated elsewhere; off: as a CPU without it",
     )
-    parser.add_argument("--out", type=Path, default=Path("bench/results/train_speed"))
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: one row as JSON, in a child process
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -1,4 +1,4 @@
-"""Where a FAISS build reads stored vectors from: an item store, a part of one, or arrays in memory."""
+"""Where a FAISS build reads stored vectors from: an item store, or a part of one."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Protocol
 import numpy as np
 
 from index.items import ItemStore
-from index.protocol import normalize_rows
 
 
 class VectorSource(Protocol):
@@ -23,28 +22,6 @@ class VectorSource(Protocol):
     def iter_vectors(self, chunk_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """``(ids, vectors)`` chunks covering the whole source."""
         ...
-
-
-class ArraySource:
-    """Vectors already in memory (benchmarks, tests)."""
-
-    def __init__(self, ids: np.ndarray, vectors: np.ndarray) -> None:
-        order = np.argsort(ids)
-        self._ids = np.asarray(ids, dtype=np.int64)[order]
-        self._vectors = normalize_rows(vectors)[order]
-
-    def ids(self) -> np.ndarray:
-        return self._ids
-
-    def vectors(self, ids: np.ndarray) -> np.ndarray:
-        positions = np.searchsorted(self._ids, ids)
-        if len(ids) and (positions.max() >= len(self._ids) or (self._ids[positions] != ids).any()):
-            raise KeyError("ids not held by this source")
-        return self._vectors[positions]
-
-    def iter_vectors(self, chunk_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        for start in range(0, len(self._ids), chunk_size):
-            yield self._ids[start : start + chunk_size], self._vectors[start : start + chunk_size]
 
 
 class StoreSource:

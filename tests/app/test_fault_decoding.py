@@ -1,6 +1,6 @@
 """The fault suite, decoding part (issue 24): files that cost far more to decode than their size or header
 say, sent to real servers under the 2 GB address-space cap. Each decode runs in a worker process with a CPU,
-wall-clock and memory limit (engine.decode.pool); the files are made here (tests/hostile_images.py)."""
+wall-clock and memory limit (engine.decode.pool); the files are made here (bench/lib/hostile_images.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,16 @@ import httpx
 import pytest
 from PIL import Image
 
+from bench.lib.hostile_images import (
+    HOSTILE,
+    HOSTILE_SECOND,
+    LEGIT,
+    avif_lying_ispe,
+    gif_many_comment_blocks,
+    jpeg_repeated_scan,
+    png_comment_text,
+    png_many_chunks,
+)
 from index.gallery import GalleryIndex
 from tests.helpers import (
     API_KEY,
@@ -30,16 +40,6 @@ from tests.helpers import (
     search,
     wait_until,
     write_labelled_folder,
-)
-from tests.hostile_images import (
-    HOSTILE,
-    HOSTILE_SECOND,
-    LEGIT,
-    avif_lying_ispe,
-    gif_many_comment_blocks,
-    jpeg_repeated_scan,
-    png_comment_text,
-    png_many_chunks,
 )
 from tests.tiers import starts
 

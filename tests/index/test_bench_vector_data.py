@@ -1,4 +1,4 @@
-"""The index bench's data statistics (bench/vector_data.py), on small synthetic inputs."""
+"""The index bench's data statistics (bench/lib/vector_data.py), on small synthetic inputs."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from index.sources import ArraySource
+from bench.lib import vector_data
+from bench.lib.vector_data import ArraySource
 from index.tuning import exact_neighbours
-from tests.helpers import bench_module
 
 
 @pytest.fixture
-def data(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    return bench_module("vector_data", monkeypatch)
+def data() -> ModuleType:
+    return vector_data
 
 
 def _truth(base: np.ndarray, queries: np.ndarray) -> np.ndarray:

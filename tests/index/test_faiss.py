@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.lib.vector_data import ArraySource
 from index.faiss_backend import HNSW_MAX_REMOVED
 from index.faiss_build import build_faiss_index
 from index.faiss_index import FaissIndex
@@ -16,7 +17,6 @@ from index.gallery import GalleryIndex
 from index.items import ItemStore
 from index.protocol import IndexNotBuiltError
 from index.selection import IndexOptions, IndexSpec, choose_index
-from index.sources import ArraySource
 from index.tuning import NEIGHBOURHOOD, graph_set_aside, held_out_ids, outside, recall_at_k
 from tests.helpers import clustered_vectors, entries
 
@@ -284,7 +284,7 @@ import faiss.contrib.torch_utils
 import numpy as np
 from index.faiss_build import build_faiss_index
 from index.selection import IndexSpec
-from index.sources import ArraySource
+from bench.lib.vector_data import ArraySource
 from tests.helpers import clustered_vectors
 vectors = clustered_vectors(1500, {DIM})
 spec = IndexSpec("ivf", "IVF16,Flat", {DIM})

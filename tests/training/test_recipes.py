@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from bench.lib import recipes_cv as cv
+from bench.lib import train_all
 from cli.main import app
-from tests.helpers import bench_module
 from training import auto
 from training.bootstrap import Interval
 from training.config import TrainConfig
@@ -103,9 +105,8 @@ def test_cli_and_benches_build_the_same_config(monkeypatch: pytest.MonkeyPatch, 
     ]
     runner.invoke(app, command)
 
-    train_all = bench_module("train_all", monkeypatch)
     monkeypatch.setattr(train_all, "train", fake_train)
-    args = train_all.argparse.Namespace(
+    args = argparse.Namespace(
         data=data,
         cache_dir=tmp_path,
         runs_dir=tmp_path,
@@ -120,7 +121,6 @@ def test_cli_and_benches_build_the_same_config(monkeypatch: pytest.MonkeyPatch, 
     with pytest.raises(SystemExit):
         train_all.run_method(almn, args)
 
-    cv = bench_module("recipes_cv", monkeypatch)
     args.folds = 3
     cli, bench = seen
     fold = cv.fold_config(args, "almn", "recommended", 1)
@@ -254,12 +254,11 @@ def test_losses_command_lists_every_loss_with_paper_layout_and_recipe() -> None:
 def test_recipes_cv_prefers_the_candidate_that_helps_on_every_fold(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    cv = bench_module("recipes_cv", monkeypatch)
     # "peaky" has the higher mean gain but loses on fold 2; "steady" helps on every fold.
     gains = {"paper": [-1.0, -2.0, -0.5], "recommended": [6.0, 5.0, -0.5], "steady": [2.0, 2.0, 1.0]}
     monkeypatch.setattr(cv, "METHODS", ("ms",))
     monkeypatch.setitem(cv.VARIANTS, "ms", {"steady": ("recommended", {"epsilon": 0.2})})
-    args = cv.argparse.Namespace(runs_dir=tmp_path, folds=3, set=["views=0"], methods=["ms"])
+    args = argparse.Namespace(runs_dir=tmp_path, folds=3, set=["views=0"], methods=["ms"])
     for candidate, per_fold in gains.items():
         for fold, gain in enumerate(per_fold):
             run = RunDirectory(cv.run_path(tmp_path, candidate, "ms", fold))
@@ -304,7 +303,6 @@ def test_recipes_cv_prefers_the_candidate_that_helps_on_every_fold(
 def test_recipes_cv_keeps_the_rows_it_did_not_rerun(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows run now replace the same method's rows of the same budget; other methods' rows stay, naming
     the command that made them; a rerun method's rows of another budget go (they would not compare)."""
-    cv = bench_module("recipes_cv", monkeypatch)
 
     def row(gains: list[float]) -> dict[str, Any]:
         folds = {str(k): {"r1": 50 + gain, "gain": gain} for k, gain in enumerate(gains)}

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.lib.hostile_images import LEGIT, jpeg_repeated_scan
 from engine.decode.images import ImageDecodeError
 from engine.decode.model_input import DecodedUploads, PixelBudget, decode_uploads
 from engine.decode.pool import (
@@ -23,7 +24,6 @@ from engine.decode.pool import (
 )
 from engine.model.model_card import Preprocessing
 from tests.helpers import group_alive, image_bytes, make_image, wait_until
-from tests.hostile_images import LEGIT, jpeg_repeated_scan
 
 BUDGET = PixelBudget(draft_size=224)
 # A CPU limit the repeated scans pass by far, and a wall limit they never reach in these tests.

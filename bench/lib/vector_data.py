@@ -23,6 +23,7 @@ The statistics, measured on held-out queries against the gallery:
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ import numpy as np
 
 from index.faiss_build import TRAIN_SEED, training_size
 from index.faiss_index import FaissIndex, faiss_module
+from index.protocol import normalize_rows
 from index.selection import IndexSpec, ivf_lists
 from index.tuning import sample_ids
 
@@ -240,3 +242,25 @@ def data_statistics(base: np.ndarray, queries: np.ndarray, truth: np.ndarray) ->
         "nearest_cell_fraction": nearest_cell_fraction(*ivf_cells(base, queries), truth),
         "nlist": ivf_lists(len(base)),
     }
+
+
+class ArraySource:
+    """Vectors already in memory, as a FAISS build reads them (``index.sources.VectorSource``)."""
+
+    def __init__(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+        order = np.argsort(ids)
+        self._ids = np.asarray(ids, dtype=np.int64)[order]
+        self._vectors = normalize_rows(vectors)[order]
+
+    def ids(self) -> np.ndarray:
+        return self._ids
+
+    def vectors(self, ids: np.ndarray) -> np.ndarray:
+        positions = np.searchsorted(self._ids, ids)
+        if len(ids) and (positions.max() >= len(self._ids) or (self._ids[positions] != ids).any()):
+            raise KeyError("ids not held by this source")
+        return self._vectors[positions]
+
+    def iter_vectors(self, chunk_size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for start in range(0, len(self._ids), chunk_size):
+            yield self._ids[start : start + chunk_size], self._vectors[start : start + chunk_size]
