@@ -52,7 +52,6 @@ from dataclasses import dataclass, field
 from foundation.errors import InvalidInputError
 from foundation.families import IndexType
 
-INDEX_TYPES = tuple(kind for kind in IndexType if kind is not IndexType.AUTO)  # the concrete families
 FLAT_LIMIT = 10_000
 MIN_POINTS_PER_CENTROID = 39
 HNSW_QUANTIZER_FROM = 16_384

@@ -122,17 +122,3 @@ def embed_run(
         files=files,
         class_names=prepared.images.class_names,
     )
-
-
-def evaluate_run(
-    run_path: Path,
-    data: Path | None = None,
-    *,
-    split: EvalSplit = "test",
-    progress: bool = True,
-    last: bool = False,
-) -> dict[str, float]:
-    """Metrics of a run's best (or ``last``) checkpoint on ``split`` of ``data`` (default: the data it
-    trained on)."""
-    embedded = embed_run(run_path, data, split=split, progress=progress, last=last)
-    return evaluate(embedded.trained, embedded.labels)

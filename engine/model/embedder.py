@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -129,16 +129,6 @@ class Embedder:
         if not images:
             return np.zeros((0, self.dim), dtype=np.float32)
         return self.embed_tensor(self.preprocess(images))
-
-    def embed_batches(self, images: Iterable[Image.Image], batch_size: int = 32) -> Iterable[np.ndarray]:
-        batch: list[Image.Image] = []
-        for image in images:
-            batch.append(image)
-            if len(batch) == batch_size:
-                yield self.embed(batch)
-                batch = []
-        if batch:
-            yield self.embed(batch)
 
 
 def onnx_session(

@@ -42,11 +42,6 @@ def zero_loss(reference: Tensor) -> Tensor:
     return reference.sum() * 0
 
 
-def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``values`` where ``mask`` is true; 0 (graph kept) when the mask is empty."""
-    return torch.where(mask, values, 0).sum() / mask.sum().clamp_min(1)
-
-
 def masked_logsumexp(x: Tensor, mask: Tensor, dim: int = -1, add_one: bool = False) -> Tensor:
     """``log(sum_{mask} exp(x))`` along ``dim``, or ``log(1 + sum_{mask} exp(x))`` with ``add_one``.
 
