@@ -18,13 +18,13 @@ INDEX_PATH = Path("artifacts/index")
 # which hold the user's own model and index.
 DEMO_DIR = Path("artifacts/demo")
 
-# Refuse images with more pixels (about 7,000 x 7,000) before decoding them.
 # Where applying a duplicates plan moves the images it sets aside: a folder inside the gallery (same file
 # system, so a move is a rename), never listed as part of the gallery.
 TRASH_FOLDER = ".dmlsearch-trash"
 # The duplicate review's keeper rule (engine.gallery.keeper): the keys that find a group's source, in
 # the order they break ties; the CLI's --keep-by default.
 KEEPER_RULE = ("camera", "source", "date", "folder", "centre")
+# Refuse images with more pixels (about 7,000 x 7,000) before decoding them.
 MAX_IMAGE_PIXELS = 50_000_000
 # Refuse requests whose images decode to more pixels in all: two images at the limit. A batch of 64 phone
 # JPEGs (12 MP, decoded at 1/4 scale by the JPEG draft) takes ~48 MP; eight blank 49-MP PNGs (392 MP,
@@ -35,10 +35,10 @@ MAX_BATCH_PIXELS = 100_000_000
 # 422 image_too_costly; the figures behind each: README, "Limits and memory".
 DECODE_CPU_SECONDS = 5.0
 DECODE_WALL_SECONDS = 30.0
+DECODE_MEMORY_BYTES = 1024 * 1024**2
 # Wall-clock seconds one model run (at most RUN_IMAGES images, already resized to the model's input) may
 # take in the server before onnxruntime is told to stop it: minutes of a loaded CPU, never a normal run.
 EMBED_RUN_SECONDS = 60.0
-DECODE_MEMORY_BYTES = 1024 * 1024**2
 # The most bytes read of a file we read whole (foundation.regular_files): an index's manifest.json and a
 # model's card (model.json) are about 1 KB, so 1 MiB is a damaged or a wrong file; a duplicates plan lists
 # every member of every group (~200 bytes each), 64 MiB some 300,000; an image file, the query of
