@@ -334,19 +334,22 @@ def _same_file(first: Path, second: Path) -> bool:
     return first.exists() and second.exists() and os.path.samefile(first, second)
 
 
-def move_aside(
-    root: Path, plan_id: str, members: Sequence[SetAside], on_move: Callable[[str], None] | None = None
-) -> ReviewReport:
-    """Move each member's file into the trash (see the module's doc); repeatable."""
-    report = ReviewReport()
-    trash = root / TRASH_FOLDER / plan_id
-    # Before any move: a member that names a folder, a FIFO or a device is a wrong plan, not a file to hash.
+def _require_files(root: Path, members: Sequence[SetAside]) -> None:
+    """Refuse a plan whose member names a folder, a FIFO or a device: a wrong plan, not a file to hash."""
     for member in members:
         source = root / member.path
         if source.exists() and not is_regular(source):
             raise PlanMemberNotAFileError(
                 f"{readable_name(member.path)} is not a regular file in the gallery: nothing was set aside"
             )
+
+
+def move_aside(
+    root: Path, plan_id: str, members: Sequence[SetAside], on_move: Callable[[str], None] | None = None
+) -> ReviewReport:
+    """Move each member's file into the trash (see the module's doc); repeatable."""
+    report = ReviewReport()
+    trash = root / TRASH_FOLDER / plan_id
     for member in members:
         source, target = root / member.path, trash / member.path
         if _same_file(source, target):  # killed between the link and the unlink
@@ -507,6 +510,7 @@ def set_aside(index: GalleryIndex, plan: dict, on_move: Callable[[str], None] | 
     then their items out of the index (kept in the trash folder for an undo), which is saved."""
     plan_id, aside = read_plan(plan)
     root = _root(index)
+    _require_files(root, aside)  # before anything is written or moved
     trash = root / TRASH_FOLDER / plan_id
     trash.mkdir(parents=True, exist_ok=True)
     atomic_write_text(trash / PLAN_FILE, json.dumps(plan, indent=2) + "\n")  # first: an undo needs it

@@ -13,7 +13,7 @@ import numpy as np
 
 from engine.decode.capture_time import clock_now
 from engine.decode.images import FORMAT_SUFFIXES
-from engine.decode.model_input import RUN_IMAGES, decode_uploads
+from engine.decode.model_input import RUN_IMAGES, DecodedUploads, decode_uploads
 from engine.gallery.files import is_writable_folder
 from engine.gallery.labels import InvalidLabelError, check_label
 from engine.serve.item_reader import find_item
@@ -74,6 +74,12 @@ class _NewFile:
 
 
 @dataclass(frozen=True)
+class _Embedded:
+    decoded: DecodedUploads
+    vectors: np.ndarray
+
+
+@dataclass(frozen=True)
 class _Prepared:
     files: list[_NewFile]
     vectors: np.ndarray
@@ -92,15 +98,17 @@ class ItemWriter:
         """Store the images under the gallery root (``<label>/<content hash>.<ext>``) and index them.
 
         Everything is validated, decoded and embedded before the index is touched, so a bad image leaves
-        the index unchanged; that work runs outside the lock, and again under it for the bundle a reload
-        swapped in meanwhile (its model, its gallery). Files are written atomically; the index is saved
-        before returning.
+        the index unchanged; the decode and embedding run outside the lock (again under it if a reload
+        swapped in another model meanwhile), the labels and files are placed under it. Files are written
+        atomically; the index is saved before returning.
         """
         bundle = self.current.bundle
-        prepared = self._prepare(bundle, new_items)
+        embedded = self._embed(bundle, new_items)
         with self.current.writing() as served:
-            if served is not bundle:
-                prepared = self._prepare(served, new_items)
+            if served.embedder.fingerprint != bundle.embedder.fingerprint:
+                embedded = self._embed(served, new_items)
+            # Placed under the lock: a reload may have closed the catalog of the bundle embedded for.
+            prepared = self._place(served, new_items, embedded)
             for position, file in enumerate(prepared.files):
                 known = served.index.items.get_by_content(file.entry.content_hash)
                 if known is not None:
@@ -128,21 +136,25 @@ class ItemWriter:
                 served.index.save()
             return [find_item(served, item_id) for item_id in ids]
 
-    def _prepare(self, bundle: LoadedBundle, new_items: Sequence[NewItem]) -> _Prepared:
-        """Check, decode and embed the new items for ``bundle``: where each file goes, and its vector."""
-        root = _gallery_root(bundle)
-        preprocessing = bundle.embedder.card.preprocessing
+    def _embed(self, bundle: LoadedBundle, new_items: Sequence[NewItem]) -> _Embedded:
+        """Check, decode and embed the new items with ``bundle``'s model (the slow part: outside the lock)."""
         decoded = self.config.decoder.run(
             decode_uploads,
             [new.data for new in new_items],
             self.config.budget(bundle.embedder),
-            preprocessing,
+            bundle.embedder.card.preprocessing,
             signatures=True,
             capture_times=True,
             images=len(new_items),
         )
+        return _Embedded(decoded, bundle.embedder.embed_tensor(decoded.tensor, run_size=RUN_IMAGES))
+
+    def _place(self, bundle: LoadedBundle, new_items: Sequence[NewItem], embedded: _Embedded) -> _Prepared:
+        """Where each new item's file goes in ``bundle``'s gallery, under which label."""
+        root = _gallery_root(bundle)
+        decoded = embedded.decoded
+        assert decoded.capture_times is not None  # asked for by _embed
         files: list[_NewFile] = []
-        assert decoded.capture_times is not None  # asked for above
         stored_labels = list(bundle.index.items.label_counts())
         for position, (new, image_format) in enumerate(zip(new_items, decoded.formats, strict=True)):
             label = _label_folder(bundle, root, new.label, position, stored_labels)
@@ -156,8 +168,7 @@ class ItemWriter:
             # The photo's capture time (read from its header in the decode), else now: the file is new.
             taken = decoded.capture_times[position] or clock_now()
             files.append(_NewFile(Entry(relative.as_posix(), label, digest, taken), target, new.data))
-        vectors = bundle.embedder.embed_tensor(decoded.tensor, run_size=RUN_IMAGES)
-        return _Prepared(files, vectors, decoded.signatures or [])
+        return _Prepared(files, embedded.vectors, decoded.signatures or [])
 
     def remove(self, item_id: int) -> Item:
         """Remove an item from the index (its gallery file stays on disk) and save the index."""

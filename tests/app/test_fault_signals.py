@@ -123,6 +123,7 @@ def test_sigterm_with_a_stalled_client_exits_0_after_the_grace(served: Served) -
         assert _port_closed(base)
 
 
+@pytest.mark.server
 def test_a_request_cut_short_by_the_stop_is_answered_in_the_json_error_format(served: Served) -> None:
     args = serve_args(served, "--shutdown-grace-seconds", "1", "--body-timeout-seconds", "0")
     with uvicorn_process(args) as (base, process):

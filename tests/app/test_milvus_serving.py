@@ -105,9 +105,14 @@ def test_api_over_each_backend(exported_model: Path, built: tuple[str, Path, Pat
 
 
 def test_an_index_of_another_model_is_refused(small_model: Path, built: tuple[str, Path, Path]) -> None:
-    """Served with another model than the one its vectors came from: not ready, saying why."""
+    """Served with another model than the one its vectors came from: the server refuses to start, saying
+    why; told to wait for an index, it starts not ready, saying why, and a reload is refused."""
+    from app.state import NothingToServeError
+
     _, _, index = built
-    with TestClient(create_app(_settings(small_model, index))) as client:
+    with pytest.raises(NothingToServeError, match="rebuild the index with this model"):
+        create_app(_settings(small_model, index))
+    with TestClient(create_app(_settings(small_model, index, wait_for_index=True))) as client:
         ready = client.get("/readyz")
         assert ready.status_code == 503 and "rebuild the index with this model" in ready.text
         assert client.post("/v1/admin/reload", headers={"X-API-Key": API_KEY}).status_code == 422
