@@ -6,13 +6,15 @@ thread pool, one hop each, which cost milliseconds per request on a busy CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import re
 import secrets
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 from fastapi import Depends, Header, Path, Query, Request
-from pydantic import AfterValidator, BeforeValidator, WithJsonSchema
+from pydantic import AfterValidator, BeforeValidator, Field, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
 from app.compute import ComputeSlots
@@ -22,6 +24,7 @@ from app.settings import Settings
 from app.state import EngineState
 from engine.decode.regions import BOX_FORMAT, Box
 from engine.serve.query import SearchOptions
+from engine.serve.refine import DEFAULT_STRATEGY, Refinement, Strategy
 from engine.serve.search import SearchService
 from foundation import defaults
 from foundation.errors import ErrorKind
@@ -145,9 +148,58 @@ async def item_filter(
     return None if where.empty else where
 
 
+ExampleId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+_EXAMPLES_HELP = (
+    f"(repeat for several; at most {defaults.MAX_EXAMPLES} positive and negative examples in all). "
+    "Examples are left out of the results; 404 item_not_found for an id not in the index, 422 "
+    "conflicting_examples for one that is both positive and negative, 422 too_many_examples."
+)
+
+
+async def refinement(
+    positive: Annotated[
+        list[ExampleId] | None,
+        Query(
+            max_length=defaults.MAX_EXAMPLES,
+            description=f"More like these: ids of items the results should resemble {_EXAMPLES_HELP}",
+        ),
+    ] = None,
+    negative: Annotated[
+        list[ExampleId] | None,
+        Query(
+            max_length=defaults.MAX_EXAMPLES,
+            description=f"Less like these: ids of items the results should not resemble {_EXAMPLES_HELP}",
+        ),
+    ] = None,
+    strategy: Annotated[
+        Strategy,
+        Query(
+            description="How the examples combine, as Qdrant's recommendation API defines them (the query "
+            "is the first positive example): average_vector searches by 2 avg(positives) - avg(negatives); "
+            "best_score rescores the nearest neighbours of each positive by their best cosine to a positive, "
+            "or minus the square of their best cosine to a negative where that is higher."
+        ),
+    ] = DEFAULT_STRATEGY,
+) -> Refinement:
+    return Refinement(tuple(positive or ()), tuple(negative or ()), strategy)
+
+
+def refined(
+    options: SearchOptions,
+    examples: Refinement,
+    positive: Sequence[bytes] = (),
+    negative: Sequence[bytes] = (),
+) -> SearchOptions:
+    """``options`` refined by the examples named in the query string and those uploaded (none: as they
+    were)."""
+    refine = Refinement((*examples.positive, *positive), (*examples.negative, *negative), examples.strategy)
+    return dataclasses.replace(options, refine=refine if refine.positive or refine.negative else None)
+
+
 async def search_options(
     settings: Annotated[Settings, Depends(get_settings)],
     where: Annotated[ItemFilter | None, Depends(item_filter)],
+    examples: Annotated[Refinement, Depends(refinement)],
     k: Annotated[
         int, Query(ge=1, le=defaults.MAX_K, description="How many results (per page).")
     ] = defaults.TOP_K,
@@ -184,7 +236,10 @@ async def search_options(
         raise ApiError(ErrorKind.INVALID, "invalid_request", f"k must be at most {settings.max_k}")
     if offset > settings.max_offset:
         raise ApiError(ErrorKind.INVALID, "invalid_request", f"offset must be at most {settings.max_offset}")
-    return SearchOptions(k=k, min_score=min_score, offset=offset, predict=predict, rerank=rerank, where=where)
+    options = SearchOptions(
+        k=k, min_score=min_score, offset=offset, predict=predict, rerank=rerank, where=where
+    )
+    return refined(options, examples)
 
 
 async def query_box(box: Annotated[BoxText | None, Query(description=_BOX_HELP)] = None) -> Box | None:
@@ -231,6 +286,7 @@ async def require_api_key(
 
 Service = Annotated[SearchService, Depends(ready_service)]
 Options = Annotated[SearchOptions, Depends(search_options)]
+Examples = Annotated[Refinement, Depends(refinement)]
 QueryBox = Annotated[Box | None, Depends(query_box)]
 QueryBoxes = Annotated[list[Box] | None, Depends(query_boxes)]
 AppSettings = Annotated[Settings, Depends(get_settings)]

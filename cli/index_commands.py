@@ -20,6 +20,7 @@ from cli.common import (
     read_query_image,
     reports_errors,
 )
+from engine.serve.refine import DEFAULT_STRATEGY, Strategy
 from foundation import defaults
 from foundation.families import Backend, IndexType
 from foundation.names import readable_name
@@ -290,14 +291,39 @@ def query(
     ] = None,
     added_to: Annotated[datetime | None, typer.Option(help="Only items indexed before this time.")] = None,
     box: BoxOption = None,
+    like: Annotated[
+        list[int] | None,
+        typer.Option(
+            min=0,
+            metavar="ID",
+            help="More like this item (its id; repeat for several): a positive example refining the search, "
+            "left out of the results.",
+        ),
+    ] = None,
+    unlike: Annotated[
+        list[int] | None,
+        typer.Option(
+            min=0, metavar="ID", help="Less like this item (its id; repeat for several): a negative example."
+        ),
+    ] = None,
+    strategy: Annotated[
+        Strategy,
+        typer.Option(
+            help="How --like and --unlike combine with the query (Qdrant's recommendation strategies): "
+            "average_vector searches by 2 avg(positives) - avg(negatives), the query being a positive; "
+            "best_score rescores the neighbours of each positive by their best cosine to a positive, or "
+            "minus the square of their best cosine to a negative where that is higher."
+        ),
+    ] = DEFAULT_STRATEGY,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Print the K gallery images most similar to IMAGE (or to a box on it) with their cosine scores
-    (within the filters)."""
+    (within the filters); with --like and --unlike, refined by those items, scored by --strategy."""
     from dataclasses import asdict
 
     from engine.decode.images import ImageDecodeError
     from engine.serve.query import SearchOptions
+    from engine.serve.refine import Refinement
     from engine.serve.search import SearchService
     from index.filters import ItemFilter
 
@@ -307,8 +333,9 @@ def query(
         where = ItemFilter(tuple(label or ()), path_prefix, added_from, added_to, taken_from, taken_to)
         if where.empty_range:  # on the command line, surely a slip
             raise fail("--added-from/--taken-from must be earlier than --added-to/--taken-to")
+        refine = Refinement(tuple(like or ()), tuple(unlike or ()), strategy) if like or unlike else None
         service = SearchService.open(model, index)
-        options = SearchOptions(k=k, min_score=min_score, where=where)
+        options = SearchOptions(k=k, min_score=min_score, where=where, refine=refine)
         response = service.queries.search([image_bytes], options, [region])
     except ImageDecodeError as err:  # named by its file
         raise fail(f"{image}: {err.message}") from None

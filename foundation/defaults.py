@@ -69,6 +69,11 @@ MIN_SCORE = -1.0
 # rerank=pddm re-scores the top max(RERANK_POOL, engine.serve.ranking.RERANK_POOL_FACTOR x k) cosine
 # neighbours.
 RERANK_POOL = 100
+# A search refined by examples (engine.serve.refine): at most this many positive and negative examples in
+# all, ids and uploaded images together (each uploaded one is decoded and embedded with the query; a
+# results page of the UI shows at most 48), and how they combine unless told (Qdrant's default too).
+MAX_EXAMPLES = 64
+REFINE_STRATEGY = "average_vector"
 # sigma^2 of the predict=true vote: each neighbour weighs exp(-|q - x|^2 / 2 sigma^2) (engine.serve.voting).
 VOTE_SIGMA2 = 0.05
 

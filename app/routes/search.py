@@ -10,15 +10,17 @@ from app.deps import (
     AppMetrics,
     AppSettings,
     Compute,
+    Examples,
     ItemId,
     Options,
     QueryBox,
     QueryBoxes,
     Service,
     boxes_for,
+    refined,
 )
 from app.metrics import Metrics
-from app.schemas import BatchSearchOut, ErrorOut, ImageJsonIn, ImagesJsonIn, Responses, SearchOut
+from app.schemas import BatchSearchOut, ErrorOut, ImagesJsonIn, Responses, SearchJsonIn, SearchOut
 from app.uploads import read_uploads, request_body_spec
 from engine.serve.query import ItemQuery
 
@@ -31,12 +33,13 @@ ERRORS: Responses = {code: {"model": ErrorOut} for code in (400, 404, 413, 415, 
     "/v1/search",
     response_model=SearchOut,
     responses=ERRORS,
-    openapi_extra=request_body_spec("image", ImageJsonIn, many=False),
+    openapi_extra=request_body_spec("image", SearchJsonIn, many=False, examples=True),
 )
 async def search(
     request: Request,
     service: Service,
     options: Options,
+    examples: Examples,
     box: QueryBox,
     settings: AppSettings,
     metrics: AppMetrics,
@@ -45,11 +48,19 @@ async def search(
     """The gallery images most similar to one query image, best first, with cosine scores (re-ordered by
     the model's PDDM unit, with its scores beside them, under ``rerank=pddm``).
 
-    Send the image as a multipart file field ``image`` or as JSON ``{"image": "<base64>"}``.
+    Send the image as a multipart file field ``image`` or as JSON ``{"image": "<base64>"}``. Refine the
+    search with examples: item ids in ``positive`` and ``negative``, and images in the file fields (or JSON
+    lists of base64) ``positive_images`` and ``negative_images``.
     """
     uploads = await read_uploads(
-        request, field="image", json_model=ImageJsonIn, max_count=1, max_bytes=settings.max_upload_bytes
+        request,
+        field="image",
+        json_model=SearchJsonIn,
+        max_count=1,
+        max_bytes=settings.max_upload_bytes,
+        examples=True,
     )
+    options = refined(options, examples, uploads.positive, uploads.negative)
     # Decoding and inference are CPU work: a worker thread keeps the event loop answering meanwhile.
     response, queued_ms = await compute.run_for(
         request, service.queries.search, uploads.images, options, [box]

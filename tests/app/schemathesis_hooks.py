@@ -7,8 +7,10 @@ the server rightly refuses (400 ``not_an_image``). These hooks give it what the 
 of each format made here with Pillow, of drawn sizes and colours, in multipart parts and in JSON bodies.
 The other rules stated only in words are kept the same way: the number of labels, and a query box that
 fits its image (a positive case's box is the whole image: boxes are tested against images of known
-sizes in tests/app), and a reload that names an index directory (a positive case's is the served index,
-CONTRACT_INDEX_PATH; a path that is no index is a 422, tested in tests/app/test_reload.py).
+sizes in tests/app), a reload that names an index directory (a positive case's is the served index,
+CONTRACT_INDEX_PATH; a path that is no index is a 422, tested in tests/app/test_reload.py), and a search's
+examples: at most MAX_EXAMPLES in all, none both positive and negative (both refusals are tested in
+tests/app/test_refine_api.py), each JSON example a real image.
 Two artefacts of the generator are corrected: schemathesis 4.32 reads \\p{M} as
 U+20D0-U+20FF, unassigned code points included, so positive labels the schema's own validator
 (jsonschema-rs, Rust's regex) refuses are replaced; and a multipart part is text, so a negative case
@@ -29,6 +31,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from engine.gallery.labels import LABEL_PATTERN
+from foundation.defaults import MAX_EXAMPLES
 
 # Media type -> the Pillow format that writes it (those the server decodes and Pillow writes here).
 WRITERS = {
@@ -62,6 +65,13 @@ LABEL = jsonschema_rs.validator_for({"type": "string", "pattern": LABEL_PATTERN}
 LABEL_FIELDS = ("label", "labels")
 
 IMAGE = base64.b64encode(_encode("PNG", (8, 8), (200, 40, 40))).decode("ascii")
+# The uploaded examples of a refined search: a positive and a negative one must differ (an image both
+# positive and negative is refused).
+EXAMPLE_IMAGES = {
+    "positive_images": base64.b64encode(_encode("PNG", (8, 8), (40, 200, 40))).decode("ascii"),
+    "negative_images": base64.b64encode(_encode("PNG", (8, 8), (40, 40, 200))).decode("ascii"),
+}
+EXAMPLE_IDS = ("positive", "negative")
 
 
 def _count(value: object) -> int:
@@ -76,6 +86,24 @@ def _one_label_per_image_or_one(body: dict) -> None:
         given = body.get(labels)
         if isinstance(given, list) and _count(given) not in (0, 1, _count(body.get(images))):
             body[labels] = given[:1]
+
+
+def _examples_the_server_takes(query: dict, body: object, query_item: object) -> None:
+    """A search's examples, ids in the query and images in the body: no id or image both positive and
+    negative (the query item of a search by item counts as positive), and at most MAX_EXAMPLES in all
+    (positives kept first)."""
+    body = body if isinstance(body, dict) else {}
+    fields = [(query, name) for name in EXAMPLE_IDS] + [(body, name) for name in EXAMPLE_IMAGES]
+    positives = {repr(value) for where, name in fields[::2] for value in _as_list(where.get(name, []))}
+    positives.add(repr(query_item))
+    room = MAX_EXAMPLES
+    for where, name in fields:
+        if name not in where:
+            continue
+        given = _as_list(where[name])
+        if name.startswith("negative"):
+            given = [value for value in given if repr(value) not in positives]
+        where[name], room = given[:room], room - len(given[:room])
 
 
 def _labels_the_schema_takes(body: dict) -> None:
@@ -110,6 +138,12 @@ def map_case(context: schemathesis.HookContext, case: schemathesis.Case) -> sche
     if positive and case.query and "box" in case.query:
         case.query["box"] = [WHOLE_IMAGE_BOX] if isinstance(case.query["box"], list) else WHOLE_IMAGE_BOX
     body = getattr(case.body, "body", case.body)  # a multipart body with its parts' media types
+    if positive and case.query is not None:
+        if case.media_type == "application/json" and isinstance(body, dict):
+            for name, image in EXAMPLE_IMAGES.items():
+                if isinstance(body.get(name), list):
+                    body[name] = [image if isinstance(value, str) else value for value in body[name]]
+        _examples_the_server_takes(case.query, body, (case.path_parameters or {}).get("item_id"))
     if not positive or not isinstance(body, dict):
         return case
     if case.operation.path == RELOAD:  # the served index again (its model: the one it carries)
