@@ -1,4 +1,5 @@
-"""Streamlit page: query by an uploaded image or a gallery item, see the most similar images with scores.
+"""Streamlit page: query by an uploaded image or a gallery item, see the most similar images with scores,
+judge them (👍, 👎) and refine the search by those judgments.
 
 A pure client of the HTTP API (``DMLSEARCH_API_URL``), so it works against a remote server too.
 Run with ``dmlsearch ui`` or ``streamlit run app/ui.py``.
@@ -7,6 +8,7 @@ Run with ``dmlsearch ui`` or ``streamlit run app/ui.py``.
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 from collections.abc import Callable
 from functools import partial
@@ -21,6 +23,7 @@ from app.ui_model import render_model
 from engine.decode.images import (
     IMAGE_SUFFIXES,  # importing it also lets st.image show HEIC queries (pillow-heif)
 )
+from engine.serve.refine import Strategy
 from foundation import defaults
 
 API_URL = os.environ.get("DMLSEARCH_API_URL", defaults.API_URL).rstrip("/")
@@ -41,7 +44,10 @@ SEARCH_DEFAULTS = {
     "filter_clock": next(iter(DATE_FILTERS)),
     "filter_from": None,
     "filter_to": None,
+    "strategy": defaults.REFINE_STRATEGY,
 }
+LIKE, UNLIKE = 1, -1
+SIGNS = {LIKE: "👍", UNLIKE: "👎"}
 
 
 @st.cache_resource
@@ -89,6 +95,71 @@ def search_by_item(item_id: int) -> None:
     st.session_state.item_id = item_id
 
 
+def judge(item_id: int, sign: int, path: str) -> None:
+    """A 👍 or 👎 under a result; the same one clicked again takes it back. Judgments wait for "Refine"."""
+    judgments = st.session_state.judgments
+    if judgments.get(item_id, (0, ""))[0] == sign:
+        del judgments[item_id]
+    else:
+        judgments[item_id] = (sign, path)
+
+
+def refine() -> None:
+    """Search again with the judgments made so far (the judged items then leave the results)."""
+    st.session_state.refined = dict(st.session_state.judgments)
+
+
+def clear_judgments() -> None:
+    st.session_state.judgments, st.session_state.refined = {}, {}
+
+
+def keep_judgments(query: str) -> None:
+    """Judgments are of one query's results: they stay on the page while it is the query, and another query
+    starts with none."""
+    if st.session_state.get("judged_query") != query or "judgments" not in st.session_state:
+        st.session_state.judged_query = query
+        clear_judgments()
+
+
+def refinement_params() -> dict:
+    """The API's parameters of the refinement asked for with "Refine" (none before)."""
+    refined: dict[int, tuple[int, str]] = st.session_state.refined
+    if not refined:
+        return {}
+    return {
+        "positive": [item_id for item_id, (sign, _) in refined.items() if sign == LIKE],
+        "negative": [item_id for item_id, (sign, _) in refined.items() if sign == UNLIKE],
+        "strategy": st.session_state.strategy,
+    }
+
+
+def render_judgments() -> None:
+    """The judgments of this query, what a refined search used, and the actions on them."""
+    judgments: dict[int, tuple[int, str]] = st.session_state.judgments
+    if not judgments:
+        st.caption("Judge results with 👍 and 👎, then refine the search by them.")
+        return
+    counts = " · ".join(
+        f"{mark} {sum(sign == value for sign, _ in judgments.values())}" for value, mark in SIGNS.items()
+    )
+    st.markdown(f"**Your judgments:** {counts}")
+    for start in range(0, len(judgments), 2 * COLUMNS):
+        row = list(judgments.items())[start : start + 2 * COLUMNS]
+        for column, (item_id, (sign, path)) in zip(st.columns(2 * COLUMNS), row, strict=False):
+            with column:
+                thumbnail = fetch_thumbnail(API_URL, item_id, path)
+                if thumbnail is not None:
+                    st.image(thumbnail, caption=f"{SIGNS[sign]} item {item_id}", width="stretch")
+    pending = judgments != st.session_state.refined
+    st.button("Refine", key="refine", on_click=refine, type="primary", disabled=not pending)
+    st.button("Clear judgments", key="clear-judgments", on_click=clear_judgments)
+    if st.session_state.refined:
+        used = len(st.session_state.refined)
+        st.caption(
+            f"Results refined by {used} judgment(s) ({st.session_state.strategy}); judged items are left out."
+        )
+
+
 def render_index_stats(stats: dict | str) -> None:
     with st.sidebar:
         st.header("Index")
@@ -121,6 +192,14 @@ def render_search_controls() -> tuple[dict, dict]:
             ),
             "predict": st.checkbox("Predict the label", key="predict"),
         }
+        st.selectbox(
+            "Refine by",
+            [strategy.value for strategy in Strategy],
+            key="strategy",
+            help="How 👍 and 👎 refine the search (Qdrant's strategies): average_vector searches by "
+            "2 avg(liked and the query) - avg(disliked); best_score ranks by the best cosine to a liked "
+            "image or the query, or minus the square of the best cosine to a disliked one where higher.",
+        )
         return params, render_filters()
 
 
@@ -191,8 +270,22 @@ def render_results(body: dict, *, filtered: bool, explain: Callable[[int], dict]
                 st.button(
                     "Similar", key=f"similar-{result['id']}", on_click=search_by_item, args=(result["id"],)
                 )
+                render_judge_buttons(result)
                 if st.toggle("Why it matched", key=f"why-{result['id']}"):
                     render_explanation(explain, result["id"])
+
+
+def render_judge_buttons(result: dict) -> None:
+    sign = st.session_state.judgments.get(result["id"], (0, ""))[0]
+    for value, mark in SIGNS.items():
+        st.button(
+            mark,
+            key=f"judge-{value}-{result['id']}",
+            on_click=judge,
+            args=(result["id"], value, result["path"]),
+            type="primary" if sign == value else "secondary",
+            help="Take it back" if sign == value else "More like this" if value == LIKE else "Less like this",
+        )
 
 
 def run_query(params: dict) -> tuple[dict, Callable[[int], dict]] | None:
@@ -206,11 +299,12 @@ def run_query(params: dict) -> tuple[dict, Callable[[int], dict]] | None:
             st.write("Upload an image to find visually similar gallery images.")
             return None
         data = upload.getvalue()
+        keep_judgments(f"upload {hashlib.sha256(data).hexdigest()}")
         shown = preview(data)
         box = None if shown is None else region_box(shown, key="upload-box")
         box_param = {"box": box} if box else {}  # the explanation is of the region searched by
         try:
-            body = client.search(upload.name, data, **params, **box_param)
+            body = client.search(upload.name, data, **params, **box_param, **refinement_params())
         except ApiCallError as err:
             st.error(f"This image could not be searched: {plain(err)}")
             return None
@@ -232,13 +326,14 @@ def run_query(params: dict) -> tuple[dict, Callable[[int], dict]] | None:
             f"{items[i]['label'] or '-'} · {items[i]['path']}" if i in items else f"item {i}"
         ),
     )
+    keep_judgments(f"item {item_id}")
     thumbnail = fetch_thumbnail(API_URL, item_id, items.get(item_id, {}).get("path", ""))
     box = None if thumbnail is None else region_box(thumbnail, key=f"item-box-{item_id}")
     if thumbnail is not None and box is None:
         st.image(thumbnail, caption=f"query: item {item_id}", width=240)
     box_param = {"box": box} if box else {}  # the explanation is of the region searched by
     try:
-        body = client.similar(item_id, **params, **box_param)
+        body = client.similar(item_id, **params, **box_param, **refinement_params())
     except ApiCallError as err:
         st.error(f"Search by item {item_id} failed: {plain(err)}")
         return None
@@ -264,6 +359,7 @@ def main() -> None:
     answer = run_query(params | filters)
     if answer is not None:
         body, explain = answer
+        render_judgments()
         render_results(body, filtered=bool(filters), explain=explain)
 
 

@@ -105,7 +105,7 @@ def test_clicking_a_result_searches_by_it(page, demo_gallery: Path) -> None:
         ("coffee.jpg", (demo_gallery / "coffee/01_crop.jpg").read_bytes(), "image/jpeg")
     )
     page.run()
-    second = page.button[1]
+    second = [button for button in page.button if button.key.startswith("similar-")][1]
     clicked_id = int(second.key.removeprefix("similar-"))
     second.click()
     page.run()
@@ -132,6 +132,51 @@ def test_a_result_shows_why_it_matched_when_asked(page, demo_gallery: Path) -> N
     assert why == ["why: query", "why: result"]
     (summary,) = [text for text in texts(page.caption) if text.startswith("Similarity ")]
     assert "of the match" in summary and "positions" not in summary, summary
+
+
+def _result_ids(page) -> list[int]:
+    """The results' ids in rank order (each result's "Similar" button is keyed by it)."""
+    keys = [button.key for button in page.button if button.key.startswith("similar-")]
+    return [int(key.removeprefix("similar-")) for key in keys]
+
+
+def test_thumbs_up_and_down_then_refine_search_again_by_them(page, api_url: str, demo_gallery: Path) -> None:
+    data = (demo_gallery / "cat/00_crop.jpg").read_bytes()
+    page.file_uploader[0].set_value(("cat.jpg", data, "image/jpeg"))
+    page.run()
+    plain = _result_ids(page)
+    liked, disliked = plain[1], plain[2]
+    page.button(key=f"judge-1-{liked}").click()
+    page.run()
+    page.button(key=f"judge--1-{disliked}").click()
+    page.run()
+    assert not page.exception
+    assert "**Your judgments:** 👍 1 · 👎 1" in texts(page.markdown)
+    assert _result_ids(page) == plain  # judged, not refined yet
+
+    def api_answer(strategy: str) -> list[int]:
+        params = {"k": 12, "min_score": 0.0, "predict": True, "positive": [liked], "negative": [disliked]}
+        files = {"image": ("cat.jpg", data)}
+        body = httpx.post(f"{api_url}/v1/search", params={**params, "strategy": strategy}, files=files).json()
+        return [result["id"] for result in body["results"]]
+
+    page.button(key="refine").click()
+    page.run()
+    assert not page.exception
+    refined = _result_ids(page)
+    assert liked not in refined and disliked not in refined
+    assert refined == api_answer("average_vector") != plain
+    # The query and its judgments stay on the page.
+    captions = [caption for image in page.image for caption in image.captions]
+    assert {"query", f"👍 item {liked}", f"👎 item {disliked}"} <= set(captions)
+    assert any(caption.startswith("Results refined by 2 judgment(s)") for caption in texts(page.caption))
+    page.sidebar.selectbox(key="strategy").set_value("best_score")
+    page.run()
+    assert _result_ids(page) == api_answer("best_score")
+    page.button(key="clear-judgments").click()
+    page.run()
+    assert _result_ids(page) == plain
+    assert "**Your judgments:** 👍 1 · 👎 1" not in texts(page.markdown)
 
 
 def test_min_score_slider_filters_results(page, demo_gallery: Path) -> None:
