@@ -25,6 +25,7 @@ from index.faiss_build import retune as retune_index
 from index.faiss_index import FaissIndex
 from index.filters import ItemFilter
 from index.items import ItemStore
+from index.judgments import SqliteJudgments
 from index.manifest import BuiltIndex, Manifest
 from index.protocol import Capabilities, Entry, IndexNotBuiltError, Move, normalize_rows
 from index.selection import IndexOptions, IndexSpec, choose_index
@@ -121,6 +122,10 @@ class FaissBackend:
     @property
     def items(self) -> ItemStore:
         return self.store
+
+    @property
+    def judgments(self) -> SqliteJudgments:
+        return self.store.judgments
 
     @property
     def built(self) -> bool:

@@ -20,6 +20,7 @@ from index.backends import capabilities_of, connect
 from index.connection import MilvusConnection
 from index.filters import ItemFilter, UnknownLabelError, match_labels
 from index.items import now_utc
+from index.judgments import JudgmentStore
 from index.manifest import FLAT_REQUESTED, MANIFEST_NAME, Manifest
 from index.protocol import Capabilities, CapabilityError, Entry, Item, ItemCatalog, Move, VectorIndex
 from index.selection import IndexOptions, IndexSpec
@@ -133,6 +134,11 @@ class GalleryIndex:
         return self._backend.items
 
     @property
+    def judgments(self) -> JudgmentStore:
+        """The 👍/👎 judgments on this index's results (``index.judgments``)."""
+        return self._backend.judgments
+
+    @property
     def capabilities(self) -> Capabilities:
         return self._backend.capabilities
 
@@ -183,7 +189,8 @@ class GalleryIndex:
         return self._backend.last_id()
 
     def remove(self, ids: Sequence[int]) -> int:
-        """Remove items by id; returns how many existed. Ids are never reused."""
+        """Remove items by id, and the judgments naming them; returns how many existed. Ids are never
+        reused."""
         return self._backend.remove(ids)
 
     def move(self, moves: Sequence[Move]) -> int:

@@ -10,6 +10,8 @@ and read back with Python's surrogate escapes: the same name opens the same file
 Items also carry when their photo was taken (column ``taken``, see ``index.filters``): indexes written before
 it gain the column when next opened for writing, and their items have none until a build reads it.
 
+The index's judgments (👍/👎 on results, ``index.judgments``) are a table of this file too.
+
 Items may also carry a perceptual signature (opaque bytes the engine computes from the image, see
 ``engine.duplicates.groups``), in a table of its own: indexes written before it existed gain the empty table
 when next opened for writing, and their items simply have none.
@@ -29,6 +31,7 @@ import numpy as np
 from foundation.errors import NotFoundError
 from foundation.regular_files import require_regular
 from index.filters import TAKEN_OR_ADDED, ItemFilter
+from index.judgments import SqliteJudgments
 from index.protocol import Entry, Item, Move, check_dim, normalize_rows, not_unit_rows
 
 _COLUMNS = "id, path, label, content_hash, added, taken"
@@ -71,6 +74,7 @@ class ItemStore:
         if read_only:
             self.connection = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
             self._columns = _COLUMNS if self._has_taken() else _COLUMNS_BEFORE_TAKEN
+            self.judgments = SqliteJudgments(self.connection, dim, read_only=True)
             return
         self._columns = _COLUMNS
         self.connection = sqlite3.connect(path, check_same_thread=False)
@@ -94,6 +98,7 @@ class ItemStore:
             self.connection.execute(
                 "CREATE TABLE IF NOT EXISTS signatures (id INTEGER PRIMARY KEY, signature BLOB NOT NULL)"
             )
+        self.judgments = SqliteJudgments(self.connection, dim, read_only=False)  # kept with the items
 
     # -- writing -----------------------------------------------------------------------------------
 

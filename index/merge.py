@@ -4,6 +4,9 @@ Items are copied in sorted path order, content duplicates across shards keep the
 out exactly as a single-process build of the whole gallery gives them. The FAISS index is trained once on
 a sample of all vectors; each shard's vectors fill their own copy of the trained index and the parts are
 merged with faiss's IVF merge (``faiss.merge_into``), as faiss's recipe for building in pieces does.
+
+Merging into an index directory that holds an index keeps that index's judgments, on the items of the
+same content (ids may differ); shards hold none (a shard is never served).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from foundation.errors import InvalidInputError
 from foundation.progress import progress_bar
 from index.backends import capabilities_of
 from index.gallery import GalleryIndex, ModelWriter
+from index.judgments import carry
 from index.manifest import MANIFEST_NAME, Manifest
 from index.protocol import Entry, Item
 from index.selection import IndexOptions
@@ -86,8 +90,22 @@ def merge_shards(
         fingerprint = first.model_fingerprint
         with staged_write(out_dir, fingerprint=fingerprint, create=create, resume=False) as staged:
             partitions = _copy_items(shards, staged.index, progress)
+            if (out_dir / MANIFEST_NAME).exists():
+                _carry_judgments(out_dir, staged.index)
             staged.commit(model, retune=True, partitions=partitions, progress=progress)
     return GalleryIndex.open(out_dir)
+
+
+def _carry_judgments(previous_dir: Path, target: GalleryIndex) -> None:
+    """Copy the judgments of the index at ``previous_dir`` into ``target``, by the content of their items."""
+    new_ids = {item.content_hash: item.id for item in target.items.scan()}
+    with closing(GalleryIndex.open(previous_dir, read_only=True)) as previous:
+        by_old_id = {
+            item.id: new_ids[item.content_hash]
+            for item in previous.items.scan()
+            if item.content_hash in new_ids
+        }
+        carry(previous.judgments.scan(), target.judgments, by_old_id, target.manifest.model_fingerprint)
 
 
 def _copy_items(stores: Sequence[GalleryIndex], target: GalleryIndex, progress: bool) -> list[np.ndarray]:

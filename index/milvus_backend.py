@@ -38,6 +38,7 @@ from foundation.errors import InvalidInputError, MissingDependencyError
 from index.connection import MilvusConnection
 from index.filters import ItemFilter
 from index.items import now_utc
+from index.judgments import MilvusJudgments
 from index.manifest import MILVUS_COLLECTION, BuiltIndex, Manifest
 from index.protocol import (
     BackendUnavailableError,
@@ -207,6 +208,7 @@ class MilvusBackend:
         self.nullable = True
         self.has_taken = True  # False for a collection made before: its items have no capture time
         self._ids = IdClock()
+        self.judgments = MilvusJudgments(client, collection, self.dim, IdClock(), CONSISTENCY)
 
     @classmethod
     def connect(cls, directory: Path, manifest: Manifest, connection: MilvusConnection) -> MilvusBackend:
@@ -217,7 +219,9 @@ class MilvusBackend:
         if not client.has_collection(backend.collection):
             backend._create_collection(manifest.options)
         backend._check_collection()
+        backend.judgments.create(_pymilvus().DataType)  # beside the items, for every replica to see
         client.load_collection(backend.collection)
+        backend.judgments.load()
         return backend
 
     def _create_collection(self, options: IndexOptions) -> None:
@@ -385,6 +389,7 @@ class MilvusBackend:
                 output_fields=["id"],
                 consistency_level="Strong",
             )
+            self.judgments.forget_items(present)
         return len(present)
 
     def _rows(self, ids: Sequence[int], fields: list[str]) -> list[dict]:

@@ -12,6 +12,7 @@ from foundation.errors import DmlsearchError, ErrorKind
 
 if TYPE_CHECKING:
     from index.filters import ItemFilter
+    from index.judgments import JudgmentStore
     from index.manifest import BuiltIndex
     from index.selection import IndexOptions
 
@@ -135,6 +136,12 @@ class VectorIndex(Protocol):
 
     @property
     def items(self) -> ItemCatalog: ...
+
+    @property
+    def judgments(self) -> JudgmentStore:
+        """The index's judgments, kept where every process serving it sees them; those naming an item
+        are deleted with it by ``remove``."""
+        ...
 
     @property
     def built(self) -> bool:

@@ -6,7 +6,9 @@ budget, target recall). The old index is only read (its item store opened read-o
 go on serving it; the new one is one staged write (``index.staging``): written aside, each embedded batch
 committed at once, and swapped into place with its model when complete: a killed rebuild run again
 continues where it stopped.
-Files gone from the gallery or no longer decodable are skipped and listed in the report.
+Files gone from the gallery or no longer decodable are skipped and listed in the report. The old index's
+judgments come along under the kept ids (those naming a skipped item are left out); an uploaded query's
+embedding is dropped when the model changes (``index.judgments.carry``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from engine.model.embedder import Embedder
 from foundation.defaults import BATCH_SIZE
 from foundation.errors import ConflictError, InvalidInputError, NotFoundError
 from index.gallery import GalleryIndex
+from index.judgments import Judgment, carry
 from index.manifest import Manifest
 from index.protocol import CapabilityError, Entry, Item, Move
 from index.staging import staged_write
@@ -50,14 +53,15 @@ class _KeepIds:
 
 @dataclass(frozen=True)
 class Source:
-    """The index whose items are re-embedded: its manifest, gallery folder, items, and the highest id it
-    ever handed out."""
+    """The index whose items are re-embedded: its manifest, gallery folder, items, the highest id it
+    ever handed out, and its judgments."""
 
     directory: Path
     manifest: Manifest
     gallery_root: Path
     items: list[Item]
     last_id: int
+    judgments: list[Judgment]
 
 
 def read_source(index_dir: Path, gallery_root: Path | None) -> Source:
@@ -81,11 +85,12 @@ def read_source(index_dir: Path, gallery_root: Path | None) -> Source:
                 "under their ids (FAISS; build a new Milvus collection with dmlsearch build-index)"
             )
         items, last_id = list(index.items.scan()), index.last_id()
+        judgments = list(index.judgments.scan())
     finally:
         index.close()
     if not items:
         raise InvalidInputError(f"{index_dir} holds no items to re-embed")
-    return Source(index_dir, manifest, gallery_root.resolve(), items, last_id)
+    return Source(index_dir, manifest, gallery_root.resolve(), items, last_id, judgments)
 
 
 def reembed(
@@ -100,7 +105,7 @@ def reembed(
     """Embed the items of ``source`` with ``embedder`` into ``index`` under their ids, labels and times
     added; ``moves``: items whose file was renamed or moved since, re-embedded from their new path (and
     with its label). Items ``index`` already holds under the same id and path (an interrupted run's) are
-    kept; others it holds are removed."""
+    kept; others it holds are removed. The judgments of ``source`` follow their items."""
     moved = {move.id: move for move in moves}
     items = [
         dataclasses.replace(item, path=move.path, label=move.label) if (move := moved.get(item.id)) else item
@@ -123,6 +128,8 @@ def reembed(
     files = hash_files(root, [root / item.path for item in todo], report, progress)
     files = [dataclasses.replace(f, label=by_path[f.relative].label) for f in files]
     embed_files(_KeepIds(index, by_path), embedder, files, report, batch_size=batch_size, progress=progress)
+    same_ids = {item.id: item.id for item in index.items.scan()}
+    carry(source.judgments, index.judgments, same_ids, embedder.fingerprint)
     return report
 
 

@@ -15,6 +15,7 @@ from cli.main import app
 from engine.build.rebuild import rebuild_index
 from engine.model.embedder import Embedder
 from index.gallery import GalleryIndex
+from index.judgments import JudgedQuery
 from index.manifest import Manifest
 from tests.helpers import Served, copy_served, index_digest, make_image
 
@@ -141,3 +142,38 @@ def test_rebuild_refuses_to_overwrite(old: Served, small_model: Path, tmp_path: 
         tmp_path / "no",
     )
     assert code == 2 and "does not exist" in output
+
+
+def test_judgments_follow_their_items_into_the_rebuilt_index(
+    old: Served, small_model: Path, exported_model: Path, tmp_path: Path
+) -> None:
+    index = GalleryIndex.open(old.index)
+    ids = [item.id for item in index.items.scan()]
+    fingerprint = index.manifest.model_fingerprint
+    upload = JudgedQuery(content_hash="ab" * 32, embedding=np.ones(index.manifest.dim, np.float32))
+    kept = [
+        index.judgments.add(JudgedQuery(item=ids[1]), ids[2], 1, fingerprint, "2026-01-01T00:00:00+00:00"),
+        index.judgments.add(upload, ids[3], -1, fingerprint, "2026-01-01T00:00:01+00:00"),
+    ]
+    index.judgments.add(JudgedQuery(item=ids[0]), ids[2], -1, fingerprint, "2026-01-01T00:00:02+00:00")
+    gone = index.items.get(ids[0])
+    index.close()
+    assert gone is not None
+    (old.gallery / gone.path).unlink()  # its item is skipped by the rebuild, and so is its judgment
+
+    rebuild_index(old.index, Embedder(small_model), tmp_path / "other", progress=False)
+    rebuild_index(old.index, Embedder(exported_model), tmp_path / "same", progress=False)
+    other, same = GalleryIndex.open(tmp_path / "other"), GalleryIndex.open(tmp_path / "same")
+    try:
+        # Another model: the uploaded query's embedding is dropped, its hash and everything else kept.
+        assert list(other.judgments.scan()) == kept
+        assert next(iter(other.judgments.scan())).query.item == ids[1]
+        assert [j.query.embedding is None for j in other.judgments.scan()] == [True, True]
+        (_, by_upload) = same.judgments.scan()  # the same model keeps the embedding
+        assert by_upload.query.embedding is not None and np.array_equal(
+            by_upload.query.embedding, upload.embedding
+        )
+        assert by_upload.model_fingerprint == fingerprint
+    finally:
+        other.close()
+        same.close()
