@@ -29,12 +29,13 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from app.state import EngineState, failure_reason
-from engine.model.model_card import ModelCard
+from engine.model.bundle import ModelFile
 from engine.serve.loaded_bundle import LoadedBundle
 from engine.serve.probe import probe_output, prove_bundle, prove_index
 from engine.serve.search import SearchService
 from foundation.errors import DmlsearchError
 from index.gallery import IndexMismatchError
+from index.manifest import DiskChange
 
 log = logging.getLogger("dmlsearch.app")
 
@@ -83,7 +84,9 @@ class Reloader:
         saved index cannot be served."""
         with self._lock:
             service: SearchService | None = self.app.state.engine.service
-            if service is None or not service.saved_elsewhere():
+            # Saved or replaced alike: the served model is tried first, and an index of another model is
+            # reloaded whole below.
+            if service is None or service.current.bundle.unseen_change() is DiskChange.UNCHANGED:
                 return None
             directory = service.index.directory
             started = time.perf_counter()
@@ -105,11 +108,11 @@ class Reloader:
         where = index_path or settings.index_path
         service: SearchService | None = self.app.state.engine.service
         try:
-            index_path, model_path = EngineState.locate(settings, index_path, model_path)
-            if service is not None and ModelCard.load(model_path).fingerprint == service.model_fingerprint:
+            index_path, model = EngineState.locate(settings, index_path, model_path)
+            if service is not None and model.card.fingerprint == service.model_fingerprint:
                 output = None  # the model served already (the same bytes): its session serves the new index
             else:
-                output = probe_output(model_path, settings.reload_probe_seconds)  # before it is loaded here
+                output = probe_output(model.path, settings.reload_probe_seconds)  # before it is loaded here
         except Exception as err:  # whatever is wrong with the new bundle, keep serving the old one
             raise _refused(where, err) from err
         # No write of the served index saves while the new bundle is read and probed: a save replaces
@@ -117,7 +120,7 @@ class Reloader:
         # probe then finds only items the store no longer holds). Searches go on meanwhile; a write
         # acknowledged after this and before the swap is read again by the swap.
         with service.current.reading() if service is not None else contextlib.nullcontext():
-            bundle, prove = self._load(service, index_path, model_path, output, where)
+            bundle, prove = self._load(service, index_path, model, output, where)
             self._prove(bundle, where, prove)
         return self._serve(bundle, where, started)
 
@@ -125,7 +128,7 @@ class Reloader:
         self,
         service: SearchService | None,
         index_path: Path,
-        model_path: Path,
+        model: ModelFile,
         output: np.ndarray | None,
         where: Path,
     ) -> tuple[LoadedBundle, Callable[[LoadedBundle], None]]:
@@ -134,7 +137,7 @@ class Reloader:
         settings = self.app.state.settings
         try:
             if output is not None:
-                bundle = EngineState.open_bundle(settings, index_path, model_path)
+                bundle = EngineState.open_bundle(settings, index_path, model)
                 return bundle, partial(prove_bundle, output=output)
             assert service is not None  # no probe output only where a model is served already
             index = EngineState.open_index(settings, index_path)

@@ -9,7 +9,7 @@ from pathlib import Path
 from app.settings import Settings
 from engine.decode.pool import Decoder
 from engine.gallery.files import own_folders
-from engine.model.bundle import resolve_model
+from engine.model.bundle import ModelFile, locate_model
 from engine.serve.loaded_bundle import LoadedBundle, ServingConfig
 from engine.serve.probe import prove_index
 from engine.serve.search import SearchService
@@ -57,23 +57,23 @@ class EngineState:
     @staticmethod
     def locate(
         settings: Settings, index_path: Path | None = None, model_path: Path | None = None
-    ) -> tuple[Path, Path]:
+    ) -> tuple[Path, ModelFile]:
         """The index directory (default: the configured one) and the model to serve it with, checked to
         be the one it was built with (``model_path`` None: the configured model for the configured index,
-        else the model the index carries)."""
+        else the model the index carries), its card read once for the whole load."""
         if index_path is None:
             index_path, model_path = settings.index_path, model_path or settings.model_path
-        return index_path, resolve_model(index_path, model_path)
+        return index_path, locate_model(index_path, model_path)
 
     @staticmethod
     def open_index(settings: Settings, index_path: Path) -> GalleryIndex:
         return LoadedBundle.open_index(index_path, backend=settings.backend, milvus=settings.milvus)
 
     @staticmethod
-    def open_bundle(settings: Settings, index_path: Path, model_path: Path) -> LoadedBundle:
+    def open_bundle(settings: Settings, index_path: Path, model: ModelFile) -> LoadedBundle:
         """The embedder, its PDDM unit and the index, loaded as one bundle (swapped as one)."""
         return LoadedBundle.open(
-            model_path,
+            model,
             index_path,
             threads=settings.threads,
             backend=settings.backend,

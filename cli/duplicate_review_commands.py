@@ -165,7 +165,7 @@ def tiered(
 def apply_or_undo(index: Path, apply: Path | None, undo: Path | None, *, progress: bool) -> None:
     """``undo``: the plan file, the trash folder of the apply or its plan id."""
     from engine.duplicates.review import apply_plan, find_plan, gallery_root, read_plan_file, undo_plan
-    from engine.model.bundle import resolve_model
+    from engine.model.bundle import locate_model
     from engine.model.embedder import Embedder
 
     if apply is not None:
@@ -174,7 +174,8 @@ def apply_or_undo(index: Path, apply: Path | None, undo: Path | None, *, progres
     else:
         assert undo is not None
         plan = find_plan(gallery_root(index), str(undo))
-        report = undo_plan(index, plan, Embedder(resolve_model(index)), progress=progress)
+        model = locate_model(index)
+        report = undo_plan(index, plan, Embedder(model.path, card=model.card), progress=progress)
         for moved in report.moved:
             typer.echo(f"put back {moved}")
     for where, why in report.left:

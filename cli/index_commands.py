@@ -378,7 +378,7 @@ def add(
 ) -> None:
     """Embed and add images to an index without rebuilding it."""
     from engine.build.indexing import add_images
-    from engine.model.bundle import resolve_model
+    from engine.model.bundle import locate_model
     from engine.model.embedder import Embedder
 
     index, paths = index_and_arguments(index, arguments)
@@ -387,7 +387,8 @@ def add(
     missing = [path for path in paths if not path.exists()]
     if missing:
         raise fail(f"{missing[0]} does not exist")
-    embedder = Embedder(resolve_model(index, model))
+    located = locate_model(index, model)
+    embedder = Embedder(located.path, card=located.card)
     report = add_images(index, embedder, paths, batch_size=batch_size, progress=progress)
     _print_build_summary(index, report)
 

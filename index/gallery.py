@@ -21,7 +21,7 @@ from index.connection import MilvusConnection
 from index.filters import ItemFilter, UnknownLabelError, match_labels
 from index.items import now_utc
 from index.judgments import JudgmentStore
-from index.manifest import FLAT_REQUESTED, MANIFEST_NAME, Manifest
+from index.manifest import FLAT_REQUESTED, MANIFEST_NAME, DiskChange, Manifest, disk_change, manifest_stamp
 from index.protocol import Capabilities, CapabilityError, Entry, Item, ItemCatalog, Move, VectorIndex
 from index.selection import IndexOptions, IndexSpec
 
@@ -52,7 +52,7 @@ class GalleryIndex:
         self.manifest = manifest
         self._backend = backend
         manifest.built = backend.built_index()  # a server's index type is read when connecting
-        self.stamp = _disk_stamp(directory)  # the manifest as this object last read or wrote it
+        self.stamp = manifest_stamp(directory)  # the manifest as this object last read or wrote it
         self._labels: frozenset[str] | None = None  # the stored labels, as last read (see _match_labels)
 
     @classmethod
@@ -94,7 +94,7 @@ class GalleryIndex:
         manifest.set_options(options or IndexOptions())
         index = cls(directory, manifest, connect(directory, manifest, create=True))
         manifest.save(directory)
-        index.stamp = _disk_stamp(directory)
+        index.stamp = manifest_stamp(directory)
         return index
 
     @classmethod
@@ -117,8 +117,8 @@ class GalleryIndex:
         """
         if not read_only:
             remove_abandoned(directory)  # before loading: a killed writer's half-written copies are litter
-        # Stamped before reading: a save that lands while the files are read makes saved_elsewhere() true.
-        stamp = _disk_stamp(directory)
+        # Stamped before reading: a save that lands while the files are read is a disk_change().
+        stamp = manifest_stamp(directory)
         manifest = Manifest.load(directory)
         if backend is not None and backend != manifest.backend:
             raise ValueError(f"{directory} is a {manifest.backend} index, not {backend}")
@@ -318,21 +318,12 @@ class GalleryIndex:
         self.manifest.count = len(self)
         self.manifest.updated = now_utc()
         self.manifest.save(self.directory)
-        self.stamp = _disk_stamp(self.directory)  # our own save: nothing to reload
+        self.stamp = manifest_stamp(self.directory)  # our own save: nothing to reload
 
-    def saved_elsewhere(self) -> bool:
-        """Whether another process (or another object) saved this index since this one read or saved it."""
-        stamp = _disk_stamp(self.directory)
-        return stamp is not None and stamp != self.stamp
+    def disk_change(self) -> DiskChange:
+        """Whether another process (or another object) saved this index since this one read or saved it,
+        or another index took its directory."""
+        return disk_change(self.directory, self.stamp, self.manifest.origin)
 
     def close(self) -> None:
         self._backend.close()
-
-
-def _disk_stamp(directory: Path) -> tuple[int, int] | None:
-    """Identifies the manifest on disk: every save replaces it atomically (a new inode)."""
-    try:
-        stat = (directory / MANIFEST_NAME).stat()
-    except OSError:
-        return None
-    return stat.st_ino, stat.st_mtime_ns

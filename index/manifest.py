@@ -9,6 +9,7 @@ the model, ``None`` for indexes built before). Copying the directory copies a se
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from foundation import defaults
 from foundation.atomic import atomic_write_text
-from foundation.errors import InvalidInputError, NotFoundError
+from foundation.errors import DmlsearchError, InvalidInputError, NotFoundError
 from foundation.families import Backend, IndexType
 from foundation.regular_files import read_regular
 from index.connection import MilvusConnection
@@ -136,3 +137,38 @@ class Manifest(BaseModel):
 
     def save(self, directory: Path) -> None:
         atomic_write_text(directory / MANIFEST_NAME, self.model_dump_json(indent=2))
+
+
+class DiskChange(Enum):
+    """What became of an index directory's manifest since an object read or wrote it: the one answer the
+    server, its reloader and the watcher act on (``GalleryIndex.disk_change``)."""
+
+    UNCHANGED = "unchanged"  # the same manifest, or none at all (nothing there to follow)
+    SAVED = "saved"  # the same index saved again, by another process or object (the same origin)
+    REPLACED = "replaced"  # another index took the path (another origin), or no index manifest is there
+
+
+# The manifest file's inode and modification time: every save replaces it atomically (a new inode).
+ManifestStamp = tuple[int, int]
+
+
+def manifest_stamp(directory: Path) -> ManifestStamp | None:
+    """Identifies the manifest on disk (None: there is none)."""
+    try:
+        stat = (directory / MANIFEST_NAME).stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def disk_change(directory: Path, stamp: ManifestStamp | None, origin: tuple[str, str | None]) -> DiskChange:
+    """How the manifest in ``directory`` changed since it was ``stamp``, for the index of ``origin``
+    (``Manifest.origin``); the manifest is read only when its stamp changed."""
+    now = manifest_stamp(directory)
+    if now is None or now == stamp:
+        return DiskChange.UNCHANGED
+    try:
+        found = Manifest.load(directory).origin
+    except (DmlsearchError, OSError):  # no index's manifest any more: something else took the path
+        return DiskChange.REPLACED
+    return DiskChange.SAVED if found == origin else DiskChange.REPLACED

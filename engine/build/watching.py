@@ -29,19 +29,23 @@ from engine.build.indexing import build_index
 from engine.build.report import BuildReport
 from engine.build.sync import sync_files
 from engine.gallery.files import is_image_file, list_images
-from engine.model.bundle import resolve_model
+from engine.model.bundle import locate_model
 from engine.model.embedder import Embedder
-from engine.model.model_card import ModelCard
 from foundation.defaults import BATCH_SIZE
 from index.gallery import GalleryIndex
-from index.manifest import Manifest
+from index.manifest import DiskChange
 
 # How often an idle watcher looks whether another index took its path (the server polls as often).
 FOLLOW_SECONDS = 2.0
 
 
-class IndexReplaced(Exception):
-    """Another index took the watched path while a batch was applied: that batch is caught up instead."""
+class IndexChanged(Exception):
+    """Another process saved the watched index, or another index took its path: the watcher follows it, and
+    a batch being applied is caught up instead."""
+
+    def __init__(self, change: DiskChange) -> None:
+        super().__init__(change.value)
+        self.change = change
 
 
 @dataclass
@@ -97,15 +101,13 @@ class GalleryWatcher:
             while not stop.is_set():
                 batch = self.batcher.next_batch(stop, timeout=FOLLOW_SECONDS)
                 try:
-                    if index.saved_elsewhere():
-                        raise IndexReplaced
+                    _require_unchanged(index)
                     if batch:
                         self._record(batch, self.apply(index, batch))
-                except IndexReplaced:
-                    origin = index.manifest.origin
+                except IndexChanged as changed:
                     index.close()
                     index = None
-                    index = self._follow(origin)
+                    index = self._follow(changed.change)
         finally:
             if index is not None:
                 index.close()
@@ -124,15 +126,15 @@ class GalleryWatcher:
             raise
         return index
 
-    def _follow(self, origin: tuple[str, str | None]) -> GalleryIndex:
-        """Another index took the watched path, or another process saved it: embed with the model it
-        carries from now on, and catch it up with the folder (the changes applied to the old one
-        included). ``origin``: which index was followed so far (``Manifest.origin``)."""
+    def _follow(self, change: DiskChange) -> GalleryIndex:
+        """Another index took the watched path, or another process saved it (``change``): embed with the
+        model it carries from now on, and catch it up with the folder (the changes applied to the old one
+        included)."""
         previous = self.embedder.fingerprint
-        replaced = Manifest.load(self.index_dir).origin != origin
-        model = resolve_model(self.index_dir)
-        if ModelCard.load(model).fingerprint != previous:
-            self.embedder = Embedder(model, threads=self.threads)
+        replaced = change is DiskChange.REPLACED
+        model = locate_model(self.index_dir)
+        if model.card.fingerprint != previous:
+            self.embedder = Embedder(model.path, threads=self.threads, card=model.card)
         self.stats.followed += 1
         if self.on_follow is not None:
             self.on_follow(previous, self.embedder.fingerprint, replaced)
@@ -166,8 +168,7 @@ class GalleryWatcher:
         report.duplicates = [(path, first) for path, first in report.duplicates if path in touched]
         if len(index) > 0:
             report.rebuilt = index.build(retune=False)
-        if index.saved_elsewhere():  # saving now would write over the index that took the path
-            raise IndexReplaced
+        _require_unchanged(index)  # saving now would write over the index that took the path
         index.save()
         return report
 
@@ -190,3 +191,9 @@ class GalleryWatcher:
         self.stats.skipped += len(report.skipped)
         if self.on_batch is not None:
             self.on_batch(batch, report)
+
+
+def _require_unchanged(index: GalleryIndex) -> None:
+    change = index.disk_change()
+    if change is not DiskChange.UNCHANGED:
+        raise IndexChanged(change)

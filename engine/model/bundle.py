@@ -10,6 +10,7 @@ before carry none and are served with the model path given.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.model.model_card import ModelCard
@@ -63,7 +64,16 @@ def stored_model(directory: Path, manifest: Manifest) -> Path | None:
     return path
 
 
-def resolve_model(index_dir: Path, model_path: Path | None = None) -> Path:
+@dataclass(frozen=True)
+class ModelFile:
+    """A model located for an index, with its card read once: what loads it (``Embedder(path, card=card)``)
+    and what compares it with the model served need not read ``model.json`` again."""
+
+    path: Path
+    card: ModelCard
+
+
+def locate_model(index_dir: Path, model_path: Path | None = None) -> ModelFile:
     """The model to embed queries for ``index_dir`` with: ``model_path`` if given (it must be the model the
     index was built with), else the one the index carries."""
     manifest = Manifest.load(index_dir)
@@ -74,15 +84,15 @@ def resolve_model(index_dir: Path, model_path: Path | None = None) -> Path:
                 f"{index_dir} carries no model (it was built before indexes stored theirs): give the "
                 "model.onnx it was built with, or rebuild it with dmlsearch index rebuild"
             )
-        return stored
+        return ModelFile(stored, ModelCard.load(stored))
     if not model_path.is_file():
         raise NotFoundError(f"model file {model_path} does not exist")
-    fingerprint = ModelCard.load(model_path).fingerprint
-    if fingerprint != manifest.model_fingerprint:
+    card = ModelCard.load(model_path)
+    if card.fingerprint != manifest.model_fingerprint:
         carried = "leave the model path out to use the one it carries, or " if manifest.model_file else ""
         raise IndexMismatchError(
-            f"model {model_path} (fingerprint {fingerprint[:12]}) is not the model {index_dir} was built "
-            f"with ({manifest.model_fingerprint[:12]}): {carried}rebuild the index with this model "
+            f"model {model_path} (fingerprint {card.fingerprint[:12]}) is not the model {index_dir} was "
+            f"built with ({manifest.model_fingerprint[:12]}): {carried}rebuild the index with this model "
             "(dmlsearch index rebuild)"
         )
-    return model_path
+    return ModelFile(model_path, card)

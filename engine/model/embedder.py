@@ -56,14 +56,16 @@ class Embedder:
         device: str = "auto",
         spinning: bool = False,
         run_seconds: float | None = None,
+        card: ModelCard | None = None,
     ) -> None:
         """``run_seconds``: stop a model run that takes longer (:class:`EmbedTimeoutError`); None: no
-        deadline (offline jobs, where a run's length is the job's)."""
+        deadline (offline jobs, where a run's length is the job's). ``card``: the model's card where the
+        caller read it already (``engine.model.bundle.locate_model``); None: read here."""
         self.model_path = Path(model_path)
         self.run_seconds = run_seconds
         if not self.model_path.exists():
             raise NotFoundError(f"model file {self.model_path} does not exist")
-        self.card = ModelCard.load(self.model_path)
+        self.card = card or ModelCard.load(self.model_path)
         check_fingerprint(self.model_path, self.card.fingerprint, self.model_path)
         self.session = onnx_session(self.model_path, threads=threads, device=device, spinning=spinning)
         self.input_name = self.session.get_inputs()[0].name

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from engine.decode.model_input import PixelBudget
 from engine.decode.pool import Decoder, InProcessDecoder
-from engine.model.bundle import resolve_model
+from engine.model.bundle import ModelFile, locate_model
 from engine.model.embedder import Embedder
 from engine.model.explainer import Explainer
 from engine.model.reranker import PDDMReranker
@@ -19,6 +19,7 @@ from foundation import defaults
 from foundation.locks import ReadWriteLock
 from index.connection import MilvusConnection
 from index.gallery import GalleryIndex
+from index.manifest import DiskChange
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class LoadedBundle:
     @classmethod
     def open(
         cls,
-        model_path: Path | None,
+        model: ModelFile | Path | None,
         index_dir: Path,
         *,
         threads: int = 0,
@@ -48,11 +49,14 @@ class LoadedBundle:
         milvus: MilvusConnection | None = None,
         run_seconds: float | None = None,
     ) -> LoadedBundle:
-        """``model_path``: None serves the model the index carries; ``backend``: refuse an index of another
-        backend; ``milvus``: where its Milvus collection is. The model's PDDM unit is loaded too when
-        its card names one (a model exported from a pddm run), and its explainer when it has one.
-        ``run_seconds``: the deadline of each model run (:class:`engine.model.embedder.EmbedTimeoutError`)."""
-        embedder = Embedder(resolve_model(index_dir, model_path), threads=threads, run_seconds=run_seconds)
+        """``model``: located already (``locate_model``), a path checked to be the index's model, or None
+        to serve the model the index carries; ``backend``: refuse an index of another backend; ``milvus``:
+        where its Milvus collection is. The model's PDDM unit is loaded too when its card names one (a
+        model exported from a pddm run), and its explainer when it has one. ``run_seconds``: the deadline
+        of each model run (:class:`engine.model.embedder.EmbedTimeoutError`)."""
+        if not isinstance(model, ModelFile):
+            model = locate_model(index_dir, model)
+        embedder = Embedder(model.path, threads=threads, run_seconds=run_seconds, card=model.card)
         index = cls.open_index(index_dir, backend=backend, milvus=milvus)
         reranker = PDDMReranker.for_model(embedder.model_path, embedder.card, threads=threads)
         explainer = Explainer.for_model(embedder.model_path, embedder.card, threads=threads)
@@ -65,6 +69,14 @@ class LoadedBundle:
         """An index to serve: a FAISS file is read into memory, not mapped, so that another process
         overwriting it in place (``cp new.faiss vectors.faiss``) cannot kill the server with SIGBUS."""
         return GalleryIndex.open(index_dir, backend=backend, milvus=milvus, mapped=False)
+
+    def unseen_change(self) -> DiskChange:
+        """How the index's directory changed on disk in a way this bundle serves only once its index is
+        opened again (FAISS: another process's save, another index at its path); a server's collection
+        (Milvus) is live, its changes seen without a reload: unchanged."""
+        if not self.index.capabilities.reopen_to_see_saves:
+            return DiskChange.UNCHANGED
+        return self.index.disk_change()
 
     def with_index(self, index: GalleryIndex) -> LoadedBundle:
         """The same model over another index (checked to be embedded by it)."""
@@ -105,7 +117,7 @@ class CurrentBundle:
         """
         with self.lock.write():
             index = bundle.index
-            if index.capabilities.reopen_to_see_saves and index.saved_elsewhere():
+            if bundle.unseen_change() is not DiskChange.UNCHANGED:
                 reopened = LoadedBundle.open_index(index.directory, backend=index.manifest.backend)
                 try:
                     fresh = bundle.with_index(reopened)  # rebuilt with another model meanwhile: refused

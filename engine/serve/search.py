@@ -64,13 +64,6 @@ class SearchService:
     def rerankers(self) -> list[str]:
         return self.current.bundle.rerankers
 
-    def saved_elsewhere(self) -> bool:
-        """Whether another process saved the served index since it was loaded (``dmlsearch watch``,
-        ``build-index``, ``index add``) and serving its changes takes opening it again (FAISS); a server's
-        collection (Milvus) is live: its changes are seen without a reload."""
-        index = self.index
-        return index.capabilities.reopen_to_see_saves and index.saved_elsewhere()
-
     def swap(self, bundle: LoadedBundle) -> LoadedBundle:
         """Serve ``bundle`` from now on (``CurrentBundle.swap``: after the writes under way, with every
         acknowledged write in it); returns the bundle served."""

@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from engine.build.indexing import build_index
 from engine.build.rebuild import rebuild_index
 from engine.model.embedder import Embedder
+from engine.model.model_card import ModelCard
 from index.manifest import Manifest
 from tests.helpers import API_KEY, Served, app_clients, image_bytes, make_image, uvicorn_process
 
@@ -118,6 +119,29 @@ def test_reload_switches_index_and_model_together(
     response = client.post("/v1/admin/reload", headers={"X-API-Key": API_KEY})
     assert response.status_code == 200 and response.json()["model_fingerprint"] == old
     assert _search(client) == old
+
+
+def test_a_reload_reads_the_new_model_s_card_once(
+    served_module: Served,
+    new_index: Path,
+    client_for: Callable[..., TestClient],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Locating the model, comparing it with the served one and loading it share one read of model.json
+    (before: three; the probe's child process reads its own)."""
+    client = client_for(index_path=served_module.index, api_key=API_KEY)
+    read, reads = ModelCard.load, list[Path]()
+    monkeypatch.setattr(ModelCard, "load", lambda path: reads.append(path) or read(path))
+    for body in (
+        {"index_path": str(new_index)},
+        {"index_path": str(new_index), "model_path": str(new_index / "model.onnx")},
+    ):
+        client.post("/v1/admin/reload", headers={"X-API-Key": API_KEY})  # the configured bundle again
+        reads.clear()
+        response = client.post("/v1/admin/reload", headers={"X-API-Key": API_KEY}, json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["model_fingerprint"] == _fingerprint(new_index)
+        assert reads == [new_index / "model.onnx"], body
 
 
 def _broken_indexes(new_index: Path, exported_model: Path, root: Path) -> dict[str, tuple[dict, str]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from index.gallery import GalleryIndex
-from index.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest
+from index.manifest import FORMAT_VERSION, MANIFEST_NAME, DiskChange, Manifest
 from index.selection import IndexOptions
 from tests.helpers import clustered_vectors, entries
 
@@ -72,3 +72,27 @@ def test_an_unknown_format_is_refused(tmp_path: Path) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), "format_version": 1}))
     with pytest.raises(ValueError, match="index format 1 is not supported"):
         Manifest.load(tmp_path / "index")
+
+
+def test_disk_change_tells_a_save_from_another_index_at_the_path(tmp_path: Path) -> None:
+    """The one answer the server, its reloader and the watcher act on, from the manifest's identity: two
+    indexes created within one second differ, and a save of the same index is told from them."""
+    served = GalleryIndex.create(tmp_path / "index", dim=DIM, model_fingerprint="m", gallery_root=None)
+    assert served.disk_change() is DiskChange.UNCHANGED
+    writer = GalleryIndex.open(tmp_path / "index")
+    writer.add(clustered_vectors(5, DIM), entries(5))
+    writer.save()
+    assert served.disk_change() is DiskChange.SAVED
+    assert writer.disk_change() is DiskChange.UNCHANGED  # its own save
+    writer.close()
+
+    GalleryIndex.create(tmp_path / "other", dim=DIM, model_fingerprint="m", gallery_root=None).close()
+    other = Manifest.load(tmp_path / "other")
+    other.created = served.manifest.created  # created within the same second
+    other.save(tmp_path / "index")
+    assert served.disk_change() is DiskChange.REPLACED
+    (tmp_path / "index" / MANIFEST_NAME).write_text("not a manifest")
+    assert served.disk_change() is DiskChange.REPLACED
+    (tmp_path / "index" / MANIFEST_NAME).unlink()
+    assert served.disk_change() is DiskChange.UNCHANGED  # nothing there to follow
+    served.close()

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from engine.model.bundle import STORED_MODEL, resolve_model, store_model
+from engine.model.bundle import STORED_MODEL, locate_model, store_model
 from engine.model.model_card import ModelCard, file_fingerprint
 from engine.model.reranker import PDDMReranker
 from engine.serve.search import SearchService
@@ -59,7 +59,8 @@ def test_build_index_stores_its_model_hard_linked(bundle: tuple[Path, Path]) -> 
     assert os.path.samefile(stored, model)  # a hard link on one file system: no bytes copied
     assert ModelCard.path_for(stored).read_bytes() == ModelCard.path_for(model).read_bytes()
     assert file_fingerprint(stored) == manifest.model_fingerprint == ModelCard.load(stored).fingerprint
-    assert resolve_model(index) == stored
+    assert locate_model(index).path == stored
+    assert locate_model(index).card == ModelCard.load(stored)
 
 
 def test_query_needs_no_model_and_a_copied_index_still_answers(
