@@ -6,7 +6,15 @@ import base64
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from engine.gallery.labels import LABEL_PATTERN, MAX_LABEL_CHARS
 from engine.model.model_card import ValidationCheck
@@ -16,6 +24,7 @@ from engine.serve.ranking import QueryHits
 from engine.serve.voting import Prediction
 from foundation import defaults
 from foundation.names import readable_name
+from index.judgments import Judgment
 from index.protocol import Item
 
 # Every image the API sends: browsers must not sniff another type out of a gallery file's bytes.
@@ -525,3 +534,77 @@ class ExplainOut(BaseModel):
         description="The explanation in words, as `dmlsearch explain` prints it: the similarity, what the "
         "colours show and the part of the match the outlined regions carry."
     )
+
+
+def _base64_data(value: object) -> object:
+    """Base64 text to its bytes, refusing what is not strictly base64 (a 422 naming the field)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return base64.b64decode(value, validate=True)
+    except ValueError as err:
+        raise ValueError(f"not valid base64: {err}") from None
+
+
+Base64Data = Annotated[
+    bytes, BeforeValidator(_base64_data), WithJsonSchema({"type": "string", "contentEncoding": "base64"})
+]
+INT64_ID = Field(ge=0, le=2**63 - 1)
+
+
+class FeedbackIn(BaseModel):
+    """One judgment (👍 or 👎) on a result of a search: the query as an item id or as the uploaded image
+    (base64), the result's item id, and the sign."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    query_item: Annotated[int, INT64_ID] | None = Field(None, description="the query's item id")
+    query_image: Base64Data | None = Field(
+        None, description="the uploaded query image (base64): kept as its sha256 and its embedding"
+    )
+    result: Annotated[int, INT64_ID] = Field(description="the judged result's item id")
+    sign: Literal[1, -1] = Field(description="1: this result is right for the query (👍); -1: it is not (👎)")
+
+    @model_validator(mode="after")
+    def _one_query(self) -> FeedbackIn:
+        if (self.query_item is None) == (self.query_image is None):
+            raise ValueError("give the query as query_item or as query_image, one of them")
+        return self
+
+
+class JudgmentOut(BaseModel):
+    id: int
+    query_item: int | None = Field(description="the query's item id; null for an uploaded query")
+    query_hash: str | None = Field(description="an uploaded query image's sha256; null for an item query")
+    query_embedded: bool = Field(
+        description="whether an uploaded query's embedding is kept (dropped when the index was rebuilt with "
+        "another model than model_fingerprint)"
+    )
+    result: int = Field(description="the judged result's item id")
+    sign: int = Field(description="1 (👍) or -1 (👎)")
+    time: str = Field(description="when it was made (ISO 8601, UTC)")
+    model_fingerprint: str = Field(description="the model that served the judged result")
+
+    @classmethod
+    def of(cls, judgment: Judgment) -> JudgmentOut:
+        query = judgment.query
+        return cls(
+            id=judgment.id,
+            query_item=query.item,
+            query_hash=query.content_hash,
+            query_embedded=query.embedding is not None,
+            result=judgment.result,
+            sign=judgment.sign,
+            time=judgment.time,
+            model_fingerprint=judgment.model_fingerprint,
+        )
+
+
+class JudgmentPageOut(BaseModel):
+    judgments: list[JudgmentOut]
+    total: int
+    offset: int
+
+
+class DeletedJudgmentOut(BaseModel):
+    deleted: JudgmentOut

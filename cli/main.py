@@ -9,6 +9,7 @@ import typer
 from cli import (
     duplicates_commands,
     explain_commands,
+    feedback_commands,
     index_commands,
     model_commands,
     proof_commands,
@@ -30,6 +31,7 @@ for module in (
     watch_commands,
     duplicates_commands,
     explain_commands,
+    feedback_commands,
 ):
     app.registered_commands.extend(module.commands.registered_commands)
     app.registered_groups.extend(module.commands.registered_groups)

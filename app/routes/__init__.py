@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from app.routes import admin, duplicates, explain, health, items, model, search
+from app.routes import admin, duplicates, explain, feedback, health, items, model, search
 
 router = APIRouter()
-for module in (health, search, explain, items, duplicates, admin, model):
+for module in (health, search, explain, items, feedback, duplicates, admin, model):
     router.include_router(module.router)

@@ -3,9 +3,9 @@
 :class:`SearchService` joins a :class:`LoadedBundle` (an index and the model that embedded it) to the
 services sharing it under one readers-writer lock (searches run side by side; a write or a reload waits for
 them and runs alone): ``queries`` (``engine.serve.query``), ``reader`` (``engine.serve.item_reader``),
-``writer`` (``engine.serve.item_writer``), ``duplicates`` (``engine.duplicates.finder``) and ``explanations``
-(``engine.serve.explain``). A reload swaps the bundle as one unit (``CurrentBundle.swap``), the one way the
-served bundle changes (``app.reload``).
+``writer`` (``engine.serve.item_writer``), ``feedback`` (``engine.serve.feedback``), ``duplicates``
+(``engine.duplicates.finder``) and ``explanations`` (``engine.serve.explain``). A reload swaps the bundle
+as one unit (``CurrentBundle.swap``), the one way the served bundle changes (``app.reload``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from engine.duplicates.finder import DuplicateFinder
 from engine.model.embedder import Embedder
 from engine.serve.explain import ExplainService
+from engine.serve.feedback import FeedbackKeeper
 from engine.serve.item_reader import ItemReader
 from engine.serve.item_writer import ItemWriter
 from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle, ServingConfig
@@ -30,6 +31,7 @@ class SearchService:
         self.reader = ItemReader(self.current, max_pixels=self.config.max_pixels, decoder=self.config.decoder)
         self.queries = QueryService(self.current, self.reader, self.config)
         self.writer = ItemWriter(self.current, self.config)
+        self.feedback = FeedbackKeeper(self.current, self.config)
         self.duplicates = DuplicateFinder(self.current)
         self.explanations = ExplainService(self.current, self.reader, self.config)
 
