@@ -161,3 +161,17 @@ def test_merging_into_an_index_keeps_its_judgments_on_the_items_of_the_same_cont
         assert second.result == now[judged[1]]
     finally:
         again.close()
+
+
+def test_a_judgment_made_through_one_opening_of_the_index_is_seen_by_another(index: GalleryIndex) -> None:
+    """Two processes serving one index (replicas of a Milvus collection, a server and `dmlsearch feedback
+    export` on a FAISS directory) read and write the same judgments, without a reload."""
+    other = GalleryIndex.open(index.directory)
+    try:
+        ids = _ids(index)
+        made = index.judgments.add(JudgedQuery(item=ids[0]), ids[1], 1, "m", TIME)
+        assert list(other.judgments.scan()) == [made]
+        other.judgments.remove(made.id)
+        assert index.judgments.get(made.id) is None
+    finally:
+        other.close()

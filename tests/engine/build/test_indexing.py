@@ -16,6 +16,7 @@ from engine.build.report import BuildReport, MovedFile
 from engine.model.embedder import Embedder
 from index.connection import MilvusConnection
 from index.gallery import GalleryIndex
+from index.judgments import JudgedQuery
 from index.manifest import Manifest
 from index.protocol import Entry
 from index.selection import IndexChanges
@@ -358,3 +359,34 @@ def test_shards_each_take_their_own_files(embedder: Embedder, gallery: Path, tmp
     assert all(Shard(i, 2).owns(p) for i in range(2) for p in paths[i])
     with pytest.raises(ValueError, match="holds shard 0/2"):
         build_index(gallery, embedder, tmp_path / "shard0", shard=Shard(1, 2), progress=False)
+
+
+def test_judgments_follow_their_items_when_another_model_re_embeds_the_index(
+    embedder: Embedder, small_model: Path, gallery: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "index"
+    old_model = Embedder(small_model, threads=1)
+    build_index(gallery, old_model, out, progress=False)
+    before = _items(out)
+    index = GalleryIndex.open(out)
+    time = "2026-01-01T00:00:00+00:00"
+    moved, gone, other = (
+        before["beta/beta_0.png"][0],
+        before["gamma/gamma_2.png"][0],
+        before["alpha/alpha_0.png"][0],
+    )
+    kept = index.judgments.add(JudgedQuery(item=other), moved, 1, old_model.fingerprint, time)
+    index.judgments.add(JudgedQuery(item=gone), other, -1, old_model.fingerprint, time)
+    index.close()
+    (gallery / "gamma" / "gamma_2.png").unlink()
+    (gallery / "delta").mkdir()
+    (gallery / "beta" / "beta_0.png").rename(gallery / "delta" / "moved.png")
+
+    build_index(gallery, embedder, out, progress=False)
+    index = GalleryIndex.open(out)
+    try:
+        assert list(index.judgments.scan()) == [
+            kept
+        ]  # the moved item's id and judgment kept; the gone one's not
+    finally:
+        index.close()
