@@ -549,7 +549,9 @@ def _base64_data(value: object) -> object:
 Base64Data = Annotated[
     bytes, BeforeValidator(_base64_data), WithJsonSchema({"type": "string", "contentEncoding": "base64"})
 ]
-INT64_ID = Field(ge=0, le=2**63 - 1)
+# No maximum: FastAPI writes a body's bounds as floats, and 2**63 - 1 as a double is 2**63, which would let
+# schema-valid ids through to a 422; an id past int64 names no item (404, engine.serve.feedback).
+ITEM_ID = Field(ge=0)
 
 
 class FeedbackIn(BaseModel):
@@ -558,11 +560,11 @@ class FeedbackIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    query_item: Annotated[int, INT64_ID] | None = Field(None, description="the query's item id")
+    query_item: Annotated[int, ITEM_ID] | None = Field(None, description="the query's item id")
     query_image: Base64Data | None = Field(
         None, description="the uploaded query image (base64): kept as its sha256 and its embedding"
     )
-    result: Annotated[int, INT64_ID] = Field(description="the judged result's item id")
+    result: Annotated[int, ITEM_ID] = Field(description="the judged result's item id")
     sign: Literal[1, -1] = Field(description="1: this result is right for the query (👍); -1: it is not (👎)")
 
     @model_validator(mode="after")

@@ -8,15 +8,23 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.decode.model_input import RUN_IMAGES, decode_uploads
-from engine.serve.item_reader import find_item
+from engine.serve.item_reader import ItemNotFoundError, find_item
 from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle, ServingConfig
 from foundation.errors import NotFoundError
 from index.items import now_utc
 from index.judgments import JudgedQuery, Judgment, check_sign
 
+INT64_MAX = 2**63 - 1  # item ids are int64 (SQLite's and Milvus's): a larger number names no item
+
 
 class JudgmentNotFoundError(NotFoundError):
     code = "judgment_not_found"
+
+
+def _check_item(bundle: LoadedBundle, item_id: int) -> None:
+    if not 0 <= item_id <= INT64_MAX:
+        raise ItemNotFoundError(f"no item with id {item_id}")
+    find_item(bundle, item_id)
 
 
 @dataclass(frozen=True)
@@ -45,9 +53,9 @@ class FeedbackKeeper:
         bundle = self.current.bundle
         embedding = self._embed(bundle, feedback.query_image)
         with self.current.writing() as served:
-            find_item(served, feedback.result)
+            _check_item(served, feedback.result)
             if feedback.query_item is not None:
-                find_item(served, feedback.query_item)
+                _check_item(served, feedback.query_item)
                 query = JudgedQuery(item=feedback.query_item)
             else:
                 assert feedback.query_image is not None  # the one or the other (Feedback's contract)

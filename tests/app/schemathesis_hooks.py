@@ -10,7 +10,8 @@ fits its image (a positive case's box is the whole image: boxes are tested again
 sizes in tests/app), a reload that names an index directory (a positive case's is the served index,
 CONTRACT_INDEX_PATH; a path that is no index is a 422, tested in tests/app/test_reload.py), and a search's
 examples: at most MAX_EXAMPLES in all, none both positive and negative (both refusals are tested in
-tests/app/test_refine_api.py), each JSON example a real image.
+tests/app/test_refine_api.py), each JSON example a real image, and a judgment's one query (an item id or
+a real image, not both: refused as 422, tested in tests/app/test_feedback_api.py).
 Two artefacts of the generator are corrected: schemathesis 4.32 reads \\p{M} as
 U+20D0-U+20FF, unassigned code points included, so positive labels the schema's own validator
 (jsonschema-rs, Rust's regex) refuses are replaced; and a multipart part is text, so a negative case
@@ -61,6 +62,7 @@ for media_type, pillow_format in WRITERS.items():
 
 WHOLE_IMAGE_BOX = "0,0,1,1"
 RELOAD = "/v1/admin/reload"
+FEEDBACK = "/v1/feedback"
 LABEL = jsonschema_rs.validator_for({"type": "string", "pattern": LABEL_PATTERN})
 LABEL_FIELDS = ("label", "labels")
 
@@ -149,6 +151,13 @@ def map_case(context: schemathesis.HookContext, case: schemathesis.Case) -> sche
     if case.operation.path == RELOAD:  # the served index again (its model: the one it carries)
         body.clear()
         body["index_path"] = os.environ["CONTRACT_INDEX_PATH"]
+        return case
+    if case.operation.path == FEEDBACK:  # the query by item id if one was drawn, else as a real image
+        if isinstance(body.get("query_item"), int):
+            body.pop("query_image", None)
+        else:
+            body.pop("query_item", None)
+            body["query_image"] = IMAGE
         return case
     _one_label_per_image_or_one(body)
     _labels_the_schema_takes(body)

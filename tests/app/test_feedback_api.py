@@ -85,6 +85,7 @@ def test_bad_feedback_is_refused_in_the_json_error_format(make_client: Callable[
 
     assert post({"query_item": ids[0], "result": missing, "sign": 1}) == (404, "item_not_found")
     assert post({"query_item": missing, "result": ids[0], "sign": 1}) == (404, "item_not_found")
+    assert post({"query_item": ids[0], "result": 2**63, "sign": 1}) == (404, "item_not_found")  # past int64
     for sign in (0, 2, -2, "up"):
         assert post({"query_item": ids[0], "result": ids[1], "sign": sign}) == (422, "invalid_request")
     image = base64.b64encode(image_bytes(make_image(71))).decode()
