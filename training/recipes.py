@@ -110,6 +110,14 @@ RECIPES: dict[str, dict[str, Choice]] = {
             "to 60-66 within 300 steps; val peak 71.0 at 4, 76.8 at 8, 74.1 at 16, 72.5 at 64; class-fold CV "
             "gains +3.86/+5.22/+0.41 vs +1.37/-0.23/-4.72 printed (recipes_cv.md)",
         ),
+        "min_steps": Choice(
+            300,
+            "a small folder's epoch is a step or two (45 training photos, 48-example batches), and patience "
+            "counts per-epoch validations: runs ended after 8-27 steps, before the head moved. 25 Cars196 "
+            "classes of 6-14 photos: stopped at step 27 (validation R@1 87.0 -> 91.3) vs 280 (-> 100.0, best "
+            "step 207); 40 classes of 8-20: best step 85. On Cars196 patience cannot stop a run before "
+            "step 712 (8 epochs), so it changes nothing there",
+        ),
     },
     "pddm": {
         "quadruplets": Choice(
@@ -148,6 +156,27 @@ RECIPES: dict[str, dict[str, Choice]] = {
     "angular": {"embedding_scale": _DOT_SCALE},
     "npair-angular": {"embedding_scale": _DOT_SCALE},
 }
+
+# Magnet's cluster index (training/samplers.py) splits a class into at most clusters_per_class k-means
+# clusters, each holding on average this many times the D examples a batch draws from a cluster (D draws
+# need no repeats, and k-means clusters are uneven). Smaller clusters degenerate: they cut a small class into
+# its few near-identical photos, the batch variance (the loss's unit) becomes their small spread, every other
+# class's mean looks far in those units and nearly every example's loss is 0. Measured on Cars196 photos in
+# class folders, the recommended recipe otherwise: 10 classes of 15, 4 clusters a class held 1-9 photos (3
+# alone) and 2 of 44 cached example losses were above 0; 25 classes of 6-14, 12 of 40 clusters held one
+# photo, 1 of 113 losses above 0. One cluster a class (what this gives both) started at a mean loss of 0.36
+# and 0.16. The paper's Table 1 keeps clusters large too (Flowers, 10 photos a class: 1 cluster; Pets: 8 of
+# about 12 photos); Cars196's smallest training class (59 photos) still gets its 4 clusters, so Cars196 runs
+# are unchanged.
+MAGNET_CLUSTER_FILL = 2
+
+
+def magnet_clusters(class_size: int, clusters_per_class: int, samples_per_cluster: int) -> int:
+    """The k-means clusters Magnet's index makes of a class of ``class_size`` examples: at most
+    ``clusters_per_class``, at least 1, and no more than its examples fill at MAGNET_CLUSTER_FILL x D each."""
+    fillable = class_size // (MAGNET_CLUSTER_FILL * samples_per_cluster)
+    return max(1, min(clusters_per_class, fillable))
+
 
 # `--loss auto` races these: the four strongest recipes of the frozen Cars196 table (train_all.md, seed 0:
 # ms 71.06, angular 70.82, npair-angular 69.04, loop-lifted 67.90; untrained 60.62).

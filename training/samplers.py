@@ -20,6 +20,7 @@ import torch
 
 from training.losses.base import MetricLoss
 from training.losses.registry import BatchLayout
+from training.recipes import magnet_clusters
 
 
 class ClassBalancedSampler:
@@ -73,8 +74,9 @@ class NeighbourhoodSampler(ClassBalancedSampler):
     """Magnet's neighbourhood sampling over a per-class k-means cluster index.
 
     * The index: every class's embeddings are clustered by faiss k-means into ``clusters_per_class``
-      clusters (fewer for small classes); :meth:`refresh` rebuilds it from a forward pass over the whole
-      training set, every ``refresh_interval`` steps.
+      clusters, fewer for a class too small to fill them with several times D examples each
+      (:func:`~training.recipes.magnet_clusters`); :meth:`refresh` rebuilds it from a forward pass over
+      the whole training set, every ``refresh_interval`` steps.
     * A batch: a seed cluster I drawn with probability proportional to its mean cached example loss
       (``p_I(I) ∝ L_I``), its ``clusters - 1`` nearest impostor clusters (centres of *other* classes
       nearest to I's centre), and ``samples_per_class`` = D examples from each.
@@ -120,7 +122,7 @@ class NeighbourhoodSampler(ClassBalancedSampler):
         vectors = np.ascontiguousarray(embeddings, dtype=np.float32)
         centres, cluster_labels = [], []
         for class_id, members in zip(self.class_ids, self.members, strict=True):
-            k = min(self.clusters_per_class, len(members))
+            k = magnet_clusters(len(members), self.clusters_per_class, self.samples_per_class)
             if k == 1:
                 local = np.zeros(len(members), dtype=np.int64)
                 class_centres = vectors[members].mean(axis=0, keepdims=True)

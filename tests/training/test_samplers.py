@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from training.losses import LOSSES, MetricLoss
+from training.losses.magnet import MagnetLoss
+from training.recipes import magnet_clusters, resolve
 from training.samplers import ClassBalancedSampler, NeighbourhoodSampler, sampler_for
 
 
@@ -147,3 +149,36 @@ def test_refresh_is_due_at_step_zero_and_every_interval_once() -> None:
     restored.load_state_dict(sampler.state_dict())
     assert not restored.refresh_due(11) and restored.refresh_due(15)
     assert not ClassBalancedSampler(_labels(), 2, 2).refresh_due(0)
+
+
+def test_a_class_is_split_into_no_more_clusters_than_it_can_fill() -> None:
+    assert magnet_clusters(15, clusters_per_class=4, samples_per_cluster=4) == 1  # 15 < 2 x 4 x 2
+    assert magnet_clusters(20, clusters_per_class=4, samples_per_cluster=4) == 2
+    assert magnet_clusters(59, clusters_per_class=4, samples_per_cluster=4) == 4  # Cars196's smallest class
+    assert magnet_clusters(3, clusters_per_class=4, samples_per_cluster=4) == 1  # never none
+
+
+def test_magnet_recipe_sees_overlapping_classes_on_a_small_folder() -> None:
+    """Issue 44, item 5: 150 photos in 10 folders, each class a few tight groups of near-identical photos
+    (a view, a colour) whose spread hides that the classes overlap. Four clusters a class cut out the tight
+    groups (1-9 photos each), the batch variance became their small spread, every other class's mean looked
+    far in those units and the loss was 0 on every batch; clusters the class can fill keep its spread."""
+    rng = np.random.default_rng(0)
+    labels = np.repeat(np.arange(10), 15)
+    groups = np.tile(np.repeat(np.arange(5), 3), 10)  # 5 groups of 3 photos a class
+    embeddings = (
+        0.5 * rng.normal(size=(10, 32))[labels]  # class centres closer than the groups' spread: overlap
+        + rng.normal(size=(10, 5, 32))[labels, groups]
+        + 0.05 * rng.normal(size=(150, 32))
+    ).astype(np.float32)
+    config = resolve("magnet").config("magnet", "folder")
+    sampler = sampler_for(LOSSES["magnet"].layout, labels, clusters_per_class=config.clusters_per_class)
+    sampler.refresh(embeddings)
+    assert np.bincount(sampler.assignment).min() >= sampler.samples_per_class, "D draws need no repeats"
+    loss = MagnetLoss(**config.loss_hparams)
+    values = []
+    for _ in range(20):
+        indices = sampler.next_indices()
+        batch = torch.from_numpy(embeddings[indices])
+        values.append(float(loss(batch, torch.from_numpy(labels[indices]), **sampler.batch_info(indices))))
+    assert sum(value > 0 for value in values) >= 15, values
