@@ -25,6 +25,7 @@ from app.middleware import (
     RequestMetricsMiddleware,
     ShutdownAnswerMiddleware,
     UploadLimitMiddleware,
+    UploadSlots,
 )
 from app.openapi import served_openapi
 from app.ratelimit import TokenBucketLimiter
@@ -139,7 +140,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Starlette wraps each new middleware around the previous ones: the last added runs first. CORS is
     # outermost so that refusals (413, 429) carry CORS headers too and browsers can read them.
     app.add_middleware(BodySizeLimitMiddleware, limit=settings.max_request_bytes)
-    app.add_middleware(UploadLimitMiddleware, limit=settings.max_concurrent_uploads)
+    app.state.uploads = UploadSlots(settings.max_concurrent_uploads, settings.body_pace())
+    app.add_middleware(UploadLimitMiddleware, slots=app.state.uploads)
     if settings.rate_limit_per_second > 0:
         app.add_middleware(
             RateLimitMiddleware,

@@ -56,6 +56,7 @@ _HTTP_ERROR_CODES = {
     400: "bad_request",
     404: "not_found",
     405: "method_not_allowed",
+    408: "request_timeout",  # a body under the minimum rate or past its deadline (app.middleware)
     413: "request_too_large",
 }
 

@@ -1,5 +1,5 @@
-"""ASGI middleware: request metrics, per-client rate limiting, the request-body size limit, the upload cap,
-and the answer to a request the server's stop cut short.
+"""ASGI middleware: request metrics, per-client rate limiting, the request-body size limit, the upload cap
+with the pace a body must keep, and the answer to a request the server's stop cut short.
 
 Plain ASGI (not ``BaseHTTPMiddleware``) so that bodies stream through untouched and a refusal is sent
 before the body is read.
@@ -11,7 +11,9 @@ import asyncio
 import math
 import secrets
 import time
+from dataclasses import dataclass
 
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import ApiError, busy_response, error_response, shutdown_response
@@ -139,17 +141,102 @@ class BodySizeLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
-class UploadLimitMiddleware:
-    """At most ``limit`` requests with a body in flight; more are answered 503 with ``Retry-After``.
+@dataclass(frozen=True)
+class BodyPace:
+    """How fast a request body must arrive (Apache's ``mod_reqtimeout`` rule, whose ``MinRate`` it is).
 
-    Bodies are what a server buffers (up to ``max_request_bytes`` each), so this caps upload memory;
-    requests without a body are not counted.
+    A body may be late by ``allowance`` seconds (0: no bound): each ``min_rate`` bytes received buy one more
+    second, so a body that keeps the rate is never cut by it, and one that trickles a byte every 20 s is
+    cut once its allowance is spent. ``deadline`` bounds the whole body however fast it comes (0: none).
     """
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
+    min_rate: int  # bytes per second; 0: no minimum
+    allowance: float
+    deadline: float
+
+    def due(self, body: BodyProgress) -> float:
+        """The loop time by which ``body`` must have received more."""
+        due = math.inf
+        if self.min_rate and self.allowance:
+            due = body.started + self.allowance + body.received / self.min_rate
+        if self.deadline:
+            due = min(due, body.started + self.deadline)
+        return due
+
+    def behind(self, body: BodyProgress, now: float) -> float:
+        """Seconds ``body`` is behind the minimum rate (0 or less: keeping it)."""
+        return (now - body.started) - body.received / self.min_rate if self.min_rate else 0.0
+
+    def refusal(self, body: BodyProgress, now: float) -> StarletteHTTPException:
+        if self.deadline and now >= body.started + self.deadline:
+            why = f"the request body did not arrive within its deadline of {self.deadline:g} s"
+        else:
+            why = (
+                f"the request body arrived under the minimum rate of {self.min_rate} bytes/s "
+                f"({body.received} bytes in {now - body.started:.1f} s)"
+            )
+        return StarletteHTTPException(408, why, headers={"Connection": "close"})
+
+
+@dataclass(eq=False)
+class BodyProgress:
+    started: float  # loop time of the request's start (its headers were in)
+    received: int = 0
+    complete: bool = False
+    cut: bool = False  # its slot went to another upload
+    timer: asyncio.Timeout | None = None  # while the app waits for more of it
+
+
+class UploadSlots:
+    """The bodies being received, or held while their request runs: at most ``limit`` at once.
+
+    Bodies are what a server buffers (up to ``max_request_bytes`` each), so this caps upload memory. A
+    body that is behind the minimum rate holds a slot only while nobody else needs it: when every slot is
+    held, the one furthest behind gives its slot to the new upload (and gets its 408 at once). Otherwise
+    8 clients sending a byte every 20 s kept every upload out.
+    """
+
+    def __init__(self, limit: int, pace: BodyPace) -> None:
         self.limit = limit
-        self.active = 0  # one event loop: no await between the check and the increment
+        self.pace = pace
+        self.bodies: list[BodyProgress] = []  # one event loop: no await between a check and its change
+
+    def take(self) -> BodyProgress | None:
+        """A slot for a new upload, freeing one from a body behind the rate if need be; None when all are
+        held by bodies that keep it (or are in)."""
+        now = asyncio.get_running_loop().time()
+        if len(self.bodies) >= self.limit:
+            late = [body for body in self.bodies if not body.complete and not body.cut]
+            furthest = max(late, key=lambda body: self.pace.behind(body, now), default=None)
+            if furthest is None or self.pace.behind(furthest, now) <= 0:
+                return None
+            furthest.cut = True
+            if furthest.timer is not None:  # it waits for its next bytes: end the wait now
+                furthest.timer.reschedule(now)
+            self.bodies.remove(furthest)
+        body = BodyProgress(started=now)
+        self.bodies.append(body)
+        return body
+
+    def give_back(self, body: BodyProgress) -> None:
+        if body in self.bodies:
+            self.bodies.remove(body)
+
+    def full(self) -> bool:
+        """Whether a new upload would be refused now."""
+        now = asyncio.get_running_loop().time()
+        held = [body for body in self.bodies if body.complete or self.pace.behind(body, now) <= 0]
+        return len(self.bodies) >= self.limit and len(held) == len(self.bodies)
+
+
+class UploadLimitMiddleware:
+    """Requests with a body take one of the :class:`UploadSlots` (none free: 503 with ``Retry-After``), and
+    their body must arrive at its :class:`BodyPace` (else 408 ``request_timeout``, the connection closed).
+    Requests without a body are not counted."""
+
+    def __init__(self, app: ASGIApp, slots: UploadSlots) -> None:
+        self.app = app
+        self.slots = slots
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope["headers"]) if scope["type"] == "http" else {}
@@ -157,14 +244,34 @@ class UploadLimitMiddleware:
         if not has_body:
             await self.app(scope, receive, send)
             return
-        if self.active >= self.limit:
+        body = self.slots.take()
+        if body is None:
             await busy_response("uploads in progress")(scope, receive, send)
             return
-        self.active += 1
+        pace = self.slots.pace
+
+        async def paced_receive() -> Message:
+            if body.complete:  # only a disconnect can come now
+                return await receive()
+            loop = asyncio.get_running_loop()
+            if body.cut or pace.due(body) <= loop.time():
+                raise pace.refusal(body, loop.time())
+            try:
+                async with asyncio.timeout_at(pace.due(body)) as body.timer:
+                    message = await receive()
+            except TimeoutError:
+                raise pace.refusal(body, loop.time()) from None
+            finally:
+                body.timer = None
+            if message["type"] == "http.request":
+                body.received += len(message.get("body", b""))
+                body.complete = not message.get("more_body", False)
+            return message
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, paced_receive, send)
         finally:
-            self.active -= 1
+            self.slots.give_back(body)
 
 
 class ShutdownAnswerMiddleware:

@@ -34,6 +34,14 @@ _COMMON_ERRORS: list[tuple[int, str, Callable[[dict[str, Any], Settings], bool]]
         lambda operation, _: any(p["name"] == "label" for p in operation.get("parameters", [])),
     ),
     (
+        408,
+        "`request_timeout`: the request arrived too slowly: headers past header_timeout_seconds, or a body "
+        "that paused past body_timeout_seconds, fell that far behind min_upload_bytes_per_second (or behind "
+        "it at all while a new upload needed its slot) or missed body_deadline_seconds; the connection is "
+        "closed",
+        lambda operation, _: True,
+    ),
+    (
         413,
         "`request_too_large`: a body over max_request_bytes (by Content-Length, or as it streams in)",
         lambda operation, _: True,

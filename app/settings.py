@@ -13,6 +13,7 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.middleware import BodyPace
 from engine.decode.pool import DecodeLimits
 from foundation import defaults
 from foundation.families import Backend
@@ -129,7 +130,21 @@ class Settings(BaseSettings):
     body_timeout_seconds: float = Field(
         30.0,
         ge=0,
-        description="close an upload whose body pauses longer between chunks (408; 0 = no limit)",
+        description="close an upload whose body pauses longer between chunks, or falls this far behind "
+        "min_upload_bytes_per_second (408; 0 = no limit)",
+    )
+    min_upload_bytes_per_second: int = Field(
+        16 * 1024,
+        ge=0,
+        description="the slowest a request body may arrive on average (128 kbit/s): behind it by "
+        "body_timeout_seconds, or holding an upload slot that a new upload needs, it gets 408 and is "
+        "closed (0 = no minimum)",
+    )
+    body_deadline_seconds: float = Field(
+        120.0,
+        ge=0,
+        description="close an upload whose whole body has not arrived this long after its headers, however "
+        "fast it comes (408; 0 = no limit)",
     )
     keep_alive_seconds: int = Field(
         15,
@@ -167,6 +182,11 @@ class Settings(BaseSettings):
     def milvus(self) -> MilvusConnection:
         """How to reach the served index's Milvus collection where it is not where the index recorded."""
         return MilvusConnection(uri=self.milvus_uri)
+
+    def body_pace(self) -> BodyPace:
+        return BodyPace(
+            self.min_upload_bytes_per_second, self.body_timeout_seconds, self.body_deadline_seconds
+        )
 
     def decode_limits(self) -> DecodeLimits:
         memory = self.decode_memory_mb * 1024**2

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Depends, Request, Response
 
 from app.deps import AppMetrics, AppSettings, Service
+from app.errors import ApiError
+from app.middleware import UploadSlots
 from app.schemas import ErrorOut, ModelOut, ReadyOut, StatsOut
+from foundation.errors import ErrorKind
 
 router = APIRouter()
 
@@ -16,9 +19,23 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", response_model=ReadyOut, tags=["health"], responses={503: {"model": ErrorOut}})
+async def taking_uploads(request: Request) -> None:
+    """503 ``busy`` while every upload slot is held (on the event loop, which owns the slots)."""
+    uploads: UploadSlots = request.app.state.uploads
+    if uploads.full():
+        raise ApiError(ErrorKind.UNAVAILABLE, "busy", f"every upload slot is held ({uploads.limit} of them)")
+
+
+@router.get(
+    "/readyz",
+    response_model=ReadyOut,
+    tags=["health"],
+    responses={503: {"model": ErrorOut}},
+    dependencies=[Depends(taking_uploads)],
+)
 def readyz(service: Service) -> ReadyOut:
-    """The model and the index are loaded and agree with each other (503 with the reason otherwise)."""
+    """The model and the index are loaded and agree with each other, and an upload would be taken now (503
+    with the reason otherwise: `busy` while every upload slot is held, as uploads are then refused)."""
     return ReadyOut(status="ready", model_fingerprint=service.model_fingerprint, count=len(service.index))
 
 

@@ -6,6 +6,8 @@ Timeouts are set short through the settings, so every wait here is bounded by a 
 from __future__ import annotations
 
 import contextlib
+import os
+import select
 import signal
 import socket
 import subprocess
@@ -18,6 +20,7 @@ import httpx
 import pytest
 
 from tests.helpers import (
+    API_KEY,
     Served,
     ServerProcess,
     capped_serving,
@@ -43,6 +46,8 @@ LIMITS = [
     "4",
     "--max-concurrent-uploads",
     "1",
+    "--body-deadline-seconds",
+    "4",
 ]
 
 
@@ -209,9 +214,8 @@ def test_connections_over_the_cap_get_503_with_retry_after(limited: str) -> None
 
 
 def test_uploads_over_the_cap_get_503_with_retry_after(limited: str) -> None:
-    head, body = _search_request(limited)
-    stalled = _connect(limited)
-    stalled.sendall(head + body[:100])  # holds the one upload slot until the body timeout
+    # It keeps ahead of the minimum rate (64 KB sent: 4 s of 16 KB/s), so no new upload may take its slot.
+    stalled = _slow_upload(limited, MB, SLOW_PART + b"x" * 65536)  # holds the one slot until the timeout
     try:
         time.sleep(0.3)
         files = {"image": ("q.png", image_bytes(make_image(4)), "image/png")}
@@ -283,3 +287,135 @@ def test_sigterm_of_demo_stops_the_api_and_the_ui_and_exits_0(
 
 def _zombie(pid: str) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+# Slow bodies (issue 43, class 1): a minimum upload rate, a deadline per body, and slots that a body behind
+# the rate gives up to a new upload.
+SLOW_PART = b'--b\r\nContent-Disposition: form-data; name="image"; filename="q"\r\n\r\n'
+
+
+def _slow_upload(
+    base: str, declared: int, first: bytes, path: str = "/v1/search", **headers: str
+) -> socket.socket:
+    """An upload to ``path`` that declares ``declared`` body bytes (0: chunked) and sends ``first``; the
+    rest is what the test sends, at its own pace."""
+    port = base.rsplit(":", 1)[1]
+    fields = {"Content-Type": "multipart/form-data; boundary=b", **headers}
+    fields.update({"Content-Length": str(declared)} if declared else {"Transfer-Encoding": "chunked"})
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+    head += "".join(f"{name}: {value}\r\n" for name, value in fields.items()) + "\r\n"
+    sock = _connect(base)
+    sock.sendall(head.encode() + first)
+    return sock
+
+
+def _answer(sock: socket.socket, wait: float) -> bytes:
+    """What the server sent on ``sock`` within ``wait`` seconds (b"" if nothing)."""
+    ready, _, _ = select.select([sock], [], [], wait)
+    return _read_until_closed(sock) if ready else b""
+
+
+def _drip(sock: socket.socket, chunk: bytes, every: float, until: float) -> bytes:
+    """Send ``chunk`` every ``every`` seconds for at most ``until`` seconds or until the server answers;
+    the answer (b"" if none)."""
+    deadline = time.monotonic() + until
+    while time.monotonic() < deadline:
+        try:
+            sock.sendall(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            return _answer(sock, 1)
+        answer = _answer(sock, every)
+        if answer:
+            return answer
+    return b""
+
+
+def _timed_search(base: str) -> tuple[float, httpx.Response]:
+    files = {"image": ("q.png", image_bytes(make_image(5)), "image/png")}
+    started = time.monotonic()
+    answer = httpx.post(f"{base}/v1/search", params={"k": 3}, files=files, timeout=60)
+    return time.monotonic() - started, answer
+
+
+@pytest.fixture(scope="module")
+@starts("server")
+def default_limits(served_module: Served) -> Iterator[ServerProcess]:
+    """A server with the default limits on bodies and uploads (8 slots), under the 2 GB cap."""
+    with capped_serving(served_module, "--rate-limit", "0") as server:
+        yield server
+
+
+def test_eight_slow_uploads_do_not_keep_a_search_out(default_limits: ServerProcess) -> None:
+    # The issue's attack: 8 uploads that declare 1 MB and then send a byte now and then hold every upload
+    # slot. Before: every search, batch and explain answered 503 busy for as long as they went on.
+    base = default_limits.url
+    usual = sorted(_timed_search(base)[0] for _ in range(3))[1]
+    slow = [_slow_upload(base, MB, SLOW_PART + b"x" * 1024) for _ in range(8)]
+    try:
+        time.sleep(1)  # each holds an upload slot, and is behind the minimum rate
+        took, answer = _timed_search(base)
+        load = os.getloadavg()[0]
+        print(f"search alone {usual:.2f} s, beside 8 slow uploads {took:.2f} s (load average {load:.2f})")
+        assert answer.status_code == 200, answer.text
+        assert took < usual + 2, (usual, took, load)
+        answers = [_answer(sock, 0.5) for sock in slow]
+        cut = [answer for answer in answers if answer.startswith(b"HTTP/1.1 408")]
+        assert len(cut) == 1, answers  # the one whose slot the search took, told why
+        assert b"request_timeout" in cut[0] and b"connection: close" in cut[0].lower()
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+def test_a_body_under_the_minimum_rate_is_cut(limited: str) -> None:
+    # A byte every 0.5 s never pauses past the 2 s body timeout. Before: held until the client stopped.
+    sock = _slow_upload(limited, MB, SLOW_PART)
+    started = time.monotonic()
+    answer = _drip(sock, b"x", 0.5, 15)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+    assert b"minimum" in answer  # the message says which rule
+    assert time.monotonic() - started < 6  # 2 s behind the rate, then 408
+    sock.close()
+
+
+def test_a_chunked_body_under_the_minimum_rate_is_cut(limited: str) -> None:
+    sock = _slow_upload(limited, 0, b"%x\r\n%s\r\n" % (len(SLOW_PART), SLOW_PART))
+    answer = _drip(sock, b"1\r\nx\r\n", 0.5, 15)  # one-byte chunks: no Content-Length to judge by
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+    sock.close()
+
+
+def test_a_body_over_the_deadline_is_cut_however_fast_it_comes(limited: str) -> None:
+    # 64 KB every 0.25 s is 16 times the minimum rate, but 32 MB takes 2 minutes at that pace.
+    sock = _slow_upload(limited, 32 * MB, SLOW_PART)
+    started = time.monotonic()
+    answer = _drip(sock, b"x" * 65536, 0.25, 30)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+    assert b"deadline" in answer
+    assert time.monotonic() - started < 10  # the 4 s deadline of LIMITS
+    sock.close()
+
+
+def test_a_slow_json_body_parsed_by_fastapi_is_a_408_not_a_400(limited_server: ServerProcess) -> None:
+    # The reload's body is read by FastAPI, which turns a failure while reading into 400 "error parsing".
+    sock = _slow_upload(
+        limited_server.url, 4096, b'{"index_path": "', path="/v1/admin/reload", **{"X-API-Key": API_KEY}
+    )
+    answer = _drip(sock, b"a", 0.5, 15)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+    sock.close()
+
+
+def test_readyz_says_busy_while_every_upload_slot_is_held(limited: str) -> None:
+    # The limited server has one upload slot. A body that keeps ahead of the rate holds it: new uploads get
+    # 503 busy, and so does /readyz, so that a load balancer sends them elsewhere. Before: /readyz 200.
+    sock = _slow_upload(limited, 16 * MB, SLOW_PART + b"x" * 256 * 1024)  # 16 s ahead of 16 KB/s
+    try:
+        time.sleep(0.3)
+        ready = httpx.get(f"{limited}/readyz", timeout=10)
+        assert ready.status_code == 503, ready.text
+        assert ready.json()["error"]["code"] == "busy"
+        assert "upload" in ready.json()["error"]["message"]
+    finally:
+        sock.close()
+    wait_until(lambda: httpx.get(f"{limited}/readyz", timeout=10).status_code == 200, 10, "a free slot")
