@@ -333,6 +333,43 @@ def test_real_browser_upload_shows_the_result_grid(
 
 
 @pytest.mark.browser
+def test_real_browser_thumbs_up_and_down_then_refine(
+    sync_api: ModuleType, streamlit_url: str, demo_gallery: Path, tmp_path: Path
+) -> None:
+    def result_paths(view) -> list[str]:
+        captions = view.locator('[data-testid="stCaptionContainer"]').all_inner_texts()
+        return [match.group(1) for caption in captions if (match := RESULT_CAPTION.search(caption))]
+
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        try:
+            view = browser.new_page(viewport={"width": 1400, "height": 1900})
+            view.goto(streamlit_url)
+            view.locator('input[type="file"]').set_input_files(str(demo_gallery / "cat/00_crop.jpg"))
+            view.get_by_text("#1 · score 1.000").wait_for(timeout=90_000)
+            view.get_by_text(re.compile(r"^#12 · score")).wait_for(timeout=30_000)
+            plain = result_paths(view)
+            assert len(plain) == 12
+            view.get_by_role("button", name="👍", exact=True).nth(1).click()  # the second result
+            view.get_by_text(re.compile(r"Your judgments: 👍 1 · 👎 0")).wait_for(timeout=60_000)
+            view.get_by_role("button", name="👎", exact=True).nth(2).click()  # the third
+            view.get_by_text(re.compile(r"Your judgments: 👍 1 · 👎 1")).wait_for(timeout=60_000)
+            assert result_paths(view) == plain  # judged, not refined yet
+            view.get_by_role("button", name="Refine", exact=True).click()
+            view.get_by_text(re.compile(r"^Results refined by 2 judgment\(s\)")).wait_for(timeout=60_000)
+            view.get_by_text(re.compile(r"^#12 · score")).wait_for(timeout=30_000)
+            refined = result_paths(view)
+            assert len(refined) == 12 and plain[1] not in refined and plain[2] not in refined
+            assert refined != plain
+            # The query and its judgments stay on the page.
+            for caption in ("query", re.compile(r"^👍 item \d+$"), re.compile(r"^👎 item \d+$")):
+                view.get_by_text(caption).first.wait_for(timeout=10_000)
+            view.screenshot(path=str(tmp_path / "refined.png"), full_page=True)
+        finally:
+            browser.close()
+
+
+@pytest.mark.browser
 def test_real_browser_box_drawn_on_the_query_searches_by_the_region(
     sync_api: ModuleType, streamlit_url: str, demo_gallery: Path, tmp_path: Path
 ) -> None:
