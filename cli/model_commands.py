@@ -116,7 +116,13 @@ def train(
             "the validation classes and keep the best."
         ),
     ],
-    data: Annotated[Path, typer.Option(help="Image folder (label = sub-folder) or CSV path,label[,split].")],
+    data: Annotated[
+        Path,
+        typer.Option(
+            help="Image folder (label = sub-folder; photos directly under it are pseudo-labelled) or CSV "
+            "path,label[,split]."
+        ),
+    ],
     out: Annotated[Path, typer.Option(help="Run directory (an existing run there is resumed).")],
     recipe: Annotated[
         str | None,
@@ -163,10 +169,20 @@ def train(
             help="--loss auto: steps each candidate trains before the race is judged (default: printed).",
         ),
     ] = None,
+    labels: Annotated[
+        Literal["folders", "none"],
+        typer.Option(
+            help="folders: class folders label their photos, photos directly under --data train on "
+            "pseudo-labels; none: ignore class folders, train every photo without labels."
+        ),
+    ] = "folders",
 ) -> None:
     """Train an embedding head (and, fine-tuning, the backbone) with a deep-metric-learning loss.
 
     Classes are split as in the papers: training (and validation) on the first half, test on the rest.
+    A folder of photos without class folders (or --labels none) trains without labels: pseudo-labels from
+    k-means clusters of the embedding, two augmented views of each photo, byte copies merged; checkpoints
+    are chosen, and the run judged, on held-out photos found again from an augmented view.
     Works under torchrun for multi-process DistributedDataParallel training.
     """
     require_training()
@@ -176,17 +192,23 @@ def train(
     from foundation.stopping import StopRequested, stop_on_signals
     from training.auto import train_auto
     from training.comparison import validation_gain
+    from training.label_free_data import is_label_free
     from training.recipes import AUTO_CANDIDATES, AUTO_RACE_STEPS, DEFAULT_RECIPE, parse_assignments, resolve
     from training.trainer import NoGainWarning
     from training.trainer import train as run_training
 
     if not data.exists():
         raise fail(f"data {data} does not exist")
+    label_free = is_label_free(data, labels)
+    if label_free and mode is None:
+        typer.echo("training without labels (photos outside class folders): --mode frozen")
+        mode = "frozen"  # fine-tuning without labels is not built yet: the trainer refuses it
     fields = {
         "mode": mode or ("finetune" if torch.cuda.is_available() else "frozen"),
         "train_classes": train_classes,
         "cache_dir": str(cache_dir.resolve()) if cache_dir else None,
         "seed": seed,
+        "labels": labels,
     }
     try:
         # SIGTERM/SIGINT: save last.pt after the current step and stop. The trainer's NoGainWarning is
@@ -214,7 +236,7 @@ def train(
                 if mode is None and not torch.cuda.is_available():
                     plan_on = resolve(loss, recipe_name, overrides, "finetune")
                     fields.update(_plan_cpu_mode(plan_on, loss, data, out, fields, time_budget))
-                resolved = resolve(loss, recipe_name, overrides, fields.pop("mode"))
+                resolved = resolve(loss, recipe_name, overrides, fields.pop("mode"), label_free=label_free)
                 config = resolved.config(loss, str(data.resolve()), **fields)
                 if mode == "finetune" and not torch.cuda.is_available():
                     _say_estimate(config, out)
@@ -234,6 +256,14 @@ def train(
     typer.echo(f"validation  {_metrics_line(summary.val)}")
     typer.echo(f"test        {_metrics_line(summary.test)}")
     typer.echo(f"untrained   {_metrics_line(summary.test_backbone)}")
+    if summary.label_free is not None:
+        record = summary.label_free
+        last = record.refreshes[-1] if record.refreshes else None
+        clusters = f", {last.clusters} clusters at its last refresh (step {last.step})" if last else ""
+        typer.echo(
+            f"without labels: {record.loose_photos} photos pseudo-labelled ({record.labelled_photos} "
+            f"labelled){clusters}; validation and test score {record.score}"
+        )
     gain = validation_gain(out)
     if not gain.improved:
         typer.echo(

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from training.config import TrainConfig
+from training.label_free_data import is_label_free
 from training.recipes import AUTO_CANDIDATES, AUTO_RACE_STEPS, format_values, resolve
 from training.run_dir import RunDirectory, RunSummary
 from training.trainer import SELECTION_METRIC, NoGainWarning, train
@@ -37,7 +38,10 @@ def race_configs(
     only: the candidates' losses take different hyperparameters) and ``fields``, with one shared cache."""
     fields = {"cache_dir": str(out / "cache"), **{k: v for k, v in fields.items() if v is not None}}
     mode = fields.pop("mode", "frozen")
-    resolved = {loss: resolve(loss, overrides=overrides, mode=mode) for loss in candidates}
+    label_free = is_label_free(Path(data), fields.get("labels", "folders"))
+    resolved = {
+        loss: resolve(loss, overrides=overrides, mode=mode, label_free=label_free) for loss in candidates
+    }
     return {loss: recipe.config(loss, data, **fields) for loss, recipe in resolved.items()}
 
 

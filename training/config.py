@@ -10,6 +10,7 @@ from foundation import defaults
 from training.precision import Precision
 
 Mode = Literal["frozen", "partial", "finetune"]
+LabelSource = Literal["folders", "none"]  # none: class folders are ignored, the run is label-free
 AUGMENT_MIN_AREA = 0.35  # random resized crops' smallest area fraction, as in the papers' crop augmentation
 
 # Fields that may change when a run is resumed (they do not change what the steps already taken computed).
@@ -67,6 +68,11 @@ class TrainConfig(BaseModel):
         None,
         ge=0,
         description="seed of the augmented views' crops (default: seed); fixed, seeds share a cache",
+    )
+    labels: LabelSource = Field(
+        "folders",
+        description="folders: class folders label their photos, loose photos are pseudo-labelled; none: "
+        "every photo is pseudo-labelled (training.label_free_data)",
     )
     train_classes: int | None = Field(None, ge=1)
     val_fraction: float = Field(0.2, gt=0, lt=1)

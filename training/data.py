@@ -2,6 +2,8 @@
 
 A collection comes from an ImageFolder-style directory (label = the image's folder, relative to the root)
 or from a CSV with the columns ``path,label`` and optionally ``split`` (paths relative to the CSV file).
+Asked to (``loose=True``), photos directly under the folder are kept with the label :data:`LOOSE`: a
+label-free run (``training.label_free_data``) gives them pseudo-labels.
 The papers' protocol splits *classes*, not images: training sees the first half of the classes (sorted by
 name), retrieval is evaluated on the unseen second half. Checkpoints are selected on a validation split of
 whole classes carved from the training classes the same way, the *last* ones in sorted order, so that
@@ -15,7 +17,7 @@ from __future__ import annotations
 import csv
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +28,7 @@ from foundation.errors import InvalidInputError
 SPLITS = ("train", "val", "test")
 MIN_VAL_CLASSES = 2  # Recall@1 over a single class is trivially 100%
 MIN_TRAIN_CLASSES = 2  # pair/triplet losses need negatives
+LOOSE = -1  # the label of a photo in no class folder (or of every photo under --labels none)
 
 
 class DataError(InvalidInputError):
@@ -67,26 +70,34 @@ class ClassSplit:
         return getattr(self, name)
 
 
-def load_labelled_images(source: Path) -> LabelledImages:
-    """Read an ImageFolder-style directory or a ``path,label[,split]`` CSV file."""
+def load_labelled_images(source: Path, *, loose: bool = False) -> LabelledImages:
+    """Read an ImageFolder-style directory or a ``path,label[,split]`` CSV file; ``loose``: keep the photos
+    directly under the folder, labelled :data:`LOOSE` (otherwise they are ignored, with a warning)."""
     if source.is_dir():
-        return _from_folder(source)
+        return _from_folder(source, loose)
     if source.is_file() and source.suffix.lower() == ".csv":
         return _from_csv(source)
     raise DataError(f"{source} is neither an image folder nor a .csv file")
 
 
-def _from_folder(root: Path) -> LabelledImages:
-    paths, names = [], []
-    unlabelled = 0
+def without_labels(images: LabelledImages) -> LabelledImages:
+    """The same photos, every one :data:`LOOSE` (``--labels none``: class folders ignored)."""
+    return replace(images, labels=np.full(len(images), LOOSE, dtype=np.int64), class_names=(), splits=None)
+
+
+def _from_folder(root: Path, loose: bool) -> LabelledImages:
+    paths: list[str] = []
+    names: list[str | None] = []
+    ignored = 0
     for path in list_images(root):
-        if path.parent == root:
-            unlabelled += 1
+        in_class = path.parent != root
+        if not (in_class or loose):
+            ignored += 1
             continue
         paths.append(path.relative_to(root).as_posix())
-        names.append(path.parent.relative_to(root).as_posix())
-    if unlabelled:
-        warnings.warn(f"ignored {unlabelled} images directly under {root} (no class folder)", stacklevel=3)
+        names.append(path.parent.relative_to(root).as_posix() if in_class else None)
+    if ignored:
+        warnings.warn(f"ignored {ignored} images directly under {root} (no class folder)", stacklevel=3)
     return _index_labels(root, paths, names, None, source=root)
 
 
@@ -107,19 +118,18 @@ def _from_csv(table: Path) -> LabelledImages:
         unknown = sorted(set(splits) - set(SPLITS))
         if unknown:
             raise DataError(f"{table}: unknown split value(s) {unknown}; use {', '.join(SPLITS)}")
-    return _index_labels(
-        root, [row["path"] for row in rows], [row["label"] for row in rows], splits, source=table
-    )
+    names: list[str | None] = [row["label"] for row in rows]
+    return _index_labels(root, [row["path"] for row in rows], names, splits, source=table)
 
 
 def _index_labels(
-    root: Path, paths: list[str], names: list[str], splits: tuple[str, ...] | None, *, source: Path
+    root: Path, paths: list[str], names: list[str | None], splits: tuple[str, ...] | None, *, source: Path
 ) -> LabelledImages:
     if not paths:
         raise DataError(f"no labelled images in {source}")
-    class_names = tuple(sorted(set(names)))
+    class_names = tuple(sorted({name for name in names if name is not None}))
     lookup = {name: index for index, name in enumerate(class_names)}
-    labels = np.array([lookup[name] for name in names], dtype=np.int64)
+    labels = np.array([LOOSE if name is None else lookup[name] for name in names], dtype=np.int64)
     return LabelledImages(root, tuple(paths), labels, class_names, splits)
 
 

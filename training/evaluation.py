@@ -120,5 +120,5 @@ def embed_run(
         untrained=np.concatenate([prepared.features[name] for name in names]),
         labels=labels,
         files=files,
-        class_names=prepared.images.class_names,
+        class_names=prepared.class_names,
     )

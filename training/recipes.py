@@ -85,6 +85,17 @@ FINETUNE: dict[str, Choice] = {
     ),
 }
 
+# Settings a run without labels adds, whatever its loss and recipe (training/pseudo_labels.py): they are
+# what its positives are made of, not tuning.
+LABEL_FREE: dict[str, Choice] = {
+    "views": Choice(
+        4,
+        "a label-free batch holds two augmented views of each photo drawn, its one certain positive pair: "
+        "cached mode needs views to draw them from (4, the views the class-fold CV measured; not tuned "
+        "label-free yet)",
+    ),
+}
+
 # Dot-product losses on unnormalised embeddings take the squared norm as softmax temperature; the
 # PCA-initialised head starts with norms below 1, so their logits stay within +-1 unless scaled.
 _DOT_SCALE = Choice(
@@ -186,15 +197,18 @@ AUTO_CANDIDATES: tuple[str, ...] = ("ms", "angular", "npair-angular", "loop-lift
 AUTO_RACE_STEPS = 600
 
 
-def recipe(loss: str, name: RecipeName = DEFAULT_RECIPE, mode: Mode = "frozen") -> dict[str, Choice]:
-    """The choices ``name`` makes for ``loss`` trained in ``mode`` (empty for ``paper``: the printed
-    defaults apply)."""
+def recipe(
+    loss: str, name: RecipeName = DEFAULT_RECIPE, mode: Mode = "frozen", *, label_free: bool = False
+) -> dict[str, Choice]:
+    """The choices ``name`` makes for ``loss`` trained in ``mode`` (for ``paper``, the printed defaults
+    apply), plus, ``label_free``, what a run without labels needs (:data:`LABEL_FREE`)."""
     LOSSES[loss]  # an unknown loss fails here, with the known names
     if name not in RECIPE_NAMES:
         raise InvalidInputError(f"unknown recipe {name!r}; choose one of {list(RECIPE_NAMES)}")
+    needed = LABEL_FREE if label_free else {}
     if name == "paper":
-        return {}
-    return {**COMMON, **(FINETUNE if mode == "finetune" else {}), **RECIPES.get(loss, {})}
+        return dict(needed)
+    return {**COMMON, **(FINETUNE if mode == "finetune" else {}), **RECIPES.get(loss, {}), **needed}
 
 
 def split_values(loss: str, values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -260,10 +274,12 @@ def resolve(
     name: RecipeName = DEFAULT_RECIPE,
     overrides: dict[str, Any] | None = None,
     mode: Mode = "frozen",
+    *,
+    label_free: bool = False,
 ) -> Resolved:
-    """The recipe ``name`` for ``loss`` in ``mode``, with ``overrides`` (e.g. from ``-p``) on top; the
-    settings include the mode."""
-    chosen = {key: choice.value for key, choice in recipe(loss, name, mode).items()}
+    """The recipe ``name`` for ``loss`` in ``mode`` (``label_free``: for a run without labels), with
+    ``overrides`` (e.g. from ``-p``) on top; the settings include the mode."""
+    chosen = {key: choice.value for key, choice in recipe(loss, name, mode, label_free=label_free).items()}
     overrides = dict(overrides or {})
     settings, hparams = split_values(loss, {**chosen, **overrides})
     settings["mode"] = mode

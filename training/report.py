@@ -8,7 +8,9 @@ figures (the object API, no pyplot state, so reports can be drawn from any threa
 * Recall@K, trained vs the untrained backbone, on the test images;
 * per-class Recall@1 change;
 * a 2-D t-SNE map of the test embeddings of both models, coloured by class;
-* example queries whose top-1 the training fixed, and some it broke, with thumbnails.
+* example queries whose top-1 the training fixed, and some it broke, with thumbnails;
+* a run without labels: how its pseudo-labels evolved (clusters at each refresh and their sizes), on the
+  page only (the UI's Model page shows the plots every run has).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from foundation.atomic import atomic_path, atomic_write_text
 from training.comparison import Comparison
 from training.evaluation import RunEmbeddings
 from training.metrics import TopHits, retrieval_metrics, top_hits
-from training.run_dir import RunDirectory
+from training.run_dir import LabelFreeRecord, RunDirectory
 from training.trainer import SELECTION_METRIC
 
 CURVE_KS = (1, 2, 4, 8, 16, 32)
@@ -48,6 +50,10 @@ OTHER_COLOUR = "lightgray"
 EXAMPLES = 5  # fixed and broken queries shown each
 THUMBNAIL = 160
 TRAINED_COLOUR, UNTRAINED_COLOUR = "tab:blue", "tab:gray"
+PSEUDO_LABEL_CAPTION = (
+    "Trained without labels: the pseudo-labels' k-means clusters at each refresh (left) and how many photos "
+    "each held (right)."
+)
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,21 @@ def training_figure(records: Sequence[dict[str, Any]], best_step: int) -> Figure
     recall_axes.set(title="validation Recall@1", xlabel="step", ylabel="Recall@1 (%)")
     recall_axes.legend(loc="best")  # the curve may sit anywhere relative to the untrained line
     for axes in (loss_axes, recall_axes):
+        axes.grid(alpha=0.3)
+    return figure
+
+
+def pseudo_label_figure(record: LabelFreeRecord) -> Figure:
+    """Clusters at each pseudo-label refresh of a run without labels, and the spread of their sizes."""
+    figure = Figure(figsize=(11, 4.2), layout="constrained")
+    count_axes, size_axes = figure.subplots(1, 2)
+    steps = [refresh.step for refresh in record.refreshes]
+    count_axes.plot(steps, [refresh.clusters for refresh in record.refreshes], marker="o", color="tab:purple")
+    count_axes.set(title="k-means clusters (pseudo-classes)", xlabel="refresh at step", ylabel="clusters")
+    size_axes.boxplot([refresh.sizes for refresh in record.refreshes], positions=range(len(steps)))
+    size_axes.set_xticks(range(len(steps)), [str(step) for step in steps])
+    size_axes.set(title="photos per cluster", xlabel="refresh at step", ylabel="photos")
+    for axes in (count_axes, size_axes):
         axes.grid(alpha=0.3)
     return figure
 
@@ -285,6 +306,17 @@ def _summary_html(run_path: Path, comparison: Comparison, embedded: RunEmbedding
         "selected checkpoint": selected,
         "test images": f"{comparison.images} ({len(np.unique(embedded.labels))} classes unseen in training)",
     }
+    if summary is not None and summary.label_free is not None:
+        record = summary.label_free
+        facts["labels"] = (
+            f"none for {record.loose_photos} training photos (pseudo-labels: k-means clusters, "
+            f"{len(record.refreshes)} refreshes), class folders for {record.labelled_photos}; "
+            f"{record.copies_merged} byte copies merged"
+        )
+        facts["test images"] = (
+            f"{record.held_out_photos['test']} held-out photos and one augmented view of each; the scores "
+            f"below are {record.score}"
+        )
     items = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>" for k, v in facts.items())
     verdict = comparison.verdict
     if comparison.learned_nothing is not None:
@@ -336,6 +368,12 @@ def write_report(run_path: Path, comparison: Comparison, embedded: RunEmbeddings
             "examples": examples_figure(embedded, trained, untrained, seed),
         }
     plots, sections = {}, []
+    if summary is not None and summary.label_free is not None:  # on the page, not among the served plots
+        encoded = base64.b64encode(_png(pseudo_label_figure(summary.label_free))).decode("ascii")
+        sections.append(
+            f"<figure><figcaption>{html.escape(PSEUDO_LABEL_CAPTION)}</figcaption>"
+            f"<img alt='pseudo_labels' src='data:image/png;base64,{encoded}'></figure>"
+        )
     for name, caption in PLOTS.items():
         path = plot_path(run_path, name)
         if name not in figures:

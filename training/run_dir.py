@@ -44,6 +44,36 @@ class FrozenStageSummary(BaseModel):
     beats_backbone: bool
 
 
+# What a label-free run selects checkpoints on and the gate judges (training.label_free_data).
+LABEL_FREE_SCORE = (
+    "held-out photos: recall@1 of each photo's augmented view and its original among the held-out photos "
+    "and their views (view -> original, original -> view)"
+)
+
+
+class PseudoLabelRefresh(BaseModel):
+    """One re-clustering of a label-free run's loose photos: at which step, how many clusters, their sizes."""
+
+    model_config = ConfigDict(frozen=True)
+
+    step: int
+    clusters: int
+    sizes: list[int]  # photos per cluster, largest first
+
+
+class LabelFreeRecord(BaseModel):
+    """A label-free run's photos and how its pseudo-labels evolved: its summary's ``label_free``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    labelled_photos: int  # training photos in class folders (real labels)
+    loose_photos: int  # training photos pseudo-labelled
+    held_out_photos: dict[str, int]  # split -> photos held out for the label-free score
+    copies_merged: int  # photos that are byte copies of another, merged into its pseudo-class
+    score: str  # what validation and test metrics measure instead of class retrieval
+    refreshes: list[PseudoLabelRefresh]
+
+
 class RunSummary(BaseModel):
     """``summary.json``: the finished run, its selected step and its test evaluation.
 
@@ -70,6 +100,7 @@ class RunSummary(BaseModel):
     skipped_images: int
     frozen_stage: FrozenStageSummary | None = None
     failure: str | None = None  # why the run learned nothing (a stuck loss, training.trainer.LossWatch)
+    label_free: LabelFreeRecord | None = None  # a run without labels (or partly labelled): its pseudo-labels
 
     @field_validator("validation_gain", mode="before")
     @classmethod

@@ -33,23 +33,28 @@ from foundation.progress import progress_bar
 from training.backbone import BACKBONES
 from training.bootstrap import Interval, paired_bootstrap
 from training.config import TrainConfig
-from training.data import DataError, LabelledImages, load_labelled_images, split_classes
+from training.data import LOOSE, DataError, LabelledImages, load_labelled_images, split_classes
 from training.distributed import Distributed, distributed_from_env
 from training.features import FeatureExtractor
+from training.label_free_data import EVAL_VIEW, LabelFreePlan, label_free_images, plan_label_free
 from training.losses import LOSSES, LossSpec
 from training.metrics import evaluate, top_hits
 from training.model import build_objective
 from training.precision import Compute, resolve_compute
+from training.pseudo_labels import PseudoLabelSampler
 from training.run_dir import (
+    LABEL_FREE_SCORE,
     BestCheckpoint,
     FrozenStageSummary,
+    LabelFreeRecord,
     LastCheckpoint,
+    PseudoLabelRefresh,
     RunDirectory,
     RunDirError,
     RunSummary,
     TrainState,
 )
-from training.samplers import sampler_for
+from training.samplers import ClassBalancedSampler, sampler_for
 from training.workloads import CachedWorkload, FinetuneWorkload
 
 SELECTION_METRIC = "recall@1"
@@ -65,19 +70,40 @@ FROZEN_STAGE = "frozen-stage"  # the run directory, inside a fine-tuning run's, 
 
 @dataclass(frozen=True)
 class PreparedData:
-    """The readable images of each split, their labels and cached backbone outputs."""
+    """The readable images of each split, their labels and cached backbone outputs.
+
+    A label-free run (``label_free``) holds out photos, not classes: each held-out photo is two rows of its
+    split, as served and as an augmented view, labelled with its id (:mod:`training.label_free_data`); its
+    training labels are real or LOOSE, which the pseudo-labelling sampler replaces.
+    """
 
     images: LabelledImages
-    indices: dict[str, np.ndarray]  # split -> image indices
+    indices: dict[str, np.ndarray]  # split -> image index of each row
+    row_labels: dict[str, np.ndarray]  # split -> label of each row
     features: dict[str, np.ndarray]  # split -> pooled pretrained features, serving view (PCA, baseline)
     inputs: dict[str, np.ndarray]  # split -> model input: `features` (frozen) or trunk maps (partial)
     train_views: np.ndarray  # (1 + augmented views, n_train, *input shape): inputs of training
+    label_free: LabelFreePlan | None = None
 
     def labels(self, split: str) -> np.ndarray:
-        return self.images.labels[self.indices[split]]
+        return self.row_labels[split]
 
     def files(self, split: str) -> list[Path]:
         return self.images.files(self.indices[split])
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        """The name of each label of the validation and test rows: a class, or a held-out photo's path."""
+        return self.images.paths if self.label_free is not None else self.images.class_names
+
+    def train_copies(self) -> np.ndarray:
+        """Per training row, the training row of its first byte copy (itself when it has none)."""
+        assert self.label_free is not None
+        train = self.indices["train"]
+        first = {int(image): row for row, image in reversed(list(enumerate(train)))}
+        return np.array(
+            [first.get(int(self.label_free.copies[image]), row) for row, image in enumerate(train)]
+        )
 
 
 def cache_directory(config: TrainConfig, run_dir: Path) -> Path:
@@ -93,14 +119,26 @@ def prepare_data(
     entering it. Either way the pooled features are prepared too (PCA initialisation, baseline metrics).
     """
     dist = dist or Distributed()
-    images = load_labelled_images(Path(config.data))
-    split = split_classes(
-        images,
-        train_classes=config.train_classes,
-        val_fraction=config.val_fraction,
-        fold=config.fold,
-        folds=config.folds,
-    )
+    loose = label_free_images(Path(config.data), config.labels)
+    plan = None if loose is None else plan_label_free(loose, seed=config.seed)
+    if plan is not None:
+        if config.mode == "finetune":
+            raise DataError(
+                "a run without labels trains in --mode frozen or partial (fine-tuning one is not built yet)"
+            )
+        images, pool, views = plan.images, np.arange(len(plan.images)), max(config.views, EVAL_VIEW)
+        split: dict[str, np.ndarray] = {"train": plan.train, "val": plan.val, "test": plan.test}
+    else:
+        images = load_labelled_images(Path(config.data))
+        classes = split_classes(
+            images,
+            train_classes=config.train_classes,
+            val_fraction=config.val_fraction,
+            fold=config.fold,
+            folds=config.folds,
+        )
+        pool, views = classes.pool, config.views
+        split = {name: classes[name] for name in ("train", "val", "test")}
     for turn in (True, False):  # the main process extracts first; the others then read the cache
         if dist.is_main == turn:
             show = progress and dist.is_main
@@ -112,30 +150,54 @@ def prepare_data(
             base_inputs = base.features if extractor is pooled else extractor.extract(images.files()).features
             # Augmented views are extracted for the readable images of the whole training pool, so the
             # cache stays valid when the validation share or the cross-validation fold changes.
-            training_range = split.pool[base.ok[split.pool]]
+            training_range = pool[base.ok[pool]]
+            seed = config.effective_view_seed
             augmented = [
-                extractor.extract(
-                    images.files(training_range), view=view, seed=config.effective_view_seed
-                ).features
-                for view in range(1, config.views + 1)
+                extractor.extract(images.files(training_range), view=view, seed=seed).features
+                for view in range(1, views + 1)
             ]
+            pooled_view = (
+                pooled.extract(images.files(training_range), view=EVAL_VIEW, seed=seed).features
+                if plan is not None
+                else None
+            )
         dist.barrier()
     indices = {name: split[name][base.ok[split[name]]] for name in ("train", "val", "test")}
-    for name, kept in indices.items():
-        if len(np.unique(images.labels[kept])) < 2:
-            raise DataError(f"the {name} split has fewer than two classes of readable images")
+    row_labels = {name: images.labels[kept] for name, kept in indices.items()}
+    if plan is None:
+        for name, kept in indices.items():
+            if len(np.unique(images.labels[kept])) < 2:
+                raise DataError(f"the {name} split has fewer than two classes of readable images")
     rows = np.searchsorted(training_range, indices["train"])
-    views = [base_inputs[indices["train"]], *(inputs[rows] for inputs in augmented)]
+    train_views = np.stack(
+        [base_inputs[indices["train"]], *(inputs[rows] for inputs in augmented[: config.views])]
+    )
     features = {name: base.features[kept] for name, kept in indices.items()}
+    # Frozen mode feeds the pooled features themselves: share them rather than copy every split again.
+    inputs = (
+        features
+        if base_inputs is base.features
+        else {name: base_inputs[kept] for name, kept in indices.items()}
+    )
+    if plan is not None:
+        assert pooled_view is not None
+        inputs, features = dict(inputs), dict(features)
+        for name in ("val", "test"):
+            held, at = indices[name], np.searchsorted(training_range, indices[name])
+            indices[name] = np.concatenate([held, held])
+            row_labels[name] = np.concatenate([plan.held_out_labels(held)] * 2)
+            features[name] = np.concatenate([features[name], pooled_view[at]])
+            inputs[name] = np.concatenate([inputs[name], augmented[EVAL_VIEW - 1][at]])
+        if config.mode == "frozen":
+            inputs = features
     return PreparedData(
         images=images,
         indices=indices,
+        row_labels=row_labels,
         features=features,
-        # Frozen mode feeds the pooled features themselves: share them rather than copy every split again.
-        inputs=features
-        if base_inputs is base.features
-        else {name: base_inputs[kept] for name, kept in indices.items()},
-        train_views=np.stack(views),
+        inputs=inputs,
+        train_views=train_views,
+        label_free=plan,
     )
 
 
@@ -308,19 +370,13 @@ class _Training:
         self.device = compute.device
         self.data = data
         self.progress = progress
+        if data.label_free is not None and config.views < 1:  # a photo's two copies in a batch would be one
+            raise DataError("a run without labels needs augmented views of its photos: -p views=N, N >= 1")
         self.objective = build_objective(config, data.features["train"].shape[1])
         self.objective.head.init_from_pca(data.features["train"], seed=config.seed)
         compute.prepare_module(self.objective.to(self.device))
         self.workload = self._workload()
-        self.sampler = sampler_for(
-            spec.layout,
-            data.labels("train"),
-            classes=config.classes_per_batch,
-            samples_per_class=config.samples_per_class,
-            clusters_per_class=config.clusters_per_class,
-            refresh_interval=config.cluster_refresh,
-            seed=config.seed * 1000 + dist.rank,  # each rank draws its own batches
-        )
+        self.sampler = self._sampler(seed=config.seed * 1000 + dist.rank)  # each rank its own batches
         self.view_rng = np.random.default_rng([config.seed, dist.rank])
         self.optimizer = torch.optim.Adam(self._param_groups(), weight_decay=config.weight_decay)
         self.scaler = torch.amp.GradScaler("cuda", enabled=compute.autocast == torch.float16)
@@ -329,6 +385,29 @@ class _Training:
         self.best: BestCheckpoint | None = None
         self.first_stage: FrozenStageSummary | None = None  # frozen_first: what the frozen stage reached
         self.watch = LossWatch(config.loss, spec.when_zero)  # this session's steps
+
+    def _sampler(self, seed: int) -> ClassBalancedSampler:
+        """The loss's layout's sampler; in a label-free run, over pseudo-labels that it refreshes."""
+        config, layout = self.config, self.spec.layout
+        if self.data.label_free is not None:
+            return PseudoLabelSampler(
+                layout,
+                self.data.labels("train"),
+                self.data.train_copies(),
+                classes=config.classes_per_batch,
+                samples_per_class=config.samples_per_class,
+                clusters_per_class=config.clusters_per_class,
+                seed=seed,
+            )
+        return sampler_for(
+            layout,
+            self.data.labels("train"),
+            classes=config.classes_per_batch,
+            samples_per_class=config.samples_per_class,
+            clusters_per_class=config.clusters_per_class,
+            refresh_interval=config.cluster_refresh,
+            seed=seed,
+        )
 
     def start_from(self, stage: FrozenStage) -> None:
         """Start from a frozen stage's head and loss parameters instead of the PCA-initialised head."""
@@ -423,8 +502,9 @@ class _Training:
 
     def _loop(self, model: nn.Module) -> None:
         config, state, sampler = self.config, self.state, self.sampler
-        labels = torch.as_tensor(self.data.labels("train"))
-        eval_every = config.eval_every or max(1, math.ceil(len(labels) / sampler.batch_size))
+        eval_every = config.eval_every or max(
+            1, math.ceil(len(self.data.labels("train")) / sampler.batch_size)
+        )
         batches = self.workload.batches(sampler, self.view_rng)
         bar = progress_bar(
             initial=state.step,
@@ -444,7 +524,8 @@ class _Training:
             indices, inputs = next(batches)
             batch_info = {key: value.to(self.device) for key, value in sampler.batch_info(indices).items()}
             with self.compute.autocast_context():
-                value = model(inputs, labels[indices].to(self.device), **batch_info)
+                labels = torch.as_tensor(sampler.labels[indices]).to(self.device)  # pseudo-labels change
+                value = model(inputs, labels, **batch_info)
             self.optimizer.zero_grad(set_to_none=True)
             if self.dist.all_true(bool(torch.isfinite(value))):  # ranks skip a step together or not at all
                 self.scaler.scale(value).backward()
@@ -485,6 +566,21 @@ class _Training:
                 bar.close()
                 stopping.stop_now()
         bar.close()
+
+    def _label_free_record(self) -> LabelFreeRecord | None:
+        """What a label-free run's summary says about its photos and pseudo-labels."""
+        plan, sampler = self.data.label_free, self.sampler
+        if plan is None or not isinstance(sampler, PseudoLabelSampler):
+            return None
+        train = self.data.labels("train")
+        return LabelFreeRecord(
+            labelled_photos=int((train != LOOSE).sum()),
+            loose_photos=int((train == LOOSE).sum()),
+            held_out_photos={name: len(self.data.indices[name]) // 2 for name in ("val", "test")},
+            copies_merged=int(len(plan.copies) - len(np.unique(plan.copies))),
+            score=LABEL_FREE_SCORE,
+            refreshes=[PseudoLabelRefresh(**entry) for entry in sampler.history],
+        )
 
     def _validate(self, step: int, train_loss: float | None) -> dict[str, Any]:
         """Evaluate on the validation classes; keep the weights in best.pt when they are the best so far."""
@@ -553,9 +649,12 @@ class _Training:
             validation_gain=interval,
             test=evaluate(self.workload.embed("test"), self.data.labels("test"), seed=seed),
             test_backbone=self._backbone_metrics("test"),
-            skipped_images=int(len(self.data.images) - sum(len(v) for v in self.data.indices.values())),
+            skipped_images=int(
+                len(self.data.images) - len(np.unique(np.concatenate(list(self.data.indices.values()))))
+            ),
             frozen_stage=FrozenStageSummary.model_validate(first_stage) if first_stage else None,
             failure=failure,
+            label_free=self._label_free_record(),
         )
         if self.dist.is_main:
             self.run_dir.write_summary(summary)

@@ -42,6 +42,22 @@ def eval_mode(module: torch.nn.Module) -> Iterator[None]:
         module.train(was_training)
 
 
+def distinct_views(indices: np.ndarray, drawn: np.ndarray, count: int) -> np.ndarray:
+    """The cached view (of ``count``) of each example: the one ``drawn`` at random, except that an example
+    repeated in a batch (a label-free run draws each photo twice, as its certain positive pair) takes the
+    views after its first one's, so that its copies are different pictures while there are views enough."""
+    views = drawn.copy()
+    seen: dict[int, tuple[int, int]] = {}  # example -> (its first view, copies so far)
+    for position, index in enumerate(indices.tolist()):
+        if index in seen:
+            first, copies = seen[index]
+            views[position] = (first + copies) % count
+            seen[index] = (first, copies + 1)
+        else:
+            seen[index] = (int(drawn[position]), 1)
+    return views
+
+
 class CachedWorkload:
     """Training on cached inputs: ``train_views`` is (views, n_train, *shape), view 0 the serving one.
 
@@ -69,7 +85,8 @@ class CachedWorkload:
     def batches(self, sampler: ClassBalancedSampler, rng: np.random.Generator) -> Iterator[Batch]:
         while True:
             indices = sampler.next_indices()
-            views = rng.integers(0, len(self.train_views), size=len(indices))
+            count = len(self.train_views)
+            views = distinct_views(indices, rng.integers(0, count, size=len(indices)), count)
             yield indices, self._inputs(self.train_views[views, indices])
 
     def _inputs(self, inputs: torch.Tensor) -> torch.Tensor:

@@ -25,3 +25,13 @@ def feature_cache(tmp_path_factory: pytest.TempPathFactory, exported_model: Path
     shutil.copy(exported_model, target / "model.onnx")
     shutil.copy(exported_model.with_suffix(".json"), target / "model.json")
     return cache
+
+
+@pytest.fixture(scope="session")
+def flat_folder(labelled_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The labelled folder's 60 images side by side in one folder, with no class folder; read-only."""
+    root = tmp_path_factory.mktemp("flat") / "photos"
+    root.mkdir()
+    for path in sorted(labelled_folder.rglob("*.png")):
+        shutil.copy(path, root / f"{path.parent.name}_{path.name}")
+    return root

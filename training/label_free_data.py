@@ -1,0 +1,114 @@
+"""Label-free runs: which photos are one, which are held out, and the score that stands in for labels.
+
+A run is label-free when its folder holds loose photos (directly under it, in no class folder) or when told
+to ignore class folders (``--labels none``). Photos in class folders keep their labels (a partly labelled
+folder); the loose ones train on pseudo-labels (:mod:`training.pseudo_labels`).
+
+* Copies: photos with the same bytes (content hash) are one photo. A loose copy of a labelled photo takes its
+  label (a real label wins); loose copies share one pseudo-label in training and one id in the held-out
+  check, and never straddle the split.
+* The held-out check: :data:`HELD_OUT_SHARE` of the loose photos (whole copy groups, seeded) for validation
+  and as many for test; none of them trains. Each held-out photo is embedded twice, as it is served and as
+  one augmented view (view :data:`EVAL_VIEW` of the feature cache), both rows labelled with the photo's id.
+  Recall@1 over those rows is the share of images whose nearest other image is the same photo's other
+  version (view -> original and original -> view): whether the embedding still tells a photo it never saw
+  from the others under the changes training teaches it to ignore. The trainer selects checkpoints and the
+  gate judges the run on it as a labelled run does on validation Recall@1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.gallery.hashing import file_hash
+from training.config import LabelSource
+from training.data import LOOSE, DataError, LabelledImages, load_labelled_images, without_labels
+
+# Held out for validation, and as many for test: a tenth each (at least MIN_HELD_OUT photos) leaves most of
+# a folder to train on while a few hundred photos of a few thousand give a Recall@1 interval of some points.
+HELD_OUT_SHARE = 0.1
+MIN_HELD_OUT = 4
+# Fewer loose photos than this cannot hold out two checks and still train: a labelled folder's few stray
+# photos are then ignored (with a warning) as before label-free runs existed.
+MIN_LOOSE_PHOTOS = 20
+EVAL_VIEW = 1  # the feature cache's augmented view that held-out photos are embedded in besides their own
+
+
+@dataclass(frozen=True)
+class LabelFreePlan:
+    """A label-free run's photos: labels (real, or LOOSE), copy groups, and the split by photo."""
+
+    images: LabelledImages  # labels: a class, or LOOSE (a copy of a labelled photo takes its class)
+    copies: np.ndarray  # per image: the index of the first image with the same bytes
+    train: np.ndarray  # image indices: every labelled photo and the loose photos not held out
+    val: np.ndarray
+    test: np.ndarray
+
+    def held_out_labels(self, indices: np.ndarray) -> np.ndarray:
+        """The id of each held-out photo's rows: its copy group, so copies answer each other."""
+        return self.copies[indices]
+
+
+def label_free_images(source: Path, labels: LabelSource) -> LabelledImages | None:
+    """The folder's photos, loose ones labelled LOOSE, when its run is label-free; None for a labelled run."""
+    try:
+        images = load_labelled_images(source, loose=source.is_dir())
+    except DataError:
+        if labels == "none":
+            raise
+        return None  # nothing to train on: the labelled run's loading says why, as it always did
+    if labels == "none":
+        images = without_labels(images)
+    loose = int((images.labels == LOOSE).sum())
+    labelled = len(images) - loose
+    if loose >= MIN_LOOSE_PHOTOS:
+        return images
+    if labelled == 0:
+        raise DataError(
+            f"{source} holds {loose} photos: a run without labels needs at least {MIN_LOOSE_PHOTOS}"
+        )
+    return None
+
+
+def is_label_free(source: Path, labels: LabelSource) -> bool:
+    """Whether a run on ``source`` trains without labels (all or some of its photos pseudo-labelled)."""
+    return label_free_images(source, labels) is not None
+
+
+def copy_groups(images: LabelledImages) -> np.ndarray:
+    """Per image, the index of the first image with the same bytes (itself when it has no copy)."""
+    first: dict[str, int] = {}
+    return np.array(
+        [first.setdefault(file_hash(path), index) for index, path in enumerate(images.files())], np.int64
+    )
+
+
+def plan_label_free(images: LabelledImages, *, seed: int) -> LabelFreePlan:
+    """Copies merged (a real label wins), then whole loose copy groups held out for validation and test."""
+    copies = copy_groups(images)
+    labels = images.labels.copy()
+    for group in np.unique(copies):
+        members = np.flatnonzero(copies == group)
+        known = labels[members][labels[members] != LOOSE]
+        if len(known):
+            labels[members] = known[0]
+    groups = np.unique(copies[labels == LOOSE])
+    count = max(MIN_HELD_OUT, round(HELD_OUT_SHARE * len(groups)))
+    if len(groups) < 2 * count + MIN_HELD_OUT:
+        raise DataError(
+            f"{len(groups)} distinct loose photos are too few to hold out {count} for validation and "
+            f"{count} for test and train on the rest"
+        )
+    order = np.random.default_rng(seed).permutation(groups)
+    val_groups, test_groups = order[:count], order[count : 2 * count]
+    is_val, is_test = np.isin(copies, val_groups), np.isin(copies, test_groups)
+    return LabelFreePlan(
+        images=LabelledImages(images.root, images.paths, labels, images.class_names),
+        copies=copies,
+        train=np.flatnonzero(~is_val & ~is_test),
+        val=np.flatnonzero(is_val),
+        test=np.flatnonzero(is_test),
+    )
