@@ -57,6 +57,33 @@ class Judgment:
     model_fingerprint: str  # the model that served the result
 
 
+def as_record(judgment: Judgment) -> dict[str, Any]:
+    """A judgment as JSON's plain values (an uploaded query's embedding as a list of floats, or None)."""
+    query = judgment.query
+    return {
+        "id": judgment.id,
+        "query_item": query.item,
+        "query_hash": query.content_hash,
+        "result": judgment.result,
+        "sign": judgment.sign,
+        "time": judgment.time,
+        "model_fingerprint": judgment.model_fingerprint,
+        "query_embedding": None if query.embedding is None else [float(x) for x in query.embedding],
+    }
+
+
+def from_record(record: dict[str, Any]) -> Judgment:
+    """The judgment :func:`as_record` gave."""
+    embedding = record["query_embedding"]
+    query = JudgedQuery(
+        record["query_item"],
+        record["query_hash"],
+        None if embedding is None else np.asarray(embedding, np.float32),
+    )
+    fields = (record["result"], record["sign"], record["time"], record["model_fingerprint"])
+    return Judgment(record["id"], query, *fields)
+
+
 def check_sign(sign: int) -> None:
     if sign not in SIGNS:
         raise InvalidInputError(f"a judgment's sign is +1 or -1, not {sign}")

@@ -6,8 +6,9 @@ file) proposes one keeper per group, with the reason it was chosen; a similar gr
 (another take of a scene is no duplicate). A person may edit the plan. Applying it writes the plan into
 ``TRASH_FOLDER/<plan id>/`` inside the gallery (``PLAN_FILE``: an undo needs nothing else), moves each
 set-aside file there (same relative path), keeps the items it removes from the index (``ITEMS_FILE``:
-vectors, signatures and metadata) and removes them; undoing moves the files back and puts their items
-back under their ids (a file changed in the trash, or an index that takes no ids, is indexed again). A
+vectors, signatures and metadata; the judgments naming them in ``JUDGMENTS_FILE``) and removes them;
+undoing moves the files back and puts their items, and those judgments, back under their ids (a file
+changed in the trash, or an index that takes no ids, is indexed again). A
 byte copy (a file with an item's bytes, which the index holds once: ``engine.duplicates.byte_copies``) is a
 member under its item's id and its own path, ranked by the keeper rule like any file: setting it aside
 moves only its file; keeping it while setting its item's file aside hands the item to the copy's path
@@ -57,6 +58,7 @@ from foundation.errors import ErrorKind, InvalidInputError, NotFoundError
 from foundation.names import readable_name
 from foundation.regular_files import is_regular, read_image_file, read_regular
 from index.gallery import GalleryIndex
+from index.judgments import Judgment, as_record, from_record
 from index.manifest import Manifest
 from index.protocol import Entry, Item, Move
 
@@ -66,6 +68,7 @@ ACTIONS = (KEEP, SET_ASIDE)
 # In the trash folder of a plan (names no image file has: they are not images).
 PLAN_FILE = ".dmlsearch-plan.json"  # the plan as applied: what an undo reads
 ITEMS_FILE = ".dmlsearch-items.npz"  # the items the apply removed, so that an undo keeps their ids
+JUDGMENTS_FILE = ".dmlsearch-judgments.jsonl"  # the judgments deleted with them, for the undo to restore
 SIMILAR_REASON = "similar, not duplicate: every image is kept unless you untick it"
 
 
@@ -485,6 +488,37 @@ def _kept_items(trash: Path) -> dict[int, KeptItem]:
     }
 
 
+def _kept_judgments(trash: Path) -> dict[int, Judgment]:
+    path = trash / JUDGMENTS_FILE
+    if not path.is_file():
+        return {}
+    judgments = (from_record(json.loads(line)) for line in path.read_text().splitlines())
+    return {judgment.id: judgment for judgment in judgments}
+
+
+def _keep_judgments(index: GalleryIndex, trash: Path, ids: Sequence[int]) -> None:
+    """Write the judgments naming the items about to be removed (deleted with them) into the trash's
+    ``JUDGMENTS_FILE``, with those of an earlier run of the same plan."""
+    removed = set(ids)
+    kept = _kept_judgments(trash)
+    for judgment in index.judgments.scan():
+        if judgment.result in removed or judgment.query.item in removed:
+            kept[judgment.id] = judgment
+    if kept:
+        lines = [json.dumps(as_record(judgment)) + "\n" for _, judgment in sorted(kept.items())]
+        atomic_write_text(trash / JUDGMENTS_FILE, "".join(lines))
+
+
+def _restore_judgments(index: GalleryIndex, trash: Path) -> None:
+    """Put back the kept judgments whose items are all in the index again (under their ids)."""
+    kept = list(_kept_judgments(trash).values())
+    named = {j.result for j in kept} | {j.query.item for j in kept if j.query.item is not None}
+    present = index.items.get_many(sorted(named))
+    index.judgments.copy_in(
+        [j for j in kept if j.result in present and (j.query.item is None or j.query.item in present)]
+    )
+
+
 def _keep_items(index: GalleryIndex, trash: Path, ids: Sequence[int]) -> None:
     """Write the items about to be removed into the trash's ``ITEMS_FILE`` (with those of an earlier run
     of the same plan), before they are removed."""
@@ -529,6 +563,7 @@ def set_aside(index: GalleryIndex, plan: dict, on_move: Callable[[str], None] | 
         report.handed = index.move(heirs)
     if removed:
         _keep_items(index, trash, removed)
+        _keep_judgments(index, trash, removed)
         report.removed = index.remove(removed)
     if heirs or removed:
         index.save()
@@ -557,7 +592,8 @@ def put_back(index: GalleryIndex, plan: dict, embedder: Embedder, *, progress: b
     """Undo an applied plan in an open index: its set-aside files back in place, and their items back
     under their ids (kept by the apply); a file whose bytes changed in the trash, or an index that takes
     no items under given ids (Milvus), is indexed again. Items still indexed stay as they are (a byte
-    copy's item, an item handed to a kept copy). The index is built and saved."""
+    copy's item, an item handed to a kept copy). The judgments deleted with the items come back with them
+    (those whose items are all back under their ids). The index is built and saved."""
     plan_id, aside = read_plan(plan)
     root = _root(index)
     trash = root / TRASH_FOLDER / plan_id
@@ -581,6 +617,7 @@ def put_back(index: GalleryIndex, plan: dict, embedder: Embedder, *, progress: b
             added=[entry.item.added for entry in restored],
             ids=[entry.item.id for entry in restored],
         )
+        _restore_judgments(index, trash)
     again = {entry.item.path for entry in restored}
     embed = [root / path for path in back if path not in again]
     built = BuildReport()

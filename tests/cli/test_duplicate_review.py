@@ -31,6 +31,7 @@ from engine.gallery.keeper import file_facts
 from engine.model.embedder import Embedder
 from foundation.defaults import TRASH_FOLDER
 from index.gallery import GalleryIndex
+from index.judgments import JudgedQuery, Judgment
 from tests.helpers import app_clients, make_image
 
 runner = CliRunner()
@@ -631,3 +632,42 @@ def test_file_facts_count_a_file_whose_header_cannot_be_read_as_nothing(tmp_path
     for unread in ("notes.txt", "missing.png"):
         assert (facts[unread].pixels, facts[unread].size, facts[unread].date) == (0, 0, "2024-01-01")
     assert file_facts(None, None, "x").pixels == 0
+
+
+def test_the_judgments_on_the_items_an_apply_removes_come_back_with_the_undo(
+    gallery_and_index: tuple[Path, Path], tmp_path: Path
+) -> None:
+    _, index = _writable_copy(gallery_and_index, tmp_path)
+    ids = _ids_by_path(index)
+    opened = GalleryIndex.open(index)
+    query = JudgedQuery(item=ids["astronaut.png"])
+    made = [
+        opened.judgments.add(query, item_id, 1 if path.startswith("cat") else -1, "m", "2026-01-01T00:00:00")
+        for path, item_id in ids.items()
+        if path != "astronaut.png"
+    ]
+    opened.close()
+    plan_path = tmp_path / "plan.json"
+    assert (
+        runner.invoke(
+            app, ["duplicates", "--index", str(index), "--tier", "edited", "--plan", str(plan_path)]
+        ).exit_code
+        == 0
+    )
+    plan_id = json.loads(plan_path.read_text())["plan_id"]
+
+    def judgments() -> list[Judgment]:
+        opened = GalleryIndex.open(index)
+        try:
+            return list(opened.judgments.scan())
+        finally:
+            opened.close()
+
+    result = runner.invoke(app, ["duplicates", "--index", str(index), "--apply", str(plan_path)])
+    assert result.exit_code == 0, result.output
+    left = set(_ids_by_path(index).values())
+    assert len(left) < len(ids)
+    assert judgments() == [j for j in made if j.result in left]  # deleted with their items
+    result = runner.invoke(app, ["duplicates", "--index", str(index), "--undo", plan_id])
+    assert result.exit_code == 0, result.output
+    assert judgments() == made  # back under their ids, with their items
