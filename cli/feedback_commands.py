@@ -9,14 +9,14 @@ import sys
 from contextlib import closing
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from cli.common import fail, reports_errors
 from foundation.atomic import atomic_write_text
 from index.gallery import GalleryIndex
-from index.judgments import Judgment
+from index.judgments import Judgment, as_record
 
 commands = typer.Typer()
 feedback_app = typer.Typer(
@@ -25,7 +25,7 @@ feedback_app = typer.Typer(
 commands.add_typer(feedback_app, name="feedback")
 
 IndexDir = Annotated[Path, typer.Option("--index", help="Index directory.")]
-# The fields of an exported judgment, in this order (CSV's header).
+# The fields of an exported judgment (index.judgments.as_record's), in this order: CSV's header.
 FIELDS = ("id", "query_item", "query_hash", "result", "sign", "time", "model_fingerprint", "query_embedding")
 
 
@@ -34,15 +34,8 @@ class ExportFormat(StrEnum):
     CSV = "csv"
 
 
-def _record(judgment: Judgment) -> dict[str, Any]:
-    query = judgment.query
-    embedding = None if query.embedding is None else [float(x) for x in query.embedding]
-    values = (judgment.id, query.item, query.content_hash, judgment.result, judgment.sign, judgment.time)
-    return dict(zip(FIELDS, (*values, judgment.model_fingerprint, embedding), strict=True))
-
-
 def _export_text(judgments: list[Judgment], form: ExportFormat) -> str:
-    records = [_record(judgment) for judgment in judgments]
+    records = [as_record(judgment) for judgment in judgments]
     if form is ExportFormat.JSONL:
         return "".join(json.dumps(record) + "\n" for record in records)
     text = io.StringIO()
