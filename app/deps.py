@@ -65,15 +65,19 @@ LocalTime = Annotated[
     WithJsonSchema({"type": "string", "pattern": LOCAL_TIME_PATTERN}),
 ]
 ItemId = Annotated[int, Path(ge=0, le=INT64_MAX, description="The item's id in the index.")]
-# A query box as the API takes it: four non-negative numbers (engine.decode.regions says what they mean).
+# A query box as the API takes it: four non-negative numbers (engine.decode.regions says what they mean),
+# the right and bottom above 0: a box with either at 0 has no area (0,0,0,0), refused by the schema's own
+# pattern. Which boxes are inverted, outside the image or too small no pattern can tell: 422, documented.
 _NUMBER = r"[0-9]+(\.[0-9]+)?"
-BOX_PATTERN = rf"^{_NUMBER}(,{_NUMBER}){{3}}$"
+_ABOVE_0 = r"([0-9]*[1-9][0-9]*(\.[0-9]+)?|[0-9]+\.[0-9]*[1-9][0-9]*)"
+BOX_PATTERN = rf"^{_NUMBER},{_NUMBER},{_ABOVE_0},{_ABOVE_0}$"
 
 
 def _box_text(value: str) -> str:
     """The pattern's text only, refused in words (pydantic's own refusal shows the regular expression)."""
     if not re.fullmatch(BOX_PATTERN, value):
-        raise PydanticCustomError("box_format", "{why}", {"why": f"a box is {BOX_FORMAT}; got {value!r}"})
+        why = f"a box is {BOX_FORMAT}; got {value!r} (its right and bottom are above 0)"
+        raise PydanticCustomError("box_format", "{why}", {"why": why})
     return value
 
 

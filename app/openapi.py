@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from app.settings import Settings
-from app.uploads import bound_upload_counts
+from app.uploads import IMAGE_FIELDS, bound_upload_counts
 
 ERROR_SCHEMA = {"$ref": "#/components/schemas/ErrorOut"}
 _PER_OPERATION = "parameters", "requestBody"
@@ -27,6 +27,13 @@ _COMMON_ERRORS: list[tuple[int, str, Callable[[dict[str, Any], Settings], bool]]
         400,
         "`bad_request`: a Content-Length that is not a number, or a malformed multipart body",
         lambda operation, _: True,
+    ),
+    (
+        400,
+        "`empty_image`, `not_an_image`, `corrupt_image`: an uploaded image that is empty, is no image or "
+        "does not decode (no schema can say that bytes decode as an image); `invalid_base64`: a JSON image "
+        "that is not strict base64",
+        lambda operation, _: _takes_images(operation),
     ),
     (
         404,
@@ -50,6 +57,13 @@ _COMMON_ERRORS: list[tuple[int, str, Callable[[dict[str, Any], Settings], bool]]
         422,
         "`invalid_request`: a parameter or body field outside this schema (the message names it)",
         lambda operation, _: any(operation.get(part) for part in _PER_OPERATION),
+    ),
+    (
+        422,
+        "`box_inverted`, `box_outside_image`, `box_too_small`: a box the pattern takes that is inverted or "
+        "empty (5,5,5,5), reaches outside the image, or is too small (a pattern cannot compare the numbers, "
+        "nor know the image's size)",
+        lambda operation, _: any(p["name"] == "box" for p in operation.get("parameters", [])),
     ),
     (
         429,
@@ -85,6 +99,12 @@ def served_openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
         return schema
 
     return openapi
+
+
+def _takes_images(operation: dict[str, Any]) -> bool:
+    """Whether the operation's body carries images (an upload: multipart or base64 JSON)."""
+    contents = operation.get("requestBody", {}).get("content", {}).values()
+    return any(set(IMAGE_FIELDS) & set(content["schema"].get("properties", {})) for content in contents)
 
 
 def _operations(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:

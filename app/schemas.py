@@ -31,8 +31,16 @@ from index.protocol import Item
 IMAGE_HEADERS = {"X-Content-Type-Options": "nosniff"}
 
 
-# An image as base64 text (checked and decoded by app.uploads, which also takes a data: URL prefix).
-Base64Image = Annotated[str, Field(json_schema_extra={"contentEncoding": "base64"})]
+# An image as base64 text (checked and decoded by app.uploads, which also takes a data: URL prefix). The
+# pattern is strict base64 as app.uploads decodes it (ASCII, padded, not empty): the schema says so
+# itself, where text outside it is 400 invalid_base64 (and an empty image 400 empty_image).
+_BASE64 = "[A-Za-z0-9+/]"
+BASE64_PATTERN = (
+    f"^(data:[A-Za-z0-9_/+.-]*;base64,)?({_BASE64}{{4}})*({_BASE64}{{4}}|{_BASE64}{{2}}==|{_BASE64}{{3}}=)$"
+)
+Base64Image = Annotated[
+    str, Field(json_schema_extra={"contentEncoding": "base64", "pattern": BASE64_PATTERN})
+]
 # A gallery path as a response shows it: a name that is not UTF-8 with backslash escapes (foundation.names).
 ShownPath = Annotated[str, BeforeValidator(readable_name)]
 
@@ -403,7 +411,11 @@ class NewItemsJsonIn(BaseModel):
     images: list[Base64Image] = Field(min_length=1)
     labels: list[
         Annotated[str, Field(min_length=1, max_length=MAX_LABEL_CHARS, pattern=LABEL_PATTERN)] | None
-    ] = Field(default_factory=list)
+    ] = Field(
+        default_factory=list,
+        description="none, one for every image, or one per image (in order; another count is 422 "
+        "invalid_request)",
+    )
 
 
 class ErrorBody(BaseModel):

@@ -24,8 +24,10 @@ from foundation.errors import ErrorKind
 
 _DATA_URL_PREFIX = re.compile(r"^data:[\w/+.-]*;base64,")
 _LABEL_FIELD = "label"
+# The label fields of the upload bodies: multipart's (repeated) and JSON's.
+_LABEL_FIELDS = (_LABEL_FIELD, "labels")
 # The image fields of the upload bodies, multipart and JSON.
-_IMAGE_FIELDS = ("images", "image")
+IMAGE_FIELDS = ("images", "image")
 # The example images that refine a search (engine.serve.refine), named alike in multipart and JSON.
 POSITIVE_FIELD, NEGATIVE_FIELD = "positive_images", "negative_images"
 _EXAMPLE_FIELDS = (POSITIVE_FIELD, NEGATIVE_FIELD)
@@ -76,7 +78,8 @@ def request_body_spec(
     if labelled:
         properties[_LABEL_FIELD] = {
             **_one_or_many(_LABEL_SCHEMA),
-            "description": f"no label, one label for every image, or one per image (in order); {_LABEL_RULE}",
+            "description": f"no label, one label for every image, or one per image (in order; another "
+            f"count is 422 invalid_request); {_LABEL_RULE}",
         }
     multipart = {
         "type": "object",
@@ -104,11 +107,13 @@ def _one_or_many(schema: dict[str, Any], max_items: int | None = None) -> dict[s
 
 def bound_upload_counts(body: dict[str, Any], max_batch: int) -> None:
     """Complete an upload body's schema (multipart or JSON) with what the settings bound: at most
-    ``max_batch`` images. (That labels number none, one or one per image is in words: a JSON Schema
-    cannot tie one array's length to another's, and one branch per count is more than generators take.)"""
+    ``max_batch`` images, and so at most ``max_batch`` labels. (That labels number none, one or one per
+    image is in words, and another count is 422: a JSON Schema cannot tie one array's length to another's,
+    and one branch per count is more than generators take.)"""
     properties = body.get("properties", {})
-    images: dict[str, Any] = next((properties[name] for name in _IMAGE_FIELDS if name in properties), {})
-    for schema in [images, *images.get("anyOf", [])]:
+    images: dict[str, Any] = next((properties[name] for name in IMAGE_FIELDS if name in properties), {})
+    labels: dict[str, Any] = next((properties[name] for name in _LABEL_FIELDS if name in properties), {})
+    for schema in [images, *images.get("anyOf", []), labels, *labels.get("anyOf", [])]:
         if schema.get("type") == "array":
             schema["maxItems"] = max_batch
 
