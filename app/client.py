@@ -57,6 +57,16 @@ class SearchClient:
             return self._call("POST", "/v1/explain", params=params, files={"image": upload}).json()
         return self._call("GET", "/v1/explain", params=params | {"query_item": query_item}).json()
 
+    def add_feedback(self, query: dict, result: int, sign: int, api_key: str) -> dict:
+        """Keep one judgment (``POST /v1/feedback``, with the API key): ``query`` is ``{"query_item": id}``
+        or ``{"query_image": BASE64}``; ``sign`` 1 (👍) or -1 (👎). Returns the judgment kept (its ``id``)."""
+        body = {**query, "result": result, "sign": sign}
+        return self._call("POST", "/v1/feedback", json=body, headers={"X-API-Key": api_key}).json()
+
+    def delete_feedback(self, judgment_id: int, api_key: str) -> dict:
+        """Take a kept judgment back (``DELETE /v1/feedback/{id}``, with the API key)."""
+        return self._call("DELETE", f"/v1/feedback/{judgment_id}", headers={"X-API-Key": api_key}).json()
+
     def duplicates(
         self, threshold: float | None = None, offset: int = 0, limit: int = 20, tier: str | None = None
     ) -> dict:

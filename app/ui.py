@@ -45,6 +45,8 @@ SEARCH_DEFAULTS = {
     "filter_from": None,
     "filter_to": None,
     "strategy": defaults.REFINE_STRATEGY,
+    # With the server's API key, every 👍 and 👎 is also kept in the index (POST /v1/feedback).
+    "feedback_api_key": os.environ.get("DMLSEARCH_API_KEY", ""),
 }
 LIKE, UNLIKE = 1, -1
 SIGNS = {LIKE: "👍", UNLIKE: "👎"}
@@ -95,13 +97,25 @@ def search_by_item(item_id: int) -> None:
     st.session_state.item_id = item_id
 
 
-def judge(item_id: int, sign: int, path: str) -> None:
-    """A 👍 or 👎 under a result; the same one clicked again takes it back. Judgments wait for "Refine"."""
-    judgments = st.session_state.judgments
-    if judgments.get(item_id, (0, ""))[0] == sign:
-        del judgments[item_id]
-    else:
+def judge(item_id: int, sign: int, path: str, query: dict) -> None:
+    """A 👍 or 👎 under a result; the same one clicked again takes it back. Judgments wait for "Refine".
+    With an API key each is also kept by the server (``query``: the API's way of naming the query), and a
+    judgment taken back or changed is deleted there."""
+    judgments, kept = st.session_state.judgments, st.session_state.kept
+    previous = judgments.pop(item_id, (0, ""))[0]
+    if previous != sign:
         judgments[item_id] = (sign, path)
+    api_key = st.session_state.feedback_api_key
+    if not api_key:
+        return
+    client = api_client(API_URL)
+    try:
+        if item_id in kept:
+            client.delete_feedback(kept.pop(item_id), api_key)
+        if previous != sign:
+            kept[item_id] = client.add_feedback(query, item_id, sign, api_key)["id"]
+    except ApiCallError as err:
+        st.session_state.feedback_error = str(err)
 
 
 def refine() -> None:
@@ -110,7 +124,8 @@ def refine() -> None:
 
 
 def clear_judgments() -> None:
-    st.session_state.judgments, st.session_state.refined = {}, {}
+    """Forget this page's judgments (those the server keeps stay there: `dmlsearch feedback`)."""
+    st.session_state.judgments, st.session_state.refined, st.session_state.kept = {}, {}, {}
 
 
 def keep_judgments(query: str) -> None:
@@ -136,6 +151,9 @@ def refinement_params() -> dict:
 def render_judgments() -> None:
     """The judgments of this query, what a refined search used, and the actions on them."""
     judgments: dict[int, tuple[int, str]] = st.session_state.judgments
+    error = st.session_state.pop("feedback_error", None)
+    if error:
+        st.warning(f"A judgment could not be kept by the server: {plain(error)}")
     if not judgments:
         st.caption("Judge results with 👍 and 👎, then refine the search by them.")
         return
@@ -192,6 +210,13 @@ def render_search_controls() -> tuple[dict, dict]:
             ),
             "predict": st.checkbox("Predict the label", key="predict"),
         }
+        st.text_input(
+            "API key (keeps 👍 and 👎)",
+            type="password",
+            key="feedback_api_key",
+            help="With the server's API key, every judgment is also kept in the index, for training on them "
+            "(dmlsearch feedback lists them); without it they only refine this page's search.",
+        )
         st.selectbox(
             "Refine by",
             [strategy.value for strategy in Strategy],
@@ -241,9 +266,10 @@ def render_explanation(explain: Callable[[int], dict], item_id: int) -> None:
     st.caption(plain(body["summary"]))  # the API's words: the similarity, the colours, the outlined regions
 
 
-def render_results(body: dict, *, filtered: bool, explain: Callable[[int], dict]) -> None:
+def render_results(body: dict, *, filtered: bool, explain: Callable[[int], dict], query: dict) -> None:
     """``filtered``: whether a label, sub-folder or date filter restricted the search; ``explain``: the
-    explanation of a result by its id (shown under the result when its toggle is on)."""
+    explanation of a result by its id (shown under the result when its toggle is on); ``query``: the query
+    as a judgment names it (``POST /v1/feedback``)."""
     results = body["results"]
     timings = " · ".join(f"{stage} {ms:.0f}" for stage, ms in body["timings_ms"].items())
     st.caption(f"{len(results)} results in {body['took_ms']:.0f} ms ({timings} ms)")
@@ -270,27 +296,27 @@ def render_results(body: dict, *, filtered: bool, explain: Callable[[int], dict]
                 st.button(
                     "Similar", key=f"similar-{result['id']}", on_click=search_by_item, args=(result["id"],)
                 )
-                render_judge_buttons(result)
+                render_judge_buttons(result, query)
                 if st.toggle("Why it matched", key=f"why-{result['id']}"):
                     render_explanation(explain, result["id"])
 
 
-def render_judge_buttons(result: dict) -> None:
+def render_judge_buttons(result: dict, query: dict) -> None:
     sign = st.session_state.judgments.get(result["id"], (0, ""))[0]
     for value, mark in SIGNS.items():
         st.button(
             mark,
             key=f"judge-{value}-{result['id']}",
             on_click=judge,
-            args=(result["id"], value, result["path"]),
+            args=(result["id"], value, result["path"], query),
             type="primary" if sign == value else "secondary",
             help="Take it back" if sign == value else "More like this" if value == LIKE else "Less like this",
         )
 
 
-def run_query(params: dict) -> tuple[dict, Callable[[int], dict]] | None:
-    """Show the query picker and the query image; return the API's answer and how to explain one of its
-    results (None: nothing to show)."""
+def run_query(params: dict) -> tuple[dict, Callable[[int], dict], dict] | None:
+    """Show the query picker and the query image; return the API's answer, how to explain one of its
+    results and the query as a judgment names it (None: nothing to show)."""
     client = api_client(API_URL)
     source = st.radio("Query", [UPLOAD, GALLERY], horizontal=True, key="source")
     if source == UPLOAD:
@@ -310,7 +336,8 @@ def run_query(params: dict) -> tuple[dict, Callable[[int], dict]] | None:
             return None
         if shown is not None and box is None:
             st.image(shown, caption="query", width=240)
-        return body, partial(client.explain, upload=(upload.name, data), box=box)
+        query = {"query_image": base64.b64encode(data).decode("ascii")}  # the whole image, boxed or not
+        return body, partial(client.explain, upload=(upload.name, data), box=box), query
     items = fetch_items(API_URL)
     options = sorted(items)
     if st.session_state.get("item_id") not in items and st.session_state.get("item_id") is not None:
@@ -337,7 +364,7 @@ def run_query(params: dict) -> tuple[dict, Callable[[int], dict]] | None:
     except ApiCallError as err:
         st.error(f"Search by item {item_id} failed: {plain(err)}")
         return None
-    return body, partial(client.explain, query_item=item_id, box=box)
+    return body, partial(client.explain, query_item=item_id, box=box), {"query_item": item_id}
 
 
 def main() -> None:
@@ -358,9 +385,9 @@ def main() -> None:
     params, filters = render_search_controls()
     answer = run_query(params | filters)
     if answer is not None:
-        body, explain = answer
+        body, explain, query = answer
         render_judgments()
-        render_results(body, filtered=bool(filters), explain=explain)
+        render_results(body, filtered=bool(filters), explain=explain, query=query)
 
 
 main()

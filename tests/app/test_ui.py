@@ -179,6 +179,68 @@ def test_thumbs_up_and_down_then_refine_search_again_by_them(page, api_url: str,
     assert "**Your judgments:** 👍 1 · 👎 1" not in texts(page.markdown)
 
 
+@pytest.fixture
+@starts("server")
+def writable_api_url(
+    tmp_path: Path, demo_gallery: Path, demo_index: Path, exported_model: Path
+) -> Iterator[str]:
+    """A served copy of the demo index that takes writes with the API key ``k3y``."""
+    from tests.helpers import copy_served
+
+    served = copy_served(demo_gallery, demo_index, exported_model, tmp_path)
+    args = [
+        "--index",
+        str(served.index),
+        "--model",
+        str(served.model),
+        "--rate-limit",
+        "0",
+        "--api-key",
+        "k3y",
+    ]
+    with uvicorn_server(args) as url:
+        yield url
+
+
+def test_with_the_api_key_each_judgment_is_kept_by_the_server(
+    writable_api_url: str, monkeypatch: pytest.MonkeyPatch, demo_gallery: Path
+) -> None:
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("DMLSEARCH_API_URL", writable_api_url)
+    page = AppTest.from_file(str(PAGE), default_timeout=60)
+    page.run()
+    page.sidebar.text_input(key="feedback_api_key").input("k3y")
+    data = (demo_gallery / "cat/00_crop.jpg").read_bytes()
+    page.file_uploader[0].set_value(("cat.jpg", data, "image/jpeg"))
+    page.run()
+    ids = _result_ids(page)
+
+    def kept() -> list[tuple[int, int]]:
+        body = httpx.get(f"{writable_api_url}/v1/feedback").json()
+        assert all(j["query_item"] is None and j["query_hash"] for j in body["judgments"])
+        return [(judgment["result"], judgment["sign"]) for judgment in body["judgments"]]
+
+    for key in (f"judge-1-{ids[1]}", f"judge--1-{ids[2]}"):
+        page.button(key=key).click()
+        page.run()
+    assert not page.exception and not page.warning
+    assert kept() == [(ids[1], 1), (ids[2], -1)]
+    for key in (f"judge-1-{ids[1]}", f"judge-1-{ids[2]}"):  # taken back; changed to 👍
+        page.button(key=key).click()
+        page.run()
+    assert kept() == [(ids[2], 1)]
+    assert "**Your judgments:** 👍 1 · 👎 0" in texts(page.markdown)
+    # A key the server refuses: the judgment still refines this page, and a warning says it was not kept.
+    page.sidebar.text_input(key="feedback_api_key").input("wrong")
+    page.run()
+    page.button(key=f"judge--1-{ids[3]}").click()
+    page.run()
+    assert "could not be kept by the server" in page.warning[0].value
+    assert "**Your judgments:** 👍 1 · 👎 1" in texts(page.markdown)
+    assert kept() == [(ids[2], 1)]
+
+
 def test_min_score_slider_filters_results(page, demo_gallery: Path) -> None:
     page.sidebar.slider[1].set_value(0.99)
     page.file_uploader[0].set_value(
