@@ -1,0 +1,36 @@
+"""bench/lib/label_free.py: a run trained without labels, scored with them in both settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.lib.label_free import markdown, run_setting
+from training.data import load_labelled_images, split_classes
+from training.features import FeatureExtractor
+from training.metrics import evaluate
+
+
+@pytest.mark.parametrize("setting", ["unseen", "own-gallery"])
+def test_a_label_free_run_is_scored_with_the_labels_it_never_saw(
+    setting: str, labelled_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    tiny = {"max_steps": 6, "eval_every": 3, "embedding_dim": 16, "head_hidden": 32}
+    row = run_setting("contrastive", setting, labelled_folder, tmp_path, seed=0, cache=feature_cache, **tiny)
+    images = load_labelled_images(labelled_folder)
+    test = split_classes(images).test  # both settings search the second half's classes
+    backbone = FeatureExtractor(feature_cache, progress=False).extract(images.files(test)).features
+    expected = evaluate(backbone, images.labels[test])["recall@1"]
+    assert row.untrained == round(100 * expected, 2)
+    assert row.gain == round(row.recall_at_1 - row.untrained, 2)
+    config = json.loads((tmp_path / f"contrastive-{setting}-seed0" / "config.json").read_text())
+    assert config["labels"] == "none"  # trained without them
+    trained_on = load_labelled_images(Path(config["data"]))
+    trained_test = set(images.paths[i] for i in test)
+    in_test = {
+        Path(p).relative_to(labelled_folder.resolve()).as_posix() in trained_test for p in trained_on.paths
+    }
+    assert in_test == ({True} if setting == "own-gallery" else {False})
+    assert f"| contrastive | {setting} |" in markdown([row], "python bench/label_free.py")
