@@ -91,8 +91,13 @@ def read_regular(path: Path, limit: int) -> bytes:
     """The whole of the regular file ``path``, at most ``limit`` bytes; :class:`FileTooLargeError` past it
     (checked as it is read too: a file growing meanwhile is not read on without end)."""
     with open_regular(path) as handle:
-        over = os.fstat(handle.fileno()).st_size > limit  # refused unread, not read to be refused
-        data = b"" if over else handle.read(limit + 1)
+        size = os.fstat(handle.fileno()).st_size
+        over = size > limit  # refused unread, not read to be refused
+        # Sized to the file: a read of ``limit + 1`` reserves that much address space first (512 MiB for
+        # an image, over a decode process's whole memory limit), whatever the file's size.
+        data = b"" if over else handle.read(size + 1)
+        if len(data) > size:  # it grew meanwhile: read on, up to the limit
+            data += handle.read(limit + 1 - len(data))
     if over or len(data) > limit:
         raise FileTooLargeError(
             f"{readable_name(str(path))} is over {limit} bytes: not the file expected there"

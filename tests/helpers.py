@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
@@ -437,3 +437,14 @@ def running_ray_cluster(cpus_per_node: int = 1) -> Iterator[RayCluster]:
     finally:
         cluster.stop()
         shutil.rmtree(cluster.root, ignore_errors=True)
+
+
+class CountingDecoder:
+    """A ``engine.decode.pool.Decoder`` that runs its tasks here, recording the arguments of each."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def run(self, task: Callable[..., Any], *args: Any, images: int = 1, **kwargs: Any) -> Any:
+        self.calls.append(args)
+        return task(*args, **kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import warnings
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from foundation.defaults import MAX_IMAGE_PIXELS
 from foundation.errors import DmlsearchError, ErrorKind
+from foundation.regular_files import read_image_file
 
 # HEIC/HEIF (phones' default) through pillow-heif's Pillow plugin; AVIF is built into Pillow >= 11.
 # libheif applies the HEIF rotation boxes and resets the EXIF orientation, so exif_transpose below never
@@ -53,6 +55,11 @@ IMAGE_SUFFIXES = frozenset({*FORMAT_SUFFIXES.values(), ".jpeg", ".tiff", ".heif"
 # margin 2 stayed within noise of full decoding and still decodes and preprocesses several times faster
 # (bench/jpeg_draft.py on Cars196 test classes as 1600-px JPEGs: bench/results/jpeg_draft_cars196.json).
 DRAFT_MARGIN = 2
+
+# What a decode task is given: an upload's bytes, or the path of a gallery file, which the decode process
+# reads itself (within ``foundation.regular_files``' limits): a 147 MB uncompressed TIFF held whole twice
+# by two requests grew the server by 561 MB, while only the downscale or the model input comes back.
+ImageSource = bytes | Path
 
 
 # The kind of each decode failure whose kind is not "malformed" (an image that cannot be read).
@@ -195,9 +202,14 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def thumbnail_jpeg(data: bytes, size: int, *, max_pixels: int = MAX_IMAGE_PIXELS) -> bytes:
+def source_bytes(source: ImageSource) -> bytes:
+    """The bytes of ``source``, a path read here (in the decode process, for a task run in one)."""
+    return read_image_file(source) if isinstance(source, Path) else source
+
+
+def thumbnail_jpeg(source: ImageSource, size: int, *, max_pixels: int = MAX_IMAGE_PIXELS) -> bytes:
     """A JPEG at most ``size`` pixels on its longer side, EXIF orientation applied, of the pixels only."""
-    image = decode_image(data, max_pixels=max_pixels, draft_size=size)
+    image = decode_image(source_bytes(source), max_pixels=max_pixels, draft_size=size)
     image.thumbnail((size, size), Image.Resampling.LANCZOS)
     # The source's metadata is the uploader's: Pillow writes an ``info["comment"]`` into the JPEG, and one
     # over JPEG's 64 KB segment (a GIF comment, a PNG "comment" text) failed the save with a ValueError.
@@ -205,6 +217,15 @@ def thumbnail_jpeg(data: bytes, size: int, *, max_pixels: int = MAX_IMAGE_PIXELS
     buffer = io.BytesIO()
     image.save(buffer, format="JPEG", quality=85)
     return buffer.getvalue()
+
+
+def pixel_digest(source: ImageSource) -> str:
+    """A SHA-256 of an image's size and decoded RGB pixels (EXIF orientation applied): equal for the same
+    picture in two files, whatever their bytes."""
+    image = decode_image(source_bytes(source))
+    digest = hashlib.sha256(f"{image.width}x{image.height}".encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
 
 
 def load_image_file(

@@ -23,7 +23,14 @@ import numpy as np
 from PIL import Image
 
 from engine.decode.capture_time import capture_time
-from engine.decode.images import DRAFT_MARGIN, ImageDecodeError, load_rgb, open_image
+from engine.decode.images import (
+    DRAFT_MARGIN,
+    ImageDecodeError,
+    ImageSource,
+    load_rgb,
+    open_image,
+    source_bytes,
+)
 from engine.decode.regions import Box, Crop, crop_for
 from engine.duplicates.signature import perceptual_signature
 from engine.model.model_card import Preprocessing
@@ -59,7 +66,7 @@ class DecodedUploads:
 
 
 def decode_uploads(
-    images: Sequence[bytes],
+    images: Sequence[ImageSource],
     budget: PixelBudget,
     preprocessing: Preprocessing,
     *,
@@ -96,7 +103,7 @@ def _named(position: int, count: int, function: Callable[..., T], *args: object,
 
 
 def open_uploads(
-    images: Sequence[bytes],
+    images: Sequence[ImageSource],
     budget: PixelBudget,
     *,
     boxes: Sequence[Box | None] | None = None,
@@ -127,8 +134,9 @@ def open_uploads(
     return headers
 
 
-def _open(data: bytes, budget: PixelBudget, box: Box | None) -> tuple[Image.Image, Crop | None]:
+def _open(source: ImageSource, budget: PixelBudget, box: Box | None) -> tuple[Image.Image, Crop | None]:
     """One image's header and crop; a boxed JPEG's draft is set for its region, not its whole size."""
+    data = source_bytes(source)
     if box is None:
         return open_image(data, max_pixels=budget.max_pixels, draft_size=budget.draft_size), None
     header = open_image(data, max_pixels=budget.max_pixels)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.decode.pool import Decoder
 from engine.duplicates.groups import DEFAULT_MAX_DISTANCE, Duplicates, find_duplicates
 from engine.duplicates.review import (
     PlanError,
@@ -59,8 +60,9 @@ class TieredPage:
 
 
 class DuplicateFinder:
-    def __init__(self, current: CurrentBundle) -> None:
+    def __init__(self, current: CurrentBundle, decoder: Decoder | None = None) -> None:
         self.current = current
+        self.decoder = decoder  # reads the pixels of gallery files (None: here)
         self._found: dict[tuple[object, ...], Duplicates] = {}  # of the index as loaded
         self._tiered: dict[tuple[object, ...], TieredDuplicates] = {}
 
@@ -114,7 +116,7 @@ class DuplicateFinder:
             state = (index.stamp, id(index), len(index))
             pairs = self._tiered.get((*state, tier))
             if pairs is None:
-                pairs = pair_groups(index, tier)
+                pairs = pair_groups(index, tier, decoder=self.decoder)
                 self._tiered = {key: value for key, value in self._tiered.items() if key[:3] == state} | {
                     (*state, tier): pairs
                 }

@@ -23,7 +23,6 @@ moves only its file; keeping it while setting its item's file aside hands the it
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -38,7 +37,8 @@ import numpy as np
 
 from engine.build.report import BuildReport
 from engine.build.sync import sync_files
-from engine.decode.images import decode_image
+from engine.decode.images import pixel_digest
+from engine.decode.pool import Decoder, InProcessDecoder
 from engine.duplicates.byte_copies import find_byte_copies
 from engine.duplicates.tiers import (
     Evidence,
@@ -56,7 +56,7 @@ from foundation.atomic import atomic_write_bytes, atomic_write_text
 from foundation.defaults import BATCH_SIZE, KEEPER_RULE, PLAN_BYTES, TRASH_FOLDER
 from foundation.errors import ErrorKind, InvalidInputError, NotFoundError
 from foundation.names import readable_name
-from foundation.regular_files import is_regular, read_image_file, read_regular
+from foundation.regular_files import is_regular, read_regular
 from index.gallery import GalleryIndex
 from index.judgments import Judgment, as_record, from_record
 from index.manifest import Manifest
@@ -72,29 +72,33 @@ JUDGMENTS_FILE = ".dmlsearch-judgments.jsonl"  # the judgments deleted with them
 SIMILAR_REASON = "similar, not duplicate: every image is kept unless you untick it"
 
 
-def pixel_digests(root: Path) -> Callable[[Sequence[Item]], dict[int, str]]:
-    """Reads items' decoded pixels (EXIF orientation applied) as a SHA-256 of size and RGB bytes."""
+def pixel_digests(root: Path, decoder: Decoder) -> Callable[[Sequence[Item]], dict[int, str]]:
+    """Reads items' decoded pixels (:func:`engine.decode.images.pixel_digest`) through ``decoder``, which
+    is given each file's path (a server's decode process reads it: gallery files are untrusted input)."""
 
     def digests(items: Sequence[Item]) -> dict[int, str]:
         found = {}
         for item in items:
             try:
-                image = decode_image(read_image_file(root / item.path))
-            except Exception:  # unreadable or gone: no digest, so never an exact copy by pixels
+                found[item.id] = decoder.run(pixel_digest, root / item.path)
+            except Exception:  # unreadable, gone or over a limit: no digest, so never an exact copy by pixels
                 continue
-            digest = hashlib.sha256(f"{image.width}x{image.height}".encode())
-            digest.update(image.tobytes())
-            found[item.id] = digest.hexdigest()
         return found
 
     return digests
 
 
-def pair_groups(index: GalleryIndex, tier: Tier, settings: TierSettings | None = None) -> TieredDuplicates:
+def pair_groups(
+    index: GalleryIndex,
+    tier: Tier,
+    settings: TierSettings | None = None,
+    decoder: Decoder | None = None,
+) -> TieredDuplicates:
     """The groups of ``tier`` joined by pairs of items (pixel digests read from the gallery folder, when
-    the index records one)."""
+    the index records one, through ``decoder``: None decodes here)."""
     root = index.manifest.gallery_root
-    return find_tiered(index, tier, settings, digests=pixel_digests(Path(root)) if root else None)
+    digests = pixel_digests(Path(root), decoder or InProcessDecoder()) if root else None
+    return find_tiered(index, tier, settings, digests=digests)
 
 
 def review_groups(index: GalleryIndex, found: TieredDuplicates) -> TieredDuplicates:

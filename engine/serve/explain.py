@@ -30,7 +30,6 @@ from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle, ServingConfi
 from engine.serve.query import ItemQuery, Query
 from foundation.defaults import EXPLAIN_PEAK_POSITIONS
 from foundation.errors import DmlsearchError
-from foundation.regular_files import read_image_file
 
 
 class ExplainUnavailableError(DmlsearchError, ValueError):
@@ -211,12 +210,11 @@ class ExplainService:
                 raise ExplainUnavailableError(
                     unavailable_message(bundle.embedder.model_path, bundle.embedder.card)
                 )
-            item_bytes = read_image_file(image_path(bundle, item_id))
-            query_bytes = (
-                read_image_file(image_path(bundle, query.item_id)) if isinstance(query, ItemQuery) else query
-            )
+            # The items' files by their paths: the decode process reads them, not this one.
+            item_file = image_path(bundle, item_id)
+            query_image = image_path(bundle, query.item_id) if isinstance(query, ItemQuery) else query
         preprocessing = bundle.embedder.card.preprocessing
-        images = [query_bytes, item_bytes]
+        images = [query_image, item_file]
         decoded = self.config.decoder.run(
             decode_uploads,
             images,

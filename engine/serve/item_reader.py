@@ -12,7 +12,6 @@ from engine.decode.pool import Decoder, InProcessDecoder
 from engine.gallery.files import resolves_inside
 from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle
 from foundation.errors import DmlsearchError, ErrorKind
-from foundation.regular_files import read_image_file
 from index.protocol import Item
 
 
@@ -44,9 +43,12 @@ def image_path(bundle: LoadedBundle, item_id: int) -> Path:
     return path.resolve()
 
 
-# Thumbnails kept, by (content hash, size): every size asked for of an item is decoded once (an item that
-# costs seconds to decode cost them again for each new ``size``). ~8 KB each at 256 px: ~4,000 of them.
+# Thumbnails kept, by (content hash, size): each is made once. ~8 KB each at 256 px: ~4,000 of them.
 THUMBNAIL_CACHE_BYTES = 32 * 1024**2
+# The sizes a gallery file is decoded to: any other size is shrunk from the next one up, a JPEG of our own
+# making, so the 1,009 sizes the API takes (16-1024) cost at most 5 decodes of an item, not one each (an
+# item that took 2.5 s of CPU to decode took them again for each new size).
+THUMBNAIL_BUCKETS = (64, 128, 256, 512, 1024)
 # Items whose image is over a decode limit, remembered (by content hash) so that no size decodes it again.
 COSTLY_ITEMS_KEPT = 10_000
 
@@ -70,23 +72,32 @@ class ItemReader:
             return image_path(bundle, item_id)
 
     def thumbnail(self, item_id: int, size: int) -> bytes:
-        """A JPEG of the item's image, at most ``size`` pixels on its longer side (decoded once per size;
-        an image over a decode limit is refused at once after its first try)."""
+        """A JPEG of the item's image, at most ``size`` pixels on its longer side: the gallery file is
+        decoded in a decode process once per size bucket (it reads the file: this process never holds
+        it), other sizes are shrunk from the bucket's JPEG; an image over a decode limit is refused at
+        once after its first try."""
         content = self.item(item_id).content_hash
+        bucket = next((bucket for bucket in THUMBNAIL_BUCKETS if bucket >= size), size)
         with self._cache_lock:
             if (refused := self._costly.get(content)) is not None:
                 raise refused
-            if (kept := self._thumbnails.get((content, size))) is not None:
-                return kept
-        data = read_image_file(self.image_path(item_id))
-        try:
-            thumbnail = self.decoder.run(thumbnail_jpeg, data, size, max_pixels=self.max_pixels)
-        except ImageDecodeError as err:
-            if err.code == "image_too_costly":
-                with self._cache_lock:
-                    self._costly[content] = err
-            raise
+            kept, base = self._thumbnails.get((content, size)), self._thumbnails.get((content, bucket))
+        if kept is not None:
+            return kept
+        if base is None:
+            try:
+                base = self.decoder.run(
+                    thumbnail_jpeg, self.image_path(item_id), bucket, max_pixels=self.max_pixels
+                )
+            except ImageDecodeError as err:
+                if err.code == "image_too_costly":
+                    with self._cache_lock:
+                        self._costly[content] = err
+                raise
+        # Our own JPEG of at most 1024 px, not the gallery's file: shrunk here in milliseconds.
+        thumbnail = base if size == bucket else thumbnail_jpeg(base, size)
         with self._cache_lock:
+            self._thumbnails[(content, bucket)] = base
             self._thumbnails[(content, size)] = thumbnail
         return thumbnail
 

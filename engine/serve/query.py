@@ -30,7 +30,6 @@ from engine.serve.refine import (
 )
 from foundation import defaults
 from foundation.errors import InvalidInputError
-from foundation.regular_files import read_image_file
 from foundation.timing import StageTimer
 from index.filters import ItemFilter
 from index.gallery import Hit
@@ -142,9 +141,9 @@ class QueryService:
     ) -> np.ndarray:
         embedder = bundle.embedder
         with timer.stage("decode"):
+            # An item's file by its path: the decode process reads it, not this one.
             images = [
-                read_image_file(item_image(query.item_id)) if isinstance(query, ItemQuery) else query
-                for query in queries
+                item_image(query.item_id) if isinstance(query, ItemQuery) else query for query in queries
             ]
             budget, preprocessing = self.config.budget(embedder), embedder.card.preprocessing
             decoded = self.config.decoder.run(

@@ -32,7 +32,7 @@ class SearchService:
         self.queries = QueryService(self.current, self.reader, self.config)
         self.writer = ItemWriter(self.current, self.config)
         self.feedback = FeedbackKeeper(self.current, self.config)
-        self.duplicates = DuplicateFinder(self.current)
+        self.duplicates = DuplicateFinder(self.current, self.config.decoder)
         self.explanations = ExplainService(self.current, self.reader, self.config)
 
     @classmethod

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 import signal
 import subprocess
 import sys
@@ -205,6 +206,39 @@ def test_eight_49_mp_webp_at_once_are_answered_and_never_blamed_on_the_image(
     for client in clients:
         client.join()
     assert [answer.status_code for answer in answers] == [200] * 8, [a.text for a in answers]
+    assert default_limits.status("VmHWM") - before < SMALL_REQUEST_BUDGET
+
+
+def test_a_large_uncompressed_gallery_file_never_enters_the_server_process(
+    default_limits: ServerProcess, served_module: Served, tmp_path: Path
+) -> None:
+    """Issue 43, class 4: a 147 MB uncompressed 49-MP TIFF in the gallery (build-index takes it). Before,
+    the server read it whole for each request: 2 thumbnails at once added 561 MB to the server process.
+    Now the decode process reads the path; 2 thumbnails and 2 similar-by-box of it add little."""
+    files = {"images": ("tiff.png", image_bytes(make_image(4343)))}
+    added = httpx.post(f"{default_limits.url}/v1/items", files=files, headers=KEY, timeout=60)
+    assert added.status_code == 201, added.text
+    item = added.json()["items"][0]
+    stored = served_module.gallery / item["path"]
+    Image.new("RGB", (7000, 7000), (90, 140, 200)).save(tmp_path / "big.tif", format="TIFF")
+    assert (tmp_path / "big.tif").stat().st_size > 140 * MB
+    os.replace(tmp_path / "big.tif", stored)  # swapped on disk behind the index
+    base = f"{default_limits.url}/v1/items/{item['id']}"
+    requests = [("thumbnail", {"size": 300}), ("thumbnail", {"size": 600})]
+    requests += [("similar", {"box": "0,0,0.5,0.5", "k": 2}), ("similar", {"box": "0.5,0.5,1,1", "k": 2})]
+    before = reset_peak(default_limits)
+    answers: list[httpx.Response] = []
+    clients = [
+        threading.Thread(
+            target=lambda r=route, p=params: answers.append(httpx.get(f"{base}/{r}", params=p, timeout=120))
+        )
+        for route, params in requests
+    ]
+    for client in clients:
+        client.start()
+    for client in clients:
+        client.join()
+    assert [answer.status_code for answer in answers] == [200] * 4, [a.text for a in answers]
     assert default_limits.status("VmHWM") - before < SMALL_REQUEST_BUDGET
 
 

@@ -9,11 +9,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from bench.lib.hostile_images import LEGIT, jpeg_repeated_scan
-from engine.decode.images import ImageDecodeError
+from engine.decode.images import ImageDecodeError, thumbnail_jpeg
 from engine.decode.model_input import DecodedUploads, PixelBudget, decode_uploads
 from engine.decode.pool import (
     DecodeCancelledError,
@@ -23,6 +24,7 @@ from engine.decode.pool import (
     cancelled_by,
 )
 from engine.model.model_card import Preprocessing
+from foundation.regular_files import FileTooLargeError, NotRegularFileError
 from tests.helpers import group_alive, image_bytes, make_image, wait_until
 
 BUDGET = PixelBudget(draft_size=224)
@@ -137,3 +139,37 @@ def test_a_stop_of_the_whole_process_group_lets_the_decodes_under_way_finish() -
     assert output.split() == ["stopping", "finished"], output
     # The workers and the forkserver end with their owner (the forkserver once it sees its owner gone).
     wait_until(lambda: not group_alive(process.pid, process), 30, "the owner's processes to end")
+
+
+# Gallery files are read by the decode process itself (issue 43, class 4): the regular-file rules hold
+# there, and their refusals cross back to the caller as themselves, not as a crash or a corrupt image.
+
+
+def test_a_gallery_path_that_became_a_fifo_is_refused_at_once_in_the_worker(
+    pool: DecodePool, tmp_path: Path
+) -> None:
+    """Hostile: a file swapped for a FIFO after the server's check would hold the worker until its wall
+    limit (120 s here) if it were opened blocking."""
+    os.mkfifo(tmp_path / "swapped.jpg")
+    started = time.monotonic()
+    with pytest.raises(NotRegularFileError, match="FIFO"):
+        pool.run(thumbnail_jpeg, tmp_path / "swapped.jpg", 64)
+    assert time.monotonic() - started < 10
+
+
+def test_a_gallery_file_over_the_file_limit_is_refused_unread(pool: DecodePool, tmp_path: Path) -> None:
+    """Hostile: a sparse 600 MB "JPEG" (a header, then a hole) costs no disk; read whole it would take 600
+    MB. Before class 4 the server read such files itself (a 600 MB JPEG with trailing data answered 400
+    corrupt_image, the server at 2.0 GB)."""
+    path = tmp_path / "sparse.jpg"
+    path.write_bytes(image_bytes(make_image(2), "JPEG"))
+    os.truncate(path, 600 * 1024**2)
+    with pytest.raises(FileTooLargeError):
+        pool.run(decode_uploads, [path], BUDGET, Preprocessing())
+
+
+def test_a_gallery_file_decodes_to_the_model_input_by_its_path(pool: DecodePool, tmp_path: Path) -> None:
+    data = image_bytes(make_image(3))
+    (tmp_path / "item.png").write_bytes(data)
+    by_path = pool.run(decode_uploads, [tmp_path / "item.png", data], BUDGET, Preprocessing())
+    assert (by_path.tensor[0] == by_path.tensor[1]).all()
