@@ -358,10 +358,22 @@ def test_eight_slow_uploads_do_not_keep_a_search_out(default_limits: ServerProce
         print(f"search alone {usual:.2f} s, beside 8 slow uploads {took:.2f} s (load average {load:.2f})")
         assert answer.status_code == 200, answer.text
         assert took < usual + 2, (usual, took, load)
+        # A batch and an explain of an upload get in the same way: the slot the search left is taken by one
+        # more slow upload first, so each of them takes the slot of a slow one too.
+        image = ("q.png", image_bytes(make_image(6)), "image/png")
+        slow.append(_slow_upload(base, MB, SLOW_PART + b"x" * 1024))
+        time.sleep(1)
+        batch = httpx.post(f"{base}/v1/search/batch", files=[("images", image)] * 2, timeout=60)
+        assert batch.status_code == 200, batch.text
+        slow.append(_slow_upload(base, MB, SLOW_PART + b"x" * 1024))
+        time.sleep(1)
+        item = answer.json()["results"][0]["id"]
+        explain = httpx.post(f"{base}/v1/explain", params={"item": item}, files={"image": image}, timeout=60)
+        assert explain.status_code == 200, explain.text
         answers = [_answer(sock, 0.5) for sock in slow]
         cut = [answer for answer in answers if answer.startswith(b"HTTP/1.1 408")]
-        assert len(cut) == 1, answers  # the one whose slot the search took, told why
-        assert b"request_timeout" in cut[0] and b"connection: close" in cut[0].lower()
+        assert len(cut) == 3, answers  # those whose slots the three took, told why
+        assert all(b"request_timeout" in answer and b"connection: close" in answer.lower() for answer in cut)
     finally:
         for sock in slow:
             sock.close()
