@@ -326,15 +326,19 @@ def run_query(params: dict) -> tuple[dict, Callable[[int], dict], dict] | None:
             return None
         data = upload.getvalue()
         keep_judgments(f"upload {hashlib.sha256(data).hexdigest()}")
-        shown = preview(data)
-        box = None if shown is None else region_box(shown, key="upload-box")
+        try:
+            shown = preview(data)
+        except (ValueError, OSError, MemoryError) as err:  # what the API would answer too: not sent
+            st.error(f"This image cannot be shown or searched: {plain(err)}")
+            return None
+        box = region_box(shown, key="upload-box")
         box_param = {"box": box} if box else {}  # the explanation is of the region searched by
         try:
             body = client.search(upload.name, data, **params, **box_param, **refinement_params())
         except ApiCallError as err:
             st.error(f"This image could not be searched: {plain(err)}")
             return None
-        if shown is not None and box is None:
+        if box is None:
             st.image(shown, caption="query", width=240)
         query = {"query_image": base64.b64encode(data).decode("ascii")}  # the whole image, boxed or not
         return body, partial(client.explain, upload=(upload.name, data), box=box), query

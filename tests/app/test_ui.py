@@ -100,6 +100,57 @@ def test_bad_upload_gets_a_clear_message(page) -> None:
     assert "not a recognised image format" in page.error[0].value
 
 
+def test_a_hostile_upload_is_never_decoded_in_the_pages_process(
+    page, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 43, class 8. Before, the page made its preview with Pillow in its own process: a small WebP
+    declaring 49 MP took it to 971 MB (750 MB more, here the test's process), with no CPU limit at all.
+    Now the preview is made in a decode process: the upload's bytes never reach Pillow here."""
+    import io
+
+    from PIL import Image
+
+    from bench.lib.hostile_images import LEGIT
+
+    upload = LEGIT["webp-lossless-RGBA-49mp"]()
+    opened_here: list[int] = []
+    real_open = Image.open
+
+    def watched_open(source, *args, **kwargs):
+        if isinstance(source, io.BytesIO) and source.getvalue() == upload:
+            opened_here.append(len(upload))
+        return real_open(source, *args, **kwargs)
+
+    monkeypatch.setattr(Image, "open", watched_open)
+    Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
+    page.file_uploader[0].set_value(("big.webp", upload, "image/webp"))
+    page.run()
+    assert not page.exception
+    assert opened_here == []
+    assert _peak_growth_mb() < 150
+    assert [caption for image in page.image for caption in image.captions if caption == "query"] == ["query"]
+
+
+def _peak_growth_mb() -> float:
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return (int(status["VmHWM"].split()[0]) - int(status["VmRSS"].split()[0])) / 1024
+
+
+def test_an_upload_over_the_decode_limits_is_refused_with_the_reason_and_not_searched(page) -> None:
+    """Hostile: a 7000x7000 progressive JPEG whose one scan repeats 1,000 times (21-24 s of CPU to decode).
+    Before, the page decoded it itself for its preview (a 10,000-scan one: 165 s of this process's CPU,
+    going on after the browser closed). Now its decode process stops at the 5 s CPU limit and the page
+    says why, without sending it to the API."""
+    from bench.lib.hostile_images import jpeg_repeated_scan
+
+    page.file_uploader[0].set_value(("scans.jpg", jpeg_repeated_scan(1000), "image/jpeg"))
+    page.run()
+    assert not page.exception
+    assert "cannot be shown or searched" in page.error[0].value
+    assert "s of CPU" in page.error[0].value
+    assert not [text for text in texts(page.markdown) if "score" in text]
+
+
 def test_clicking_a_result_searches_by_it(page, demo_gallery: Path) -> None:
     page.file_uploader[0].set_value(
         ("coffee.jpg", (demo_gallery / "coffee/01_crop.jpg").read_bytes(), "image/jpeg")
