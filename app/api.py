@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from app.access_log import redact_access_log
 from app.compute import ComputeSlots, default_slots
+from app.context import AppContext
 from app.errors import install_error_handlers
 from app.memory import return_freed_blocks
 from app.metrics import Metrics
@@ -29,7 +30,7 @@ from app.middleware import (
 )
 from app.openapi import served_openapi
 from app.ratelimit import TokenBucketLimiter
-from app.reload import Reloader, ReloadError, reload_on_sighup
+from app.reload import ReloadError, reload_on_sighup
 from app.routes import router
 from app.settings import Settings
 from app.state import EngineState
@@ -59,17 +60,16 @@ def _stamp(entry: os.DirEntry) -> tuple[int, int]:
     return (status.st_mtime_ns, status.st_size)
 
 
-async def _poll_index(app: FastAPI, seconds: float, tried: DirectoryState) -> None:
+async def _poll_index(context: AppContext, seconds: float, tried: DirectoryState) -> None:
     """Serve the index again when another process saved it (see ``Reloader.refresh``); or load it where
     the start-up load failed: when the index's server (Milvus) was down, or, asked to wait for the index,
     once its directory changed since the last try (``tried``: what the start-up load saw)."""
-    reloader: Reloader = app.state.reloader
-    settings: Settings = app.state.settings
+    reloader, settings = context.reloader, context.settings
     while seconds > 0:
         await asyncio.sleep(seconds)
-        if app.state.engine.service is None:
+        if context.engine.service is None:
             now = _directory_state(settings.index_path) if settings.wait_for_index else tried
-            if app.state.engine.index_server_down or now != tried:
+            if context.engine.index_server_down or now != tried:
                 tried = now
                 with contextlib.suppress(ReloadError):  # the reloader logs why
                     await run_in_threadpool(reloader.reload)
@@ -103,27 +103,29 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     EngineState.require_bundle(settings)  # nothing to serve: refused before any process starts
     metrics = Metrics()
+    uploads = UploadSlots(settings.max_concurrent_uploads, settings.body_pace())
+    context = AppContext(settings, metrics, uploads)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         return_freed_blocks()
         redact_access_log()
-        app.state.compute = ComputeSlots(settings.compute_slots or default_slots())
+        context.compute = ComputeSlots(settings.compute_slots or default_slots())
         # One decode process per compute slot (every decode holds a slot); started off the event loop, as
         # their forkserver imports the decoders (seconds).
         limits = settings.decode_limits()
-        app.state.decoder = await run_in_threadpool(DecodePool, app.state.compute.slots, limits)
+        context.decoder = await run_in_threadpool(DecodePool, context.compute.slots, limits)
         tried = _directory_state(settings.index_path)
-        app.state.engine = await run_in_threadpool(EngineState.load, settings, decoder=app.state.decoder)
-        poller = asyncio.create_task(_poll_index(app, settings.index_poll_seconds, tried))
-        stop_sighup = reload_on_sighup(app.state.reloader)
+        context.engine = await run_in_threadpool(EngineState.load, settings, decoder=context.decoder)
+        poller = asyncio.create_task(_poll_index(context, settings.index_poll_seconds, tried))
+        stop_sighup = reload_on_sighup(context.reloader)
         yield
         stop_sighup()
         poller.cancel()
         # After the grace period: decodes still running are ended (their requests were cancelled).
-        app.state.decoder.close()
-        if app.state.engine.service is not None:
-            app.state.engine.service.close()
+        context.decoder.close()
+        if context.engine.service is not None:
+            context.engine.service.close()
 
     app = FastAPI(
         title="dmlsearch",
@@ -132,16 +134,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description=API_DESCRIPTION,
         lifespan=lifespan,
     )
-    app.state.settings = settings
-    app.state.metrics = metrics
-    app.state.engine = EngineState()
-    app.state.reloader = Reloader(app)
-    metrics.track_index_size(lambda: app.state.engine.size())
+    context.store(app)
+    metrics.track_index_size(lambda: context.engine.size())
     # Starlette wraps each new middleware around the previous ones: the last added runs first. CORS is
     # outermost so that refusals (413, 429) carry CORS headers too and browsers can read them.
     app.add_middleware(BodySizeLimitMiddleware, limit=settings.max_request_bytes)
-    app.state.uploads = UploadSlots(settings.max_concurrent_uploads, settings.body_pace())
-    app.add_middleware(UploadLimitMiddleware, slots=app.state.uploads)
+    app.add_middleware(UploadLimitMiddleware, slots=context.uploads)
     if settings.rate_limit_per_second > 0:
         app.add_middleware(
             RateLimitMiddleware,

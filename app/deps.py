@@ -18,10 +18,10 @@ from pydantic import AfterValidator, BeforeValidator, Field, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
 from app.compute import ComputeSlots
+from app.context import AppContext
 from app.errors import ApiError
 from app.metrics import Metrics
 from app.settings import Settings
-from app.state import EngineState
 from engine.decode.regions import BOX_FORMAT, Box
 from engine.serve.query import SearchOptions
 from engine.serve.refine import DEFAULT_STRATEGY, Refinement, Strategy
@@ -91,20 +91,27 @@ _BOX_HELP = (
 )
 
 
-async def get_settings(request: Request) -> Settings:
-    return request.app.state.settings
+async def app_context(request: Request) -> AppContext:
+    return AppContext.of(request.app)
 
 
-async def get_metrics(request: Request) -> Metrics:
-    return request.app.state.metrics
+Context = Annotated[AppContext, Depends(app_context)]
 
 
-async def get_compute(request: Request) -> ComputeSlots:
-    return request.app.state.compute
+async def get_settings(context: Context) -> Settings:
+    return context.settings
 
 
-async def ready_service(request: Request) -> SearchService:
-    state: EngineState = request.app.state.engine
+async def get_metrics(context: Context) -> Metrics:
+    return context.metrics
+
+
+async def get_compute(context: Context) -> ComputeSlots:
+    return context.compute
+
+
+async def ready_service(context: Context) -> SearchService:
+    state = context.engine
     if state.service is None:
         raise ApiError(
             ErrorKind.UNAVAILABLE, "not_ready", f"the search engine is not ready: {state.not_ready_reason}"

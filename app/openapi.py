@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from app.context import AppContext
 from app.settings import Settings
 from app.uploads import IMAGE_FIELDS, bound_upload_counts
 
@@ -88,8 +89,8 @@ def served_openapi(app: FastAPI) -> Callable[[], dict[str, Any]]:
 
     def openapi() -> dict[str, Any]:
         schema = copy.deepcopy(static())
-        settings: Settings = app.state.settings
-        service = app.state.engine.service
+        context = AppContext.of(app)
+        settings, service = context.settings, context.engine.service
         rerankers = service.rerankers if service is not None else []
         for operation in _operations(schema):
             _add_common_errors(operation, settings)

@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from app.state import EngineState, failure_reason
@@ -36,6 +36,9 @@ from engine.serve.search import SearchService
 from foundation.errors import DmlsearchError
 from index.gallery import IndexMismatchError
 from index.manifest import DiskChange
+
+if TYPE_CHECKING:  # the context holds the reloader
+    from app.context import AppContext
 
 log = logging.getLogger("dmlsearch.app")
 
@@ -64,8 +67,8 @@ class Reloaded:
 class Reloader:
     """Loads, proves and swaps in bundles for one app, one change at a time."""
 
-    def __init__(self, app: FastAPI) -> None:
-        self.app = app
+    def __init__(self, context: AppContext) -> None:
+        self.context = context
         self._lock = threading.Lock()  # two reloads at once would race for the last word
 
     def reload(self, index_path: Path | None = None, model_path: Path | None = None) -> Reloaded:
@@ -83,7 +86,7 @@ class Reloader:
         another model is reloaded whole, with the model it carries. Raises :class:`ReloadError` when the
         saved index cannot be served."""
         with self._lock:
-            service: SearchService | None = self.app.state.engine.service
+            service = self.context.engine.service
             # Saved or replaced alike: the served model is tried first, and an index of another model is
             # reloaded whole below.
             if service is None or service.current.bundle.unseen_change() is DiskChange.UNCHANGED:
@@ -104,9 +107,9 @@ class Reloader:
 
     def _reload(self, index_path: Path | None, model_path: Path | None) -> Reloaded:
         started = time.perf_counter()
-        settings = self.app.state.settings
+        settings = self.context.settings
         where = index_path or settings.index_path
-        service: SearchService | None = self.app.state.engine.service
+        service = self.context.engine.service
         try:
             index_path, model = EngineState.locate(settings, index_path, model_path)
             if service is not None and model.card.fingerprint == service.model_fingerprint:
@@ -134,7 +137,7 @@ class Reloader:
     ) -> tuple[LoadedBundle, Callable[[LoadedBundle], None]]:
         """The new bundle, beside the served one, and how to prove it (``output``: the new model's probe
         output; None: the served model's session is kept)."""
-        settings = self.app.state.settings
+        settings = self.context.settings
         try:
             if output is not None:
                 bundle = EngineState.open_bundle(settings, index_path, model)
@@ -159,14 +162,14 @@ class Reloader:
             raise _refused(where, err) from err
 
     def _serve(self, bundle: LoadedBundle, where: Path, started: float) -> Reloaded:
-        state: EngineState = self.app.state.engine
+        state = self.context.engine
         previous = state.service.model_fingerprint if state.service is not None else None
         try:
             if state.service is not None:
                 served = state.service.swap(bundle)
             else:  # nothing served yet (the start-up load failed): this bundle is the first
                 state.service = SearchService(
-                    bundle, EngineState.config(self.app.state.settings, self.app.state.decoder)
+                    bundle, EngineState.config(self.context.settings, self.context.decoder)
                 )
                 state.not_ready_reason, state.index_server_down = None, False
                 served = bundle

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends, Request
+from fastapi import APIRouter, Body, Depends
 from starlette.concurrency import run_in_threadpool
 
-from app.deps import require_api_key
+from app.deps import Context, require_api_key
 from app.errors import ApiError
-from app.reload import Reloader, ReloadError
+from app.reload import ReloadError
 from app.schemas import ErrorOut, ReloadIn, ReloadOut
 
 router = APIRouter()
@@ -23,7 +23,7 @@ router = APIRouter()
     dependencies=[Depends(require_api_key)],
     responses={code: {"model": ErrorOut} for code in (400, 401, 403, 422)},
 )
-async def reload(request: Request, body: Annotated[ReloadIn | None, Body()] = None) -> ReloadOut:
+async def reload(context: Context, body: Annotated[ReloadIn | None, Body()] = None) -> ReloadOut:
     """Load another index directory (default: the configured path again) and swap it in.
 
     Queries in flight finish on the old index; later ones use the new index and the model it carries.
@@ -31,11 +31,10 @@ async def reload(request: Request, body: Annotated[ReloadIn | None, Body()] = No
     exist included), the served one stays and the answer says why: 422 ``reload_failed``.
     """
     body = body or ReloadIn()
-    reloader: Reloader = request.app.state.reloader
     index_path = Path(body.index_path) if body.index_path else None
     model_path = Path(body.model_path) if body.model_path else None
     try:
-        result = await run_in_threadpool(reloader.reload, index_path, model_path)
+        result = await run_in_threadpool(context.reloader.reload, index_path, model_path)
     except ReloadError as err:
         raise ApiError(err.kind, err.code, f"still serving the loaded index: {err}") from None
     return ReloadOut(

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Response
 
-from app.deps import AppMetrics, AppSettings, Service
+from app.deps import AppMetrics, AppSettings, Context, Service
 from app.errors import ApiError
-from app.middleware import UploadSlots
 from app.schemas import ErrorOut, ModelOut, ReadyOut, StatsOut
 from foundation.errors import ErrorKind
 
@@ -19,9 +18,9 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-async def taking_uploads(request: Request) -> None:
+async def taking_uploads(context: Context) -> None:
     """503 ``busy`` while every upload slot is held (on the event loop, which owns the slots)."""
-    uploads: UploadSlots = request.app.state.uploads
+    uploads = context.uploads
     if uploads.full():
         raise ApiError(ErrorKind.UNAVAILABLE, "busy", f"every upload slot is held ({uploads.limit} of them)")
 

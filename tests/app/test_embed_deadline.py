@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from app.context import AppContext
 from engine.model.bundle import STORED_MODEL
 from engine.model.embedder import Embedder, EmbedTimeoutError
 from tests.helpers import Served, image_bytes, make_image
@@ -23,14 +24,15 @@ def test_a_search_over_its_embedding_deadline_is_503_and_frees_its_slot(
     # Before: no deadline on embedding at all (only decoding had one). A deadline no real run can meet,
     # set once the server is up (the start-up probe runs under the same deadline and would not pass).
     client = make_client()
-    client.app.state.engine.service.current.bundle.embedder.run_seconds = 1e-6
+    context = AppContext.of(client.app)
+    context.engine.service.current.bundle.embedder.run_seconds = 1e-6
     query = {"image": ("q.png", image_bytes(make_image(5, (64, 48)), "PNG"))}
     for _ in range(3):  # more than the compute slots: each answer gave its slot back
         response = client.post("/v1/search", files=query)
         assert response.status_code == 503, response.text
         assert response.json()["error"]["code"] == "embed_timeout"
         assert response.headers["Retry-After"]
-    assert client.app.state.compute.limiter.borrowed_tokens == 0
+    assert context.compute.limiter.borrowed_tokens == 0
     assert client.get("/healthz").status_code == 200
 
 

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from app.context import AppContext
 from engine.build.indexing import build_index
 from engine.build.rebuild import rebuild_index
 from engine.model.embedder import Embedder
@@ -217,7 +218,7 @@ def test_a_query_embedded_by_a_model_swapped_out_meanwhile_is_answered_by_the_ne
     """The reload does not wait for a query being embedded; the query then finds another model served and
     is embedded again by it (before: searched with the old model's vector, it mixed two models)."""
     client = client_for(index_path=served_module.index, api_key=API_KEY)
-    old_service = client.app.state.engine.service
+    old_service = AppContext.of(client.app).engine.service
     entered, release = threading.Event(), threading.Event()
     embed = old_service.embedder.embed_tensor
 
