@@ -33,7 +33,7 @@ def test_serve_believes_forwarded_headers_only_from_trusted_proxies(
     monkeypatch.setattr(app.server, "run_server", lambda _app, _settings, **kwargs: calls.append(kwargs))
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    result = CliRunner().invoke(cli, ["serve", "--index", "nowhere", *flags])
+    result = CliRunner().invoke(cli, ["serve", "--index", "nowhere", "--wait-for-index", *flags])
     assert result.exit_code == 0, result.output
     (kwargs,) = calls
     assert (kwargs["proxy_headers"], kwargs["forwarded_allow_ips"]) == expected
