@@ -20,9 +20,7 @@ from app.ui_box import region_box
 from app.ui_display import plain, preview
 from app.ui_duplicates import render_duplicates
 from app.ui_model import render_model
-from engine.decode.images import (
-    IMAGE_SUFFIXES,  # importing it also lets st.image show HEIC queries (pillow-heif)
-)
+from engine.decode.images import IMAGE_SUFFIXES
 from engine.serve.refine import Strategy
 from foundation import defaults
 
