@@ -8,13 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.lib.images import export_small_model, make_image
 from tests import tiers
-from tests.helpers import (
-    MilvusServerProcess,
-    export_small_model,
-    make_image,
-    running_milvus_server,
-)
+from tests.support.milvus_server import MilvusServerProcess, running_milvus_server
 from tests.tiers import starts
 
 # Set before pymilvus loads gRPC: its fork handlers restart pollers in a forked child, which can then abort

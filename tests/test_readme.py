@@ -28,7 +28,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import free_port, make_image
+from bench.lib.images import make_image
+from bench.lib.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "Using it"

@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import export_small_model, image_bytes, make_image, uvicorn_server, write_labelled_folder
+from bench.lib.images import export_small_model, image_bytes, make_image, write_labelled_folder
+from tests.support.servers import uvicorn_server
 
 REPO = Path(__file__).resolve().parents[1]
 SERVING_PACKAGES = ("app", "engine", "index", "foundation", "cli")

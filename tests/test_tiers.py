@@ -11,14 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (
-    MILVUS_LAUNCHER,
-    RAY_COMMAND,
-    MilvusServerProcess,
-    RayCluster,
-    free_port,
-    start_server,
-)
+from bench.lib.cluster import RAY_COMMAND, RayCluster
+from bench.lib.servers import free_port, start_server
+from tests.support.milvus_server import MILVUS_LAUNCHER, MilvusServerProcess
 from tests.tiers import FAST_TIER, GUARD, SlowTierRequired, process_kind
 
 ROOT = Path(__file__).resolve().parents[1]

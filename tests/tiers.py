@@ -15,7 +15,7 @@ A guard holds the rule: while a test outside the slow tier runs (its setup and t
 starting a process whose command line is a server's, a cluster node's, a browser's or a container tool's
 (:func:`process_kind`) fails the test before the process starts, naming the marker it needs. So a new
 slow test cannot slip into the fast tier, whether it starts its process through a fixture, a helper of
-``tests/helpers.py`` or its own ``subprocess.Popen``; ``tests/test_tiers.py`` checks the guard and the
+``tests/support`` or its own ``subprocess.Popen``; ``tests/test_tiers.py`` checks the guard and the
 marking.
 
 This module is the pytest plugin that does all this (``tests/conftest.py`` registers it; ``-p tests.tiers``

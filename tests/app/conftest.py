@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.helpers import Served, app_clients, copy_served
+from tests.support.apps import app_clients
+from tests.support.served import Served, copy_served
 
 
 @pytest.fixture

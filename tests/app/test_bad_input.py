@@ -16,15 +16,9 @@ import numpy as np
 import pytest
 from PIL import Image, features
 
-from tests.helpers import (
-    ADDRESS_SPACE_CAP,
-    API_KEY,
-    Served,
-    image_bytes,
-    index_digest,
-    make_image,
-    uvicorn_server,
-)
+from bench.lib.images import image_bytes, make_image
+from tests.support.served import Served, index_digest
+from tests.support.servers import ADDRESS_SPACE_CAP, API_KEY, uvicorn_server
 from tests.tiers import starts
 
 MAX_UPLOAD = 400_000

@@ -11,8 +11,10 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from bench.lib.images import image_bytes, make_image
 from foundation.defaults import MIN_BOX_SIDE
-from tests.helpers import API_KEY, Served, image_bytes, make_image
+from tests.support.served import Served
+from tests.support.servers import API_KEY
 
 CAT = "cat/00_crop.jpg"
 COFFEE = "coffee/01_crop.jpg"

@@ -15,7 +15,9 @@ import jsonschema_rs
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.helpers import API_KEY, Served, image_bytes, make_image, uvicorn_server
+from bench.lib.images import image_bytes, make_image
+from tests.support.served import Served
+from tests.support.servers import API_KEY, uvicorn_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMATHESIS = shutil.which("schemathesis", path=os.path.dirname(sys.executable))

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from engine.duplicates.groups import DEFAULT_MAX_DISTANCE, DEFAULT_THRESHOLD
 from foundation.defaults import KEEPER_RULE
-from tests.helpers import Served
+from tests.support.served import Served
 
 
 def test_groups_are_paged_largest_first_with_scores(make_client: Callable[..., TestClient]) -> None:

@@ -12,10 +12,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.context import AppContext
+from bench.lib.images import image_bytes, make_image
 from engine.model.bundle import STORED_MODEL
 from engine.model.embedder import Embedder, EmbedTimeoutError
-from tests.helpers import Served, image_bytes, make_image
 from tests.hostile_bundles import with_hostile_model
+from tests.support.served import Served
 
 
 def test_a_search_over_its_embedding_deadline_is_503_and_frees_its_slot(

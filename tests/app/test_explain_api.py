@@ -14,7 +14,7 @@ from PIL import Image
 
 from engine.build.indexing import build_index
 from engine.model.embedder import Embedder
-from tests.helpers import Served
+from tests.support.served import Served
 
 
 def _check(body: dict, cosine: float | None = None) -> None:

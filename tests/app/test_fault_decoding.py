@@ -29,19 +29,12 @@ from bench.lib.hostile_images import (
     png_comment_text,
     png_many_chunks,
 )
+from bench.lib.images import image_bytes, make_image, write_labelled_folder
+from bench.lib.servers import ServerProcess, reset_peak
 from index.gallery import GalleryIndex
-from tests.helpers import (
-    API_KEY,
-    Served,
-    ServerProcess,
-    capped_serving,
-    image_bytes,
-    make_image,
-    reset_peak,
-    search,
-    wait_until,
-    write_labelled_folder,
-)
+from tests.support.served import Served
+from tests.support.servers import API_KEY, capped_serving, search
+from tests.support.waiting import wait_until
 from tests.tiers import starts
 
 KEY = {"X-API-Key": API_KEY}

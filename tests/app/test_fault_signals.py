@@ -19,18 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import (
-    API_KEY,
-    Served,
-    ServerProcess,
-    capped_serving,
-    free_port,
-    image_bytes,
-    make_image,
-    serve_args,
-    uvicorn_process,
-    wait_until,
-)
+from bench.lib.images import image_bytes, make_image
+from bench.lib.servers import ServerProcess, free_port
+from tests.support.served import Served
+from tests.support.servers import API_KEY, capped_serving, serve_args, uvicorn_process
+from tests.support.waiting import wait_until
 from tests.tiers import starts
 
 MB = 1024**2

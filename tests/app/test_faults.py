@@ -23,31 +23,21 @@ import httpx
 import pytest
 from PIL import Image
 
+from bench.lib.images import image_bytes, make_image, write_labelled_folder
+from bench.lib.servers import ServerProcess, reset_peak, serving
 from engine.serve.probe import ProbeError, check_sampled_vectors
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
 from index.staging import staging_directory
-from tests.helpers import (
-    ADDRESS_SPACE_CAP,
-    API_KEY,
-    Served,
-    ServerProcess,
-    capped_serving,
-    image_bytes,
-    make_image,
-    reset_peak,
-    search,
-    serve_args,
-    serving,
-    wait_until,
-    write_labelled_folder,
-)
 from tests.hostile_bundles import (
     HOSTILE_MODELS,
     with_corrupt_vectors,
     with_garbage_vectors,
     with_hostile_model,
 )
+from tests.support.served import Served
+from tests.support.servers import ADDRESS_SPACE_CAP, API_KEY, capped_serving, search, serve_args
+from tests.support.waiting import wait_until
 from tests.tiers import starts
 
 KEY = {"X-API-Key": API_KEY}

@@ -8,8 +8,10 @@ from collections.abc import Callable
 
 from fastapi.testclient import TestClient
 
+from bench.lib.images import image_bytes, make_image
 from index.gallery import GalleryIndex
-from tests.helpers import API_KEY, Served, image_bytes, make_image
+from tests.support.served import Served
+from tests.support.servers import API_KEY
 
 KEY = {"X-API-Key": API_KEY}
 

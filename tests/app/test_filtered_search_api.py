@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from cli.main import app
-from tests.helpers import Served
+from tests.support.served import Served
 
 
 @pytest.fixture

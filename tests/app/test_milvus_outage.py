@@ -11,14 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.lib.images import make_image
+from bench.lib.servers import serving
 from index.connection import MilvusConnection
 from index.milvus_backend import REQUEST_TIMEOUT_S
-from tests.helpers import (
-    MilvusServerProcess,
-    make_image,
-    running_milvus_server,
-    serving,
-)
+from tests.support.milvus_server import MilvusServerProcess, running_milvus_server
 from tests.tiers import starts
 
 # How long the API may take to answer again once Milvus is back (it reloads its collections first).

@@ -15,16 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import (
-    API_KEY,
-    MilvusServerProcess,
-    image_bytes,
-    make_image,
-    milvus_target,
-    serving,
-    uvicorn_server,
-    wait_until,
-)
+from bench.lib.images import image_bytes, make_image
+from bench.lib.servers import serving
+from tests.support.milvus_server import MilvusServerProcess, milvus_target
+from tests.support.servers import API_KEY, uvicorn_server
+from tests.support.waiting import wait_until
 
 KEY = {"X-API-Key": API_KEY}
 # How long a write through one replica may take to show on another: Milvus's Bounded staleness (5 s), an

@@ -11,8 +11,10 @@ from fastapi.testclient import TestClient
 
 from app.api import create_app
 from app.settings import Settings
+from bench.lib.images import image_bytes, make_image
 from engine.duplicates.groups import EMBEDDING_ONLY_THRESHOLD
-from tests.helpers import API_KEY, MILVUS_BACKENDS, MILVUS_PARAMS, image_bytes, make_image, milvus_target
+from tests.support.milvus_server import MILVUS_BACKENDS, MILVUS_PARAMS, milvus_target
+from tests.support.servers import API_KEY
 
 ENGINES = ["faiss", *MILVUS_PARAMS]
 GALLERY_SIZE = 78  # the demo gallery's images

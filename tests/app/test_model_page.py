@@ -20,7 +20,8 @@ from PIL import Image
 from app.ui_model import NOT_APPLICABLE
 from engine.model.model_card import ModelCard, ValidationCheck
 from engine.model.run_proof import EVAL_FILE, PLOTS, plot_path
-from tests.helpers import Served, copy_served, uvicorn_server
+from tests.support.served import Served, copy_served
+from tests.support.servers import uvicorn_server
 from tests.tiers import starts
 from training.comparison import compare_embeddings
 

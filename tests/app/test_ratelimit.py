@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.ratelimit import TokenBucketLimiter
-from tests.helpers import API_KEY
+from tests.support.servers import API_KEY
 
 
 class FakeClock:

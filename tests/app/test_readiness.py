@@ -16,9 +16,13 @@ from fastapi.testclient import TestClient
 
 from app.api import create_app
 from app.settings import Settings
+from bench.lib.images import image_bytes, make_image
+from bench.lib.servers import free_port
 from engine.model.model_card import ModelCard
 from foundation.errors import DmlsearchError
-from tests.helpers import Served, free_port, image_bytes, make_image, uvicorn_server, wait_until
+from tests.support.served import Served
+from tests.support.servers import uvicorn_server
+from tests.support.waiting import wait_until
 
 
 def not_ready_client(model: Path, index: Path) -> TestClient:

@@ -12,7 +12,7 @@ from engine.serve.query import ItemQuery, SearchOptions
 from engine.serve.refine import Refinement, Strategy
 from engine.serve.search import SearchService
 from foundation import defaults
-from tests.helpers import Served
+from tests.support.served import Served
 
 CAT = "cat/00_crop.jpg"
 COFFEE = "coffee/01_crop.jpg"

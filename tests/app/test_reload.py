@@ -19,12 +19,15 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.context import AppContext
+from bench.lib.images import image_bytes, make_image
 from engine.build.indexing import build_index
 from engine.build.rebuild import rebuild_index
 from engine.model.embedder import Embedder
 from engine.model.model_card import ModelCard
 from index.manifest import Manifest
-from tests.helpers import API_KEY, Served, app_clients, image_bytes, make_image, uvicorn_process
+from tests.support.apps import app_clients
+from tests.support.served import Served
+from tests.support.servers import API_KEY, uvicorn_process
 
 PNG = image_bytes(make_image(3))
 

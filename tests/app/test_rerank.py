@@ -22,7 +22,7 @@ from engine.serve.search import SearchService
 from index.connection import MilvusConnection
 from index.gallery import GalleryIndex
 from index.protocol import Entry, normalize_rows
-from tests.helpers import Served
+from tests.support.served import Served
 from training.export import export_pddm_unit, pddm_path_for
 from training.losses.pddm import PDDMUnit
 

@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from tests.helpers import Served
+from tests.support.served import Served
 
 CAT = "cat/00_crop.jpg"
 COFFEE = "coffee/01_crop.jpg"

@@ -15,7 +15,8 @@ from types import ModuleType
 import httpx
 import pytest
 
-from tests.helpers import free_port, uvicorn_server
+from bench.lib.servers import free_port
+from tests.support.servers import uvicorn_server
 from tests.tiers import starts
 
 PAGE = Path(__file__).resolve().parents[2] / "app" / "ui.py"
@@ -69,7 +70,7 @@ def _odd_uploads() -> dict[str, bytes]:
     import numpy as np
     from PIL import Image
 
-    from tests.helpers import image_bytes, make_image
+    from bench.lib.images import image_bytes, make_image
 
     exif = Image.Exif()
     exif[0x0112] = 6
@@ -236,7 +237,7 @@ def writable_api_url(
     tmp_path: Path, demo_gallery: Path, demo_index: Path, exported_model: Path
 ) -> Iterator[str]:
     """A served copy of the demo index that takes writes with the API key ``k3y``."""
-    from tests.helpers import copy_served
+    from tests.support.served import copy_served
 
     served = copy_served(demo_gallery, demo_index, exported_model, tmp_path)
     args = [
@@ -490,7 +491,7 @@ def test_real_browser_box_drawn_on_the_query_searches_by_the_region(
     of it, so it is found first only once the box is dragged onto it."""
     from PIL import Image
 
-    from tests.helpers import make_image
+    from bench.lib.images import make_image
 
     scene = make_image(8, (1000, 667))
     scene.paste(Image.open(demo_gallery / "cat/00_crop.jpg").convert("RGB").resize((600, 400)), (350, 200))
@@ -554,7 +555,7 @@ def writable_ui(
     tmp_path: Path, demo_gallery: Path, demo_index: Path, exported_model: Path
 ) -> Iterator[tuple]:
     """A served copy of the demo index with an API key, and ``dmlsearch ui`` talking to it."""
-    from tests.helpers import copy_served
+    from tests.support.served import copy_served
 
     served = copy_served(demo_gallery, demo_index, exported_model, tmp_path)
     args = [

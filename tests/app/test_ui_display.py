@@ -10,8 +10,8 @@ from markdown_it import MarkdownIt
 from PIL import Image
 
 from app.ui_display import plain, preview
+from bench.lib.images import image_bytes, make_image
 from engine.decode.images import ImageDecodeError
-from tests.helpers import image_bytes, make_image
 
 HOSTILE_TEXTS = [
     "![x](https://host/?beacon)",

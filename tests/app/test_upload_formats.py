@@ -8,7 +8,9 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import features
 
-from tests.helpers import API_KEY, Served, image_bytes, make_image
+from bench.lib.images import image_bytes, make_image
+from tests.support.served import Served
+from tests.support.servers import API_KEY
 
 KEY = {"X-API-Key": API_KEY}
 

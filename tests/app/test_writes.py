@@ -12,10 +12,12 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import ExifTags, Image
 
+from bench.lib.images import image_bytes, make_image
 from engine.decode.images import decode_image
 from engine.duplicates.signature import perceptual_signature
 from index.gallery import GalleryIndex
-from tests.helpers import ADDRESS_SPACE_CAP, API_KEY, Served, image_bytes, make_image, uvicorn_server
+from tests.support.served import Served
+from tests.support.servers import ADDRESS_SPACE_CAP, API_KEY, uvicorn_server
 
 KEY = {"X-API-Key": API_KEY}
 

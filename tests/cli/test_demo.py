@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.lib.images import make_image
 from engine.build.indexing import build_index
 from engine.model.embedder import Embedder
 from foundation import defaults
 from index.manifest import Manifest
-from tests.helpers import index_digest, make_image
+from tests.support.served import index_digest
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -22,6 +22,7 @@ import pytest
 from PIL import ExifTags, Image, ImageEnhance, ImageOps, PngImagePlugin
 from typer.testing import CliRunner
 
+from bench.lib.images import make_image
 from cli.main import app
 from engine.build.indexing import build_index
 from engine.duplicates.groups import DEFAULT_THRESHOLD
@@ -32,7 +33,7 @@ from engine.model.embedder import Embedder
 from foundation.defaults import TRASH_FOLDER
 from index.gallery import GalleryIndex
 from index.judgments import JudgedQuery, Judgment
-from tests.helpers import app_clients, make_image
+from tests.support.apps import app_clients
 
 runner = CliRunner()
 

@@ -13,9 +13,10 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from bench.lib.images import image_bytes, make_image
+from bench.lib.servers import free_port
 from cli.main import app
 from index.gallery import GalleryIndex
-from tests.helpers import free_port, image_bytes, make_image
 from tests.tiers import starts
 
 runner = CliRunner()

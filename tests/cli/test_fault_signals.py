@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.lib.images import make_image, write_labelled_folder
 from index.gallery import GalleryIndex
 from index.staging import staging_directory
-from tests.helpers import make_image, wait_until, write_labelled_folder
+from tests.support.waiting import wait_until
 
 BATCH = 4
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from index.gallery import GalleryIndex
 from index.judgments import JudgedQuery
-from tests.helpers import clustered_vectors, entries
+from tests.support.vectors import clustered_vectors, entries
 
 runner = CliRunner()
 DIM = 8

@@ -16,9 +16,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from bench.lib.images import make_image
 from cli.main import app
 from index.gallery import GalleryIndex
-from tests.helpers import API_KEY, app_clients, make_image, wait_until
+from tests.support.apps import app_clients
+from tests.support.servers import API_KEY
+from tests.support.waiting import wait_until
 
 LATIN1_FILE = os.fsdecode(b"caf\xe9.png")  # a Latin-1 name from an old zip file: not UTF-8
 LATIN1_FOLDER = os.fsdecode(b"pr\xeats")

@@ -8,17 +8,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from bench.lib.images import make_image
+from bench.lib.servers import free_port
 from cli.main import app
 from engine.model.model_card import ModelCard
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
-from tests.helpers import (
-    MILVUS_PARAMS,
-    MilvusServerProcess,
-    free_port,
-    make_image,
-    milvus_target,
-)
+from tests.support.milvus_server import MILVUS_PARAMS, MilvusServerProcess, milvus_target
 
 runner = CliRunner()
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import make_image
+from bench.lib.images import make_image
 
 REPO = Path(__file__).resolve().parents[2]
 

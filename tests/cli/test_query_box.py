@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
+from bench.lib.images import make_image
 from cli.main import app
-from tests.helpers import make_image
 
 runner = CliRunner()
 CAT = "cat/00_crop.jpg"

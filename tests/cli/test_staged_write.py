@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.lib.images import export_small_model, write_labelled_folder
 from engine.model.bundle import stored_model
 from engine.model.model_card import ModelCard
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
 from index.staging import staging_directory
-from tests.helpers import export_small_model, write_labelled_folder
 
 # After which step of the commit the child kills itself: the owner of the step, as the child sees it.
 STEPS = {

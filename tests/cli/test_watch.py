@@ -10,13 +10,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.lib.images import image_bytes, make_image
 from engine.build.indexing import build_index
 from engine.build.rebuild import rebuild_index
 from engine.model.embedder import Embedder
 from engine.model.model_card import ModelCard
 from index.gallery import GalleryIndex
 from index.manifest import Manifest
-from tests.helpers import image_bytes, make_image, uvicorn_server, wait_until
+from tests.support.servers import uvicorn_server
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.server  # every test runs `dmlsearch watch`, a long-running process
 

@@ -13,7 +13,8 @@ from index.connection import MilvusConnection
 from index.gallery import GalleryIndex, IndexMismatchError
 from index.protocol import Entry, Move
 from index.selection import IndexOptions
-from tests.helpers import MILVUS_BACKENDS, MILVUS_PARAMS, clustered_vectors, entries, milvus_target
+from tests.support.milvus_server import MILVUS_BACKENDS, MILVUS_PARAMS, milvus_target
+from tests.support.vectors import clustered_vectors, entries
 
 DIM = 32
 COUNT = 600

@@ -18,7 +18,7 @@ from index.items import ItemStore
 from index.protocol import IndexNotBuiltError
 from index.selection import IndexOptions, IndexSpec, choose_index
 from index.tuning import NEIGHBOURHOOD, graph_set_aside, held_out_ids, outside, recall_at_k
-from tests.helpers import clustered_vectors, entries
+from tests.support.vectors import clustered_vectors, entries
 
 DIM = 24
 
@@ -285,7 +285,7 @@ import numpy as np
 from index.faiss_build import build_faiss_index
 from index.selection import IndexSpec
 from bench.lib.vector_data import ArraySource
-from tests.helpers import clustered_vectors
+from tests.support.vectors import clustered_vectors
 vectors = clustered_vectors(1500, {DIM})
 spec = IndexSpec("ivf", "IVF16,Flat", {DIM})
 index, _ = build_faiss_index(spec, [ArraySource(np.arange(1500), vectors)], target_recall=0.9)

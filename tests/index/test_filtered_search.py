@@ -13,7 +13,8 @@ from index.gallery import GalleryIndex
 from index.items import ItemStore
 from index.protocol import Entry
 from index.selection import IndexOptions
-from tests.helpers import MILVUS_BACKENDS, MILVUS_PARAMS, clustered_vectors, milvus_target
+from tests.support.milvus_server import MILVUS_BACKENDS, MILVUS_PARAMS, milvus_target
+from tests.support.vectors import clustered_vectors
 
 DIM = 32
 COUNT = 3000

@@ -16,7 +16,8 @@ from index.judgments import JudgedQuery, Judgment, carry
 from index.merge import merge_shards
 from index.protocol import Entry, Move
 from index.sharding import Shard
-from tests.helpers import MILVUS_BACKENDS, MILVUS_PARAMS, clustered_vectors, entries, milvus_target
+from tests.support.milvus_server import MILVUS_BACKENDS, MILVUS_PARAMS, milvus_target
+from tests.support.vectors import clustered_vectors, entries
 
 DIM = 8
 COUNT = 12

@@ -10,7 +10,7 @@ import pytest
 from index.gallery import GalleryIndex
 from index.manifest import FORMAT_VERSION, MANIFEST_NAME, DiskChange, Manifest
 from index.selection import IndexOptions
-from tests.helpers import clustered_vectors, entries
+from tests.support.vectors import clustered_vectors, entries
 
 DIM = 16
 

@@ -13,7 +13,7 @@ from index.merge import merge_shards
 from index.protocol import Entry
 from index.selection import IndexOptions
 from index.sharding import Shard
-from tests.helpers import clustered_vectors, entries
+from tests.support.vectors import clustered_vectors, entries
 
 DIM = 16
 COUNT = 1500

@@ -8,7 +8,7 @@ import numpy as np
 
 from index.gallery import GalleryIndex
 from index.staging import remove_leftover, staged_write, staging_directory
-from tests.helpers import entries
+from tests.support.vectors import entries
 
 FINGERPRINT = "f" * 64
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import write_labelled_folder
+from bench.lib.images import write_labelled_folder
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from tests.helpers import tiny_train_config
+from tests.support.train_config import tiny_train_config
 from training.budget import (
     MIN_FINETUNE_STEPS,
     Load,

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import free_port, tiny_train_config
+from bench.lib.servers import free_port
+from tests.support.train_config import tiny_train_config
 from training.run_dir import RunDirectory
 
 REPO = Path(__file__).resolve().parents[2]

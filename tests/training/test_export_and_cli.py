@@ -16,7 +16,8 @@ from engine.build.indexing import build_index
 from engine.decode.images import load_image_file
 from engine.model.embedder import Embedder
 from engine.model.model_card import ModelCard
-from tests.helpers import copy_with_truncated_jpeg, tiny_train_config
+from tests.support.images import copy_with_truncated_jpeg
+from tests.support.train_config import tiny_train_config
 from training.backbone import create_backbone
 from training.data import load_labelled_images
 from training.evaluation import embed_run, evaluate_onnx

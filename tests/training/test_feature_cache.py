@@ -11,7 +11,7 @@ import pytest
 
 from engine.decode.images import load_image_file
 from foundation import stopping
-from tests.helpers import copy_with_truncated_jpeg
+from tests.support.images import copy_with_truncated_jpeg
 from training import features
 from training.data import load_labelled_images
 from training.features import FeatureExtractor

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import tiny_train_config, write_labelled_folder
+from bench.lib.images import write_labelled_folder
+from tests.support.train_config import tiny_train_config
 from training.backbone import BACKBONES, create_backbone
 from training.heads import ResidualHead
 from training.losses import build_loss

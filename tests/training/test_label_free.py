@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from engine.model.embedder import Embedder
-from tests.helpers import tiny_train_config
+from tests.support.train_config import tiny_train_config
 from training.data import LOOSE
 from training.label_free_data import is_label_free, label_free_images, plan_label_free
 from training.trainer import prepare_data

@@ -11,7 +11,7 @@ import torch
 
 from engine.decode.images import load_image_file
 from engine.model.embedder import Embedder
-from tests.helpers import tiny_train_config
+from tests.support.train_config import tiny_train_config
 from training.backbone import create_backbone, split_backbone
 from training.data import load_labelled_images
 from training.export import export_run

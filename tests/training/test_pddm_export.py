@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from engine.model.model_card import ModelCard
 from engine.model.reranker import PDDMReranker
-from tests.helpers import tiny_train_config
+from tests.support.train_config import tiny_train_config
 from training.export import export_pddm_unit, pddm_path_for
 from training.losses.pddm import PDDMUnit
 from training.model import build_objective

@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch import nn
 
+from bench.lib.images import write_labelled_folder
 from engine.decode.images import load_image_file
 from engine.model.embedder import Embedder
-from tests.helpers import tiny_train_config, write_labelled_folder
+from tests.support.train_config import tiny_train_config
 from training import precision
 from training.backbone import create_backbone
 from training.config import TrainConfig

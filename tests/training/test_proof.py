@@ -22,7 +22,7 @@ from cli.main import app
 from engine.build.indexing import build_index
 from engine.model.embedder import Embedder
 from engine.model.run_proof import EVAL_FILE, PLOTS, REPORT_FILE, plot_path
-from tests.helpers import tiny_train_config
+from tests.support.train_config import tiny_train_config
 from training.bootstrap import Interval, paired_bootstrap
 from training.comparison import compare_embeddings, knc_accuracy, validation_gain
 from training.run_dir import RunDirectory

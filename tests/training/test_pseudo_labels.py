@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import tiny_train_config
+from tests.support.train_config import tiny_train_config
 from training.data import LOOSE
 from training.losses import LOSSES
 from training.model import build_objective

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import group_alive, group_members, wait_until
+from bench.lib.cluster import group_alive, group_members
+from tests.support.waiting import wait_until
 from training import workloads
 from training.run_dir import RunDirectory
 

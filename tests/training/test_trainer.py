@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import tiny_train_config
+from tests.support.train_config import tiny_train_config
 from training.config import TrainConfig
 from training.metrics import evaluate
 from training.run_dir import RunDirectory, RunDirError

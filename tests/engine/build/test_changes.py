@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from watchdog.observers import Observer
 
+from bench.lib.images import image_bytes, make_image
 from engine.build.changes import ChangeBatcher
-from tests.helpers import image_bytes, make_image, wait_until
+from tests.support.waiting import wait_until
 
 SETTLE = 0.3
 

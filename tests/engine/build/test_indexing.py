@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.lib.images import make_image
 from engine.build.embedding import BatchCommitter
 from engine.build.indexing import GalleryMismatchError, add_images, build_index
 from engine.build.report import BuildReport, MovedFile
@@ -22,7 +23,6 @@ from index.protocol import Entry
 from index.selection import IndexChanges
 from index.sharding import Shard
 from index.staging import staging_directory
-from tests.helpers import make_image
 
 
 @pytest.fixture

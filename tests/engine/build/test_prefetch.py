@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from bench.lib.images import image_bytes, make_image
 from cli.main import app
 from engine.build.indexing import build_index
 from engine.build.prefetch import MAX_NICENESS, WORKER_NICENESS, prefetch
 from engine.decode.images import ImageDecodeError, load_image_file
 from engine.model.embedder import Embedder
 from index.gallery import GalleryIndex
-from tests.helpers import image_bytes, make_image
 
 
 @pytest.mark.parametrize("workers", [0, 1, 3])

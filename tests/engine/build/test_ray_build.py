@@ -16,18 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.lib.cluster import RayCluster
+from bench.lib.images import make_image, write_labelled_folder
 from index.gallery import GalleryIndex
 from index.items import ItemStore
 from index.manifest import MANIFEST_NAME, Manifest
 from index.staging import staging_directory
-from tests.helpers import (
-    RayCluster,
-    copy_with_truncated_jpeg,
-    make_image,
-    running_ray_cluster,
-    wait_until,
-    write_labelled_folder,
-)
+from tests.support.images import copy_with_truncated_jpeg
+from tests.support.ray_cluster import running_ray_cluster
+from tests.support.waiting import wait_until
 from tests.tiers import starts
 
 pytest.importorskip("ray", reason="ray is not installed (pip install 'dmlsearch[ray]')")
@@ -49,7 +46,7 @@ def ray_cluster() -> Iterator[RayCluster]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.helpers import export_small_model
+    from bench.lib.images import export_small_model
 
     return export_small_model(tmp_path_factory.mktemp("ray-model") / "model.onnx", seed=7)
 

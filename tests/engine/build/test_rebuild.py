@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from bench.lib.images import make_image
 from cli.main import app
 from engine.build.rebuild import rebuild_index
 from engine.model.embedder import Embedder
 from index.gallery import GalleryIndex
 from index.judgments import JudgedQuery
 from index.manifest import Manifest
-from tests.helpers import Served, copy_served, index_digest, make_image
+from tests.support.served import Served, copy_served, index_digest
 
 runner = CliRunner()
 

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from bench.lib.images import image_bytes, make_image
 from engine.build.indexing import build_index
 from engine.build.report import BuildReport
 from engine.build.watching import GalleryWatcher
 from engine.model.embedder import Embedder
 from index.gallery import GalleryIndex
-from tests.helpers import image_bytes, make_image, wait_until
+from tests.support.waiting import wait_until
 
 SETTLE = 0.3
 TIMEOUT = 60  # seconds for a batch to be embedded and saved on a busy 2-core machine

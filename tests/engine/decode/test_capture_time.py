@@ -12,12 +12,12 @@ import pillow_heif
 import pytest
 from PIL import ExifTags, Image
 
+from bench.lib.images import make_image
 from engine.build.indexing import build_index
 from engine.decode.capture_time import capture_time, photo_time
 from engine.model.embedder import Embedder
 from index.filters import ItemFilter
 from index.gallery import GalleryIndex
-from tests.helpers import make_image
 
 FILE_TIME = dt.datetime(2023, 3, 4, 5, 6, 7).timestamp()  # this machine's clock
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from PIL import Image, features
 
+from bench.lib.images import image_bytes, make_image
 from engine.build.indexing import build_index
 from engine.decode.images import decode_image, open_image
 from engine.gallery.files import list_images
 from engine.model.embedder import Embedder
 from index.gallery import GalleryIndex
-from tests.helpers import image_bytes, make_image
 
 # Formats whose encoder writes EXIF (GIF and BMP have no EXIF). Pillow's AVIF encoder needs libavif.
 EXIF_FORMATS = ["HEIF", "AVIF", "WEBP", "JPEG", "PNG", "TIFF"]

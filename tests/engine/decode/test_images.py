@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 from bench.lib.hostile_images import gif_frame_offset, gif_many_comment_blocks, png_comment_text
+from bench.lib.images import image_bytes, make_image
 from engine.decode.images import ImageDecodeError, decode_image, image_header, thumbnail_jpeg
-from tests.helpers import image_bytes, make_image
 
 
 @pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P", "CMYK", "LA", "I;16"])

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from bench.lib.images import image_bytes, make_image
 from engine.decode.images import ImageDecodeError
 from engine.decode.model_input import PixelBudget, batch_tensor, open_uploads
 from engine.gallery.labels import MAX_LABEL_BYTES, InvalidLabelError, check_label
 from engine.model.model_card import Preprocessing
 from engine.model.preprocess import resize_and_crop
-from tests.helpers import image_bytes, make_image
 
 CONFIG = Preprocessing(resize_size=256)
 

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.lib.cluster import group_alive
 from bench.lib.hostile_images import LEGIT, jpeg_repeated_scan
+from bench.lib.images import image_bytes, make_image
 from engine.decode.images import ImageDecodeError, thumbnail_jpeg
 from engine.decode.model_input import DecodedUploads, PixelBudget, decode_uploads
 from engine.decode.pool import (
@@ -25,7 +27,7 @@ from engine.decode.pool import (
 )
 from engine.model.model_card import Preprocessing
 from foundation.regular_files import FileTooLargeError, NotRegularFileError
-from tests.helpers import group_alive, image_bytes, make_image, wait_until
+from tests.support.waiting import wait_until
 
 BUDGET = PixelBudget(draft_size=224)
 # A CPU limit the repeated scans pass by far, and a wall limit they never reach in these tests.

@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bench.lib.images import image_bytes, make_image
 from engine.decode.images import decode_image
 from engine.decode.model_input import PixelBudget, batch_tensor, open_uploads
 from engine.decode.regions import Box, Crop
 from engine.model.model_card import Preprocessing
 from engine.model.preprocess import to_tensor
-from tests.helpers import image_bytes, make_image
 
 CONFIG = Preprocessing()
 

@@ -23,7 +23,8 @@ from engine.duplicates.groups import (
 from index.gallery import GalleryIndex
 from index.items import ItemStore
 from index.selection import IndexOptions
-from tests.helpers import MILVUS_PARAMS, clustered_vectors, entries, milvus_target
+from tests.support.milvus_server import MILVUS_PARAMS, milvus_target
+from tests.support.vectors import clustered_vectors, entries
 
 DIM = 32
 THRESHOLD = 0.95

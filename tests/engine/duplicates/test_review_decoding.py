@@ -7,12 +7,13 @@ from pathlib import Path
 
 from PIL import PngImagePlugin
 
+from bench.lib.images import make_image
 from engine.build.indexing import build_index
 from engine.duplicates.finder import DuplicateFinder
 from engine.duplicates.tiers import Tier
 from engine.model.embedder import Embedder
 from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle
-from tests.helpers import CountingDecoder, make_image
+from tests.support.decoding import CountingDecoder
 
 
 def test_pixel_digests_of_the_review_go_through_the_servers_decoder(

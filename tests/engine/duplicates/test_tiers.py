@@ -33,7 +33,8 @@ from engine.duplicates.tiers import (
     tier_pairs,
 )
 from index.gallery import GalleryIndex
-from tests.helpers import MILVUS_BACKENDS, entries, milvus_target
+from tests.support.milvus_server import MILVUS_BACKENDS, milvus_target
+from tests.support.vectors import entries
 
 DIM = 16
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.lib.images import make_image
 from engine.gallery.files import is_writable_folder, list_images, own_folders, resolves_inside
 from foundation.defaults import TRASH_FOLDER
-from tests.helpers import make_image
 
 
 def _gallery(tmp_path: Path) -> tuple[Path, Path]:

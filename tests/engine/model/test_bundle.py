@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from bench.lib.images import export_small_model, make_image
 from cli.main import app
 from engine.model.bundle import STORED_MODEL, locate_model, store_model
 from engine.model.model_card import ModelCard, file_fingerprint
@@ -18,7 +19,6 @@ from engine.model.reranker import PDDMReranker
 from engine.serve.search import SearchService
 from index.gallery import IndexMismatchError
 from index.manifest import Manifest
-from tests.helpers import export_small_model, make_image
 
 runner = CliRunner()
 

@@ -53,7 +53,7 @@ def test_model_card_describes_the_export(exported_model: Path) -> None:
 
 
 def test_embeddings_are_unit_float32_and_batch_independent(exported_model: Path) -> None:
-    from tests.helpers import make_image
+    from bench.lib.images import make_image
 
     embedder = Embedder(exported_model, threads=1)
     images = [make_image(seed, size=(120 + seed, 90)) for seed in range(5)]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from bench.lib.images import image_bytes, make_image
 from engine.model.embedder import Embedder
 from engine.serve.item_reader import THUMBNAIL_BUCKETS, ItemReader
 from engine.serve.item_writer import ItemWriter, NewItem
@@ -17,7 +18,7 @@ from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle, ServingConfi
 from foundation.defaults import MAX_IMAGE_PIXELS
 from index.gallery import GalleryIndex
 from index.selection import IndexOptions
-from tests.helpers import CountingDecoder, image_bytes, make_image
+from tests.support.decoding import CountingDecoder
 
 
 @pytest.fixture

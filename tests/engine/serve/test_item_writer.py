@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.lib.images import image_bytes, make_image
 from engine.decode.images import ImageDecodeError
 from engine.model.embedder import Embedder
 from engine.serve.item_reader import ItemNotFoundError
@@ -18,7 +19,6 @@ from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle, ServingConfi
 from index.gallery import GalleryIndex
 from index.items import ItemStore
 from index.selection import IndexOptions
-from tests.helpers import image_bytes, make_image
 
 IMAGE_SIZE = (40, 36)
 

@@ -13,7 +13,7 @@ from engine.serve.voting import knn_vote
 from index.gallery import GalleryIndex, Hit
 from index.protocol import Entry
 from index.selection import IndexOptions
-from tests.helpers import clustered_vectors, entries
+from tests.support.vectors import clustered_vectors, entries
 
 DIM = 16
 COUNT = 40

@@ -1,10 +1,9 @@
-"""Helpers shared by the tests: generated images, labelled folders, clustered vectors, served index copies and
-real uvicorn servers. Fixtures live in the conftests; everything a test imports lives here."""
+"""The real Milvus standalone server's lifecycle (start, readiness, stop of its process group), and the Milvus
+engines the backend suites run on."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -13,207 +12,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-import httpx
-import numpy as np
 import pytest
-from PIL import Image
 
-# The helpers bench/ shares with the tests (one copy for both): the tests import them from here too.
-from bench.lib.cluster import RAY_COMMAND as RAY_COMMAND
-from bench.lib.cluster import RayCluster as RayCluster
-from bench.lib.cluster import RayClusterUnavailable as RayClusterUnavailable
-from bench.lib.cluster import group_alive as group_alive
-from bench.lib.cluster import group_members as group_members
-from bench.lib.images import export_small_model as export_small_model
-from bench.lib.images import image_bytes as image_bytes
-from bench.lib.images import make_image as make_image
-from bench.lib.images import write_labelled_folder as write_labelled_folder
-from bench.lib.servers import ServerProcess as ServerProcess
-from bench.lib.servers import free_port as free_port
-from bench.lib.servers import reset_peak as reset_peak
-from bench.lib.servers import serving as serving
-from bench.lib.servers import start_server as start_server
-from engine.model.model_card import ModelCard
+from bench.lib.cluster import group_alive, group_members
+from bench.lib.servers import free_port
 from index.connection import MilvusConnection
-from index.manifest import Manifest
-from index.protocol import Entry
-
-if TYPE_CHECKING:
-    from training.config import TrainConfig
-
-API_KEY = "test-key-0123456789"
-INDEX_FILES = ("manifest.json", "vectors.faiss", "items.sqlite")
-
-
-def wait_until(
-    condition: Callable[[], object],
-    timeout: float,
-    what: str,
-    interval: float = 0.05,
-    details: Callable[[], str] | None = None,
-) -> None:
-    """Poll ``condition`` until it is true; fail naming ``what`` (and ``details()``, e.g. a process's log)
-    after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            raise AssertionError(
-                f"timed out after {timeout} s waiting for {what}" + (f":\n{details()}" if details else "")
-            )
-        time.sleep(interval)
-
-
-def copy_with_truncated_jpeg(folder: Path, target: Path) -> Path:
-    """A copy of the labelled ``folder`` at ``target`` plus ``class_01/broken.jpg``, a JPEG cut short like
-    Cars196's train_08144.jpg; returns the broken file."""
-    shutil.copytree(folder, target)
-    broken = target / "class_01" / "broken.jpg"
-    Image.open(target / "class_01" / "img_0.png").convert("RGB").save(broken, quality=90)
-    broken.write_bytes(broken.read_bytes()[:-400])
-    return broken
-
-
-def clustered_vectors(
-    count: int, dim: int, *, clusters: int = 30, spread: float = 0.15, seed: int = 0
-) -> np.ndarray:
-    """Unit vectors in tight clusters around random centres, the way image embeddings of classes sit."""
-    centres = np.random.default_rng(1234).standard_normal((clusters, dim))  # the same for every seed
-    rng = np.random.default_rng(seed)
-    points = centres[rng.integers(clusters, size=count)] + spread * rng.standard_normal((count, dim))
-    points /= np.linalg.norm(points, axis=1, keepdims=True)
-    return points.astype(np.float32)
-
-
-def entries(count: int, prefix: str = "img", taken: str | None = None) -> list[Entry]:
-    """Entries with distinct paths and hashes (seven labels), all taken at ``taken``."""
-    return [
-        Entry(f"{prefix}/{i:05d}.png", f"class{i % 7}", f"{prefix}-hash-{i}", taken) for i in range(count)
-    ]
-
-
-@dataclass(frozen=True)
-class Served:
-    """A writable copy of the demo gallery, its index and its model (so tests may add, delete and tamper:
-    a test that rewrote the session's exported model card changed the model every later test served)."""
-
-    gallery: Path
-    index: Path
-    model: Path
-
-
-def copy_served(demo_gallery: Path, demo_index: Path, exported_model: Path, target: Path) -> Served:
-    gallery = target / "gallery"
-    index = target / "index"
-    shutil.copytree(demo_gallery, gallery)
-    shutil.copytree(demo_index, index)
-    manifest = Manifest.load(index)
-    manifest.gallery_root = str(gallery.resolve())
-    manifest.save(index)
-    model = target / "model" / exported_model.name
-    model.parent.mkdir()
-    shutil.copy(exported_model, model)
-    shutil.copy(ModelCard.path_for(exported_model), ModelCard.path_for(model))
-    if (explainer := ModelCard.load(exported_model).explainer) is not None:
-        shutil.copy(explainer.path_beside(exported_model), explainer.path_beside(model))
-    return Served(gallery, index, model)
-
-
-def index_digest(index: Path) -> dict[str, str]:
-    """Content hashes of the index files, to show that a request changed nothing."""
-    return {name: hashlib.sha256((index / name).read_bytes()).hexdigest() for name in INDEX_FILES}
-
-
-# The fault suite's memory cap (``prlimit --as``): a served process's whole address space, mappings of
-# onnxruntime and FAISS included (an idle server maps ~0.9 GB of it).
-ADDRESS_SPACE_CAP = 2 * 1024**3
-
-
-def serve_args(served: Served, *extra: str) -> list[str]:
-    """``serve``'s arguments for a served copy: its index and model, then ``extra``."""
-    return ["--index", str(served.index), "--model", str(served.model), *extra]
-
-
-@contextmanager
-def capped_serving(
-    served: Served,
-    *extra: str,
-    env: dict[str, str] | None = None,
-    log: Path | None = None,
-    ready_path: str = "/readyz",
-) -> Iterator[ServerProcess]:
-    """The fault suite's server: ``serve`` over ``served`` (``extra`` arguments), writes enabled with
-    :data:`API_KEY`, under the :data:`ADDRESS_SPACE_CAP` memory cap."""
-    env = {"DMLSEARCH_API_KEY": API_KEY, **(env or {})}
-    args = serve_args(served, *extra)
-    with serving(args, env, ready_path, address_space=ADDRESS_SPACE_CAP, log=log) as server:
-        yield server
-
-
-def search(server: ServerProcess, data: bytes, timeout: float = 120, **params: object) -> httpx.Response:
-    """``POST /v1/search`` of one image (``params``: the query string)."""
-    files = {"image": ("q", data)}
-    return httpx.post(f"{server.url}/v1/search", params=params, files=files, timeout=timeout)
-
-
-@contextmanager
-def uvicorn_server(
-    args: list[str], env: dict[str, str] | None = None, ready_path: str = "/readyz", **options: object
-) -> Iterator[str]:
-    """``dmlsearch serve ARGS`` in a real uvicorn process on a free port; yields its base URL.
-
-    Waits until ``ready_path`` answers 200 (``/healthz`` for servers that are meant not to be ready).
-    """
-    with serving(args, env, ready_path, **options) as server:
-        yield server.url
-
-
-@contextmanager
-def uvicorn_process(
-    args: list[str], env: dict[str, str] | None = None, ready_path: str = "/readyz", **options: object
-) -> Iterator[tuple[str, subprocess.Popen]]:
-    """:func:`uvicorn_server` that also yields the process (to send it signals)."""
-    with serving(args, env, ready_path, **options) as server:
-        yield server.url, server.process
-
-
-def tiny_train_config(data: Path, cache: Path, **overrides: object) -> TrainConfig:
-    """A training config small enough for a test: contrastive loss, a 16-d embedding and a 32-wide head on
-    the cached features in ``cache``; ``overrides`` set any other field."""
-    from training.config import TrainConfig  # here: the app and index tests need not load torch
-
-    settings: dict[str, object] = {"loss": "contrastive", "embedding_dim": 16, "head_hidden": 32, **overrides}
-    return TrainConfig(data=str(data), cache_dir=str(cache), **settings)
-
-
-@contextmanager
-def app_clients(defaults: dict[str, object]) -> Iterator[Callable[..., object]]:
-    """``make(**overrides)`` builds an in-process app over ``Settings(**defaults, **overrides)``; every
-    client made is closed on exit."""
-    from fastapi.testclient import TestClient
-
-    from app.api import create_app
-    from app.settings import Settings
-
-    clients: list[TestClient] = []
-
-    def make(**overrides: object) -> TestClient:
-        client = TestClient(create_app(Settings(**{**defaults, **overrides})), raise_server_exceptions=False)
-        client.__enter__()
-        clients.append(client)
-        return client
-
-    try:
-        yield make
-    finally:
-        for client in clients:
-            client.__exit__(None, None, None)
-
 
 # Seconds the real Milvus server gets to start (it unpacks 250 MB of binaries into its data folder first;
 # about 15-20 s here) and to stop on SIGTERM before the whole process group is killed.
@@ -418,33 +226,3 @@ def running_milvus_server(prefix: str) -> Iterator[MilvusServerProcess]:
     finally:
         server.stop()
         shutil.rmtree(server.data, ignore_errors=True)
-
-
-@contextmanager
-def running_ray_cluster(cpus_per_node: int = 1) -> Iterator[RayCluster]:
-    """A Ray head and one worker node on this machine, stopped and its folder removed at the end; the test
-    skips, saying why, only where ray is not installed or the cluster cannot start."""
-    # A short folder: Ray's socket paths must stay within the 107 bytes of a Unix socket's name.
-    cluster = RayCluster(Path(tempfile.mkdtemp(prefix="dmlray", dir="/tmp")), cpus_per_node)
-    try:
-        cluster.start()
-    except (RayClusterUnavailable, subprocess.TimeoutExpired) as err:
-        cluster.stop()
-        shutil.rmtree(cluster.root, ignore_errors=True)
-        pytest.skip(f"a local Ray cluster cannot start here: {err}")
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-        shutil.rmtree(cluster.root, ignore_errors=True)
-
-
-class CountingDecoder:
-    """A ``engine.decode.pool.Decoder`` that runs its tasks here, recording the arguments of each."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-
-    def run(self, task: Callable[..., Any], *args: Any, images: int = 1, **kwargs: Any) -> Any:
-        self.calls.append(args)
-        return task(*args, **kwargs)
