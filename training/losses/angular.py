@@ -25,7 +25,7 @@ import torch
 from foundation.errors import InvalidInputError
 from training.losses.base import MetricLoss
 from training.losses.npair import NPairLoss, log1p_sum_exp, positive_pairs
-from training.losses.pairs import gram_matrix
+from training.losses.pairs import gram_matrix, pair_masks
 from training.losses.registry import BatchLayout, register_loss
 
 Form = Literal["npair", "triplet"]
@@ -61,8 +61,10 @@ class AngularLoss(MetricLoss):
     def forward(
         self, embeddings: torch.Tensor, labels: torch.Tensor, **batch_info: torch.Tensor
     ) -> torch.Tensor:
-        anchors, positives = positive_pairs(labels)
-        negatives = labels[anchors].unsqueeze(1) != labels.unsqueeze(0)  # (pairs, B)
+        positive, negative = pair_masks(labels, batch_info)
+        anchors, positives = positive_pairs(positive)
+        # y_n != y_a, y_p: unlike both members (the labels' negatives, or judged ones)
+        negatives = negative.index_select(0, anchors) & negative.index_select(0, positives)  # (pairs, B)
         if not negatives.any():
             return embeddings.sum() * 0.0
         gram = gram_matrix(embeddings)
@@ -100,7 +102,9 @@ class NPairAngularLoss(MetricLoss):
     def forward(
         self, embeddings: torch.Tensor, labels: torch.Tensor, **batch_info: torch.Tensor
     ) -> torch.Tensor:
-        return self.npair(embeddings, labels) + self.lam * self.angular(embeddings, labels)
+        return self.npair(embeddings, labels, **batch_info) + self.lam * self.angular(
+            embeddings, labels, **batch_info
+        )
 
 
 _PAPER = "Wang, Zhou, Wen, Liu, Lin, Deep Metric Learning with Angular Loss, ICCV 2017"
@@ -114,6 +118,7 @@ register_loss(
     paper=_PAPER,
     summary="Angular loss: bounds the angle at the negative of the triangle (x_c, x_m, x_n); N-pair form "
     "with log-sum-exp (Eq. 8) or triplet hinge form (Eq. 6).",
+    judged_pairs=True,
 )
 register_loss(
     "npair-angular",
@@ -121,4 +126,5 @@ register_loss(
     layout=_LAYOUT,
     paper=_PAPER,
     summary="NL&AL (Eq. 9): the paper's N-pair loss (Eq. 10) plus lambda times the angular loss (Eq. 8).",
+    judged_pairs=True,
 )

@@ -152,11 +152,15 @@ def lifted_structure_loss(
     n B^3 entries for ``m classes x n``; here the two sums are per-row log-sum-exps ``L_i`` and
     ``J_ij = logaddexp(L_i, L_j) + D_ij - m_pos``, evaluated on the positive pairs only: O(B^2) in all.
     """
-    if not pos_mask.any() or not neg_mask.any():
+    has_negative = neg_mask.any(1)
+    # a pair counts where one of its members has a negative (every pair of a labelled batch of two classes;
+    # a judged batch's masks need not be): an empty row is no term of the sum, not log(1)
+    pairs = pos_mask & (has_negative.unsqueeze(0) | has_negative.unsqueeze(1))
+    if not pairs.any():
         return zero_loss(dist)
-    # once there are two classes every row has negatives, so no L_i below is an empty-row placeholder
     row_lse = masked_logsumexp(neg_margin - dist, neg_mask, dim=1)
-    i, j = pos_mask.nonzero(as_tuple=True)
+    row_lse = torch.where(has_negative, row_lse, float("-inf"))
+    i, j = pairs.nonzero(as_tuple=True)
     j_ij = torch.logaddexp(row_lse[i], row_lse[j]) + dist[i, j] - pos_margin
     return j_ij.relu().pow(2).mean() / 2
 
@@ -294,6 +298,7 @@ register_loss(
     layout=_LAYOUT,
     paper="Hadsell, Chopra & LeCun, Dimensionality Reduction by Learning an Invariant Mapping, CVPR 2006",
     summary="Pull positive pairs together, push negative pairs beyond a margin (squared hinges).",
+    judged_pairs=True,
 )
 register_loss(
     "triplet",
@@ -301,6 +306,7 @@ register_loss(
     layout=_LAYOUT,
     paper="Weinberger & Saul, JMLR 2009; Schroff et al., FaceNet, CVPR 2015 (LoOp baseline, Eq. 14)",
     summary="Hinge on d(a,p) - d(a,n) + margin, mean over all valid triplets of the batch.",
+    judged_pairs=True,
 )
 register_loss(
     "hphn-triplet",
@@ -308,6 +314,7 @@ register_loss(
     layout=_LAYOUT,
     paper="Hermans, Beyer & Leibe, In Defense of the Triplet Loss, 2017 (LoOp's HPHN-triplet)",
     summary="Batch-hard triplet: hardest positive and hardest negative per anchor, mean over anchors.",
+    judged_pairs=True,
 )
 register_loss(
     "lifted",
@@ -315,6 +322,7 @@ register_loss(
     layout=_LAYOUT,
     paper="Song et al., Deep Metric Learning via Lifted Structured Feature Embedding, CVPR 2016",
     summary="Smooth lifted structure: each positive pair against all negatives of both members.",
+    judged_pairs=True,
 )
 register_loss(
     "ms",
@@ -322,4 +330,5 @@ register_loss(
     layout=_LAYOUT,
     paper="Wang et al., Multi-Similarity Loss with General Pair Weighting, CVPR 2019",
     summary="Mine informative pairs (epsilon), then soft-weight them by self and relative similarity.",
+    judged_pairs=True,
 )

@@ -67,13 +67,13 @@ from training.losses.registry import BatchLayout, register_loss
 HardNegatives = Literal["loop", "endpoints"]
 
 
-def check_pair_layout(labels: torch.Tensor) -> None:
-    """Raise ValueError unless rows ``(0, 1)``, ``(2, 3)``, ... share a label (Algorithm 1, line 4)."""
-    if labels.ndim != 1 or len(labels) < 2 or len(labels) % 2:
-        raise ValueError(
-            f"LoOp needs an even batch of consecutive same-class pairs, got {len(labels)} labels"
-        )
-    if not torch.equal(labels[0::2], labels[1::2]):
+def check_pair_layout(pos_mask: torch.Tensor) -> None:
+    """Raise ValueError unless rows ``(0, 1)``, ``(2, 3)``, ... are positive pairs (Algorithm 1, line 4):
+    same-class pairs, or pairs a person judged alike (:func:`~training.losses.pairs.pair_masks`)."""
+    size = len(pos_mask)
+    if size < 2 or size % 2:
+        raise ValueError(f"LoOp needs an even batch of consecutive same-class pairs, got {size} labels")
+    if not bool(pos_mask[0::2, 1::2].diagonal().all()):
         raise ValueError("LoOp needs consecutive same-class pairs: labels[0::2] must equal labels[1::2]")
 
 
@@ -139,7 +139,7 @@ def pair_hardest_negative_loss(
     else:
         positive = dist[0::2, 1::2].diagonal()
     negative = dist.masked_fill(~neg_mask, float("inf")).view(pairs, -1).amin(1)
-    has_negative = neg_mask[0::2].any(1)
+    has_negative = neg_mask.view(pairs, -1).any(1)  # either member's row
     return torch.where(has_negative, (positive + margin - negative).relu(), 0).mean()
 
 
@@ -157,8 +157,8 @@ class _LoOpLoss(PairLoss):
             )
         self.hard_negatives = hard_negatives
 
-    def check_labels(self, labels: torch.Tensor) -> None:
-        check_pair_layout(labels)
+    def check_pairs(self, pos_mask: torch.Tensor) -> None:
+        check_pair_layout(pos_mask)
 
     def geometry(self, x: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
         curves: Geometry = "arc" if self.normalize else "segment"  # Sec. 3.1-3.2 / Sec. 4.2
@@ -249,6 +249,7 @@ register_loss(
     paper=f"{_PAPER} (Eq. 15)",
     summary="Triplet hinge whose negative distance is the closest approach of the two pairs' arcs.",
     fixed={"hard_negatives": "loop"},
+    judged_pairs=True,
 )
 register_loss(
     "loop-hphn-triplet",
@@ -257,6 +258,7 @@ register_loss(
     paper=f"{_PAPER} (Sec. 3.3.2)",
     summary="Per pair: hardest positive vs the closest arc of another class's pair, hinge with margin.",
     fixed={"hard_negatives": "loop"},
+    judged_pairs=True,
 )
 register_loss(
     "loop-lifted",
@@ -265,6 +267,7 @@ register_loss(
     paper=f"{_PAPER} (modified Eq. 16)",
     summary="Per pair: its distance vs the closest arc of another class's pair, hinge with margin.",
     fixed={"hard_negatives": "loop"},
+    judged_pairs=True,
 )
 register_loss(
     "loop-ms",
@@ -273,4 +276,5 @@ register_loss(
     paper=f"{_PAPER} (Sec. 3.3.4)",
     summary="Multi-similarity loss whose negative similarities are the closest approach of two arcs.",
     fixed={"hard_negatives": "loop"},
+    judged_pairs=True,
 )

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from foundation.errors import InvalidInputError
 from training.losses.base import MetricLoss
-from training.losses.pairs import gram_matrix, label_masks
+from training.losses.pairs import gram_matrix, pair_masks
 from training.losses.registry import BatchLayout, register_loss
 
 Tuples = Literal["sohn", "all_pairs"]
@@ -50,9 +50,8 @@ def sohn_tuples(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return anchors, positives
 
 
-def positive_pairs(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every ordered (anchor, positive) pair of distinct samples sharing a label."""
-    positive, _ = label_masks(labels)
+def positive_pairs(positive: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every ordered (anchor, positive) pair of a (B, B) positive mask (:func:`pair_masks`)."""
     anchors, positives = torch.nonzero(positive, as_tuple=True)
     return anchors, positives
 
@@ -94,7 +93,12 @@ class NPairLoss(MetricLoss):
     def forward(
         self, embeddings: torch.Tensor, labels: torch.Tensor, **batch_info: torch.Tensor
     ) -> torch.Tensor:
-        anchors, positives = sohn_tuples(labels) if self.tuples == "sohn" else positive_pairs(labels)
+        negative = None
+        if self.tuples == "sohn":  # Sohn's tuples are one per class: labels only, no judged pairs
+            anchors, positives = sohn_tuples(labels)
+        else:
+            positive, negative = pair_masks(labels, batch_info)
+            anchors, positives = positive_pairs(positive)
         if len(anchors) == 0:
             return embeddings.sum() * 0.0 + l2_term(embeddings, self.l2_reg)
         if self.tuples == "sohn":
@@ -107,7 +111,8 @@ class NPairLoss(MetricLoss):
             gram = gram_matrix(embeddings)
             sims = gram.index_select(0, anchors)  # x_a^T x_n for every sample n
             positive_sims = sims.gather(1, positives.unsqueeze(1))
-            negatives = labels[anchors].unsqueeze(1) != labels.unsqueeze(0)
+            assert negative is not None
+            negatives = negative.index_select(0, anchors)  # y_n != y_a, or judged unlike x_a
         return log1p_sum_exp(sims - positive_sims, negatives).mean() + l2_term(embeddings, self.l2_reg)
 
 

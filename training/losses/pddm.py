@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from foundation.errors import InvalidInputError
 from training.losses.base import MetricLoss
-from training.losses.pairs import label_masks
+from training.losses.pairs import pair_masks
 from training.losses.registry import BatchLayout, register_loss
 
 Quadruplets = Literal["batch", "per_class", "per_sample"]
@@ -132,7 +132,10 @@ class PDDMUnit(nn.Module):
 
 @torch.no_grad()
 def hard_quadruplets(
-    graph: torch.Tensor, labels: torch.Tensor, quadruplets: Quadruplets = "batch"
+    graph: torch.Tensor,
+    labels: torch.Tensor,
+    quadruplets: Quadruplets = "batch",
+    batch_info: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Hard quadruplets (i^, j^, k^, l^) of Eq. 3 mined on a (B, B) similarity graph, as index tensors.
 
@@ -141,9 +144,11 @@ def hard_quadruplets(
     negatives). ``quadruplets`` says where the argmin runs: ``"batch"``, one quadruplet (the paper's);
     ``"per_class"``, one per class that has a positive pair (over that class's pairs); ``"per_sample"``, one
     per sample i^ that has a positive (over i^'s own pairs). Classes or samples without a positive pair,
-    or a batch without any negative pair, yield none (empty tensors). Ties go to the first index.
+    or a batch without any negative pair, yield none (empty tensors). Ties go to the first index. The pairs
+    are the labels' and the judged ones of ``batch_info`` (:func:`~training.losses.pairs.pair_masks`); a
+    hardest positive pair one of whose members has no negative yields none either.
     """
-    positive, negative = label_masks(labels)
+    positive, negative = pair_masks(labels, batch_info or {})
     inf = torch.tensor(float("inf"), dtype=graph.dtype, device=graph.device)
     positive_scores = torch.where(positive, graph, inf)
     hardest_positive = positive_scores.argmin(dim=1)  # each sample's least similar positive
@@ -156,9 +161,10 @@ def hard_quadruplets(
         groups = torch.ones(1, len(labels), dtype=torch.bool, device=labels.device)
     candidates = torch.where(groups, row_min, inf)
     i_hat = candidates.argmin(dim=1)
-    valid = torch.isfinite(candidates.gather(1, i_hat.unsqueeze(1)).squeeze(1)) & negative.any()
-    i_hat = i_hat[valid]
     j_hat = hardest_positive[i_hat]
+    valid = torch.isfinite(candidates.gather(1, i_hat.unsqueeze(1)).squeeze(1))
+    valid &= negative[i_hat].any(1) & negative[j_hat].any(1)
+    i_hat, j_hat = i_hat[valid], j_hat[valid]
     negative_scores = torch.where(negative, graph, -inf)
     return i_hat, j_hat, negative_scores[i_hat].argmax(dim=1), negative_scores[j_hat].argmax(dim=1)
 
@@ -248,7 +254,7 @@ class PDDMLoss(MetricLoss):
         masks = self.unit.sample_dropout(embeddings)
         with torch.no_grad():
             graph = self.unit.similarity_graph(embeddings, masks)
-        i_hat, j_hat, k_hat, l_hat = hard_quadruplets(graph, labels, self.quadruplets)
+        i_hat, j_hat, k_hat, l_hat = hard_quadruplets(graph, labels, self.quadruplets, batch_info)
         if len(i_hat) == 0:
             connected = sum(p.sum() for p in self.unit.parameters())
             return (embeddings.sum() + connected) * 0.0
@@ -282,4 +288,5 @@ register_loss(
     summary="PDDM: a learned position-dependent similarity unit mines one hard quadruplet per batch "
     "(least similar positive pair, each member's most similar negative); double-header hinges on the "
     "[0, 1]-scaled scores and on the embedding distances.",
+    judged_pairs=True,
 )

@@ -69,6 +69,9 @@ class LossSpec:
     fixed: dict[str, Any] = field(default_factory=dict)
     # Why the loss can be 0 at every step, in a user's words: what a run that learned nothing is told.
     when_zero: str = ""
+    # Whether the loss reads its pairs through training.losses.pairs.pair_masks, so that judged pairs
+    # (batch_info's pair_signs) train it: what `dmlsearch train --feedback` needs of a loss (issue 40).
+    judged_pairs: bool = False
 
     def build(self, **hparams: Any) -> MetricLoss:
         unknown = set(hparams) - set(self.defaults)
@@ -92,11 +95,13 @@ def register_loss(
     summary: str,
     fixed: dict[str, Any] | None = None,
     when_zero: str = "",
+    judged_pairs: bool = False,
 ) -> LossSpec:
     """Add a loss to the registry; its defaults are its constructor's (see the module docstring)."""
     fixed = dict(fixed or {})
     defaults = signature_defaults(factory, exclude=set(fixed))
-    return LOSSES.add(name, LossSpec(name, factory, defaults, layout, paper, summary, fixed, when_zero))
+    spec = LossSpec(name, factory, defaults, layout, paper, summary, fixed, when_zero, judged_pairs)
+    return LOSSES.add(name, spec)
 
 
 def build_loss(name: str, **hparams: Any) -> MetricLoss:
