@@ -22,6 +22,7 @@ from app.memory import return_freed_blocks
 from app.metrics import Metrics
 from app.middleware import (
     BodySizeLimitMiddleware,
+    IndexDeadlineMiddleware,
     RateLimitMiddleware,
     RequestMetricsMiddleware,
     ShutdownAnswerMiddleware,
@@ -138,6 +139,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics.track_index_size(lambda: context.engine.size())
     # Starlette wraps each new middleware around the previous ones: the last added runs first. CORS is
     # outermost so that refusals (413, 429) carry CORS headers too and browsers can read them.
+    app.add_middleware(IndexDeadlineMiddleware, seconds=settings.index_deadline_seconds)
     app.add_middleware(BodySizeLimitMiddleware, limit=settings.max_request_bytes)
     app.add_middleware(UploadLimitMiddleware, slots=context.uploads)
     if settings.rate_limit_per_second > 0:

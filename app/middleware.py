@@ -1,5 +1,6 @@
 """ASGI middleware: request metrics, per-client rate limiting, the request-body size limit, the upload cap
-with the pace a body must keep, and the answer to a request the server's stop cut short.
+with the pace a body must keep, the answer to a request the server's stop cut short, and each request's
+deadline for the index server.
 
 Plain ASGI (not ``BaseHTTPMiddleware``) so that bodies stream through untouched and a refusal is sent
 before the body is read.
@@ -19,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.errors import ApiError, busy_response, error_response, shutdown_response
 from app.metrics import Metrics
 from app.ratelimit import TokenBucketLimiter
+from foundation.deadline import request_deadline
 from foundation.errors import ErrorKind
 
 # Metric labels take only known methods: a client inventing methods must not invent time series.
@@ -54,6 +56,30 @@ class RequestMetricsMiddleware:
             route = getattr(scope.get("route"), "path", "unmatched")
             method = scope["method"] if scope["method"] in _METHODS else "other"
             self.metrics.requests.labels(method, route, str(status)).observe(time.perf_counter() - started)
+
+
+class IndexDeadlineMiddleware:
+    """Every request's calls to the index server (Milvus) share ``seconds`` in all (``foundation.deadline``),
+    counted from when its body has arrived: past it they fail, and the request gets 503
+    ``index_unavailable``, never a longer wait."""
+
+    def __init__(self, app: ASGIApp, seconds: float) -> None:
+        self.app = app
+        self.seconds = seconds
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        with request_deadline(self.seconds) as deadline:
+
+            async def receive_then_start() -> Message:
+                message = await receive()
+                if deadline is not None and not message.get("more_body", False):
+                    deadline.start()  # the whole body is in (or the client left)
+                return message
+
+            await self.app(scope, receive_then_start, send)
 
 
 class RateLimitMiddleware:

@@ -95,6 +95,13 @@ class Settings(BaseSettings):
         gt=0,
         description="sigma^2 of the predict=true vote: neighbour weight exp(-|q-x|^2/2sigma^2)",
     )
+    index_deadline_seconds: float = Field(
+        defaults.INDEX_DEADLINE_SECONDS,
+        ge=0,
+        description="a request's calls to the index server (Milvus) take this long in all, counted from the "
+        "first; past it the request gets 503 index_unavailable with Retry-After (0 = each call its own "
+        "limit only)",
+    )
     index_poll_seconds: float = Field(
         2.0,
         ge=0,

@@ -24,6 +24,10 @@ TRASH_FOLDER = ".dmlsearch-trash"
 # The duplicate review's keeper rule (engine.gallery.keeper): the keys that find a group's source, in
 # the order they break ties; the CLI's --keep-by default.
 KEEPER_RULE = ("camera", "source", "date", "folder", "centre")
+# Seconds a call to the index server (Milvus) may take, retries and reconnecting included, and the most a
+# request's calls take in all in the API: a server that is down, stuck or restarting fails requests, never
+# hangs them.
+INDEX_DEADLINE_SECONDS = 10.0
 # Refuse images with more pixels (about 7,000 x 7,000) before decoding them.
 MAX_IMAGE_PIXELS = 50_000_000
 # Refuse requests whose images decode to more pixels in all: two images at the limit. A batch of 64 phone

@@ -20,7 +20,7 @@ once, and other processes' writes once the server has applied them (see docs/arc
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import json
 import logging
 import re
@@ -29,11 +29,15 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
+from foundation import defaults
+from foundation.deadline import DeadlinePassedError, call_budget
 from foundation.errors import InvalidInputError, MissingDependencyError
 from index.connection import MilvusConnection
 from index.filters import ItemFilter
@@ -62,9 +66,7 @@ MAX_TOP_K = 16_384  # Milvus's limit on k
 # Read-your-writes within a process without Strong's wait for the server's next time tick (about 230 ms a
 # request on Milvus 2.3 standalone, against 3-4 ms).
 CONSISTENCY = "Session"
-# Seconds one request may take, retries included: a server that is down or stuck fails requests, never
-# hangs them.
-REQUEST_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = defaults.INDEX_DEADLINE_SECONDS  # one request to Milvus, retries included
 # The first server version that upserts part of a row (and so moves items in an auto-id collection).
 PARTIAL_UPSERT_VERSION = (2, 6)
 NO_LABEL = ""  # how collections without nullable fields store "no label"
@@ -147,40 +149,120 @@ class IdClock:
             return list(range(first, first + count))
 
 
-_LOCAL_METHODS = {"create_schema", "prepare_index_params", "close"}  # no request: no timeout argument
+_LOCAL_METHODS = {"create_schema", "prepare_index_params"}  # build request objects: no server involved
+# Worker threads that make one server's calls: a caller stops waiting at its deadline and a call still
+# running then is ended by closing its connection. Calls beyond this many wait for a thread, within their
+# deadline too.
+CALL_THREADS = 16
+# Part of what Milvus answers a search or query on a collection that is not in memory: after a restart
+# (until the server has loaded it again itself) or after a release.
+NOT_LOADED = "not loaded"
+
+
+def _message(err: Exception) -> str:
+    """A pymilvus or gRPC failure's own message."""
+    message = getattr(err, "message", None)
+    if isinstance(message, str):
+        return message
+    details = getattr(err, "details", None)
+    return str(details()) if callable(details) else str(err)
 
 
 class _Server:
-    """The pymilvus client with a deadline on every request and every Milvus failure raised as a
-    :class:`BackendUnavailableError` that carries the server's own message."""
+    """The pymilvus client with a hard deadline on every request and every Milvus failure raised as a
+    :class:`BackendUnavailableError` that carries the server's own message.
 
-    def __init__(self, client: Any, where: str) -> None:
-        self._client = client
+    A request may take ``REQUEST_TIMEOUT_S``, or less where the API request it serves has less left
+    (``foundation.deadline``), connecting and retries included. pymilvus's retry loop can start a last
+    attempt just before its timeout and its reconnection waits on a lock other failing calls hold, so the
+    call runs in a worker thread and the caller stops waiting at the deadline. The connection is this
+    object's own (not pymilvus's shared one) and is opened afresh after a failure: gRPC's own reconnection
+    backs off for up to two minutes, and a server that was restarted or replaced at the same address is
+    then reached by the next call. A collection that is not loaded is loaded, and the call tried again,
+    within the same deadline.
+    """
+
+    def __init__(self, uri: str, where: str) -> None:
+        self.uri = uri
         self.where = where
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="milvus-call")
 
     # pymilvus ships no type information: its client takes and returns untyped dicts, lists and objects.
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = getattr(self._client, name)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in _LOCAL_METHODS:
+            return getattr(_pymilvus().MilvusClient, name)
 
-        @functools.wraps(method)
         def call(*args: object, **kwargs: object) -> Any:
-            if name not in _LOCAL_METHODS:  # pymilvus's own default is no deadline and 75 retries
-                kwargs.setdefault("timeout", REQUEST_TIMEOUT_S)
             try:
-                return method(*args, **kwargs)
-            except _pymilvus().MilvusException as err:
-                raise BackendUnavailableError(f"Milvus at {self.where}: {err.message}") from err
+                return self._bounded(name, args, kwargs)
+            except BackendUnavailableError as err:
+                if NOT_LOADED not in str(err) or not args or not isinstance(args[0], str):
+                    raise
+            self._bounded("load_collection", args[:1], {})
+            return self._bounded(name, args, kwargs)
 
         return call
 
+    def _bounded(self, name: str, args: tuple, kwargs: dict) -> Any:
+        """``name(*args, **kwargs)`` on the server, answered within the call's budget or failed."""
+        try:
+            budget = call_budget(REQUEST_TIMEOUT_S)
+        except DeadlinePassedError as err:
+            raise BackendUnavailableError(f"Milvus at {self.where}: {err}") from err
+        due = time.monotonic() + budget
+        future = self._calls.submit(self._run, due, name, args, kwargs)
+        try:
+            return future.result(timeout=budget)
+        except FutureTimeout:
+            self._drop(None)  # ends the call left running; the next one connects afresh
+            raise BackendUnavailableError(
+                f"Milvus at {self.where}: no answer to {name} within {budget:.1f} s"
+            ) from None
+
+    def _run(self, due: float, name: str, args: tuple, kwargs: dict) -> Any:
+        import grpc
+
+        pymilvus = _pymilvus()
+        client = None
+        try:
+            client = self._connected(due)
+            # Without a timeout pymilvus waits forever and retries 75 times.
+            return getattr(client, name)(*args, **kwargs, timeout=max(due - time.monotonic(), 0.01))
+        except (pymilvus.MilvusException, grpc.RpcError) as err:
+            self._drop(client)
+            raise BackendUnavailableError(f"Milvus at {self.where}: {_message(err)}") from err
+
+    def _connected(self, due: float) -> Any:
+        with self._lock:
+            if self._client is None:
+                self._client = _pymilvus().MilvusClient(
+                    self.uri, timeout=max(due - time.monotonic(), 0.01), dedicated=True
+                )
+            return self._client
+
+    def _drop(self, client: Any) -> None:
+        """Close the connection ``client`` (None: whichever is open) if it is still the open one."""
+        with self._lock:
+            dropped, self._client = self._client, None
+            if client is not None and dropped is not client:
+                self._client = dropped
+                return
+        if dropped is not None:
+            with contextlib.suppress(Exception):  # a connection already broken closes as it can
+                dropped.close()
+
+    def close(self) -> None:
+        self._drop(None)
+        self._calls.shutdown(wait=False, cancel_futures=True)
+
 
 def _open_client(uri: str) -> _Server:
-    pymilvus = _pymilvus()
-    try:
-        client = pymilvus.MilvusClient(uri, timeout=REQUEST_TIMEOUT_S)
-    except pymilvus.MilvusException as err:
-        raise BackendUnavailableError(f"Milvus at {uri}: {err.message}") from err
-    return _Server(client, uri)
+    """The server at ``uri``, connected to by its first request."""
+    return _Server(uri, uri)
 
 
 class MilvusBackend:
