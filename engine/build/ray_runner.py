@@ -196,13 +196,17 @@ class RayRunner:
 
 def _wait_for_head(address: str, seconds: float) -> None:
     """Return once a gRPC server (a Ray head's GCS, or its Ray Client server for ``ray://``) answers at
-    ``address``, else raise :class:`UnavailableError` after ``seconds``: a wrong address, a cluster that
-    is not up or a port that speaks another protocol."""
+    ``address`` and a head's GCS takes this process's token, if it asks for one; else raise
+    :class:`UnavailableError`: after ``seconds`` for a wrong address, a cluster that is not up or a port
+    that speaks another protocol, at once for a token missing or refused (``ray.init`` would only say
+    "Failed to connect", 20 s later)."""
     import grpc  # a dependency of Ray's
 
     channel = grpc.insecure_channel(address.removeprefix("ray://"))
     try:
         grpc.channel_ready_future(channel).result(timeout=seconds)
+        if not address.startswith("ray://"):
+            _check_token(channel, address, seconds)
     except grpc.FutureTimeoutError:
         raise UnavailableError(
             f"no Ray cluster answers at {address} (waited {seconds:g} s): start one with `ray start --head` "
@@ -211,6 +215,40 @@ def _wait_for_head(address: str, seconds: float) -> None:
         ) from None
     finally:
         channel.close()
+
+
+# A GCS request every Ray client makes first; it carries the token as ray.init's requests do.
+CLUSTER_ID_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
+
+
+def _check_token(channel: Any, address: str, seconds: float) -> None:
+    """Ask the head's GCS for the cluster's id with the token Ray would send (RAY_AUTH_MODE=token and
+    RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token; none otherwise)."""
+    import grpc
+    from ray._private.authentication.grpc_authentication_client_interceptor import (
+        SyncAuthenticationMetadataClientInterceptor,
+    )
+
+    with_token = grpc.intercept_channel(channel, SyncAuthenticationMetadataClientInterceptor())
+    ask = with_token.unary_unary(CLUSTER_ID_METHOD, request_serializer=bytes, response_deserializer=bytes)
+    try:
+        ask(b"", timeout=seconds)
+    except grpc.RpcError as err:
+        if err.code() != grpc.StatusCode.UNAUTHENTICATED:
+            return  # not a token matter: ray.init reports it
+        sent = (
+            "sent a token it refused"
+            if os.environ.get("RAY_AUTH_MODE") == "token"
+            else "sent none, as RAY_AUTH_MODE=token is not set here"
+        )
+        raise UnavailableError(
+            f"the Ray cluster at {address} requires an authentication token (its head runs with "
+            f"RAY_AUTH_MODE=token) and this build {sent}: run the build with RAY_AUTH_MODE=token and the "
+            "head's token in RAY_AUTH_TOKEN, in the file RAY_AUTH_TOKEN_PATH names, or in ~/.ray/auth_token "
+            "(the head keeps its token in ~/.ray/auth_token on its machine unless its own RAY_AUTH_TOKEN or "
+            "RAY_AUTH_TOKEN_PATH gave it)",
+            code="ray_token_refused",
+        ) from None
 
 
 def _model_files(embedder: Embedder) -> dict[str, Path]:

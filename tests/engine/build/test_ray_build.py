@@ -4,6 +4,7 @@ the same index as a local build, reruns, a stop signal, and the faults of a work
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -32,6 +33,14 @@ pytest.importorskip("ray", reason="ray is not installed (pip install 'dmlsearch[
 # The embedding actors' process title (Ray Data's map worker running engine.build.ray_runner.EmbedActor).
 ACTOR_TITLE = "MapBatches(EmbedActor)"
 BUILD_TIMEOUT_S = 300
+# What build-index prints with --no-progress (its summary, and the files it skipped), and the only notices
+# of Ray's it lets through (README, "More than one machine").
+BUILD_LINES = ("indexed ", "faiss index ", "milvus index ", "skipped ", "  ")
+RAY_NOTICES = (
+    "has constructor arguments in the object store",
+    "has been marked dead because the detector has missed too many heartbeats",
+    "\t(2) raylet has lagging heartbeats",
+)
 
 # Every test runs Ray: a local cluster in the CLI's process, or the module's cluster.
 pytestmark = pytest.mark.cluster
@@ -73,6 +82,11 @@ def _build_command(gallery: Path, model: Path, out: Path, *options: str) -> list
     """The ``dmlsearch build-index`` command line, run by the tests' own interpreter (no PATH needed)."""
     command = [sys.executable, "-m", "cli.main", "build-index", str(gallery), "--out", str(out)]
     return [*command, "--model", str(model), *options, "--no-progress"]
+
+
+def _plain(output: str) -> str:
+    """``output`` without terminal colour codes (Ray colours its "(raylet)" prefix)."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", output)
 
 
 def _cli_build(
@@ -165,6 +179,37 @@ def test_an_address_where_no_ray_head_answers_is_a_clear_error_within_seconds(
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"error: no Ray cluster answers at {address}" in done.stderr
     assert time.monotonic() - started < 60
+    assert not (tmp_path / "index").exists()
+
+
+@pytest.mark.parametrize(
+    ("token", "said"),
+    [
+        (None, "sent none, as RAY_AUTH_MODE=token is not set here"),
+        ("not-the-heads", "sent a token it refused"),
+    ],
+    ids=["no token", "a wrong token"],
+)
+def test_a_cluster_that_requires_a_token_refuses_a_build_without_it_saying_token_and_where_it_goes(
+    ray_cluster: RayCluster, model: Path, tmp_path: Path, token: str | None, said: str
+) -> None:
+    """Before: ray.init failed after about 20 s with Ray's "Failed to connect to GCS", naming no token."""
+    gallery = write_labelled_folder(tmp_path / "gallery", classes=2, per_class=2, size=40)
+    environment = {name: value for name, value in ray_cluster.env.items() if not name.startswith("RAY_AUTH")}
+    if token is not None:
+        environment |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    command = _build_command(gallery, model, tmp_path / "index", "--ray", ray_cluster.address)
+    started = time.monotonic()
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    took = time.monotonic() - started
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"the Ray cluster at {ray_cluster.address} requires an authentication token" in done.stderr
+    assert said in done.stderr
+    for where in ("RAY_AUTH_MODE=token", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "~/.ray/auth_token"):
+        assert where in done.stderr
+    assert "Failed to connect" not in done.stderr
+    # No bound on the time: it is the CLI's own start (a minute on a loaded 2-core machine), one request.
+    print(f"refused in {took:.1f} s")
     assert not (tmp_path / "index").exists()
 
 
@@ -280,3 +325,9 @@ def test_a_node_removed_mid_build_leaves_the_build_to_the_nodes_left(
             ray_cluster.add_worker()
     assert build.returncode == 0, f"{output} (after {time.monotonic() - started:.0f} s)"
     _check_one_item_per_file(out, 1000)
+    # What the README says a build prints besides its own lines: Ray's notice about the actors' constructor
+    # arguments, and, for the node lost, Ray's two-line notice that it was marked dead.
+    ray_lines = [line for line in _plain(output).splitlines() if not line.startswith(BUILD_LINES)]
+    assert len(ray_lines) <= 3, output
+    for line in ray_lines:
+        assert any(notice in line for notice in RAY_NOTICES), output
