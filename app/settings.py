@@ -31,7 +31,11 @@ class Settings(BaseSettings):
         None, description="model.onnx to embed queries with (default: the model the index carries)"
     )
     backend: Backend | None = Field(None, description="expected index backend")
-    milvus_uri: str | None = Field(None, description="reach the index's Milvus collection here instead")
+    milvus_uri: str | None = Field(
+        None,
+        description="reach the index's Milvus collection here instead (credentials and TLS: "
+        "DMLSEARCH_MILVUS_USER, _PASSWORD, _TOKEN, _CA_FILE; docs/milvus.md)",
+    )
     threads: int = Field(0, ge=0, description="onnxruntime intra-op threads (0 = all cores)")
     compute_slots: int = Field(
         0, ge=0, description="queries decoded and embedded at once; more wait in line (0 = one per CPU core)"

@@ -188,7 +188,11 @@ def build_index(
     backend: Annotated[Backend | None, typer.Option(help="Where vectors live (default faiss).")] = None,
     milvus_uri: Annotated[
         str | None,
-        typer.Option(help="Milvus URI (http://host:19530) or Milvus Lite file (default OUT/milvus.db)."),
+        typer.Option(
+            help="Milvus URI (http://host:19530, https:// for TLS) or Milvus Lite file (default "
+            "OUT/milvus.db); credentials come from DMLSEARCH_MILVUS_USER and _PASSWORD or _TOKEN, never "
+            "recorded (docs/milvus.md)."
+        ),
     ] = None,
     milvus_collection: Annotated[str, typer.Option(help="Milvus collection name.")] = MILVUS_COLLECTION,
     shard: Annotated[

@@ -13,7 +13,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, model_validator
 
 from foundation import defaults
 from foundation.atomic import atomic_write_text
@@ -21,6 +21,7 @@ from foundation.errors import DmlsearchError, InvalidInputError, NotFoundError
 from foundation.families import Backend, IndexType
 from foundation.regular_files import read_regular
 from index.connection import MilvusConnection
+from index.milvus_access import public_uri
 from index.selection import IndexOptions
 
 FORMAT_VERSION = 3
@@ -76,6 +77,8 @@ class Manifest(BaseModel):
     model_file: str | None = None  # the stored model (beside its card), None for indexes built before
     gallery_root: str | None = None
     shard: str | None = None  # "I/N" for a directory holding one shard of a gallery
+    # Never written with the credentials a URI may carry (index.milvus_access): a manifest read with them
+    # (written before) logs in with them until its next save.
     milvus_uri: str | None = None
     milvus_collection: str | None = None
     created: str
@@ -95,6 +98,10 @@ class Manifest(BaseModel):
         data["built"] = {name: data.pop(name) for name in BuiltIndex.model_fields if name in data}
         data["format_version"] = FORMAT_VERSION
         return data
+
+    @field_serializer("milvus_uri")
+    def _without_credentials(self, uri: str | None) -> str | None:
+        return None if uri is None else public_uri(uri)
 
     @property
     def origin(self) -> tuple[str, str | None]:

@@ -44,6 +44,7 @@ from index.filters import ItemFilter
 from index.items import now_utc
 from index.judgments import MilvusJudgments
 from index.manifest import MILVUS_COLLECTION, BuiltIndex, Manifest
+from index.milvus_access import ENV_PREFIX, MilvusAccess, public_uri, redact, uri_secrets
 from index.protocol import (
     BackendUnavailableError,
     Capabilities,
@@ -85,6 +86,16 @@ MILVUS_INDEXES: dict[str, tuple[str, dict[str, int], dict[str, int]]] = {
     "ivfpq": ("IVF_PQ", {"nlist": 1024, "m": 64, "nbits": 8}, {"nprobe": 32}),
 }
 DEFAULT_LITE_FILE = "milvus.db"
+# Words of Milvus's answers to a login it refuses or a request without one ("missing authorization in header",
+# "auth check failure, please check username and password are correct"), and of a TLS handshake that failed.
+AUTH_FAILURES = ("auth", "password", "token")
+TLS_FAILURES = ("tls", "ssl", "certificate", "handshake")
+CREDENTIALS_HINT = (
+    f"credentials: {ENV_PREFIX}USER and {ENV_PREFIX}PASSWORD, or {ENV_PREFIX}TOKEN (each also as *_FILE)"
+)
+TLS_HINT = f"TLS: an https:// URI, {ENV_PREFIX}CA_FILE and {ENV_PREFIX}SERVER_NAME"
+
+log = logging.getLogger(__name__)
 
 
 def _pymilvus():
@@ -180,14 +191,39 @@ class _Server:
     backs off for up to two minutes, and a server that was restarted or replaced at the same address is
     then reached by the next call. A collection that is not loaded is loaded, and the call tried again,
     within the same deadline.
+
+    It logs in with ``options`` (``index.milvus_access``: credentials, TLS) and names the server by
+    ``where``, its URI without credentials; no message carries one of ``hidden``, the credentials.
     """
 
-    def __init__(self, uri: str, where: str) -> None:
+    def __init__(
+        self, uri: str, where: str, options: dict[str, object] | None = None, hidden: list[str] | None = None
+    ) -> None:
         self.uri = uri
         self.where = where
+        self._options = options or {}
+        self._hidden = hidden or []
         self._client: Any = None
         self._lock = threading.Lock()
         self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="milvus-call")
+
+    def failure(self, err: Exception) -> BackendUnavailableError:
+        """``err`` (pymilvus's or gRPC's) as the error dmlsearch reports, with what to set where the server
+        refused a login or TLS failed; no credential in it."""
+        import grpc
+
+        message = _message(err)
+        if isinstance(err.__cause__, grpc.RpcError):  # pymilvus's "Fail connecting" hides why
+            message = f"{message}: {_message(err.__cause__).splitlines()[0]}"
+        message = redact(message, self._hidden)
+        hints = [
+            hint
+            for hint, words in ((CREDENTIALS_HINT, AUTH_FAILURES), (TLS_HINT, TLS_FAILURES))
+            if any(word in message.lower() for word in words)
+        ]
+        if hints:
+            message += f" ({'; '.join(hints)}; see docs/milvus.md)"
+        return BackendUnavailableError(f"Milvus at {self.where}: {message}")
 
     # pymilvus ships no type information: its client takes and returns untyped dicts, lists and objects.
     def __getattr__(self, name: str) -> Callable[..., Any]:
@@ -234,13 +270,13 @@ class _Server:
             return getattr(client, name)(*args, **kwargs, timeout=max(due - time.monotonic(), 0.01))
         except (pymilvus.MilvusException, grpc.RpcError) as err:
             self._drop(client)
-            raise BackendUnavailableError(f"Milvus at {self.where}: {_message(err)}") from err
+            raise self.failure(err) from None  # the cause's text may name the URI as given
 
     def _connected(self, due: float) -> Any:
         with self._lock:
             if self._client is None:
                 self._client = _pymilvus().MilvusClient(
-                    self.uri, timeout=max(due - time.monotonic(), 0.01), dedicated=True
+                    self.uri, timeout=max(due - time.monotonic(), 0.01), dedicated=True, **self._options
                 )
             return self._client
 
@@ -261,8 +297,18 @@ class _Server:
 
 
 def _open_client(uri: str) -> _Server:
-    """The server at ``uri``, connected to by its first request."""
-    return _Server(uri, uri)
+    """The server at ``uri``, connected to by its first request, logged in with the credentials of the
+    environment (:class:`index.milvus_access.MilvusAccess`) or, failing those, those ``uri`` carries."""
+    options = MilvusAccess().client_options(uri) if "://" in uri else {}
+    token = str(options.get("token", ""))
+    hidden = [secret for secret in (*uri_secrets(uri), token, token.partition(":")[2]) if secret]
+    if uri_secrets(uri):
+        log.warning(
+            "the Milvus URI of this index carries credentials: used to log in, never recorded (a manifest "
+            "that holds them drops them at its next save); give them in the environment: %s",
+            CREDENTIALS_HINT,
+        )
+    return _Server(uri, public_uri(uri), options, hidden)
 
 
 class MilvusBackend:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +29,7 @@ from index.connection import MilvusConnection
 MILVUS_START_TIMEOUT_S = 180
 MILVUS_STOP_GRACE_S = 10
 MILVUS_SERVER_IDS = Path("/tmp/milvus")
+MILVUS_FIRST_LOGIN = "root:Milvus"  # the user Milvus makes when logins are enabled, and its password
 # Starts after which the server is reported unavailable: a port probed free can be taken before the server
 # binds it (Ray's workers take ports in 10002-19999, the range of its coordinators' default ports).
 MILVUS_START_ATTEMPTS = 3
@@ -62,15 +64,41 @@ class MilvusServerUnavailable(RuntimeError):
 @dataclass
 class MilvusServerProcess:
     """The real Milvus standalone server of the ``milvus`` package (``milvus-server``) as a process group,
-    on ``port`` with its data in ``data``; :meth:`stop` then :meth:`start` again keeps its data."""
+    on ``port`` with its data in ``data``; :meth:`stop` then :meth:`start` again keeps its data.
+
+    ``auth``: logins required (``common.security.authorizationEnabled``; its first user is ``root`` with
+    the password ``Milvus``, and :attr:`token` is what this helper logs in with); ``tls``: the certificate
+    and key files it serves TLS with (``common.security.tlsMode`` 1), checked against ``ca`` here."""
 
     data: Path
     port: int
     process: subprocess.Popen | None = None
+    auth: bool = False
+    tls: tuple[Path, Path] | None = None
+    ca: Path | None = None
+    token: str = MILVUS_FIRST_LOGIN
 
     @property
     def uri(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    def client(self, timeout: float = 10) -> Any:
+        """A pymilvus client of this server, logged in as :attr:`token` where it takes logins."""
+        from pymilvus import MilvusClient
+
+        options: dict[str, object] = {"token": self.token} if self.auth else {}
+        if self.ca is not None:
+            options["server_pem_path"] = str(self.ca)
+        return MilvusClient(self.uri, timeout=timeout, **options)
+
+    def server_options(self) -> list[str]:
+        """``milvus-server`` flags for :attr:`auth` and :attr:`tls` (its template's ``authorization_enabled``
+        and ``tls_mode``, ``server_pem_path`` and ``server_key_path``)."""
+        options = ["--authorization-enabled", "true"] if self.auth else []
+        if self.tls is not None:
+            cert, key = self.tls
+            options += ["--tls-mode", "1", "--server-pem-path", str(cert), "--server-key-path", str(key)]
+        return options
 
     @property
     def log(self) -> Path:
@@ -95,7 +123,10 @@ class MilvusServerProcess:
                 f"initial-cluster: default=http://localhost:{peer_port}\n"
             )
         etcd_port = etcd_config.read_text().split("localhost:")[1].split()[0]
-        command = ["--data", str(self.data), "--proxy-port", str(self.port), "--etcd-port", etcd_port]
+        command = [
+            *("--data", str(self.data), "--proxy-port", str(self.port), "--etcd-port", etcd_port),
+            *self.server_options(),
+        ]
         for _ in range(MILVUS_START_ATTEMPTS):
             # Both rewritten by this start: a stale one would mislead _wait_until_serving.
             (self.data / "configs" / "milvus.yaml").unlink(missing_ok=True)
@@ -117,7 +148,7 @@ class MilvusServerProcess:
         raise MilvusServerUnavailable(f"{MILVUS_START_ATTEMPTS} starts failed; the last: {failure}")
 
     def _wait_until_serving(self) -> None:
-        from pymilvus import MilvusClient, MilvusException
+        from pymilvus import MilvusException
 
         deadline = time.monotonic() + MILVUS_START_TIMEOUT_S
         while True:
@@ -134,7 +165,7 @@ class MilvusServerProcess:
             if config.exists() and f"port: {self.port}\n" not in config.read_text():
                 raise MilvusServerUnavailable(f"port {self.port} was taken before milvus-server bound it")
             try:
-                MilvusClient(self.uri, timeout=2).get_server_version()
+                self.client(timeout=2).get_server_version()
                 return
             except MilvusException:
                 pass
@@ -211,11 +242,12 @@ def milvus_target(backend: str, request: pytest.FixtureRequest, directory: Path)
 
 
 @contextmanager
-def running_milvus_server(prefix: str) -> Iterator[MilvusServerProcess]:
+def running_milvus_server(prefix: str, **options: Any) -> Iterator[MilvusServerProcess]:
     """A real Milvus server in a temporary data folder on a free port, stopped (its process group killed if
-    need be) and its folder removed at the end; the test skips, saying why, only where it cannot start."""
+    need be) and its folder removed at the end; the test skips, saying why, only where it cannot start.
+    ``options``: :class:`MilvusServerProcess`'s ``auth``, ``tls`` and ``ca``."""
     pytest.importorskip("pymilvus")
-    server = MilvusServerProcess(Path(tempfile.mkdtemp(prefix=prefix)), free_port())
+    server = MilvusServerProcess(Path(tempfile.mkdtemp(prefix=prefix)), free_port(), **options)
     try:
         server.start()
     except MilvusServerUnavailable as err:
