@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import math
-import secrets
 import time
 from dataclasses import dataclass
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.clients import client_key
 from app.errors import ApiError, busy_response, error_response, shutdown_response
 from app.metrics import Metrics
 from app.ratelimit import TokenBucketLimiter
@@ -85,9 +85,8 @@ class IndexDeadlineMiddleware:
 class RateLimitMiddleware:
     """429 with ``Retry-After`` once a client exceeds its token bucket on paths under ``prefix``.
 
-    A client is its API key when it presents the configured one (so key holders behind one proxy
-    share a bucket), else its address. Unknown keys do not get buckets of their own: otherwise a
-    client could dodge the limit by sending a fresh made-up key with every request.
+    A client is :func:`app.clients.client_key`'s: key holders behind one proxy share a bucket, and a
+    made-up key gets none of its own.
     """
 
     def __init__(
@@ -104,20 +103,9 @@ class RateLimitMiddleware:
         self.api_key = api_key.encode() if api_key else None
         self.prefix = prefix
 
-    def client_key(self, scope: Scope) -> str:
-        presented = dict(scope["headers"]).get(b"x-api-key")
-        if (
-            self.api_key is not None
-            and presented is not None
-            and secrets.compare_digest(presented, self.api_key)
-        ):
-            return "api-key"
-        client = scope.get("client")
-        return f"address:{client[0] if client else 'unknown'}"
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(self.prefix):
-            wait = self.limiter.acquire(self.client_key(scope))
+            wait = self.limiter.acquire(client_key(scope, self.api_key))
             if wait > 0:
                 self.metrics.rate_limited.inc()
                 retry_after = str(max(1, math.ceil(wait)))
