@@ -93,9 +93,12 @@ shape (a 1x100000 PNG costs what a small photo does).
 
 Each image is decoded in a worker process under a CPU, wall-clock and memory limit (`decode_cpu_seconds`,
 `decode_wall_seconds`, `decode_memory_mb`: what the decoder really allocates, whatever the header says);
-past one, 422 `image_too_costly`. A client that disconnects ends its decode. Running out of memory
-anywhere else is 503 `out_of_memory` with `Retry-After`; a read-only or full index folder makes writes 503
-`storage_unavailable`, searches go on.
+past one, 422 `image_too_costly`. All the images of one request share a budget (`decode_request_cpu_seconds`,
+`decode_request_wall_seconds`): past it the request is cut off, 422 `request_too_costly` naming the image
+that ran out. One client (its API key, else its address) holds at most `client_compute_slots` of the
+compute slots (half, by default). A client that disconnects ends its
+decode. Running out of memory anywhere else is 503 `out_of_memory` with `Retry-After`; a read-only or
+full index folder makes writes 503 `storage_unavailable`, searches go on.
 """
 
 
@@ -111,7 +114,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         return_freed_blocks()
         redact_access_log()
-        context.compute = ComputeSlots(settings.compute_slots or default_slots())
+        slots = settings.compute_slots or default_slots()
+        context.compute = ComputeSlots(slots, settings.client_compute_slots, settings.write_key)
         # One decode process per compute slot (every decode holds a slot); started off the event loop, as
         # their forkserver imports the decoders (seconds).
         limits = settings.decode_limits()

@@ -6,6 +6,12 @@ time) and the event loop thread, which receives uploads and sends answers, starv
 ~0.6 s just to arrive, against ~20 ms with the bound. With as many slots as cores, extra requests wait in
 line without using the CPU (the "queue" stage of a response's timings), at the same throughput.
 
+The slots are shared out fairly between clients (``app.clients``: an API key, or an address): one client
+holds at most ``share`` of them (half, by default) and waits for its own to end past that, so that a client
+sending costly decodes (a batch of 64 images that each take seconds, several at once) never holds every
+slot while another's search waits behind them. Among those that may take a free slot, the longest waiting
+takes it.
+
 A request whose client goes away stops: a decode under way has its process ended (``engine.decode.pool``),
 and work not yet started does not start, so the slot is free again at once.
 """
@@ -16,14 +22,16 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import ParamSpec, TypeVar
 
 import anyio.to_thread
-from anyio import CapacityLimiter
 from starlette.requests import Request
 
+from app.clients import client_key
 from engine.decode.pool import DecodeCancelledError, cancelled_by
 
 # How often a request whose work is under way checks that its client is still there.
@@ -37,31 +45,87 @@ def default_slots() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-class ComputeSlots:
-    """Run blocking CPU work in worker threads, at most ``slots`` at a time. Create inside the event loop."""
+def default_share(slots: int) -> int:
+    """The slots one client may hold unless told: half of them (one of two), at least one."""
+    return max(1, slots // 2)
 
-    def __init__(self, slots: int) -> None:
+
+class ComputeSlots:
+    """Run blocking CPU work in worker threads, at most ``slots`` at a time and at most ``share`` of them
+    for one client (``api_key``: the configured key, whose holders are one client). Create and use inside
+    the event loop (the counts need no lock there)."""
+
+    def __init__(self, slots: int, share: int = 0, api_key: str | None = None) -> None:
+        if slots < 1 or share < 0:
+            raise ValueError(f"compute slots need slots >= 1 and share >= 0, got {slots} and {share}")
         self.slots = slots
-        self.limiter = CapacityLimiter(slots)
+        self.share = min(share or default_share(slots), slots)
+        self.api_key = api_key.encode() if api_key else None
+        self.held: Counter[str] = Counter()  # slots held, by client
+        self._waiting: deque[tuple[str, asyncio.Future[None]]] = deque()
+
+    @property
+    def in_use(self) -> int:
+        return self.held.total()
 
     async def run(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> tuple[T, float]:
-        """``function(*args, **kwargs)`` in a worker thread once a slot is free; also the ms spent waiting."""
-        started = time.perf_counter()
-        async with self.limiter:
-            queued_ms = (time.perf_counter() - started) * 1000.0
-            return await anyio.to_thread.run_sync(partial(function, *args, **kwargs)), queued_ms
+        """``function(*args, **kwargs)`` in a worker thread once a slot is free, for work no client asked
+        for; also the ms spent waiting."""
+        return await self._run("server", partial(function, *args, **kwargs))
 
     async def run_for(
         self, request: Request, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs
     ) -> tuple[T, float]:
-        """:meth:`run` for ``request``: if its client disconnects, the work stops (raising
-        :class:`DecodeCancelledError`) instead of holding the slot to its end."""
+        """:meth:`run` for ``request``, within its client's share: if its client disconnects, the work
+        stops (raising :class:`DecodeCancelledError`) instead of holding the slot to its end."""
         gone = threading.Event()
         watcher = asyncio.create_task(_watch(request, gone))
         try:
-            return await self.run(_unless_gone, gone, partial(function, *args, **kwargs))
+            work = partial(_unless_gone, gone, partial(function, *args, **kwargs))
+            return await self._run(client_key(request.scope, self.api_key), work)
         finally:
             watcher.cancel()
+
+    async def _run(self, client: str, work: Callable[[], T]) -> tuple[T, float]:
+        started = time.perf_counter()
+        async with self._slot(client):
+            queued_ms = (time.perf_counter() - started) * 1000.0
+            return await anyio.to_thread.run_sync(work), queued_ms
+
+    @asynccontextmanager
+    async def _slot(self, client: str) -> AsyncIterator[None]:
+        if self._admits(client):  # every waiter that could take a slot already has one
+            self.held[client] += 1
+        else:
+            granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            entry = (client, granted)
+            self._waiting.append(entry)
+            try:
+                await granted
+            except BaseException:
+                if granted.done() and not granted.cancelled():  # granted as it was cancelled
+                    self._release(client)
+                else:
+                    self._waiting.remove(entry)
+                raise
+        try:
+            yield
+        finally:
+            self._release(client)
+
+    def _admits(self, client: str) -> bool:
+        return self.in_use < self.slots and self.held[client] < self.share
+
+    def _release(self, client: str) -> None:
+        self.held[client] -= 1
+        if not self.held[client]:
+            del self.held[client]
+        for entry in list(self._waiting):  # the longest waiting first, skipping clients at their share
+            waiter, granted = entry
+            if not granted.done() and self._admits(waiter):  # done: cancelled, on its way out
+                self._waiting.remove(entry)
+                self.held[waiter] += 1
+                granted.set_result(None)
 
 
 async def _watch(request: Request, gone: threading.Event) -> None:

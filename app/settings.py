@@ -40,6 +40,13 @@ class Settings(BaseSettings):
     compute_slots: int = Field(
         0, ge=0, description="queries decoded and embedded at once; more wait in line (0 = one per CPU core)"
     )
+    client_compute_slots: int = Field(
+        0,
+        ge=0,
+        description="of those, the most one client (an API key, or an address) holds at once; its other "
+        "queries wait for its own to end, never for another client's (0 = half of compute_slots, at least "
+        "one)",
+    )
     api_key: SecretStr | None = Field(
         None,
         description="X-API-Key required by POST/DELETE /v1/items and POST /v1/admin/reload; both are "
@@ -71,6 +78,18 @@ class Settings(BaseSettings):
         defaults.DECODE_WALL_SECONDS,
         gt=0,
         description="wall-clock time decoding one image may take (its CPU is shared); past it, 422 as well",
+    )
+    decode_request_cpu_seconds: float = Field(
+        defaults.DECODE_REQUEST_CPU_SECONDS,
+        gt=0,
+        description="CPU seconds decoding all the images of one request may take together; past it the "
+        "request is cut off at the image that ran out (422 request_too_costly, naming it)",
+    )
+    decode_request_wall_seconds: float = Field(
+        defaults.DECODE_REQUEST_WALL_SECONDS,
+        gt=0,
+        description="wall-clock time decoding all the images of one request may take together; past it, "
+        "422 request_too_costly as well",
     )
     embed_run_seconds: float = Field(
         defaults.EMBED_RUN_SECONDS,
@@ -201,7 +220,13 @@ class Settings(BaseSettings):
 
     def decode_limits(self) -> DecodeLimits:
         memory = self.decode_memory_mb * 1024**2
-        return DecodeLimits(self.decode_cpu_seconds, self.decode_wall_seconds, memory)
+        return DecodeLimits(
+            self.decode_cpu_seconds,
+            self.decode_wall_seconds,
+            memory,
+            self.decode_request_cpu_seconds,
+            self.decode_request_wall_seconds,
+        )
 
     @property
     def write_key(self) -> str | None:

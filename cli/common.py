@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
@@ -16,6 +17,7 @@ from foundation.regular_files import read_image_file
 
 if TYPE_CHECKING:
     from engine.build.report import MovedFile
+    from engine.serve.search import SearchService
 
 
 def model_for_index(index: Path, model: Path | None) -> Path:
@@ -46,6 +48,26 @@ def read_query_image(path: Path) -> bytes:
     if not path.exists():
         raise fail(f"query image {path} does not exist")
     return read_image_file(path)  # a FIFO or a device is refused, not waited on
+
+
+@contextmanager
+def served_as_the_server_serves(model: Path | None, index: Path) -> Iterator[SearchService]:
+    """The index served under the server's rules and decode limits (the same settings: ``DMLSEARCH_*``
+    and .env): the query image is decoded in a decode process, within each image's limits and a request's
+    budget (before, ``query`` and ``explain`` decoded in their own process without any: 167 s for one
+    hostile file)."""
+    from app.settings import Settings
+    from app.state import EngineState
+    from engine.decode.pool import DecodePool
+    from engine.serve.search import SearchService
+
+    settings = Settings()
+    with DecodePool(1, settings.decode_limits()) as decoder:
+        service = SearchService.open(model, index, config=EngineState.config(settings, decoder))
+        try:
+            yield service
+        finally:
+            service.close()
 
 
 P = ParamSpec("P")

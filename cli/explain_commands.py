@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from cli.common import fail, read_query_image, reports_errors
+from cli.common import fail, read_query_image, reports_errors, served_as_the_server_serves
 from cli.index_commands import BoxOption, StoredModelOption, parse_box
 
 commands = typer.Typer()
@@ -31,18 +31,15 @@ def explain(
     show the same thing most specifically, with the share of the cosine they carry between them."""
     from engine.decode.images import ImageDecodeError
     from engine.serve.heatmap_image import png_bytes, side_by_side
-    from engine.serve.search import SearchService
     from foundation.atomic import atomic_write_bytes
 
     query_bytes = read_query_image(query)
     region = parse_box(box)
-    service = SearchService.open(model, index)
     try:
-        explanation = service.explanations.explain(query_bytes, item_id, region)
+        with served_as_the_server_serves(model, index) as service:
+            explanation = service.explanations.explain(query_bytes, item_id, region)
     except ImageDecodeError as err:  # named by its file
         raise fail(f"{query}: {err.message}") from None
-    finally:
-        service.close()
     atomic_write_bytes(out, png_bytes(side_by_side(explanation)))
     for line in explanation.in_words():
         typer.echo(line)

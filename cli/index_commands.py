@@ -19,6 +19,7 @@ from cli.common import (
     moves_heading,
     read_query_image,
     reports_errors,
+    served_as_the_server_serves,
 )
 from engine.serve.refine import DEFAULT_STRATEGY, Strategy
 from foundation import defaults
@@ -328,7 +329,6 @@ def query(
     from engine.decode.images import ImageDecodeError
     from engine.serve.query import SearchOptions
     from engine.serve.refine import Refinement
-    from engine.serve.search import SearchService
     from index.filters import ItemFilter
 
     image_bytes = read_query_image(image)
@@ -338,9 +338,9 @@ def query(
         if where.empty_range:  # on the command line, surely a slip
             raise fail("--added-from/--taken-from must be earlier than --added-to/--taken-to")
         refine = Refinement(tuple(like or ()), tuple(unlike or ()), strategy) if like or unlike else None
-        service = SearchService.open(model, index)
         options = SearchOptions(k=k, min_score=min_score, where=where, refine=refine)
-        response = service.queries.search([image_bytes], options, [region])
+        with served_as_the_server_serves(model, index) as service:
+            response = service.queries.search([image_bytes], options, [region])
     except ImageDecodeError as err:  # named by its file
         raise fail(f"{image}: {err.message}") from None
     (hits,) = response.queries

@@ -40,6 +40,13 @@ MAX_BATCH_PIXELS = 100_000_000
 DECODE_CPU_SECONDS = 5.0
 DECODE_WALL_SECONDS = 30.0
 DECODE_MEMORY_BYTES = 1024 * 1024**2
+# What decoding all the images of one request may cost together (a batch, a search with its examples):
+# CPU seconds and wall-clock seconds. Past either the request is cut off at the image that ran out, 422
+# request_too_costly: a batch of 64 images each just under the limits above would otherwise hold a decode
+# process for 64 x 5 s of CPU. 15 s is three images at the CPU limit, and some 100 phone photos' decode
+# (64 is the largest batch).
+DECODE_REQUEST_CPU_SECONDS = 15.0
+DECODE_REQUEST_WALL_SECONDS = 60.0
 # Wall-clock seconds one model run (at most RUN_IMAGES images, already resized to the model's input) may
 # take in the server before onnxruntime is told to stop it: minutes of a loaded CPU, never a normal run.
 EMBED_RUN_SECONDS = 60.0

@@ -68,6 +68,7 @@ _DECODE_ERROR_KINDS = {
     "image_too_large": ErrorKind.TOO_LARGE,
     "batch_too_large": ErrorKind.TOO_LARGE,
     "image_too_costly": ErrorKind.INVALID,  # its decode went over its time or memory limit
+    "request_too_costly": ErrorKind.INVALID,  # a request's images went over their budget together
 }
 
 

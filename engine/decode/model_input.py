@@ -31,6 +31,7 @@ from engine.decode.images import (
     open_image,
     source_bytes,
 )
+from engine.decode.pool import image_started
 from engine.decode.regions import Box, Crop, crop_for
 from engine.duplicates.signature import perceptual_signature
 from engine.model.model_card import Preprocessing
@@ -93,7 +94,9 @@ def decode_uploads(
 
 
 def _named(position: int, count: int, function: Callable[..., T], *args: object, **kwargs: object) -> T:
-    """``function(*args)``, its :class:`ImageDecodeError` naming the image's position in a batch."""
+    """``function(*args)``, the work on the ``position``-th image: its :class:`ImageDecodeError` names the
+    image's position in a batch, and in a decode process its limits count from here (``image_started``)."""
+    image_started(position)
     try:
         return function(*args, **kwargs)
     except ImageDecodeError as err:

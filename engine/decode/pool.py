@@ -8,17 +8,22 @@ in one of a few worker processes, each
 - under an address-space limit (``RLIMIT_AS``) of ``memory_bytes`` above what it maps once started: what
   the decoder really allocates is capped, whatever the header said (a decode that fails as corrupt is tried
   once more under twice the limit: decoders report failed allocations as corrupt data);
-- under a CPU-time limit per task (``RLIMIT_CPU``, moved before each task): the kernel ends the worker
-  when a task has spent ``cpu_seconds`` per image;
-- and a wall-clock deadline (``wall_seconds`` per image, for a CPU shared with others), past which the
-  caller ends the worker; so does a caller whose client went away (:func:`cancelled_by`), and closing the
-  pool (a server's shutdown).
+- under a CPU-time limit (``RLIMIT_CPU``, moved as each image starts: :func:`image_started`): the kernel
+  ends the worker when one image has spent ``cpu_seconds``, or the whole task (a request's images, all
+  together) ``request_cpu_seconds``;
+- and a wall-clock deadline (``wall_seconds`` per image, ``request_wall_seconds`` per task, for a CPU
+  shared with others), past which the caller ends the worker; so does a caller whose client went away
+  (:func:`cancelled_by`), and closing the pool (a server's shutdown).
+A limit's error names the image of the task that was decoding when it ran out (the task says which:
+:func:`image_started`): a batch that exhausts its request's budget is refused at the image that did, not
+decoded for 64 times one image's limit.
 A worker that was ended, ran out of its memory or grew large is replaced by a fresh one. A SIGTERM or
 SIGINT to the whole process group ends neither the workers nor their forkserver: the decodes under way
 finish for the owner that is stopping (``foundation.stopping``, ``engine.decode.forkserver``). The caller gets
-``ImageDecodeError("image_too_costly")`` for an image over a limit, :class:`DecodeCancelledError` when its
-client went away, and ``MemoryError`` when something else ended the worker (the kernel's OOM killer): the
-machine's shortage, not the image's fault.
+``ImageDecodeError("image_too_costly")`` for an image over its limits (:class:`DecodeMemoryError` for
+memory), ``ImageDecodeError("request_too_costly")`` for a task over its budget,
+:class:`DecodeCancelledError` when its client went away, and ``MemoryError`` when something else ended
+the worker (the kernel's OOM killer): the machine's shortage, not the image's fault.
 
 Workers are forked from a ``forkserver`` that has imported the decoders once (a fork from the server itself
 would copy its threads' locks): starting one takes milliseconds, not an interpreter's start-up (3.8-5 s
@@ -36,6 +41,7 @@ import pickle
 import queue
 import resource
 import signal
+import struct
 import sys
 import threading
 import time
@@ -74,9 +80,14 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 # waiting for the reader to be scheduled (a 600 KB array took 3-40 ms a round trip on a loaded machine,
 # a few bytes 0.3 ms). Larger answers go through the pipe.
 SHARED_BYTES = 64 * 1024**2
+# After the answers' shared memory, what the worker's task is at (:class:`_Progress`): the image it
+# decodes, since when, and which limit its CPU limit is.
+_PROGRESS = struct.Struct("<qdq")
 
 _main_swap = threading.Lock()
 _cancel: ContextVar[threading.Event | None] = ContextVar("decode_cancel", default=None)
+# In a decode process, what its task is at (None elsewhere: a task run in-process has no limits to move).
+_progress: _Progress | None = None
 
 
 class DecodeCancelledError(DmlsearchError, RuntimeError):
@@ -93,17 +104,29 @@ class DecodePoolClosedError(DmlsearchError, RuntimeError):
     code = "shutting_down"
 
 
+class DecodeMemoryError(ImageDecodeError):
+    """An image whose decode needs more memory than a decode may use (``image_too_costly``); ``position``:
+    the image of its task that was decoding (0 when the task named none)."""
+
+    def __init__(self, message: str, position: int = 0) -> None:
+        super().__init__("image_too_costly", message)
+        self.position = position
+
+
 @dataclass(frozen=True)
 class DecodeLimits:
-    """What one image's decode may cost; a task of ``n`` images gets ``n`` times the time."""
+    """What one image's decode may cost, and what one task (a request's images) may cost in all."""
 
     cpu_seconds: float = defaults.DECODE_CPU_SECONDS
     wall_seconds: float = defaults.DECODE_WALL_SECONDS
     memory_bytes: int = defaults.DECODE_MEMORY_BYTES
+    request_cpu_seconds: float = defaults.DECODE_REQUEST_CPU_SECONDS
+    request_wall_seconds: float = defaults.DECODE_REQUEST_WALL_SECONDS
 
 
 class Decoder(Protocol):
-    """Runs a decode task (a module-level function of picklable arguments) and returns its result."""
+    """Runs a decode task (a module-level function of picklable arguments) and returns its result;
+    ``images``: how many images the task decodes (its errors name one by position when more than one)."""
 
     def run(self, task: Callable[..., T], *args: Any, images: int = 1, **kwargs: Any) -> T: ...
 
@@ -113,6 +136,13 @@ class InProcessDecoder:
 
     def run(self, task: Callable[..., T], *args: Any, images: int = 1, **kwargs: Any) -> T:
         return task(*args, **kwargs)
+
+
+def image_started(position: int) -> None:
+    """Said by a task as it starts on its ``position``-th image: in a decode process, that image's own limits
+    run from now (the task's budget runs on), and an error of a limit names it; elsewhere, nothing."""
+    if _progress is not None:
+        _progress.image_started(position)
 
 
 @contextmanager
@@ -125,6 +155,45 @@ def cancelled_by(event: threading.Event) -> Iterator[None]:
         _cancel.reset(token)
 
 
+class _Progress:
+    """What a worker's task is at, in memory that the worker and its caller both map: the image it decodes
+    (its position in the task), since when (``time.monotonic``: one clock for every process), and whether
+    the CPU limit set now is the task's budget rather than the image's own limit. The worker writes it,
+    the caller reads it to time the image and to name it in an error."""
+
+    def __init__(self, shared: mmap.mmap) -> None:
+        self._shared = shared
+        self._limits = DecodeLimits()
+        self._task_cpu_end = 0.0  # the worker's CPU time at which its task's budget is spent
+
+    def start(self, now: float) -> None:
+        """The caller's: a task starts now, on its first image."""
+        _PROGRESS.pack_into(self._shared, SHARED_BYTES, 0, now, 0)
+
+    def read(self) -> tuple[int, float, bool]:
+        """``(position, since, request_limit)``."""
+        position, since, request_limit = _PROGRESS.unpack_from(self._shared, SHARED_BYTES)
+        return position, since, bool(request_limit)
+
+    @property
+    def position(self) -> int:
+        return self.read()[0]
+
+    def task_started(self, limits: DecodeLimits) -> None:
+        """The worker's: its task's budget runs from now."""
+        self._limits = limits
+        self._task_cpu_end = _cpu_used() + limits.request_cpu_seconds
+        self.image_started(0)
+
+    def image_started(self, position: int) -> None:
+        """The worker's: the CPU limit becomes this image's own, or what is left of the task's budget
+        when less (the kernel ends the worker at once when nothing is left)."""
+        image_cpu_end = _cpu_used() + self._limits.cpu_seconds
+        request_limit = self._task_cpu_end <= image_cpu_end
+        _limit(resource.RLIMIT_CPU, math.ceil(min(image_cpu_end, self._task_cpu_end)))
+        _PROGRESS.pack_into(self._shared, SHARED_BYTES, position, time.monotonic(), int(request_limit))
+
+
 class _Worker:
     def __init__(self, context: Any, memory_bytes: int, niceness: int) -> None:
         # The pool's close and a request replacing this worker may end it at once: closing a pipe twice
@@ -135,8 +204,9 @@ class _Worker:
         self.results, results = context.Pipe(duplex=False)
         shared = os.memfd_create("dmlsearch-decode", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(shared, SHARED_BYTES)
-            self.shared = mmap.mmap(shared, SHARED_BYTES)
+            os.ftruncate(shared, SHARED_BYTES + _PROGRESS.size)
+            self.shared = mmap.mmap(shared, SHARED_BYTES + _PROGRESS.size)
+            self.progress = _Progress(self.shared)
             self.process = context.Process(
                 target=_serve,
                 args=(tasks, results, _SharedFd(shared), memory_bytes, niceness, os.getpid()),
@@ -209,11 +279,14 @@ class DecodePool:
             self._idle.put(self._start())
 
     def run(self, task: Callable[..., T], *args: Any, images: int = 1, **kwargs: Any) -> T:
-        """``task(*args, **kwargs)`` in a worker, within the limits for ``images`` images."""
+        """``task(*args, **kwargs)`` in a worker, within each image's limits and the task's budget;
+        ``images``: how many the task decodes (an error names the image by its position when more than
+        one)."""
         worker = self._take()
         healthy = False
         try:
             status, value, retire = self._call(worker, task, args, kwargs, max(images, 1))
+            position = worker.progress.position  # the image it was at (before the worker may end)
             healthy = not retire  # it answered (a corrupt image too): it takes the next task
         finally:
             if healthy:
@@ -224,9 +297,8 @@ class DecodePool:
             return value
         if status == "memory":
             megabytes = self.limits.memory_bytes // 1024**2
-            raise ImageDecodeError(
-                "image_too_costly", f"decoding it needs more than the {megabytes} MB a decode may use"
-            )
+            message = f"decoding it needs more than the {megabytes} MB a decode may use"
+            raise DecodeMemoryError(_naming(position, images, message), position)
         raise value
 
     def close(self) -> None:
@@ -275,9 +347,10 @@ class DecodePool:
         limit, a cancel or the pool's close, or dead)."""
         cancel = _cancel.get()
         limits = self.limits
-        deadline = time.monotonic() + limits.wall_seconds * images
+        started = time.monotonic()
+        worker.progress.start(started)
         try:
-            worker.tasks.send((task, args, kwargs, limits.cpu_seconds * images))
+            worker.tasks.send((task, args, kwargs, limits))
         except (OSError, ValueError):  # the worker was ended meanwhile (close) or died idle
             self._raise_if_closed()
             raise MemoryError("a decode process ended before it took its task") from None
@@ -289,40 +362,62 @@ class DecodePool:
                 except (EOFError, OSError):  # it died with its answer unsent: its exit code says why
                     worker.process.join()
                     self._raise_if_closed()
-                    raise _ended(worker.process.exitcode, limits) from None
+                    raise _ended(worker, limits, images) from None
                 return status, value, retire
             if ready:  # only the sentinel: the worker died
                 worker.process.join()
                 self._raise_if_closed()
-                raise _ended(worker.process.exitcode, limits)
+                raise _ended(worker, limits, images)
             self._raise_if_closed()
             if cancel is not None and cancel.is_set():
                 raise DecodeCancelledError("the client went away")
-            if time.monotonic() > deadline:
-                raise ImageDecodeError(
-                    "image_too_costly",
-                    f"decoding took longer than {limits.wall_seconds * images:g} s, the limit for "
-                    f"{_images(images)}",
+            now = time.monotonic()
+            position, image_since, _ = worker.progress.read()
+            if now > started + limits.request_wall_seconds:
+                raise _request_too_costly(
+                    position, images, f"took longer than {limits.request_wall_seconds:g} s"
                 )
+            if now > image_since + limits.wall_seconds:
+                message = f"decoding took longer than {limits.wall_seconds:g} s, the limit for one image"
+                raise ImageDecodeError("image_too_costly", _naming(position, images, message))
 
     def _raise_if_closed(self) -> None:
         if self._closed.is_set():
             raise DecodePoolClosedError("the decoders are shutting down")
 
 
-def _images(count: int) -> str:
-    return "one image" if count == 1 else f"{count} images"
+def _naming(position: int, images: int, message: str) -> str:
+    """``message`` about the ``position``-th of a task's ``images``, naming it when there are several."""
+    return message if images == 1 else f"image {position}: {message}"
 
 
-def _ended(exitcode: int | None, limits: DecodeLimits) -> Exception:
+def _request_too_costly(position: int, images: int, spent: str) -> ImageDecodeError:
+    return ImageDecodeError(
+        "request_too_costly",
+        _naming(
+            position,
+            images,
+            f"decoding the request's images {spent} in all, the limit per request: the request was cut "
+            f"off at this image (send fewer or cheaper images)",
+        ),
+    )
+
+
+def _ended(worker: _Worker, limits: DecodeLimits, images: int) -> Exception:
     """Why a worker died, as the error its caller raises."""
+    exitcode = worker.process.exitcode
+    position, _, request_limit = worker.progress.read()
     if exitcode == -signal.SIGXCPU:
-        return ImageDecodeError(
-            "image_too_costly", f"decoding took more than {limits.cpu_seconds:g} s of CPU per image"
-        )
+        if request_limit:
+            return _request_too_costly(
+                position, images, f"took more than {limits.request_cpu_seconds:g} s of CPU"
+            )
+        message = f"decoding took more than {limits.cpu_seconds:g} s of CPU, the limit for one image"
+        return ImageDecodeError("image_too_costly", _naming(position, images, message))
     if exitcode == -signal.SIGKILL:  # not ours (we wait for ours): the kernel's OOM killer
         return MemoryError("a decode process was killed (the machine ran out of memory)")
-    return ImageDecodeError("corrupt_image", f"the decoder crashed on this image (exit code {exitcode})")
+    message = f"the decoder crashed on this image (exit code {exitcode})"
+    return ImageDecodeError("corrupt_image", _naming(position, images, message))
 
 
 # --- the worker process -------------------------------------------------------------------------------
@@ -346,26 +441,27 @@ def _detach(duplicate: Any) -> int:
 def _serve(
     tasks: Connection, results: Connection, shared_fd: int, memory_bytes: int, niceness: int, owner: int
 ) -> None:
-    """A worker's loop: take a task, run it under its CPU limit, send back ``(status, value, retire)``."""
+    """A worker's loop: take a task, run it under its limits, send back ``(status, value, retire)``."""
+    global _progress
     # A stop of the whole group (systemd's stop, Ctrl-C) must let the decodes under way finish: the owner
     # (a server draining its requests, a build finishing its batch) ends its workers. Its SIGTERM must
     # still end one: at exit, multiprocessing ends the daemon workers of a pool never closed, then waits.
     obey_stop_signals_from_owner(owner)
     if niceness:
         os.nice(niceness)
-    shared = mmap.mmap(shared_fd, SHARED_BYTES)
+    shared = mmap.mmap(shared_fd, SHARED_BYTES + _PROGRESS.size)
     os.close(shared_fd)
+    _progress = _Progress(shared)
     start = _mapped_bytes()
     _limit(resource.RLIMIT_AS, start + memory_bytes, hard=start + RETRY_FACTOR * memory_bytes)
     # SIGXCPU (and a decoder's crash) would dump the worker's memory, up to the limit, into the cwd.
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     while True:
         try:
-            task, args, kwargs, cpu_seconds = tasks.recv()
+            task, args, kwargs, limits = tasks.recv()
         except (EOFError, OSError):
             return
-        used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
-        _limit(resource.RLIMIT_CPU, math.ceil(used + cpu_seconds))
+        _progress.task_started(limits)
         answer = _attempt(task, args, kwargs)
         if _corrupt(answer):
             # Decoders report a failed allocation as a failed decode (libwebp: "could not create decoder
@@ -422,6 +518,11 @@ def _limit(kind: int, soft: int, hard: int | None = None) -> None:
     if inherited != resource.RLIM_INFINITY:
         soft, hard = min(soft, inherited), min(hard or inherited, inherited)
     resource.setrlimit(kind, (soft, inherited if hard is None else hard))
+
+
+def _cpu_used() -> float:
+    """CPU seconds this process has used, as ``RLIMIT_CPU`` counts them (user and system)."""
+    return sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
 
 
 def _mapped_bytes() -> int:

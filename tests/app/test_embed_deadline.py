@@ -33,7 +33,7 @@ def test_a_search_over_its_embedding_deadline_is_503_and_frees_its_slot(
         assert response.status_code == 503, response.text
         assert response.json()["error"]["code"] == "embed_timeout"
         assert response.headers["Retry-After"]
-    assert context.compute.limiter.borrowed_tokens == 0
+    assert context.compute.in_use == 0
     assert client.get("/healthz").status_code == 200
 
 

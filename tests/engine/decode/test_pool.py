@@ -84,6 +84,62 @@ def test_memory_over_the_limit_is_too_costly_not_corrupt(pool: DecodePool) -> No
     assert refused.value.code == "image_too_costly"
 
 
+@pytest.fixture(scope="module")
+def costly() -> bytes:
+    """A JPEG that costs about a second of CPU here: under one image's limit, not many at once."""
+    return jpeg_repeated_scan(20)
+
+
+def batch_of(costly: bytes, cheap: int = 2, count: int = 6) -> list[bytes]:
+    return [image_bytes(make_image(seed)) for seed in range(cheap)] + [costly] * count
+
+
+def test_a_batch_over_the_request_cpu_budget_is_cut_off_at_the_image_that_spent_it(costly: bytes) -> None:
+    """Hostile (issue 43, class 2): 64 images each under one image's limits held a decode process for 64
+    times that limit (164 s of CPU for one request). Each image here is well under its own limit."""
+    limits = DecodeLimits(cpu_seconds=30, wall_seconds=600, request_cpu_seconds=2, request_wall_seconds=600)
+    with DecodePool(1, limits) as pool:
+        images = batch_of(costly)
+        with pytest.raises(ImageDecodeError, match=r"^image [2-7]: .*2 s of CPU in all") as refused:
+            pool.run(decode_uploads, images, BUDGET, Preprocessing(), images=len(images))
+        assert refused.value.code == "request_too_costly"
+        assert refused.value.kind.value == "invalid"  # a 4xx: the request's cost, not the server's state
+        # The budget is the request's, not the worker's: the next request has all of it.
+        two = batch_of(costly, count=1)
+        assert pool.run(decode_uploads, two, BUDGET, Preprocessing(), images=3).tensor.shape[0] == 3
+
+
+def test_a_batch_over_the_request_wall_budget_is_cut_off_naming_its_image(costly: bytes) -> None:
+    limits = DecodeLimits(cpu_seconds=30, wall_seconds=600, request_cpu_seconds=600, request_wall_seconds=1.5)
+    with DecodePool(1, limits) as pool:
+        images = batch_of(costly)
+        with pytest.raises(ImageDecodeError, match=r"^image [2-7]: .*longer than 1.5 s in all") as refused:
+            pool.run(decode_uploads, images, BUDGET, Preprocessing(), images=len(images))
+        assert refused.value.code == "request_too_costly"
+
+
+def test_one_image_over_its_own_limit_in_a_batch_is_named_and_gets_no_more_than_one_image_s_limit(
+    scans: bytes,
+) -> None:
+    """A batch of 8 got 8 times one image's CPU for any one of them, and the error did not say which."""
+    limits = DecodeLimits(cpu_seconds=1, wall_seconds=600, request_cpu_seconds=600, request_wall_seconds=600)
+    with DecodePool(1, limits) as pool:
+        images = [*batch_of(scans, cheap=3, count=1), *batch_of(scans, cheap=4, count=0)]
+        with pytest.raises(
+            ImageDecodeError, match=r"^image 3: .*1 s of CPU, the limit for one image"
+        ) as refused:
+            pool.run(decode_uploads, images, BUDGET, Preprocessing(), images=len(images))
+        assert refused.value.code == "image_too_costly"
+
+
+def test_one_image_over_its_wall_limit_in_a_batch_is_named(scans: bytes) -> None:
+    limits = DecodeLimits(cpu_seconds=600, wall_seconds=1, request_cpu_seconds=600, request_wall_seconds=600)
+    with DecodePool(1, limits) as pool:
+        images = [*batch_of(scans, cheap=2, count=1), image_bytes(make_image(9))]
+        with pytest.raises(ImageDecodeError, match=r"^image 2: .*longer than 1 s, the limit for one image"):
+            pool.run(decode_uploads, images, BUDGET, Preprocessing(), images=len(images))
+
+
 def test_a_cancelled_decode_stops_at_once(scans: bytes) -> None:
     patient = DecodeLimits(cpu_seconds=600, wall_seconds=600)
     with DecodePool(1, patient) as pool:
