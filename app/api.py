@@ -96,7 +96,8 @@ Each image is decoded in a worker process under a CPU, wall-clock and memory lim
 past one, 422 `image_too_costly`. All the images of one request share a budget (`decode_request_cpu_seconds`,
 `decode_request_wall_seconds`): past it the request is cut off, 422 `request_too_costly` naming the image
 that ran out. One client (its API key, else its address) holds at most `client_compute_slots` of the
-compute slots (half, by default). A client that disconnects ends its
+compute slots (half, by default). A gallery file that needs more memory than a decode may use is 503
+`out_of_memory` (the server's own file, not the request's fault). A client that disconnects ends its
 decode. Running out of memory anywhere else is 503 `out_of_memory` with `Retry-After`; a read-only or
 full index folder makes writes 503 `storage_unavailable`, searches go on.
 """

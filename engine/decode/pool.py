@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -55,7 +55,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from engine.decode.images import ImageDecodeError
+from engine.decode.images import ImageDecodeError, ImageSource
 from foundation import defaults
 from foundation.errors import DmlsearchError, ErrorKind
 from foundation.stopping import obey_stop_signals_from_owner
@@ -111,6 +111,25 @@ class DecodeMemoryError(ImageDecodeError):
     def __init__(self, message: str, position: int = 0) -> None:
         super().__init__("image_too_costly", message)
         self.position = position
+
+
+class GalleryMemoryError(MemoryError):
+    """A gallery file needs more memory to decode than a decode may use: the server's state, 503."""
+
+
+@contextmanager
+def gallery_memory_is_the_servers(images: Sequence[ImageSource]) -> Iterator[None]:
+    """A decode of ``images`` in which a gallery file (a path: uploads are bytes) needed more than a
+    decode's memory raises :class:`GalleryMemoryError`, the server's state (503), not the image's cost
+    (422): the file is the server's own, which no client sent and none can change (before, a thumbnail of
+    such a file was 422 ``image_too_costly``)."""
+    try:
+        yield
+    except DecodeMemoryError as err:
+        if err.position < len(images) and isinstance(images[err.position], Path):
+            message = f"a gallery file could not be decoded within the decode limit: {err.message}"
+            raise GalleryMemoryError(message) from None
+        raise
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from engine.decode.model_input import decode_uploads
+from engine.decode.pool import gallery_memory_is_the_servers
 from engine.decode.regions import Box
 from engine.model.model_card import ModelCard, Preprocessing
 from engine.serve.item_reader import ItemReader, image_path
@@ -215,14 +216,15 @@ class ExplainService:
             query_image = image_path(bundle, query.item_id) if isinstance(query, ItemQuery) else query
         preprocessing = bundle.embedder.card.preprocessing
         images = [query_image, item_file]
-        decoded = self.config.decoder.run(
-            decode_uploads,
-            images,
-            self.config.budget(bundle.embedder),
-            preprocessing,
-            boxes=[box, None],
-            images=len(images),
-        )
+        with gallery_memory_is_the_servers(images):
+            decoded = self.config.decoder.run(
+                decode_uploads,
+                images,
+                self.config.budget(bundle.embedder),
+                preprocessing,
+                boxes=[box, None],
+                images=len(images),
+            )
         cosine, grids, rests, peaks = explain_tensor(bundle, decoded.tensor)
         query_map, item_map = (
             Heatmap(grid, rest, model_view(image, preprocessing), peak)

@@ -8,7 +8,7 @@ from pathlib import Path
 from cachetools import LRUCache
 
 from engine.decode.images import ImageDecodeError, thumbnail_jpeg
-from engine.decode.pool import Decoder, InProcessDecoder
+from engine.decode.pool import Decoder, GalleryMemoryError, InProcessDecoder, gallery_memory_is_the_servers
 from engine.gallery.files import resolves_inside
 from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle
 from foundation.errors import DmlsearchError, ErrorKind
@@ -59,7 +59,7 @@ class ItemReader:
         self.max_pixels = max_pixels
         self.decoder = decoder or InProcessDecoder()
         self._thumbnails: LRUCache[tuple[str, int], bytes] = LRUCache(THUMBNAIL_CACHE_BYTES, getsizeof=len)
-        self._costly: LRUCache[str, ImageDecodeError] = LRUCache(COSTLY_ITEMS_KEPT)
+        self._costly: LRUCache[str, ImageDecodeError | GalleryMemoryError] = LRUCache(COSTLY_ITEMS_KEPT)
         self._cache_lock = threading.Lock()  # cachetools' caches are not thread-safe
 
     def item(self, item_id: int) -> Item:
@@ -85,12 +85,12 @@ class ItemReader:
         if kept is not None:
             return kept
         if base is None:
+            path = self.image_path(item_id)
             try:
-                base = self.decoder.run(
-                    thumbnail_jpeg, self.image_path(item_id), bucket, max_pixels=self.max_pixels
-                )
-            except ImageDecodeError as err:
-                if err.code == "image_too_costly":
+                with gallery_memory_is_the_servers([path]):
+                    base = self.decoder.run(thumbnail_jpeg, path, bucket, max_pixels=self.max_pixels)
+            except (ImageDecodeError, GalleryMemoryError) as err:  # it would fail again: refused at once
+                if isinstance(err, GalleryMemoryError) or err.code == "image_too_costly":
                     with self._cache_lock:
                         self._costly[content] = err
                 raise

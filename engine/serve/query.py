@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.decode.model_input import RUN_IMAGES, decode_uploads
+from engine.decode.pool import gallery_memory_is_the_servers
 from engine.decode.regions import Box
 from engine.serve.item_reader import ItemNotFoundError, ItemReader, image_path
 from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle, ServingConfig
@@ -146,9 +147,10 @@ class QueryService:
                 item_image(query.item_id) if isinstance(query, ItemQuery) else query for query in queries
             ]
             budget, preprocessing = self.config.budget(embedder), embedder.card.preprocessing
-            decoded = self.config.decoder.run(
-                decode_uploads, images, budget, preprocessing, boxes=boxes, images=len(images)
-            )
+            with gallery_memory_is_the_servers(images):
+                decoded = self.config.decoder.run(
+                    decode_uploads, images, budget, preprocessing, boxes=boxes, images=len(images)
+                )
         timer.include(decoded.ms, within="decode")
         with timer.stage("embed"):
             return embedder.embed_tensor(decoded.tensor, run_size=RUN_IMAGES)

@@ -235,29 +235,65 @@ def test_a_large_uncompressed_gallery_file_never_enters_the_server_process(
     assert default_limits.status("VmHWM") - before < SMALL_REQUEST_BUDGET
 
 
-@pytest.mark.server
+@pytest.fixture(scope="module")
+@starts("server")
+def small_memory(served_module: Served) -> Iterator[ServerProcess]:
+    """Decodes limited to 300 MB: the 49-MP lossless WebP needs ~760 MB."""
+    with capped_serving(served_module, *NO_RATE_LIMIT, "--decode-memory-mb", "300", *PATIENT) as server:
+        yield server
+
+
 def test_memory_over_the_decode_limit_is_422_and_a_decoder_killed_from_outside_is_503(
-    served_module: Served,
+    small_memory: ServerProcess,
 ) -> None:
     """What the decoder really allocates is capped (here 300 MB: the 49-MP WebP needs ~760 MB), whatever
     the header says; and a decode process the kernel kills (the OOM killer: SIGKILL) is the server's
     shortage, 503 with Retry-After, never a 400 blaming the image. A fresh process takes its place."""
-    with capped_serving(served_module, *NO_RATE_LIMIT, "--decode-memory-mb", "300", *PATIENT) as server:
-        response = search(server, LEGIT["webp-lossless-RGBA-49mp"]())
-        assert_refused_as_costly(response)
-        assert "300 MB" in response.json()["error"]["message"]
-        answers: list[httpx.Response] = []
-        attacker = threading.Thread(target=lambda: answers.append(search(server, scans(10_000))))
-        attacker.start()
-        time.sleep(2)
-        workers = [pid for pid in descendants(server.process.pid) if not descendants(pid)]
-        for pid in workers:
-            subprocess.run(["kill", "-9", str(pid)], check=True)
-        attacker.join()
-        assert answers[0].status_code == 503, answers[0].text
-        assert answers[0].json()["error"]["code"] == "out_of_memory"
-        assert "Retry-After" in answers[0].headers
-        assert normal_search(server).status_code == 200
+    server = small_memory
+    response = search(server, LEGIT["webp-lossless-RGBA-49mp"]())
+    assert_refused_as_costly(response)
+    assert "300 MB" in response.json()["error"]["message"]
+    answers: list[httpx.Response] = []
+    attacker = threading.Thread(target=lambda: answers.append(search(server, scans(10_000))))
+    attacker.start()
+    time.sleep(2)
+    workers = [pid for pid in descendants(server.process.pid) if not descendants(pid)]
+    for pid in workers:
+        subprocess.run(["kill", "-9", str(pid)], check=True)
+    attacker.join()
+    assert answers[0].status_code == 503, answers[0].text
+    assert answers[0].json()["error"]["code"] == "out_of_memory"
+    assert "Retry-After" in answers[0].headers
+    assert normal_search(server).status_code == 200
+
+
+def test_a_gallery_file_over_the_decode_memory_is_503_in_every_route_that_decodes_it(
+    small_memory: ServerProcess, served_module: Served
+) -> None:
+    """Issue 43, class 3: a gallery file is the server's own; that it needs more memory than a decode may
+    use is the server's state, not the request's fault. Before, its thumbnail (and similar, explain) was
+    422 ``image_too_costly``, as if the client had sent it. An upload of the same file stays 422."""
+    files = {"images": ("big.png", image_bytes(make_image(4344)))}
+    added = httpx.post(f"{small_memory.url}/v1/items", files=files, headers=KEY, timeout=60)
+    assert added.status_code == 201, added.text
+    item = added.json()["items"][0]
+    other = httpx.get(f"{small_memory.url}/v1/items", params={"limit": 1}, timeout=60).json()["items"][0]
+    webp = LEGIT["webp-lossless-RGBA-49mp"]()
+    (served_module.gallery / item["path"]).write_bytes(webp)  # swapped on disk behind the index
+    base = f"{small_memory.url}/v1"
+    routes = [
+        (f"items/{item['id']}/thumbnail", {"size": 100}),
+        (f"items/{item['id']}/thumbnail", {"size": 100}),  # again: from the refusal kept, still 503
+        (f"items/{item['id']}/similar", {"box": "0,0,1,1"}),
+        ("explain", {"item": item["id"], "query_item": other["id"]}),
+        ("explain", {"item": other["id"], "query_item": item["id"]}),
+    ]
+    for route, params in routes:
+        answer = httpx.get(f"{base}/{route}", params=params, timeout=120)
+        assert answer.status_code == 503, (route, answer.text)
+        assert answer.json()["error"]["code"] == "out_of_memory"
+        assert "Retry-After" in answer.headers
+    assert_refused_as_costly(search(small_memory, webp))
 
 
 def test_build_index_skips_a_file_over_the_decode_limit_with_the_reason(
