@@ -109,6 +109,37 @@ def avif_lying_ispe(side: int = 8192, claimed: int = 64) -> bytes:
     return data[: box + 8] + struct.pack(">II", claimed, claimed) + data[box + 16 :]
 
 
+def with_ispe(data: bytes, claimed: int) -> bytes:
+    """``data`` (a HEIF or an AVIF) with every ``ispe`` box saying ``claimed`` x ``claimed``."""
+    lie = bytearray(data)
+    box = lie.find(b"ispe")
+    while box >= 0:
+        lie[box + 8 : box + 16] = struct.pack(">II", claimed, claimed)
+        box = lie.find(b"ispe", box + 4)
+    return bytes(lie)
+
+
+def heic_lying_ispe(side: int = 8192, claimed: int = 64) -> bytes:
+    """A HEIC whose ``ispe`` says ``claimed`` x ``claimed`` over a ``side`` x ``side`` HEVC frame."""
+    pillow_heif.register_heif_opener()
+    return with_ispe(encode(Image.new("L", (side, side)), "HEIF", quality=10), claimed)
+
+
+def avif_rgba_lying_ispe(side: int = 2048, claimed: int = 64) -> bytes:
+    """An AVIF with an alpha plane (a second AV1 item, ``auxl``), both ``ispe`` boxes lying."""
+    return with_ispe(encode(Image.new("RGBA", (side, side)), "AVIF", speed=10, quality=10), claimed)
+
+
+def avif_without_sequence_header(side: int = 256) -> bytes:
+    """An AVIF whose AV1 item's sequence header OBU is renamed into padding (OBU type 15): its frames'
+    size cannot be read from it."""
+    data = bytearray(encode(Image.new("L", (side, side)), "AVIF", speed=10, quality=10))
+    header = data.index(b"mdat") + 4 + 2  # after the temporal delimiter OBU (2 bytes) that opens the item
+    assert (data[header] >> 3) & 15 == 1, "libavif's item no longer opens with a sequence header"
+    data[header] = (data[header] & 0b10000111) | (15 << 3)
+    return bytes(data)
+
+
 def heic(side: int, mode: str = "RGB") -> bytes:
     pillow_heif.register_heif_opener()
     return encode(Image.new(mode, (side, side)), "HEIF", quality=10)

@@ -13,6 +13,7 @@ import numpy as np
 import pillow_heif
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from engine.decode.avif_frames import AvifStructureError, frame_planes
 from foundation.defaults import MAX_IMAGE_PIXELS
 from foundation.errors import DmlsearchError, ErrorKind
 from foundation.regular_files import read_image_file
@@ -55,6 +56,10 @@ IMAGE_SUFFIXES = frozenset({*FORMAT_SUFFIXES.values(), ".jpeg", ".tiff", ".heif"
 # margin 2 stayed within noise of full decoding and still decodes and preprocesses several times faster
 # (bench/jpeg_draft.py on Cars196 test classes as 1600-px JPEGs: bench/results/jpeg_draft_cars196.json).
 DRAFT_MARGIN = 2
+
+# Where open_image keeps the pixels an AVIF's frames hold (engine.decode.avif_frames): its size is its
+# ispe box's, which may lie.
+FRAME_PIXELS = "dmlsearch_frame_pixels"
 
 # What a decode task is given: an upload's bytes, or the path of a gallery file, which the decode process
 # reads itself (within ``foundation.regular_files``' limits): a 147 MB uncompressed TIFF held whole twice
@@ -125,9 +130,33 @@ def open_image(
         raise ImageDecodeError(
             "image_too_large", f"image is {width}x{height} pixels, more than the limit of {max_pixels}"
         )
+    if image.format == "AVIF":
+        image.info[FRAME_PIXELS] = _avif_frame_pixels(data, width, height, max_pixels)
     if draft_size is not None:
         draft_jpeg(image, (draft_margin * draft_size, draft_margin * draft_size))
     return image
+
+
+def _avif_frame_pixels(data: bytes, width: int, height: int, max_pixels: int) -> int:
+    """The pixels of the frames an AVIF really decodes (its AV1 sequence headers), checked against the
+    limit: its ``ispe`` box, which gives its size, may say 64x64 over a 16384x16384 frame."""
+    try:
+        planes = frame_planes(data)
+    except AvifStructureError as err:
+        raise ImageDecodeError("corrupt_image", f"the AVIF's frames could not be read: {err}") from None
+    if max(planes) > max_pixels:
+        raise ImageDecodeError(
+            "image_too_large",
+            f"the image says it is {width}x{height} pixels, but its AV1 frames hold {max(planes)}, more "
+            f"than the limit of {max_pixels}",
+        )
+    return planes[0]
+
+
+def decoded_pixels(image: Image.Image) -> int:
+    """The pixels decoding an image from :func:`open_image` makes: its frames' for an AVIF (whose size
+    may lie), else its size (after JPEG draft scaling)."""
+    return int(image.info.get(FRAME_PIXELS, image.width * image.height))
 
 
 def draft_jpeg(image: Image.Image, size: tuple[int, int]) -> None:

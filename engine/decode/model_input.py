@@ -27,6 +27,7 @@ from engine.decode.images import (
     DRAFT_MARGIN,
     ImageDecodeError,
     ImageSource,
+    decoded_pixels,
     load_rgb,
     open_image,
     source_bytes,
@@ -127,7 +128,7 @@ def open_uploads(
         headers.append(header)
         if crops is not None:
             crops.append(crop)
-    total = sum(header.width * header.height for header in headers)
+    total = sum(decoded_pixels(header) for header in headers)
     if total > budget.max_batch_pixels:
         raise ImageDecodeError(
             "batch_too_large",

@@ -169,17 +169,20 @@ def test_sigterm_ends_the_server_within_its_grace_with_a_decode_in_flight(served
     wait_until(gone, 5, "the decode processes to end")
 
 
-def test_an_avif_that_lies_about_its_size_is_decoded_within_the_limits(default_limits: ServerProcess) -> None:
+def test_an_avif_that_lies_about_its_size_is_refused_by_its_frames(default_limits: ServerProcess) -> None:
     """``ispe`` says 64x64 over an 8192x8192 AV1 frame. Before (a 16384x16384 frame): +0.6 GB per image,
     held for every image of a batch until the request ended (3.6 GB for 6), and a 400 ``corrupt_image``
-    under a 3 GB cap. Now the frame is decoded in a worker, within its memory limit, one image at a time
-    (each image's decoder is dropped before the next), and the server process itself does not grow."""
+    under a 3 GB cap; then (issue 43, class 5) decoded in a worker within its memory limit and answered
+    200. Now the AV1 sequence header's frame size is read before decoding: 413, the real count named."""
     lie = avif_lying_ispe()
     assert normal_search(default_limits).status_code == 200
     before = reset_peak(default_limits)
     files = [("images", (f"{i}.avif", lie)) for i in range(6)]
     response = httpx.post(f"{default_limits.url}/v1/search/batch", files=files, timeout=120)
-    assert response.status_code == 200, response.text
+    assert response.status_code == 413, response.text
+    error = response.json()["error"]
+    assert error["code"] == "image_too_large" and "image 0: " in error["message"]
+    assert "AV1 frames hold 67108864" in error["message"]
     assert default_limits.status("VmHWM") - before < SMALL_REQUEST_BUDGET
 
 
