@@ -30,7 +30,8 @@ test-all: setup
 lint: setup typecheck
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
-# mypy over foundation, index, engine and app ([tool.mypy] in pyproject.toml): zero errors, kept so by `lint`.
+# mypy over foundation, index, engine, app, training and cli ([tool.mypy] in pyproject.toml): zero errors,
+# kept so by `lint`.
 typecheck: setup
 	$(BIN)/mypy
 

@@ -27,9 +27,10 @@ from foundation.families import Backend, IndexType
 from foundation.names import readable_name
 from index.connection import MilvusConnection
 from index.manifest import MILVUS_COLLECTION
-from index.selection import KEEP, IndexChanges
+from index.selection import KEEP, IndexChanges, Keep
 
 if TYPE_CHECKING:
+    from engine.build.embedding import EmbeddingRunner
     from engine.build.report import BuildReport
     from engine.decode.regions import Box
 
@@ -108,7 +109,7 @@ def _index_changes(
     """The index options given on the command line; those left out keep what the index was built with."""
     from index.selection import parse_size
 
-    budget = KEEP
+    budget: int | Keep | None = KEEP
     if memory_budget is not None:
         budget = None if memory_budget.strip().lower() == "none" else parse_size(memory_budget)
     return IndexChanges(index_type or KEEP, budget, KEEP if target_recall is None else target_recall)
@@ -228,6 +229,7 @@ def build_index(
         raise fail(f"gallery folder {gallery} does not exist")
     try:
         embedder = Embedder(model_for_index(out, model), threads=threads)
+        runner: contextlib.AbstractContextManager[EmbeddingRunner]
         if ray is None:
             runner = contextlib.nullcontext(LocalRunner(decode_workers))
         else:
@@ -454,9 +456,9 @@ def stats(
         typer.echo(json.dumps(info, indent=2))
         return
     for key, value in info.items():
-        if key == "files":
+        if key == "files" and isinstance(value, dict):
             value = ", ".join(f"{name} {format_bytes(size)}" for name, size in value.items())
-        elif key == "estimated_memory_bytes":
+        elif key == "estimated_memory_bytes" and isinstance(value, int | float):
             value = format_bytes(value)
         typer.echo(f"{key:>22}: {value}")
 

@@ -193,7 +193,14 @@ def train(
     from training.auto import train_auto
     from training.comparison import validation_gain
     from training.label_free_data import is_label_free
-    from training.recipes import AUTO_CANDIDATES, AUTO_RACE_STEPS, DEFAULT_RECIPE, parse_assignments, resolve
+    from training.recipes import (
+        AUTO_CANDIDATES,
+        AUTO_RACE_STEPS,
+        DEFAULT_RECIPE,
+        parse_assignments,
+        parse_recipe_name,
+        resolve,
+    )
     from training.trainer import NoGainWarning
     from training.trainer import train as run_training
 
@@ -203,7 +210,7 @@ def train(
     if label_free and mode is None:
         typer.echo("training without labels (photos outside class folders): --mode frozen")
         mode = "frozen"  # fine-tuning without labels is not built yet: the trainer refuses it
-    fields = {
+    fields: dict[str, Any] = {
         "mode": mode or ("finetune" if torch.cuda.is_available() else "frozen"),
         "train_classes": train_classes,
         "cache_dir": str(cache_dir.resolve()) if cache_dir else None,
@@ -229,7 +236,7 @@ def train(
                 )
                 typer.echo(f"race (validation recall@1): {scores}; kept {race['winner']}: {race['reason']}")
             else:
-                recipe_name = recipe or DEFAULT_RECIPE
+                recipe_name = parse_recipe_name(recipe or DEFAULT_RECIPE)
                 overrides = parse_assignments(loss, hparam or [])
                 if time_budget is not None:
                     fields["time_budget"] = 60 * time_budget

@@ -74,7 +74,9 @@ def ui(
     host: str = defaults.API_HOST,
 ) -> None:
     """Start the Streamlit page (a client of the HTTP API)."""
-    page = importlib.util.find_spec("app.ui").origin
+    spec = importlib.util.find_spec("app.ui")
+    assert spec is not None and spec.origin is not None  # app/ui.py is part of the package
+    page = spec.origin
     env = {**os.environ, "DMLSEARCH_API_URL": api_url}
     command = [
         sys.executable,

@@ -14,7 +14,7 @@ import functools
 import inspect
 import types
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import annotated_types
 import typer
@@ -24,12 +24,10 @@ from pydantic_settings import BaseSettings
 
 from cli.common import fail
 
-CommandT = TypeVar("CommandT", bound=Callable[..., Any])
-
 
 def settings_flags(
     settings_type: type[BaseSettings], aliases: Mapping[str, tuple[str, ...]] | None = None
-) -> Callable[[CommandT], CommandT]:
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Give a Typer command one flag per field of ``settings_type``.
 
     The command declares a ``settings`` parameter and receives the validated settings there (flags over
@@ -39,7 +37,7 @@ def settings_flags(
     aliases = aliases or {}
     prefix = settings_type.model_config.get("env_prefix", "")
 
-    def decorate(command: CommandT) -> CommandT:
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(command, eval_str=True)
         own = [p for p in signature.parameters.values() if p.name != "settings"]
         fields = settings_type.model_fields
@@ -61,7 +59,8 @@ def settings_flags(
             return command(settings=settings, **values)
 
         parameters = [*own, *flags]
-        run.__signature__ = signature.replace(parameters=parameters)  # what Typer reads the options from
+        # What Typer reads the options from (a function declares no __signature__ to a type checker).
+        run.__dict__["__signature__"] = signature.replace(parameters=parameters)
         run.__annotations__ = {p.name: p.annotation for p in parameters}
         return run
 
@@ -73,14 +72,15 @@ def _flag(name: str, field: FieldInfo, aliases: tuple[str, ...], env: str) -> in
     flag = "--" + name.replace("_", "-")
     declarations = [f"{flag}/--no-{flag[2:]}"] if value_type is bool else [flag, *aliases]
     default = field.get_default(call_default_factory=True)
-    bounds = {}
+    low: float | None = None
+    high: float | None = None
     for rule in field.metadata:
-        if isinstance(rule, annotated_types.Ge):
-            bounds["min"] = rule.ge
-        elif isinstance(rule, annotated_types.Gt) and value_type is int:
-            bounds["min"] = rule.gt + 1
-        elif isinstance(rule, annotated_types.Le):
-            bounds["max"] = rule.le
+        if isinstance(rule, annotated_types.Ge) and isinstance(rule.ge, int | float):
+            low = rule.ge
+        elif isinstance(rule, annotated_types.Gt) and value_type is int and isinstance(rule.gt, int):
+            low = rule.gt + 1
+        elif isinstance(rule, annotated_types.Le) and isinstance(rule.le, int | float):
+            high = rule.le
     description = field.description or name.replace("_", " ")
     help_text = f"{description[0].upper()}{description[1:]} (env {env})."
     if _unwrap_optional(field.annotation) is SecretStr:
@@ -89,7 +89,7 @@ def _flag(name: str, field: FieldInfo, aliases: tuple[str, ...], env: str) -> in
         # In the help text, not as show_default: Click puts a string show_default in parentheses, and the
         # flag's own default must stay None so that the environment applies.
         help_text += f"  [default: {default}]"
-    option = typer.Option(*declarations, help=help_text, show_default=False, **bounds)
+    option = typer.Option(*declarations, help=help_text, show_default=False, min=low, max=high)
     # None = not given: the environment's value or the field's default applies.
     return inspect.Parameter(
         name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[value_type | None, option]

@@ -45,8 +45,10 @@ def race_configs(
     return {loss: recipe.config(loss, data, **fields) for loss, recipe in resolved.items()}
 
 
-def _settings(record: dict[str, Any]) -> str:
+def _settings(config: TrainConfig) -> str:
     """``key=value, ...`` a candidate trains with: its recipe's values under the overrides."""
+    record = config.recipe
+    assert record is not None  # race_configs gives each candidate its recipe
     return format_values({**record["values"], **record["overrides"]})
 
 
@@ -82,7 +84,7 @@ def train_auto(
     scores, untrained = {}, 0.0
     for loss, config in configs.items():
         if progress:
-            print(f"race: {loss} for {steps[loss]} steps ({_settings(config.recipe)})", flush=True)
+            print(f"race: {loss} for {steps[loss]} steps ({_settings(config)})", flush=True)
         raced = config.model_copy(update={"max_steps": steps[loss]})
         with warnings.catch_warnings():  # a candidate is only raced, never exported: the scores say enough
             warnings.simplefilter("ignore", NoGainWarning)
@@ -97,6 +99,7 @@ def train_auto(
         "reason": race_reason(scores, winner, untrained, max(steps.values())),
     }
     final = configs[winner]
+    assert final.recipe is not None  # race_configs gives each candidate its recipe
     final = final.model_copy(update={"recipe": {**final.recipe, "name": "auto", "race": race}})
     run = RunDirectory(out)
     if run.read_config() is None:  # continue the winner's race run rather than start it again

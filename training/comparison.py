@@ -52,7 +52,7 @@ def knc_accuracy(
     spread = vectors[reference] - index.centres[index.assignment]
     variance = float((spread**2).sum() / max(len(reference) - 1, 1))
     classifier = KNCClassifier(index.centres, index.cluster_labels, max(variance, 1e-12))
-    return float((classifier.predict(vectors[queries]) == labels[queries]).mean())
+    return float(np.mean(classifier.predict(vectors[queries]) == labels[queries]))
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,7 @@ def embed_run(
     labels = np.concatenate([prepared.labels(name) for name in names])
     files = [file for name in names for file in prepared.files(name)]
     device = torch.device("cpu")
+    workload: CachedWorkload | FinetuneWorkload
     if config.mode != "finetune":
         inputs = {"eval": np.concatenate([prepared.inputs[name] for name in names])}
         workload = CachedWorkload(objective, prepared.train_views, inputs, device)

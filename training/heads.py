@@ -31,9 +31,10 @@ class ResidualHead(nn.Module):
         super().__init__()
         self.in_dim, self.out_dim, self.hidden = in_dim, out_dim, hidden
         self.projection = nn.Linear(in_dim, out_dim)
-        self.residual = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), nn.Linear(hidden, out_dim))
-        nn.init.zeros_(self.residual[-1].weight)
-        nn.init.zeros_(self.residual[-1].bias)
+        first, last = nn.Linear(in_dim, hidden), nn.Linear(hidden, out_dim)
+        nn.init.zeros_(last.weight)
+        nn.init.zeros_(last.bias)
+        self.residual = nn.Sequential(first, nn.ReLU(), last)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         x = F.normalize(features, dim=1, eps=NORMALIZE_EPS)
@@ -50,6 +51,7 @@ class ResidualHead(nn.Module):
         """
         scale = 1 / features.norm(dim=1, keepdim=True).clamp_min(NORMALIZE_EPS)
         first, _, last = self.residual
+        assert isinstance(first, nn.Linear) and isinstance(last, nn.Linear)  # the layers __init__ made
         gates = (first(features * scale) > 0).to(features.dtype)
         scaled_parts = parts * scale[:, :, None]
         hidden = F.linear(scaled_parts, first.weight) * gates[:, None, :]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +13,7 @@ from training.backbone import create_backbone, split_backbone
 from training.config import TrainConfig
 from training.heads import NORMALIZE_EPS, ResidualHead
 from training.losses import LOSSES, build_loss
+from training.losses.base import MetricLoss
 
 
 class EmbeddingModel(nn.Module):
@@ -27,11 +28,20 @@ class EmbeddingModel(nn.Module):
         return F.normalize(self.head(self.backbone(images)), dim=1)
 
 
-def averages_a_map(backbone: nn.Module) -> bool:
+class MapAveraging(Protocol):
+    """A timm network's two halves: the feature map, and its pooling (with ``pre_logits``, no classifier)."""
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor: ...
+
+
+def averages_a_map(backbone: nn.Module) -> TypeGuard[MapAveraging]:
     """Whether ``backbone(x)`` is the average over positions of a feature map, ``forward_features(x)``:
     a timm network with average pooling and no classifier (what :class:`PositionContributions` splits)."""
     pool = getattr(backbone, "global_pool", None)
-    classifier = backbone.get_classifier() if hasattr(backbone, "get_classifier") else None
+    get_classifier = getattr(backbone, "get_classifier", None)
+    classifier = get_classifier() if callable(get_classifier) else None
     return (
         hasattr(backbone, "forward_features")
         and getattr(pool, "pool_type", None) == "avg"
@@ -40,7 +50,7 @@ def averages_a_map(backbone: nn.Module) -> bool:
     )
 
 
-def explainable(model: nn.Module) -> bool:
+def explainable(model: nn.Module) -> TypeGuard[EmbeddingModel]:
     """Whether similarities of ``model`` split exactly over image positions (:class:`PositionContributions`):
     an average-pooled backbone under no head or the residual head."""
     return (
@@ -60,7 +70,7 @@ class EmbeddingsAndMaps(nn.Module):
         self.model = model
 
     def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        backbone = self.model.backbone
+        backbone = _map_averaging(self.model)
         maps = backbone.forward_features(images)
         return F.normalize(self.model.head(backbone.forward_head(maps, pre_logits=True)), dim=1), maps
 
@@ -80,7 +90,7 @@ class PositionContributions(nn.Module):
         self.model = model
 
     def forward(self, maps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pooled = self.model.backbone.forward_head(maps, pre_logits=True)
+        pooled = _map_averaging(self.model).forward_head(maps, pre_logits=True)
         batch, _, height, width = maps.shape
         parts = maps.flatten(2).transpose(1, 2) / (height * width)  # (n, h*w, c), summing to `pooled`
         head = self.model.head
@@ -91,6 +101,12 @@ class PositionContributions(nn.Module):
         norm = head(pooled).norm(dim=1, keepdim=True).clamp_min(NORMALIZE_EPS)  # as F.normalize divides
         contributions = (shares / norm[:, :, None]).reshape(batch, height, width, -1)
         return contributions, rest / norm
+
+
+def _map_averaging(model: EmbeddingModel) -> MapAveraging:
+    if not averages_a_map(model.backbone):
+        raise TypeError(f"{type(model.backbone).__name__} does not average a feature map: not explainable")
+    return model.backbone
 
 
 class TrainingObjective(nn.Module):
@@ -116,8 +132,8 @@ class TrainingObjective(nn.Module):
     def __init__(
         self,
         backbone: nn.Module,
-        head: nn.Module,
-        loss: nn.Module,
+        head: ResidualHead,
+        loss: MetricLoss,
         *,
         scale: float = 1.0,
         unit: bool = False,

@@ -197,14 +197,21 @@ AUTO_CANDIDATES: tuple[str, ...] = ("ms", "angular", "npair-angular", "loop-lift
 AUTO_RACE_STEPS = 600
 
 
+def parse_recipe_name(name: str) -> RecipeName:
+    """``name`` as a recipe's name; an unknown one fails, listing the known ones."""
+    for known in RECIPE_NAMES:
+        if name == known:
+            return known
+    raise InvalidInputError(f"unknown recipe {name!r}; choose one of {list(RECIPE_NAMES)}")
+
+
 def recipe(
     loss: str, name: RecipeName = DEFAULT_RECIPE, mode: Mode = "frozen", *, label_free: bool = False
 ) -> dict[str, Choice]:
     """The choices ``name`` makes for ``loss`` trained in ``mode`` (for ``paper``, the printed defaults
     apply), plus, ``label_free``, what a run without labels needs (:data:`LABEL_FREE`)."""
     LOSSES[loss]  # an unknown loss fails here, with the known names
-    if name not in RECIPE_NAMES:
-        raise InvalidInputError(f"unknown recipe {name!r}; choose one of {list(RECIPE_NAMES)}")
+    parse_recipe_name(name)  # and an unknown recipe here
     needed = LABEL_FREE if label_free else {}
     if name == "paper":
         return dict(needed)

@@ -29,6 +29,7 @@ from matplotlib import colormaps
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.typing import ColorType
 from sklearn.decomposition import PCA
 from sklearn.manifold import TSNE
 
@@ -215,15 +216,16 @@ def _map_colours(labels: np.ndarray, names: Sequence[str]) -> tuple[np.ndarray, 
     top = classes[np.argsort(-counts, kind="stable")[:LEGEND_CLASSES]]
     colours = np.tile(to_rgba(OTHER_COLOUR), (len(labels), 1))
     legend = []
-    for colour, label in zip(colormaps["tab10"].colors, top, strict=False):
-        colours[labels == label] = to_rgba(colour)
+    palette = colormaps["tab10"]
+    for colour, label in zip(map(palette, range(palette.N)), top, strict=False):
+        colours[labels == label] = colour
         legend.append(_dot(colour, names[label]))
     if len(classes) > len(top):
         legend.append(_dot(OTHER_COLOUR, f"other ({len(classes) - len(top)} classes)"))
     return colours, np.isin(labels, top), legend
 
 
-def _dot(colour: object, label: str) -> Line2D:
+def _dot(colour: ColorType, label: str) -> Line2D:
     return Line2D([], [], marker="o", linestyle="", color=colour, label=label)
 
 

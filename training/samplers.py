@@ -120,7 +120,8 @@ class NeighbourhoodSampler(ClassBalancedSampler):
     def refresh(self, embeddings: np.ndarray) -> None:
         """Re-cluster each class of the training set from its current ``embeddings`` (n, d)."""
         vectors = np.ascontiguousarray(embeddings, dtype=np.float32)
-        centres, cluster_labels = [], []
+        centres: list[np.ndarray] = []
+        cluster_labels = []
         for class_id, members in zip(self.class_ids, self.members, strict=True):
             k = magnet_clusters(len(members), self.clusters_per_class, self.samples_per_class)
             if k == 1:

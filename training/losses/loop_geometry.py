@@ -341,28 +341,28 @@ def _segment_kkt(sq: _Endpoints) -> tuple[torch.Tensor, _Weights, torch.Tensor, 
         return (t > 0) & (t < 1)
 
     det = uu * vv - uv.square()
-    #     case 0 (Eq. 21)                  1: k1 = 0 (Eq. 23)  2: k1 = 1 (Eq. 24)  3: k2 = 0   4: k2 = 1
-    k1 = [(uw * vv - uv * vw) / safe(det), zero, one, uw / safe(uu), (uw + uv) / safe(uu)]
-    k2 = [(uv * uw - uu * vw) / safe(det), -vw / safe(vv), (uv - vw) / safe(vv), zero, one]
+    #      case 0 (Eq. 21)                  1: k1 = 0 (Eq. 23)  2: k1 = 1 (Eq. 24)  3: k2 = 0   4: k2 = 1
+    k1s = [(uw * vv - uv * vw) / safe(det), zero, one, uw / safe(uu), (uw + uv) / safe(uu)]
+    k2s = [(uv * uw - uu * vw) / safe(det), -vw / safe(vv), (uv - vw) / safe(vv), zero, one]
     inside = [
-        (det > 0) & in_unit(k1[0]) & in_unit(k2[0]),
-        (vv > 0) & in_unit(k2[1]),
-        (vv > 0) & in_unit(k2[2]),
-        (uu > 0) & in_unit(k1[3]),
-        (uu > 0) & in_unit(k1[4]),
+        (det > 0) & in_unit(k1s[0]) & in_unit(k2s[0]),
+        (vv > 0) & in_unit(k2s[1]),
+        (vv > 0) & in_unit(k2s[2]),
+        (uu > 0) & in_unit(k1s[3]),
+        (uu > 0) & in_unit(k1s[4]),
     ]
     free = [
         torch.where(
             ok, ww + a.square() * uu + b.square() * vv - 2 * a * uw + 2 * b * vw - 2 * a * b * uv, math.inf
         )
-        for a, b, ok in zip(k1, k2, inside, strict=True)
+        for a, b, ok in zip(k1s, k2s, inside, strict=True)
     ]
     corners = [sq.x1y1, sq.x1y2, sq.x2y1, sq.x2y2]  # cases 5-8: (0, 0), (0, 1), (1, 0), (1, 1)
     case = _first_argmax([-f for f in [*free, *corners]])
     pick = case.unsqueeze(0)
     k1, k2 = (
         torch.stack([t.expand(case.shape) for t in k]).gather(0, pick).squeeze(0)
-        for k in ([*k1, zero, zero, one, one], [*k2, zero, one, zero, one])
+        for k in ([*k1s, zero, zero, one, one], [*k2s, zero, one, zero, one])
     )
     return case, _Weights(1 - k1, k1, 1 - k2, k2), k1, k2
 

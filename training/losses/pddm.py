@@ -78,7 +78,10 @@ class PDDMUnit(nn.Module):
         ``masks``: (3, hidden) dropout masks for the u, v and c layers, or None for the full unit.
         """
         a, b = F.normalize(a, dim=-1), F.normalize(b, dim=-1)
-        w_u, b_u, w_v, b_v = self.fc_u.weight, self.fc_u.bias, self.fc_v.weight, self.fc_v.bias
+        w_u: torch.Tensor = self.fc_u.weight
+        b_u: torch.Tensor = self.fc_u.bias
+        w_v: torch.Tensor = self.fc_v.weight
+        b_v: torch.Tensor = self.fc_v.bias
         w_s = self.fc_s.weight
         if masks is not None:
             # A non-negative mask commutes with ReLU: scaling the rows of a layer (columns of W_s for c)
