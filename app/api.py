@@ -36,6 +36,8 @@ from app.routes import router
 from app.settings import Settings
 from app.state import EngineState
 from engine.decode.pool import DecodePool
+from engine.model.model_card import Preprocessing
+from foundation import defaults
 
 log = logging.getLogger("dmlsearch.app")
 
@@ -81,15 +83,17 @@ async def _poll_index(context: AppContext, seconds: float, tried: DirectoryState
             log.warning("index not reloaded: %s", err)
 
 
-API_DESCRIPTION = """\
+_INPUT_SIDE = Preprocessing().input_size  # a model card's input size unless it says another
+API_DESCRIPTION = f"""\
 **Memory budget per request**, checked before any pixel is decoded: at most `max_image_pixels` per image
-(50 MP by default) and `max_batch_pixels` per request in all (100 MP; read from the image headers, JPEGs
-at the size they are decoded at): 413 `image_too_large` / `batch_too_large`. The image count is checked
-before any image is read (422 `too_many_images`).
+({defaults.MAX_IMAGE_PIXELS / 1e6:g} MP by default) and `max_batch_pixels` per request in all
+({defaults.MAX_BATCH_PIXELS / 1e6:g} MP; read from the image headers, JPEGs at the size they are decoded at):
+413 `image_too_large` / `batch_too_large`. The image count is checked before any image is read (422
+`too_many_images`).
 
 **Extreme aspect ratios are accepted with a bounded resize**: only the region the centre crop keeps is
-resampled, straight to the model input (224x224), so no image is ever upscaled beyond it whatever its
-shape (a 1x100000 PNG costs what a small photo does).
+resampled, straight to the model input ({_INPUT_SIDE}x{_INPUT_SIDE} by default), so no image is ever upscaled
+beyond it whatever its shape (a 1x100000 PNG costs what a small photo does).
 
 Each image is decoded in a worker process under a CPU, wall-clock and memory limit (`decode_cpu_seconds`,
 `decode_wall_seconds`, `decode_memory_mb`: what the decoder really allocates, whatever the header says);
