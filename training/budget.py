@@ -1,13 +1,12 @@
 """Which mode fits a time budget on this machine, and how many steps: ``dmlsearch train`` on a CPU.
 
-Fine-tuning is the largest lever the project has (issue 25: +22.4 test Recall@1 in 150 steps, against
-+9.1 for the frozen recipe on the same data), but on a CPU it costs minutes per epoch. So where no mode
-is given, the speed of a fine-tuning step is measured on this machine (random images at the run's batch
-and compute; the fastest of :data:`TIMED_STEPS` steps, so that a passing load does not decide an hour's
-run; the load average read beside it is said when the machine looked busy) and fine-tuning is chosen
-when at least :data:`MIN_FINETUNE_STEPS` steps, plus validating and testing, fit in the budget;
-otherwise the frozen mode. The steps then fill the budget, up to the recipe's ``max_steps``, and the run
-stops at the budget in any case (``TrainConfig.time_budget``).
+Fine-tuning is the largest lever the project has (docs/measurements.md), but on a CPU it costs minutes per
+epoch. So where no mode is given, the speed of a fine-tuning step is measured on this machine (random images
+at the run's batch and compute; the fastest of :data:`TIMED_STEPS` steps, so that a passing load does not
+decide an hour's run; the load average read beside it is said when the machine looked busy) and fine-tuning is
+chosen when at least :data:`MIN_FINETUNE_STEPS` steps, plus validating and testing, fit in the budget;
+otherwise the frozen mode. The steps then fill the budget, up to the recipe's ``max_steps``, and the run stops
+at the budget in any case (``TrainConfig.time_budget``).
 A ``frozen_first`` run's frozen stage is counted too, from a head step measured the same way.
 """
 
@@ -32,15 +31,14 @@ from training.losses import LOSSES
 from training.model import build_objective
 from training.precision import model_inputs, resolve_compute
 
-# The fewest fine-tuning steps worth choosing over the frozen mode: the measured run of issue 25 (MS,
-# 150 steps of 128 images: +22.4 test Recall@1, still improving) took this many.
+# The fewest fine-tuning steps worth choosing over the frozen mode: what a measured run took to gain
+# most of fine-tuning's lead (docs/measurements.md).
 MIN_FINETUNE_STEPS = 150
 # A forward pass costs about a third of a training step (forward + backward): what embedding the
 # validation and test images (twice: trained and untrained) is estimated at.
 FORWARD_SHARE = 1 / 3
-# Timed steps of a speed measurement, after an untimed warm-up; the fastest counts. Other work slows some
-# steps, not the machine: on a quiet 2-core machine one step measured 48.8 img/s, one step beside other
-# work 5.2 img/s, and that one step flipped an hour's run to the frozen mode (issue 44).
+# Timed steps of a speed measurement, after an untimed warm-up; the fastest counts: other work slows some
+# steps, not the machine (docs/measurements.md).
 TIMED_STEPS = 3
 
 Clock = Callable[[], float]

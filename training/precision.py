@@ -3,9 +3,9 @@
 CPU and GPU take the same path: the backbone and head run under ``torch.autocast`` when the device
 computes a 16-bit float natively, with float32 weights and optimiser state; the loss always runs in
 float32 (:class:`training.model.TrainingObjective`). Convolutions run in channels-last memory format,
-which oneDNN on CPUs (and tensor cores on GPUs) prefer: measured on a CPU with ``avx512_bf16``,
-EfficientNet-Lite0 forward + backward at batch 32 went from 17-19 img/s to 27-29 channels-last and
-40-43 with bfloat16 on top (issue 25; ``bench/train_speed.py`` measures it on the machine at hand).
+which oneDNN on CPUs (and tensor cores on GPUs) prefer: together with bfloat16 they more than double a
+training step's speed on a CPU that has it (docs/measurements.md; ``bench/train_speed.py`` measures it on
+the machine at hand).
 
 bfloat16 is used on a CPU only where it is native (``avx512_bf16`` or AMX on x86, the BF16 extension on
 ARM): elsewhere torch emulates it, slower than float32 (``precision=bf16`` still forces it, with a

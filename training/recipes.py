@@ -29,8 +29,7 @@ RecipeName = Literal["recommended", "paper"]
 RECIPE_NAMES: tuple[RecipeName, ...] = ("recommended", "paper")
 DEFAULT_RECIPE: RecipeName = "recommended"
 # `dmlsearch train` on a CPU without --mode: fine-tune when enough steps fit this budget (training/budget.py).
-# Of the order of an hour: Cars196's 8,054 training images take about 3 minutes an epoch at 42 img/s
-# (bfloat16 CPU, issue 25), so 20 epochs; a CPU without bfloat16 fits fewer, and may fall back to frozen.
+# Of the order of an hour: about 20 Cars196 epochs on a bfloat16 CPU (docs/measurements.md).
 DEFAULT_TIME_BUDGET_MINUTES = 60.0
 FIXED_KEYS = frozenset({"loss", "data", "loss_hparams", "recipe", "mode"})  # never set by a recipe or -p
 

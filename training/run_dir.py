@@ -77,10 +77,10 @@ class LabelFreeRecord(BaseModel):
 class RunSummary(BaseModel):
     """``summary.json``: the finished run, its selected step and its test evaluation.
 
-    Fields recorded later than the first runs are optional, so that those runs still load:
-    ``val_backbone`` and ``beats_backbone`` (commit 8556230), ``validation_gain`` (c31444f),
-    ``frozen_stage`` (fine-tuning runs with a frozen first stage only) and ``failure`` (failed runs
-    only). Written without the fields a run lacks, in this order: the bytes the trainer always wrote.
+    Fields recorded later than the first runs are optional, so that those runs still load: ``val_backbone``,
+    ``beats_backbone``, ``validation_gain``, ``frozen_stage`` (fine-tuning runs with a frozen first stage
+    only) and ``failure`` (failed runs only). Written without the fields a run lacks, in this order: the bytes
+    the trainer always wrote.
     """
 
     model_config = ConfigDict(frozen=True)
