@@ -32,17 +32,15 @@ from index.selection import IndexSpec
 
 log = logging.getLogger("dmlsearch.index")
 
-# OPQ and PQ training, lighter than faiss's defaults (50 OPQ iterations on 65,536 vectors; 25 k-means
-# iterations on 256 points per centroid), which took many minutes on 2 cores: OPQ on 128 codes took 432 s
-# for 20k vectors with the defaults here.
+# OPQ and PQ training, lighter than faiss's defaults, which took many minutes on 2 cores
+# (docs/measurements.md).
 OPQ_ITERATIONS = 10
 OPQ_TRAIN_POINTS = 16_384
 PQ_ITERATIONS = 15
 PQ_POINTS_PER_CENTROID = 64
-# faiss 1.15 finds nearest centroids pair by pair for fewer than distance_compute_blas_threshold (128,000)
-# vectors, and by matrix products or a fused kernel above that. For the 2-dimensional sub-vectors of PQ
-# codebooks the pairwise loop is ~50x slower: k-means of 60,000 points to 1,024 centroids took 0.43 s an
-# iteration against 0.005 s here, so training switches to the fast path at any size.
+# faiss 1.15 finds nearest centroids pair by pair below distance_compute_blas_threshold vectors, far slower
+# for PQ's 2-dimensional sub-vectors than matrix products: training takes the fast path at any size
+# (docs/measurements.md).
 TRAIN_BLAS_THRESHOLD = 20
 
 # faiss ships no type information: its SWIG objects (indexes, selectors, search parameters) are untyped.
@@ -50,10 +48,9 @@ FaissObject: TypeAlias = Any
 
 
 def faiss_module():
-    # faiss's OpenMP threads spin while they wait for work. With more runnable threads than cores (a
-    # shared 2-core machine) every parallel region then waits for descheduled spinners: OPQ training took
-    # 92 s with the default policy and 0.7 s with passive waiting in one measurement here. A default only:
-    # an OMP_WAIT_POLICY set by the user wins. It must be set before faiss loads its OpenMP runtime.
+    # faiss's OpenMP threads spin while they wait for work: with more runnable threads than cores every
+    # parallel region waits for descheduled spinners (docs/measurements.md). A default only: an
+    # OMP_WAIT_POLICY set by the user wins. It must be set before faiss loads its OpenMP runtime.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         import faiss

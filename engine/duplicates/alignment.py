@@ -144,8 +144,7 @@ def aligned_ncc(firsts: np.ndarray, seconds: np.ndarray, scales: tuple[float, ..
     which of the two holds the other; a flat thumbnail (no spread) scores 0 against anything. At the full
     scale either image holds the other: ``first_holds`` is then the better way by a rounding."""
     scores, holds = [np.zeros(0, dtype=np.float32)], [np.zeros(0, dtype=bool)]
-    # Many small products: BLAS threads only wait for each other (this 2-core machine, loaded: 0.42 ms a
-    # pair with one thread, 4.6 ms with two).
+    # Many small products: BLAS threads only wait for each other (docs/measurements.md).
     with threadpool_limits(limits=1, user_api="blas"):
         for start in range(0, len(firsts), _BATCH):
             a, b = (_centred(images[start : start + _BATCH]) for images in (firsts, seconds))

@@ -19,8 +19,8 @@ DISPLAY_SIDE = 448
 MARGIN = 12
 FONT_SIZE = 18
 PNG_COMPRESS_LEVEL = 1
-# The API's overlays: JPEG encodes a 224-px overlay in ~1 ms and ~19 KB, PNG at level 1 in 5-11 ms and
-# ~90 KB (an explanation draws two per request, sent base64 in JSON).
+# The API's overlays are JPEG: several times faster and smaller than PNG, and an explanation sends two per
+# request, base64 in JSON (docs/measurements.md).
 OVERLAY_JPEG_QUALITY = 90
 PEAK_OUTLINE = (0, 255, 255)  # cyan: apart from the colour map's black-red-yellow
 
