@@ -342,6 +342,14 @@ class AddedItemsOut(BaseModel):
 
 class DeletedItemOut(BaseModel):
     deleted: ItemOut
+    set_aside: list[ShownPath] = Field(
+        description="its gallery file and the byte copies of it, moved into the trash folder (relative to "
+        "the gallery)"
+    )
+    trash: str | None = Field(
+        description="the trash folder, relative to the gallery (null: the index records no gallery folder)"
+    )
+    plan_id: str | None = Field(description="undoes the delete: POST /v1/duplicates/undo")
     count: int = Field(description="items in the index after the removal")
 
 

@@ -413,8 +413,12 @@ def remove(
     index: IndexFlag = None,
     ids: Annotated[list[int] | None, typer.Option("--id", help="Item id to remove (repeatable).")] = None,
 ) -> None:
-    """Remove items by path or id (gallery files stay on disk). An HNSW graph is rebuilt once a tenth of it is
-    removed items."""
+    """Delete items by path or id so that they stay deleted: their gallery files (and byte copies of them)
+    are moved into the gallery's trash folder, as the duplicate review sets images aside, so no later
+    build-index or watch indexes them again; `dmlsearch duplicates --undo PLAN_ID` puts them back. An HNSW
+    graph is rebuilt once a tenth of it is removed items."""
+    from engine.duplicates.review import delete_items
+    from foundation.defaults import TRASH_FOLDER
     from index.gallery import GalleryIndex
 
     index, paths = index_and_arguments(index, arguments or [])
@@ -431,9 +435,18 @@ def remove(
         unknown = sorted(set(wanted) - set(gallery.items.get_many(wanted)))
         if unknown:
             raise fail(f"no items with ids {', '.join(map(str, unknown))} in {index}")
-        removed = gallery.remove(wanted)
-        gallery.save()
-        typer.echo(f"removed {removed} items; {len(gallery)} remain")
+        deletion = delete_items(gallery, wanted)
+        report = deletion.report
+        for moved in [*report.moved, *report.already]:
+            typer.echo(f"set aside {readable_name(moved)}")
+        for where, why in report.left:
+            typer.echo(f"left {readable_name(where)}: {why}", err=True)
+        typer.echo(f"removed {report.removed} items; {len(gallery)} remain")
+        if deletion.plan_id is not None:
+            typer.echo(
+                f"their files are in {TRASH_FOLDER}/{deletion.plan_id} of the gallery; undo with: dmlsearch "
+                f"duplicates --index {index} --undo {deletion.plan_id}"
+            )
     finally:
         gallery.close()
 

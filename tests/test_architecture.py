@@ -42,6 +42,9 @@ BACK_ARROWS = {
     ("engine.serve.search", "engine.duplicates.finder"): (
         "SearchService holds the duplicate finder among the jobs that share the served bundle's lock"
     ),
+    ("engine.serve.item_writer", "engine.duplicates.review"): (
+        "a delete sets the photo aside as the duplicate review does, so that no build indexes it again"
+    ),
 }
 
 

@@ -24,6 +24,7 @@ from app.schemas import (
 from app.uploads import read_uploads, request_body_spec
 from engine.serve.item_writer import NewItem
 from foundation import defaults
+from foundation.defaults import TRASH_FOLDER
 
 router = APIRouter(tags=["items"])
 ERRORS: Responses = {code: {"model": ErrorOut} for code in (400, 404, 422, 429, 503)}
@@ -126,6 +127,16 @@ async def add_items(
     dependencies=[Depends(require_api_key)],
 )
 async def delete_item(item_id: ItemId, service: Service, compute: Compute) -> DeletedItemOut:
-    """Remove an item from the index (``X-API-Key`` required); its gallery file is kept on disk."""
+    """Delete an item (``X-API-Key`` required) so that it stays deleted: its gallery file, and every byte
+    copy of it, is moved into the gallery's trash folder (as the duplicate review sets images aside), so
+    no later build-index or watch of the folder indexes it again. Nothing is erased:
+    ``POST /v1/duplicates/undo`` with the ``plan_id`` puts it back. A gallery folder that cannot be
+    written refuses the delete (503), and nothing is removed."""
     removed, _ = await compute.run(service.writer.remove, item_id)
-    return DeletedItemOut(deleted=ItemOut.of(removed), count=len(service.index))
+    return DeletedItemOut(
+        deleted=ItemOut.of(removed.item),
+        set_aside=removed.set_aside,
+        trash=None if removed.plan_id is None else f"{TRASH_FOLDER}/{removed.plan_id}",
+        plan_id=removed.plan_id,
+        count=len(service.index),
+    )

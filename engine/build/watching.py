@@ -28,7 +28,7 @@ from engine.build.changes import DEFAULT_MAX_BATCH, DEFAULT_SETTLE_SECONDS, Chan
 from engine.build.indexing import build_index
 from engine.build.report import BuildReport
 from engine.build.sync import sync_files
-from engine.gallery.files import is_image_file, list_images
+from engine.gallery.files import in_trash, is_image_file, list_images
 from engine.model.bundle import locate_model
 from engine.model.embedder import Embedder
 from foundation.defaults import BATCH_SIZE
@@ -143,6 +143,7 @@ class GalleryWatcher:
     def apply(self, index: GalleryIndex, paths: list[Path]) -> BuildReport:
         """Sync the files at (and below) ``paths``; stored items whose file is gone are removed or moved."""
         files: set[Path] = set()
+        paths = [path for path in paths if not in_trash(path, self.gallery)]  # set aside, not added
         for path in paths:
             if path.is_dir():
                 files.update(list_images(path))

@@ -19,14 +19,23 @@ moves only its file; keeping it while setting its item's file aside hands the it
 - every step can be repeated, so an apply killed at any point can be run again, or undone, from the
   files alone: a file already in the trash is skipped, an item already removed is not removed twice;
 - a file whose bytes changed since the plan was written is left where it is, and reported.
+
+A delete (``DELETE /v1/items/{id}``, ``dmlsearch index remove``: :func:`delete_items`) is a plan of its own,
+applied at once: its ``deleted`` members (the item's file and every byte copy of it, which would otherwise
+be indexed again in its place) are set aside with no keeper, since a person named them. So a deleted photo
+stays deleted through every later ``build-index`` and ``watch`` of the folder, and the same undo restores
+it, with its id and judgments where the index takes ids. The photo itself is the record: a user who puts
+it back into the folder on purpose gets it indexed again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import secrets
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
@@ -222,7 +231,7 @@ def make_plan(
         )
     return {
         "version": PLAN_VERSION,
-        "plan_id": datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ-") + secrets.token_hex(4),
+        "plan_id": _new_plan_id(),
         "index": str(index_dir.resolve()),
         "gallery": str(root),
         "tier": found.tier.label,
@@ -230,6 +239,10 @@ def make_plan(
         "keeper_rule": list(rule),
         "groups": groups,
     }
+
+
+def _new_plan_id() -> str:
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ-") + secrets.token_hex(4)
 
 
 def write_plan(plan: dict, path: Path) -> None:
@@ -260,13 +273,24 @@ class SetAside:
 
 def read_plan(plan: dict) -> tuple[str, list[SetAside]]:
     """The plan id and the members to set aside; refuses a malformed plan or a group left without a
-    keeper (applying it would set aside every copy of the image)."""
+    keeper (applying it would set aside every copy of the image). A delete's members (``deleted``) have
+    no keeper: a person named them."""
     if not isinstance(plan, dict) or plan.get("version") != PLAN_VERSION:
         raise PlanError(f"not a duplicates plan of version {PLAN_VERSION}")
     plan_id = plan.get("plan_id")
     if not _plan_id_ok(plan_id):
         raise PlanError("the plan has no valid plan_id")
     aside = []
+    deleted = plan.get("deleted") or []
+    if not isinstance(deleted, list) or not all(isinstance(member, dict) for member in deleted):
+        raise PlanError("deleted must be a list of members")
+    for member in deleted:
+        path = member.get("path")
+        if not isinstance(path, str) or not _inside(path):
+            raise PlanError(f"deleted: {path!r} is not a path inside the gallery")
+        if not isinstance(member.get("id"), int) or not isinstance(member.get("content_hash"), str):
+            raise PlanError(f"deleted: {path} needs its id and content_hash")
+        aside.append(SetAside(member["id"], path, member["content_hash"]))
     for number, group in enumerate(plan.get("groups") or [], start=1):
         members = group.get("members") if isinstance(group, dict) else None
         if not isinstance(members, list) or not members:
@@ -572,6 +596,70 @@ def set_aside(index: GalleryIndex, plan: dict, on_move: Callable[[str], None] | 
     if heirs or removed:
         index.save()
     return report
+
+
+def deletion_plan(index: GalleryIndex, items: Sequence[Item], root: Path) -> dict:
+    """The plan of deleting ``items`` of ``index`` (gallery folder ``root``): each item's file and every
+    byte copy of it set aside (a copy left in the folder would be indexed again in its place)."""
+    copies = find_byte_copies(root, items)
+    members = [
+        {"id": item.id, "path": path, "content_hash": item.content_hash}
+        for item in items
+        for path in [item.path, *(copy.path for copy in copies.get(item.id, []))]
+    ]
+    return {
+        "version": PLAN_VERSION,
+        "plan_id": _new_plan_id(),
+        "index": str(index.directory.resolve()),
+        "gallery": str(root),
+        "reason": "deleted: set aside so that no build or watch of the folder indexes them again",
+        "groups": [],
+        "deleted": members,
+    }
+
+
+@dataclass(frozen=True)
+class Deletion:
+    plan_id: str | None  # undoes it (None: the index records no gallery folder, so nothing was set aside)
+    report: ReviewReport
+
+
+def delete_items(index: GalleryIndex, ids: Sequence[int]) -> Deletion:
+    """Delete the items ``ids`` (those indexed) of an open index so that they stay deleted: their files,
+    and byte copies of them, set aside into the trash (:func:`deletion_plan`, :func:`set_aside`: the items
+    and their judgments kept there for the undo), the items removed and the index saved. An item whose
+    file is gone from the folder, or changed since it was indexed (another photo now, which the next
+    build indexes), is removed as it is. A folder that cannot be written refuses the delete (OSError)
+    before any item is removed: a delete that the next build undid would be no delete."""
+    items = index.items.get_many(ids)
+    root = index.manifest.gallery_root
+    if root is None:  # no folder that could bring them back
+        report = ReviewReport(removed=index.remove(sorted(items)))
+        index.save()
+        return Deletion(None, report)
+    plan = deletion_plan(index, list(items.values()), Path(root))
+    try:
+        report = set_aside(index, plan)
+    except BaseException:
+        _take_back(Path(root), plan)  # the index refused the removal: the photos go back where they were
+        raise
+    left = sorted(index.items.get_many(sorted(items)))
+    if left:
+        report.removed += index.remove(left)
+        index.save()
+    return Deletion(plan["plan_id"], report)
+
+
+def _take_back(root: Path, plan: dict) -> None:
+    """Undo a delete's moves after its index refused the removal (a read-only or locked index): every file
+    back in place, then the delete's trash folder (its plan and kept items, nothing else) removed."""
+    plan_id, aside = read_plan(plan)
+    report = move_back(root, plan_id, aside)
+    if report.left:  # a file could not go back: the trash keeps it, with the plan an undo reads
+        return
+    shutil.rmtree(root / TRASH_FOLDER / plan_id, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the trash folder itself, unless another plan is in it
+        (root / TRASH_FOLDER).rmdir()
 
 
 def _holds(path: Path, content_hash: str) -> bool:

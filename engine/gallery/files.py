@@ -48,6 +48,12 @@ def is_image_file(path: Path) -> bool:
         return image is not None
 
 
+def in_trash(path: Path, root: Path) -> bool:
+    """Whether ``path`` lies in the trash of the gallery ``root`` (``TRASH_FOLDER`` at its top), which is
+    never part of the gallery."""
+    return path.is_relative_to(root / TRASH_FOLDER)
+
+
 def list_images(root: Path) -> list[Path]:
     """All image files below ``root`` (see :func:`is_image_file`), sorted for a deterministic order.
 

@@ -1,4 +1,4 @@
-"""Adding and removing items of the served index, with their gallery files."""
+"""Adding and deleting items of the served index, with their gallery files."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import numpy as np
 from engine.decode.capture_time import clock_now
 from engine.decode.images import FORMAT_SUFFIXES
 from engine.decode.model_input import RUN_IMAGES, DecodedUploads, decode_uploads
+from engine.duplicates.review import delete_items
 from engine.gallery.files import is_writable_folder
 from engine.gallery.labels import InvalidLabelError, check_label
 from engine.serve.item_reader import find_item
@@ -58,6 +59,13 @@ def _storage(outcome: str) -> Iterator[None]:
         yield
     except (OSError, sqlite3.OperationalError) as err:
         raise StorageError(f"{outcome}: the index or gallery folder cannot be written ({err})") from err
+
+
+@dataclass(frozen=True)
+class RemovedItem:
+    item: Item
+    set_aside: list[str]  # its file and the byte copies of it, moved into the gallery's trash
+    plan_id: str | None  # undoes the delete (None: the index records no gallery folder)
 
 
 @dataclass(frozen=True)
@@ -170,15 +178,15 @@ class ItemWriter:
             files.append(_NewFile(Entry(relative.as_posix(), label, digest, taken), target, new.data))
         return _Prepared(files, embedded.vectors, decoded.signatures or [])
 
-    def remove(self, item_id: int) -> Item:
-        """Remove an item from the index (its gallery file stays on disk) and save the index."""
+    def remove(self, item_id: int) -> RemovedItem:
+        """Delete an item so that it stays deleted (``engine.duplicates.review.delete_items``): its file and
+        byte copies set aside into the gallery's trash, restorable by the duplicate review's undo; the
+        index saved. A gallery folder that cannot be written refuses it (503), nothing removed."""
         with self.current.writing() as bundle:
             item = find_item(bundle, item_id)
-            with _storage("nothing was removed"):
-                bundle.index.remove([item_id])
-            with _storage(f"item {item_id} was removed, but the index files were not saved"):
-                bundle.index.save()
-        return item
+            with _storage(f"item {item_id} was not deleted"):
+                deletion = delete_items(bundle.index, [item_id])
+        return RemovedItem(item, [*deletion.report.moved, *deletion.report.already], deletion.plan_id)
 
 
 def _label_folder(

@@ -13,8 +13,11 @@ from fastapi.testclient import TestClient
 from PIL import ExifTags, Image
 
 from bench.lib.images import image_bytes, make_image
+from engine.build.indexing import build_index
 from engine.decode.images import decode_image
 from engine.duplicates.signature import perceptual_signature
+from engine.model.embedder import Embedder
+from foundation.defaults import TRASH_FOLDER
 from index.gallery import GalleryIndex
 from tests.support.served import Served
 from tests.support.servers import ADDRESS_SPACE_CAP, API_KEY, uvicorn_server
@@ -125,10 +128,87 @@ def test_deleted_items_leave_the_results_and_the_saved_index(
     assert top["id"] not in [r["id"] for r in after]
     assert client.get(f"/v1/items/{top['id']}").status_code == 404
     assert client.delete(f"/v1/items/{top['id']}", headers=KEY).status_code == 404
-    assert (served.gallery / "cat/00_crop.jpg").exists(), "the gallery file is kept"
+    trash = served.gallery / response.json()["trash"]
+    assert response.json()["set_aside"] == ["cat/00_crop.jpg"]
+    assert not (served.gallery / "cat/00_crop.jpg").exists()
+    assert (trash / "cat/00_crop.jpg").read_bytes() == query, "set aside, never erased"
     reopened = GalleryIndex.open(served.index)
     assert len(reopened) == reopened.manifest.count == 77
     reopened.close()
+
+
+def test_deleted_items_stay_deleted_through_build_index_and_come_back_with_the_undo(
+    make_client: Callable[..., TestClient], served: Served
+) -> None:
+    """Issue 42, finding 2: three items deleted through the API, then ``build-index`` of the same folder
+    into the same index (what "indexed 3 images" brought back), then the undo of each delete."""
+    client = make_client(api_key=API_KEY)
+    items = client.get("/v1/items", params={"limit": 100}).json()["items"]
+    gone = {item["id"]: item["path"] for item in items[:3]}
+    query_item = items[3]["id"]
+    judged = client.post(
+        "/v1/feedback", json={"query_item": query_item, "result": items[0]["id"], "sign": 1}, headers=KEY
+    )
+    assert judged.status_code == 201, judged.text
+    plans = []
+    for item_id in gone:
+        response = client.delete(f"/v1/items/{item_id}", headers=KEY)
+        assert response.status_code == 200, response.text
+        plans.append(response.json()["plan_id"])
+    assert client.get("/v1/feedback").json()["total"] == 0  # deleted with its item
+
+    report = build_index(served.gallery, Embedder(served.model), served.index, progress=False)
+    assert report.indexed == 0
+    reopened = GalleryIndex.open(served.index)
+    assert len(reopened) == 75 and not reopened.items.get_many(list(gone))
+    reopened.close()
+
+    client = make_client(api_key=API_KEY)  # the index on disk was saved by the build
+    for plan_id in plans:
+        undone = client.post("/v1/duplicates/undo", json={"plan_id": plan_id}, headers=KEY)
+        assert undone.status_code == 200, undone.text
+        assert undone.json()["restored"] == 1 and undone.json()["reindexed"] == 0
+    for item_id, path in gone.items():  # under the ids they had
+        assert client.get(f"/v1/items/{item_id}").json()["path"] == path
+        assert (served.gallery / path).is_file()
+    feedback = client.get("/v1/feedback").json()["judgments"]
+    assert [(j["id"], j["result"], j["query_item"]) for j in feedback] == [
+        (judged.json()["id"], items[0]["id"], query_item)
+    ]  # back with its item
+    assert client.get("/v1/stats").json()["count"] == 78
+
+
+def test_a_delete_takes_the_byte_copies_of_its_photo_along(
+    make_client: Callable[..., TestClient], served: Served
+) -> None:
+    """A copy of the photo under another name would be indexed in its place by the next build."""
+    client = make_client(api_key=API_KEY)
+    item = client.get("/v1/items", params={"limit": 1}).json()["items"][0]
+    copy = served.gallery / "copies" / "again.jpg"
+    copy.parent.mkdir()
+    copy.write_bytes((served.gallery / item["path"]).read_bytes())
+    response = client.delete(f"/v1/items/{item['id']}", headers=KEY)
+    assert response.status_code == 200, response.text
+    assert sorted(response.json()["set_aside"]) == sorted([item["path"], "copies/again.jpg"])
+    assert not copy.exists()
+    report = build_index(served.gallery, Embedder(served.model), served.index, progress=False)
+    assert report.indexed == 0 and not report.duplicates
+
+
+def test_a_delete_that_cannot_set_the_photo_aside_removes_nothing(
+    make_client: Callable[..., TestClient], served: Served
+) -> None:
+    """A gallery whose trash cannot be written (here a file takes the trash folder's name; a read-only
+    folder fails the same way): a 503 saying so, the item and its file where they were."""
+    (served.gallery / TRASH_FOLDER).write_text("not a folder")
+    client = make_client(api_key=API_KEY)
+    item = client.get("/v1/items", params={"limit": 1}).json()["items"][0]
+    response = client.delete(f"/v1/items/{item['id']}", headers=KEY)
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "storage_unavailable"
+    assert "was not deleted" in response.json()["error"]["message"]
+    assert client.get(f"/v1/items/{item['id']}").status_code == 200
+    assert (served.gallery / item["path"]).is_file()
 
 
 @pytest.mark.server

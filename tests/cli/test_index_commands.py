@@ -12,7 +12,9 @@ from bench.lib.images import make_image
 from bench.lib.servers import free_port
 from cli.main import app
 from engine.model.model_card import ModelCard
+from foundation.defaults import TRASH_FOLDER
 from index.gallery import GalleryIndex
+from index.judgments import JudgedQuery
 from index.manifest import Manifest
 from tests.support.milvus_server import MILVUS_PARAMS, MilvusServerProcess, milvus_target
 
@@ -88,9 +90,11 @@ def test_index_add_and_remove(exported_model: Path, synthetic_gallery: Path, tmp
     index = GalleryIndex.open(out)
     gamma_id = index.items.get_by_path("gamma/gamma_0.png").id
     index.close()
+    query = tmp_path / "query.png"  # the gallery file is set aside by the remove
+    query.write_bytes(new.read_bytes())
     output = _run("index", "remove", out, "alpha/new.png", "--id", gamma_id)
     assert "removed 2 items; 8 remain" in output
-    assert "alpha/new.png" not in {p for _, p, _ in _query(out, exported_model, new)}
+    assert "alpha/new.png" not in {p for _, p, _ in _query(out, exported_model, query)}
     assert "no item with path nope.png" in _fails("index", "remove", out, "nope.png")
     assert "no items with ids 999" in _fails("index", "remove", out, "--id", 999)
     assert "name the items" in _fails("index", "remove", out)
@@ -143,6 +147,77 @@ def test_two_shards_merge_into_what_one_process_builds(
     )
 
 
+def _paths_and_ids(out: Path) -> dict[str, int]:
+    index = GalleryIndex.open(out)
+    try:
+        return {item.path: item.id for item in index.items.scan()}
+    finally:
+        index.close()
+
+
+@pytest.mark.parametrize("engine", ["faiss", *MILVUS_PARAMS])
+def test_index_remove_lasts_through_build_index_and_is_undone(
+    engine: str, exported_model: Path, synthetic_gallery: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Issue 42, finding 2: ``index remove`` then ``build-index`` of the same folder into the same index
+    brought the items back. Now their files, a byte copy's included, are set aside; the undo restores them
+    (under their ids and with their judgments where the index takes ids, re-embedded on Milvus); a photo
+    put back into the folder by hand is indexed again."""
+    out = tmp_path / "index"
+    where: list[str] = []
+    if engine != "faiss":
+        target = milvus_target(engine, request, out)
+        where = ["--backend", "milvus"]
+        if (milvus := target.get("milvus")) is not None:
+            where += [f"--milvus-uri={milvus.uri}", f"--milvus-collection={milvus.collection}"]
+    (synthetic_gallery / "copies").mkdir()
+    copy = synthetic_gallery / "copies" / "again.png"
+    copy.write_bytes((synthetic_gallery / "alpha" / "alpha_0.png").read_bytes())
+    build = ["build-index", synthetic_gallery, "--out", out, "--model", exported_model, "--no-progress"]
+    assert "indexed 9 images" in _run(*build, *where)
+    before = _paths_and_ids(out)
+    index = GalleryIndex.open(out)
+    judgment = index.judgments.add(
+        JudgedQuery(item=before["beta/beta_0.png"]),
+        before["gamma/gamma_0.png"],
+        1,
+        "m",
+        "2026-01-01T00:00:00",
+    )
+    index.close()
+
+    output = _run("index", "remove", out, "alpha/alpha_0.png", "--id", before["gamma/gamma_0.png"])
+    assert "removed 2 items; 7 remain" in output
+    for path in ("alpha/alpha_0.png", "copies/again.png", "gamma/gamma_0.png"):
+        assert f"set aside {path}" in output and not (synthetic_gallery / path).exists()
+    plan_id = output.split("--undo ")[-1].strip()
+    assert (synthetic_gallery / TRASH_FOLDER / plan_id / "gamma/gamma_0.png").is_file()
+
+    assert "indexed 0 images" in _run(*build)  # what brought them back
+    assert set(_paths_and_ids(out)) == set(before) - {"alpha/alpha_0.png", "gamma/gamma_0.png"}
+    index = GalleryIndex.open(out)
+    assert list(index.judgments.scan()) == []  # deleted with its result
+    index.close()
+
+    undone = _run("duplicates", "--index", out, "--undo", plan_id)
+    after = _paths_and_ids(out)
+    assert set(after) == set(before) and copy.is_file()
+    index = GalleryIndex.open(out)
+    if engine == "faiss":  # ids given back, and the judgment with them
+        assert "put back 3 images (0 were already in place), 2 items under their ids" in undone
+        assert after == before and list(index.judgments.scan()) == [judgment]
+    else:  # Milvus takes no ids: indexed again
+        assert "indexed 2 again" in undone
+    index.close()
+    assert "indexed 0 images" in _run(*build)
+
+    output = _run("index", "remove", out, "gamma/gamma_0.png")  # then put back by hand, on purpose
+    trashed = synthetic_gallery / TRASH_FOLDER / output.split("--undo ")[-1].strip() / "gamma/gamma_0.png"
+    (synthetic_gallery / "gamma" / "back.png").write_bytes(trashed.read_bytes())
+    assert "indexed 1 images" in _run(*build)
+    assert "gamma/back.png" in _paths_and_ids(out)
+
+
 @pytest.mark.parametrize("engine", MILVUS_PARAMS)
 def test_milvus_backend_end_to_end(
     engine: str,
@@ -177,7 +252,8 @@ def test_milvus_backend_end_to_end(
     assert index.items.get_by_path("loose.png").label is None  # not "": no label
     assert index.items.get_by_path("beta/beta_0.png").label == "beta"
     index.close()
-    query = synthetic_gallery / "beta" / "beta_2.png"
+    query = tmp_path / "query.png"  # the gallery file is set aside by the remove below
+    query.write_bytes((synthetic_gallery / "beta" / "beta_2.png").read_bytes())
     top = _query(out, exported_model, query)[0]
     assert top[1] == "beta/beta_2.png" and top[2] == pytest.approx(1.0, abs=1e-4)
     assert "indexed 0 images" in _run(
@@ -295,7 +371,10 @@ def test_index_commands_take_the_index_as_an_argument_or_with_index(
     assert _run("index", "stats", "--index", out, "--json") == as_argument
     assert "the index is given twice" in _fails("index", "stats", out, "--index", out)
     assert "name the index: --index DIR" in _fails("index", "stats")
-    assert "removed 1 items; 8 remain" in _run("index", "remove", "--index", out, "alpha/alpha_0.png")
+    removed = _run("index", "remove", "--index", out, "alpha/alpha_0.png")
+    assert "removed 1 items; 8 remain" in removed
+    trash = synthetic_gallery / TRASH_FOLDER / removed.split("--undo ")[-1].strip()
+    (trash / "alpha" / "alpha_0.png").rename(synthetic_gallery / "alpha" / "alpha_0.png")  # put back by hand
     added = _run("index", "add", "--index", out, synthetic_gallery / "alpha" / "alpha_0.png", "--no-progress")
     assert "indexed 1 images" in added
     assert "name the images to add" in _fails("index", "add", out)

@@ -9,13 +9,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from bench.lib.images import image_bytes, make_image
+from cli.main import app
 from engine.build.indexing import build_index
 from engine.build.report import BuildReport
 from engine.build.watching import GalleryWatcher
 from engine.model.embedder import Embedder
 from index.gallery import GalleryIndex
+from index.protocol import Item
 from tests.support.waiting import wait_until
 
 SETTLE = 0.3
@@ -185,3 +188,32 @@ def test_another_index_taking_the_path_in_the_same_second_is_followed_as_another
         stop.set()
         thread.join(timeout=TIMEOUT)
     assert not thread.is_alive()
+
+
+def test_a_deleted_item_stays_deleted_under_a_running_watcher(running: GalleryWatcher, gallery: Path) -> None:
+    """Issue 42, finding 2: an item deleted by ``dmlsearch index remove`` (``DELETE /v1/items`` deletes
+    the same way) while a watcher runs on its folder. The watcher follows the index the delete saved and
+    catches it up with the folder, and the set-aside file's events (its new name in the trash among them)
+    arrive: none of it indexes the photo again."""
+    index = GalleryIndex.open(running.index_dir)
+    deleted = index.items.get_by_path("alpha/alpha_0.png")
+    index.close()
+    assert deleted is not None
+    removed = CliRunner().invoke(app, ["index", "remove", str(running.index_dir), "alpha/alpha_0.png"])
+    assert removed.exit_code == 0, removed.output
+    wait_until(lambda: running.stats.followed >= 1, TIMEOUT, "the watcher to follow the saved index")
+    # A file added after the delete is applied after its events (which settled first): once it is
+    # indexed, every event of the delete has been applied.
+    make_image(950, size=(64, 56)).save(gallery / "beta" / "later.png")
+    wait_until(lambda: "beta/later.png" in _items(running.index_dir), TIMEOUT, "the later file")
+    items = _items(running.index_dir)
+    assert set(items) == {"alpha/alpha_1.png", "beta/beta_0.png", "beta/beta_1.png", "beta/later.png"}
+    assert deleted.content_hash not in {item.content_hash for item in _scan(running.index_dir)}
+
+
+def _scan(index_dir: Path) -> list[Item]:
+    index = GalleryIndex.open(index_dir)
+    try:
+        return list(index.items.scan())
+    finally:
+        index.close()

@@ -16,6 +16,7 @@ from engine.model.embedder import Embedder
 from engine.serve.item_reader import ItemNotFoundError
 from engine.serve.item_writer import DuplicateItemError, InvalidItemError, ItemWriter, NewItem, StorageError
 from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle, ServingConfig
+from foundation.defaults import TRASH_FOLDER
 from index.gallery import GalleryIndex
 from index.items import ItemStore
 from index.selection import IndexOptions
@@ -166,12 +167,31 @@ def test_a_failed_index_write_removes_the_files_it_wrote(writable: Writable) -> 
     assert _files(writable.gallery) == {Path(added.path)}
 
 
-def test_removed_items_leave_the_index_but_keep_their_file(writable: Writable) -> None:
+def test_a_delete_the_index_refuses_puts_the_photo_back(writable: Writable) -> None:
+    """Another connection holds items.sqlite's write lock (a read-only index folder fails alike): the
+    photo, already set aside, goes back, and the gallery is as it was."""
+    (added,) = writable.writer.add([NewItem(_png(1), "cats")])
+    before = sorted(writable.gallery.rglob("*"))
+    blocker = sqlite3.connect(writable.index / ItemStore.FILE_NAME, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(StorageError, match=f"item {added.id} was not deleted"):
+            writable.writer.remove(added.id)
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert sorted(writable.gallery.rglob("*")) == before
+    assert writable.current.bundle.index.items.get(added.id) == added
+
+
+def test_removed_items_leave_the_index_and_their_file_is_set_aside(writable: Writable) -> None:
     kept, gone = writable.writer.add([NewItem(_png(1), "cats"), NewItem(_png(2), "cats")])
-    assert writable.writer.remove(gone.id) == gone
+    removed = writable.writer.remove(gone.id)
+    assert removed.item == gone and removed.set_aside == [gone.path] and removed.plan_id is not None
     index = writable.current.bundle.index
     assert index.items.get(gone.id) is None and len(index) == 1
-    assert (writable.gallery / gone.path).read_bytes() == _png(2)
+    assert not (writable.gallery / gone.path).exists()
+    assert (writable.gallery / TRASH_FOLDER / removed.plan_id / gone.path).read_bytes() == _png(2)
     with pytest.raises(ItemNotFoundError):
         writable.writer.remove(gone.id)
     index.close()
