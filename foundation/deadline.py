@@ -51,6 +51,11 @@ def request_deadline(seconds: float) -> Iterator[Deadline | None]:
         _current.reset(token)
 
 
+def within_deadline() -> bool:
+    """Whether calls now share a request's deadline."""
+    return _current.get() is not None
+
+
 def call_budget(limit: float) -> float:
     """Seconds the next index-server call may take: ``limit``, or less where the request's deadline is
     nearer. Raises :class:`DeadlinePassedError` where nothing is left."""

@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from foundation import defaults
-from foundation.deadline import DeadlinePassedError, call_budget
+from foundation.deadline import DeadlinePassedError, call_budget, within_deadline
 from foundation.errors import InvalidInputError, MissingDependencyError
 from index.connection import MilvusConnection
 from index.filters import ItemFilter
@@ -179,14 +179,20 @@ def _message(err: Exception) -> str:
     return str(details()) if callable(details) else str(err)
 
 
+def _close_quietly(client: Any) -> None:
+    with contextlib.suppress(Exception):  # a connection already broken closes as it can
+        client.close()
+
+
 class _Server:
     """The pymilvus client with a hard deadline on every request and every Milvus failure raised as a
     :class:`BackendUnavailableError` that carries the server's own message.
 
     A request may take ``REQUEST_TIMEOUT_S``, or less where the API request it serves has less left
-    (``foundation.deadline``), connecting and retries included. pymilvus's retry loop can start a last
-    attempt just before its timeout and its reconnection waits on a lock other failing calls hold, so the
-    call runs in a worker thread and the caller stops waiting at the deadline. The connection is this
+    (``foundation.deadline``), connecting and retries included (outside a request, connecting has
+    ``REQUEST_TIMEOUT_S`` of its own). pymilvus's retry loop can start a last attempt just before its
+    timeout and its reconnection waits on a lock other failing calls hold, so the call runs in a worker
+    thread and the caller stops waiting at the deadline. The connection is this
     object's own (not pymilvus's shared one) and is opened afresh after a failure: gRPC's own reconnection
     backs off for up to two minutes, and a server that was restarted or replaced at the same address is
     then reached by the next call. A collection that is not loaded is loaded, and the call tried again,
@@ -199,8 +205,14 @@ class _Server:
     def __init__(
         self, uri: str, where: str, options: dict[str, object] | None = None, hidden: list[str] | None = None
     ) -> None:
+        import grpc  # a dependency of pymilvus's
+
         self.uri = uri
         self.where = where
+        # Imported here, not in the first call: an import (seconds on a loaded machine) is not the server's
+        # time to answer.
+        self._pymilvus = _pymilvus()
+        self._failures = (self._pymilvus.MilvusException, grpc.RpcError)
         self._options = options or {}
         self._hidden = hidden or []
         self._client: Any = None
@@ -230,7 +242,7 @@ class _Server:
         if name.startswith("_"):
             raise AttributeError(name)
         if name in _LOCAL_METHODS:
-            return getattr(_pymilvus().MilvusClient, name)
+            return getattr(self._pymilvus.MilvusClient, name)
 
         def call(*args: object, **kwargs: object) -> Any:
             try:
@@ -249,47 +261,56 @@ class _Server:
             budget = call_budget(REQUEST_TIMEOUT_S)
         except DeadlinePassedError as err:
             raise BackendUnavailableError(f"Milvus at {self.where}: {err}") from err
+        if not within_deadline():  # at start-up and on the command line, connecting has a limit of its own
+            budget += REQUEST_TIMEOUT_S
         due = time.monotonic() + budget
-        future = self._calls.submit(self._run, due, name, args, kwargs)
+        used: list[Any] = []  # the connection the call got, once it has one
+        future = self._calls.submit(self._run, due, used, name, args, kwargs)
         try:
             return future.result(timeout=budget)
         except FutureTimeout:
-            self._drop(None)  # ends the call left running; the next one connects afresh
+            if used:
+                self._drop(used[0])  # ends the call left running; the next one connects afresh
             raise BackendUnavailableError(
                 f"Milvus at {self.where}: no answer to {name} within {budget:.1f} s"
             ) from None
 
-    def _run(self, due: float, name: str, args: tuple, kwargs: dict) -> Any:
-        import grpc
-
-        pymilvus = _pymilvus()
+    def _run(self, due: float, used: list[Any], name: str, args: tuple, kwargs: dict) -> Any:
         client = None
         try:
             client = self._connected(due)
+            used.append(client)
             # Without a timeout pymilvus waits forever and retries 75 times.
-            return getattr(client, name)(*args, **kwargs, timeout=max(due - time.monotonic(), 0.01))
-        except (pymilvus.MilvusException, grpc.RpcError) as err:
-            self._drop(client)
+            timeout = min(due - time.monotonic(), REQUEST_TIMEOUT_S)
+            return getattr(client, name)(*args, **kwargs, timeout=max(timeout, 0.01))
+        except self._failures as err:
+            if client is not None:
+                self._drop(client)
             raise self.failure(err) from None  # the cause's text may name the URI as given
 
     def _connected(self, due: float) -> Any:
+        """The open connection, or a new one (made outside the lock: a connection that hangs holds up no
+        other call)."""
+        with self._lock:
+            if self._client is not None:
+                return self._client
+        timeout = max(min(due - time.monotonic(), REQUEST_TIMEOUT_S), 0.01)
+        client = self._pymilvus.MilvusClient(self.uri, timeout=timeout, dedicated=True, **self._options)
         with self._lock:
             if self._client is None:
-                self._client = _pymilvus().MilvusClient(
-                    self.uri, timeout=max(due - time.monotonic(), 0.01), dedicated=True, **self._options
-                )
-            return self._client
+                self._client = client
+                return client
+            opened = self._client  # another call connected meanwhile: share its connection
+        client.close()
+        return opened
 
     def _drop(self, client: Any) -> None:
-        """Close the connection ``client`` (None: whichever is open) if it is still the open one."""
+        """Close ``client`` (None: whichever connection is open), and forget it if it is the open one."""
         with self._lock:
-            dropped, self._client = self._client, None
-            if client is not None and dropped is not client:
-                self._client = dropped
-                return
-        if dropped is not None:
-            with contextlib.suppress(Exception):  # a connection already broken closes as it can
-                dropped.close()
+            if client is None or self._client is client:
+                client, self._client = self._client, None
+        if client is not None:  # pymilvus closes under a process-wide lock its reconnections hold for seconds
+            threading.Thread(target=_close_quietly, args=(client,), daemon=True).start()
 
     def close(self) -> None:
         self._drop(None)
