@@ -16,11 +16,12 @@ Ray is the optional extra ``.[ray]``, imported only here and only when a build a
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -101,10 +102,12 @@ class RayRunner:
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # the driver shows the build's own bars
         context.print_on_execution_start = False
+        self._restore_notices = _one_line_per_cluster_notice()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self._ray.shutdown()
+        self._restore_notices()
 
     def hash_files(
         self, root: Path, files: Sequence[Path], report: BuildReport, progress: bool
@@ -249,6 +252,39 @@ def _check_token(channel: Any, address: str, seconds: float) -> None:
             "RAY_AUTH_TOKEN_PATH gave it)",
             code="ray_token_refused",
         ) from None
+
+
+def _one_line_per_cluster_notice() -> Callable[[], None]:
+    """Ray's notices about the cluster (a raylet terminated, a node marked dead), each once and cut to its
+    first line; returns what undoes it.
+
+    The driver prints every error the cluster publishes (``ray._private.worker.listen_error_messages``,
+    whatever ``log_to_driver`` says): a raylet killed mid-build came with its last 20 log lines and state
+    dump, twice (49 lines). Ray offers no setting for it: its printer is wrapped here.
+    """
+    worker = importlib.import_module("ray._private.worker")
+    original = getattr(worker, "print_to_stdstream", None)
+    if original is None:  # another Ray: its own output stays
+        return lambda: None
+    seen: set[str] = set()
+
+    def first_lines(data: dict, ignore_prefix: bool) -> None:
+        if data.get("pid") == "raylet":
+            notices = [str(message).strip() for message in data["lines"]]
+            lines = [notice.splitlines()[0] for notice in notices if notice]
+            lines = [line for line in lines if line not in seen]
+            seen.update(lines)
+            if not lines:
+                return
+            data = {**data, "lines": lines}
+        original(data, ignore_prefix)
+
+    setattr(worker, "print_to_stdstream", first_lines)  # noqa: B010 (a module typed as ModuleType)
+
+    def restore() -> None:
+        setattr(worker, "print_to_stdstream", original)  # noqa: B010
+
+    return restore
 
 
 def _model_files(embedder: Embedder) -> dict[str, Path]:
