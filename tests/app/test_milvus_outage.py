@@ -33,6 +33,7 @@ OWN_WORK_S = 5.0
 # deadline itself to load the collection).
 RECOVERY_S = DEADLINE_S
 CLIENTS = 8  # searches at once during an outage (two compute slots on the test machine)
+SERVE_START_S = 180  # a serve's start, on 2 cores shared with other jobs
 # How long an API started while Milvus is down may take to load the index once it is back.
 STARTED_DOWN_RECOVERY_S = 120
 
@@ -74,7 +75,9 @@ def _served_collection(
         make_image(700 + i).save(gallery / "a" / f"{i}.png")
     _build(server.uri, exported_model, gallery, tmp_path / "index")
     query = (gallery / "a" / "0.png").read_bytes()
-    with serving(["--index", str(tmp_path / "index"), "--model", str(exported_model)]) as api:
+    with serving(
+        ["--index", str(tmp_path / "index"), "--model", str(exported_model)], timeout=SERVE_START_S
+    ) as api:
         assert _search(api.url, query).json()["results"][0]["path"] == "a/0.png"
         yield api, query
 
@@ -100,18 +103,22 @@ def _assert_unavailable_within_the_deadline(api: ServerProcess, query: bytes) ->
     assert httpx.get(f"{api.url}/healthz").status_code == 200  # the process itself is fine
 
 
+def _top(searched: httpx.Response) -> str:
+    return searched.json()["results"][0]["path"]
+
+
 def _assert_answers_again(api: ServerProcess, query: bytes, since: float) -> float:
-    """The API searches again within ``RECOVERY_S`` of ``since`` (when Milvus answered again), by itself;
-    returns how long it took."""
-    while (searched := _search(api.url, query)).status_code != 200:
-        assert searched.status_code == 503, searched.text
+    """The API finds the query's own photo again within ``RECOVERY_S`` of ``since`` (when Milvus answered
+    again), by itself; returns how long it took. A collection another process has just filled may answer
+    before it shows every row (Milvus's Session consistency, as for another replica's adds)."""
+    while (searched := _search(api.url, query)).status_code != 200 or _top(searched) != "a/0.png":
+        assert searched.status_code in (200, 503), searched.text
         took = time.monotonic() - since
-        assert took < RECOVERY_S, f"still 503 after {took:.1f} s: {searched.json()['error']['message']}"
+        assert took < RECOVERY_S, f"not answering after {took:.1f} s: {searched.text[:300]}"
         time.sleep(0.2)
     took = time.monotonic() - since
     print(f"the API answered again {took:.1f} s after Milvus did")
     assert took < RECOVERY_S
-    assert searched.json()["results"][0]["path"] == "a/0.png"
     assert httpx.get(f"{api.url}/readyz", timeout=60).status_code == 200
     assert api.process.poll() is None  # never restarted
     return took
@@ -134,7 +141,9 @@ def test_a_restart_of_milvus_gets_503s_within_the_deadline_then_answers_again_by
     # A server started while Milvus is down is not ready, says why, and loads the index once Milvus is back.
     own_milvus_server.stop()
     with serving(
-        ["--index", str(tmp_path / "index"), "--model", str(exported_model)], ready_path="/healthz"
+        ["--index", str(tmp_path / "index"), "--model", str(exported_model)],
+        ready_path="/healthz",
+        timeout=SERVE_START_S,
     ) as api:
         ready = httpx.get(f"{api.url}/readyz", timeout=60)
         assert ready.status_code == 503 and f"Milvus at {own_milvus_server.uri}" in ready.text
