@@ -54,13 +54,14 @@ def export(
     """Export the search model to ONNX: backbone (+ trained head) + L2 normalisation, with its model.json.
 
     A run is refused (exit 2) unless its selected checkpoint is better than the untrained backbone on the
-    validation classes (the 95% interval of the Recall@1 difference above zero); --force exports it
-    anyway.
+    validation classes (the 95% interval of the Recall@1 difference above zero) and, trained on judgments
+    (--feedback), better than the served model on the judgments held out from it (the 95% interval of the
+    ranking precision's difference above zero); --force exports it anyway.
     """
     require_training()
     from engine.model.model_card import ValidationCheck
     from training.backbone import BACKBONES, create_backbone
-    from training.comparison import validation_gain
+    from training.comparison import serving_check
     from training.export import export_onnx, export_run
     from training.model import EmbeddingModel
 
@@ -73,14 +74,19 @@ def export(
 
     if run_dir is not None:
         out = out or run_dir / "model.onnx"
-        gain = validation_gain(run_dir)
-        if not gain.improved and not force:
-            raise fail(
-                f"{run_dir} is not better than the untrained model on validation ({gain.describe()}): "
-                "serving it is not shown to improve search. Train with more labelled images or another "
-                "recipe, or export anyway with --force"
+        verdict = serving_check(run_dir)
+        if not verdict.passed and not force:
+            than = (
+                "the served model on the judgments held out from it"
+                if verdict.on_judgments
+                else "the untrained model on validation"
             )
-        check = ValidationCheck(passed=gain.improved, detail=gain.describe())
+            raise fail(
+                f"{run_dir} is not better than {than} ({verdict.detail}): "
+                "serving it is not shown to improve search. Train with more labelled images or judgments "
+                "or another recipe, or export anyway with --force"
+            )
+        check = ValidationCheck(passed=verdict.passed, detail=verdict.detail)
         card = export_run(run_dir, out, check=check)
     else:
         out = out or defaults.MODEL_PATH
@@ -116,14 +122,22 @@ def train(
             "the validation classes and keep the best."
         ),
     ],
+    out: Annotated[Path, typer.Option(help="Run directory (an existing run there is resumed).")],
     data: Annotated[
-        Path,
+        Path | None,
         typer.Option(
             help="Image folder (label = sub-folder; photos directly under it are pseudo-labelled) or CSV "
-            "path,label[,split]."
+            "path,label[,split]; without it, --feedback's judgments alone."
         ),
-    ],
-    out: Annotated[Path, typer.Option(help="Run directory (an existing run there is resumed).")],
+    ] = None,
+    feedback: Annotated[
+        Path | None,
+        typer.Option(
+            help="Index directory whose judgments (👍/👎 on search results) also train the run, as pairs "
+            "(a judgment outweighs a label or pseudo-label); whole queries are held out, and the run is "
+            "exported only where it ranks their judgments better than the index's model. Frozen mode."
+        ),
+    ] = None,
     recipe: Annotated[
         str | None,
         typer.Option(
@@ -183,6 +197,9 @@ def train(
     A folder of photos without class folders (or --labels none) trains without labels: pseudo-labels from
     k-means clusters of the embedding, two augmented views of each photo, byte copies merged; checkpoints
     are chosen, and the run judged, on held-out photos found again from an augmented view.
+    With --feedback INDEX_DIR the judgments kept with that index train the run too, as pairs and
+    triplets of the pair-based losses, beside --data or alone; some queries' judgments are held out, and
+    the summary says how many judgments trained and which held-out ones the run fixed and broke.
     Works under torchrun for multi-process DistributedDataParallel training.
     """
     require_training()
@@ -191,7 +208,7 @@ def train(
 
     from foundation.stopping import StopRequested, stop_on_signals
     from training.auto import train_auto
-    from training.comparison import validation_gain
+    from training.comparison import serving_check
     from training.label_free_data import is_label_free
     from training.recipes import (
         AUTO_CANDIDATES,
@@ -204,9 +221,19 @@ def train(
     from training.trainer import NoGainWarning
     from training.trainer import train as run_training
 
-    if not data.exists():
+    if data is None and feedback is None:
+        raise fail(
+            "give the images to train on, --data FOLDER, the judgments of --feedback INDEX_DIR, or both"
+        )
+    if data is not None and not data.exists():
         raise fail(f"data {data} does not exist")
-    label_free = is_label_free(data, labels)
+    if feedback is not None:
+        if not (feedback / "manifest.json").is_file():
+            raise fail(f"--feedback {feedback} is not an index directory (no manifest.json)")
+        if loss == "auto" or mode not in (None, "frozen"):
+            raise fail("training on judgments (--feedback) takes a named loss in --mode frozen")
+        mode = "frozen"
+    label_free = data is not None and is_label_free(data, labels)
     if label_free and mode is None:
         typer.echo("training without labels (photos outside class folders): --mode frozen")
         mode = "frozen"  # fine-tuning without labels is not built yet: the trainer refuses it
@@ -240,11 +267,16 @@ def train(
                 overrides = parse_assignments(loss, hparam or [])
                 if time_budget is not None:
                     fields["time_budget"] = 60 * time_budget
-                if mode is None and not torch.cuda.is_available():
+                if mode is None and not torch.cuda.is_available() and data is not None:
                     plan_on = resolve(loss, recipe_name, overrides, "finetune")
                     fields.update(_plan_cpu_mode(plan_on, loss, data, out, fields, time_budget))
                 resolved = resolve(loss, recipe_name, overrides, fields.pop("mode"), label_free=label_free)
-                config = resolved.config(loss, str(data.resolve()), **fields)
+                config = resolved.config(
+                    loss,
+                    str(data.resolve()) if data is not None else None,
+                    feedback=str(feedback.resolve()) if feedback is not None else None,
+                    **fields,
+                )
                 if mode == "finetune" and not torch.cuda.is_available():
                     _say_estimate(config, out)
                 summary = run_training(config, out)
@@ -271,12 +303,24 @@ def train(
             f"without labels: {record.loose_photos} photos pseudo-labelled ({record.labelled_photos} "
             f"labelled){clusters}; validation and test score {record.score}"
         )
-    gain = validation_gain(out)
-    if not gain.improved:
+    if summary.feedback is not None:
+        gate = summary.feedback
+        typer.echo(f"judgments   {gate.describe()}; {gate.uploads_left_out} of uploaded queries left out")
+        for name, judged in (("fixed", gate.fixed), ("broke", gate.broke)):
+            if judged:
+                shown = ", ".join(
+                    f"{'👍' if j.sign > 0 else '👎'} {j.query}->{j.result}" for j in judged[:10]
+                )
+                more = f" and {len(judged) - 10} more" if len(judged) > 10 else ""
+                typer.echo(f"  {name} (held out, query->result): {shown}{more}")
+    verdict = serving_check(out)
+    if not verdict.passed:
+        than = (
+            "the served model on the held-out judgments" if verdict.on_judgments else "the untrained backbone"
+        )
         typer.echo(
-            f"run in {out}: NOT better than the untrained backbone on validation ({gain.describe()}), so "
-            "`dmlsearch export` refuses it; keep serving the untrained backbone, or train with more images "
-            "or another recipe"
+            f"run in {out}: NOT better than {than} ({verdict.detail}), so `dmlsearch export` refuses it; "
+            "keep serving the model you have, or train with more images or judgments or another recipe"
         )
     else:
         typer.echo(f"run in {out}; export it with: dmlsearch export {out}")

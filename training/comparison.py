@@ -194,3 +194,34 @@ def validation_gain(run_path: Path) -> ValidationGain:
         best_step=best.step,
         interval=comparison.recall_at_1,
     )
+
+
+@dataclass(frozen=True)
+class ServingCheck:
+    """Whether a run may be served (``dmlsearch export`` without --force), and why."""
+
+    passed: bool
+    detail: str
+    on_judgments: bool  # the run trained on judgments: their held-out share is (part of) the check
+
+
+def serving_check(run_path: Path) -> ServingCheck:
+    """A run is served only where it is better than what it would replace: than the untrained backbone on
+    the validation classes (:func:`validation_gain`) for a run on a data folder, and, for a run on
+    judgments, on the judgments held out from it (``summary.feedback``, :mod:`training.feedback_gate`);
+    a run on judgments alone has the held-out judgments only."""
+    run = RunDirectory(run_path)
+    config = run.require_config()
+    checks: list[tuple[bool, str]] = []
+    if config.data is not None:
+        gain = validation_gain(run_path)
+        checks.append((gain.improved, gain.describe()))
+    if config.feedback is not None:
+        summary = run.read_summary()
+        if summary is None or summary.feedback is None:
+            checks.append((False, "the run has not finished: its held-out judgments are not scored yet"))
+        else:
+            checks.append((summary.feedback.passed, summary.feedback.describe()))
+    return ServingCheck(
+        all(ok for ok, _ in checks), "; ".join(detail for _, detail in checks), config.feedback is not None
+    )

@@ -36,7 +36,14 @@ class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     loss: str
-    data: str
+    data: str | None = Field(
+        None, description="the image folder or CSV; none: the judgments of feedback alone"
+    )
+    feedback: str | None = Field(
+        None,
+        description="an index directory whose judgments (👍/👎) also train the run, as pairs "
+        "(training.feedback_data); some are held out to gate it (training.feedback_gate)",
+    )
     mode: Mode = "frozen"
     loss_hparams: dict[str, Any] = Field(default_factory=dict)
     backbone: str = defaults.BACKBONE
@@ -131,6 +138,12 @@ class TrainConfig(BaseModel):
             values = dict(values)
             values.setdefault("precision", "auto" if values.pop("amp") else "fp32")
         return values
+
+    @model_validator(mode="after")
+    def _something_to_train_on(self) -> TrainConfig:
+        if self.data is None and self.feedback is None:
+            raise ValueError("a run trains on data, on the judgments of feedback, or on both: neither given")
+        return self
 
     @property
     def effective_view_seed(self) -> int:

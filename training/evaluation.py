@@ -97,7 +97,7 @@ def embed_run(
     config = run.require_config()
     weights = run.require_last().objective if last else run.require_best().objective
     if data is not None:  # its class folders (or CSV labels) label it, also for a run trained without labels
-        config = config.model_copy(update={"data": str(data), "labels": "folders"})
+        config = config.model_copy(update={"data": str(data), "labels": "folders", "feedback": None})
     # Embedding needs only the serving view: a run's augmented training views are not extracted again.
     serving_only = config.model_copy(update={"views": 0})
     prepared = prepare_data(serving_only, cache_directory(config, run_path), progress=progress)

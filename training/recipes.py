@@ -264,7 +264,7 @@ class Resolved:
     loss_hparams: dict[str, Any]
     record: dict[str, Any]  # for config.json: the recipe's name, what it set and what was overridden
 
-    def config(self, loss: str, data: str, **fields: Any) -> TrainConfig:
+    def config(self, loss: str, data: str | None, **fields: Any) -> TrainConfig:
         """The run's config: ``fields`` (data-independent defaults such as the cache) under the recipe."""
         return TrainConfig(
             loss=loss,

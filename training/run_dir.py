@@ -23,6 +23,7 @@ from foundation.atomic import atomic_path, atomic_write_text
 from foundation.errors import InvalidInputError
 from training.bootstrap import Interval
 from training.config import TrainConfig
+from training.feedback_gate import FeedbackGate
 
 Metrics = dict[str, float]  # metric name -> value, as training.metrics.evaluate returns them
 StateDict = dict[str, Any]  # a component's own state_dict (weights, optimiser, sampler, ...)
@@ -101,6 +102,7 @@ class RunSummary(BaseModel):
     frozen_stage: FrozenStageSummary | None = None
     failure: str | None = None  # why the run learned nothing (a stuck loss, training.trainer.LossWatch)
     label_free: LabelFreeRecord | None = None  # a run without labels (or partly labelled): its pseudo-labels
+    feedback: FeedbackGate | None = None  # a run on judgments (--feedback): what it used, its gate
 
     @field_validator("validation_gain", mode="before")
     @classmethod

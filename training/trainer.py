@@ -36,6 +36,10 @@ from training.config import TrainConfig
 from training.data import LOOSE, DataError, LabelledImages, load_labelled_images, split_classes
 from training.distributed import Distributed, distributed_from_env
 from training.features import FeatureExtractor
+from training.feedback_data import load_feedback
+from training.feedback_gate import FeedbackGate, feedback_gate
+from training.feedback_rows import JUDGED_SPLIT, JudgedRows, judged_only, with_judged_photos
+from training.feedback_sampler import FeedbackSampler
 from training.label_free_data import EVAL_VIEW, LabelFreePlan, label_free_images, plan_label_free
 from training.losses import LOSSES, LossSpec
 from training.metrics import evaluate, top_hits
@@ -74,7 +78,8 @@ class PreparedData:
 
     A label-free run (``label_free``) holds out photos, not classes: each held-out photo is two rows of its
     split, as served and as an augmented view, labelled with its id (:mod:`training.label_free_data`); its
-    training labels are real or LOOSE, which the pseudo-labelling sampler replaces.
+    training labels are real or LOOSE, which the pseudo-labelling sampler replaces. A run on judgments
+    (``judged``, :mod:`training.feedback_rows`) has training rows past ``labels("train")``: judged photos.
     """
 
     images: LabelledImages
@@ -84,6 +89,7 @@ class PreparedData:
     inputs: dict[str, np.ndarray]  # split -> model input: `features` (frozen) or trunk maps (partial)
     train_views: np.ndarray  # (1 + augmented views, n_train, *input shape): inputs of training
     label_free: LabelFreePlan | None = None
+    judged: JudgedRows | None = None  # a run with --feedback: its judged photos' rows (feedback_rows)
 
     def labels(self, split: str) -> np.ndarray:
         return self.row_labels[split]
@@ -113,11 +119,29 @@ def cache_directory(config: TrainConfig, run_dir: Path) -> Path:
 def prepare_data(
     config: TrainConfig, cache_dir: Path, dist: Distributed | None = None, *, progress: bool = True
 ) -> PreparedData:
-    """Load and split the images, extract (or read cached) backbone outputs, drop unreadable images.
+    """Load and split the images, extract (or read cached) backbone outputs, drop unreadable images; with
+    ``feedback``, the judged photos too (:mod:`training.feedback_rows`), beside the folder's or alone.
 
     Frozen mode feeds the head pooled features; partial mode feeds the backbone's last stage the maps
     entering it. Either way the pooled features are prepared too (PCA initialisation, baseline metrics).
     """
+    if config.feedback is None:
+        return _folder_data(config, cache_dir, dist, progress)
+    if config.mode != "frozen":
+        raise DataError("a run on judgments (--feedback) trains in --mode frozen (others are not built yet)")
+    feedback = load_feedback(Path(config.feedback), seed=config.seed, validation=config.data is None)
+    if config.data is None:
+        return PreparedData(**vars(judged_only(config, feedback, cache_dir, progress)))
+    return with_judged_photos(
+        _folder_data(config, cache_dir, dist, progress), config, feedback, cache_dir, progress
+    )
+
+
+def _folder_data(
+    config: TrainConfig, cache_dir: Path, dist: Distributed | None, progress: bool
+) -> PreparedData:
+    """The data folder's images, split and with their backbone outputs (:func:`prepare_data`)."""
+    assert config.data is not None
     dist = dist or Distributed()
     loose = label_free_images(Path(config.data), config.labels)
     plan = None if loose is None else plan_label_free(loose, seed=config.seed)
@@ -320,6 +344,9 @@ def frozen_stage(config: TrainConfig, out: Path, *, progress: bool) -> FrozenSta
 def train(config: TrainConfig, out: Path, *, progress: bool = True) -> RunSummary:
     """Train (or continue training) the run in ``out``; returns its summary (also in summary.json)."""
     spec = LOSSES[config.loss]  # an unknown loss fails here, before the run directory is touched
+    if config.feedback is not None and not spec.judged_pairs:
+        judged = sorted(name for name, entry in LOSSES.items() if entry.judged_pairs)
+        raise DataError(f"{config.loss} does not train on judged pairs; with --feedback use one of {judged}")
     run = RunDirectory(out)
     first: FrozenStage | None = None
     if config.mode == "finetune" and config.frozen_first and run.load_last() is None:
@@ -387,7 +414,15 @@ class _Training:
         self.watch = LossWatch(config.loss, spec.when_zero)  # this session's steps
 
     def _sampler(self, seed: int) -> ClassBalancedSampler:
-        """The loss's layout's sampler; in a label-free run, over pseudo-labels that it refreshes."""
+        """The loss's layout's sampler; in a label-free run, over pseudo-labels that it refreshes; with
+        judgments, with judged pairs added to its batches (alone: the judged pairs only)."""
+        judged = self.data.judged
+        if judged is None:
+            return self._folder_sampler(seed)
+        inner = self._folder_sampler(seed) if judged.data_rows else None
+        return FeedbackSampler(inner, judged.row_items, judged.feedback.train, seed=seed)
+
+    def _folder_sampler(self, seed: int) -> ClassBalancedSampler:
         config, layout = self.config, self.spec.layout
         if self.data.label_free is not None:
             return PseudoLabelSampler(
@@ -467,7 +502,9 @@ class _Training:
     def _workload(self) -> CachedWorkload | FinetuneWorkload:
         data = self.data
         if self.config.mode != "finetune":
-            eval_inputs = {name: data.inputs[name] for name in ("val", "test")}
+            eval_inputs = {
+                name: data.inputs[name] for name in ("val", "test", JUDGED_SPLIT) if name in data.inputs
+            }
             return CachedWorkload(
                 self.objective,
                 data.train_views,
@@ -570,6 +607,8 @@ class _Training:
     def _label_free_record(self) -> LabelFreeRecord | None:
         """What a label-free run's summary says about its photos and pseudo-labels."""
         plan, sampler = self.data.label_free, self.sampler
+        if isinstance(sampler, FeedbackSampler):
+            sampler = sampler.inner
         if plan is None or not isinstance(sampler, PseudoLabelSampler):
             return None
         train = self.data.labels("train")
@@ -580,6 +619,23 @@ class _Training:
             copies_merged=int(len(plan.copies) - len(np.unique(plan.copies))),
             score=LABEL_FREE_SCORE,
             refreshes=[PseudoLabelRefresh(**entry) for entry in sampler.history],
+        )
+
+    def _feedback_gate(self) -> FeedbackGate | None:
+        """The held-out judgments scored by the served vectors and by the selected model (feedback_gate)."""
+        judged = self.data.judged
+        if judged is None:
+            return None
+        feedback = judged.feedback
+        return feedback_gate(
+            index=str(feedback.index),
+            trained=len(feedback.train),
+            validation=len(feedback.val),
+            held_out=feedback.test,
+            uploads=feedback.uploads,
+            before=feedback.served,
+            after=dict(zip(judged.held_out, self.workload.embed(JUDGED_SPLIT), strict=True)),
+            seed=self.config.seed,
         )
 
     def _validate(self, step: int, train_loss: float | None) -> dict[str, Any]:
@@ -655,10 +711,18 @@ class _Training:
             frozen_stage=FrozenStageSummary.model_validate(first_stage) if first_stage else None,
             failure=failure,
             label_free=self._label_free_record(),
+            feedback=self._feedback_gate(),
         )
         if self.dist.is_main:
             self.run_dir.write_summary(summary)
-        if not gain.improved and failure is None:
+        if summary.feedback is not None and not summary.feedback.passed:
+            warnings.warn(
+                f"{self.config.loss}: not better on the held-out judgments ({summary.feedback.describe()}); "
+                "export refuses it, keep serving the model the index has",
+                NoGainWarning,
+                stacklevel=2,
+            )
+        if not gain.improved and failure is None and self.config.data is not None:
             warnings.warn(
                 f"{self.config.loss}: the selected model is not better than the untrained backbone's own "
                 f"features ({gain.describe()}); export refuses it, keep serving the untrained backbone",

@@ -1,0 +1,182 @@
+"""Training on the judgments kept with an index (issue 40, part 3): alone, with a labelled folder and with
+a label-free run; the certain pairs judgments imply; the gate on held-out judgments."""
+
+from __future__ import annotations
+
+from contextlib import closing
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from bench.lib.simulated_user import index_gallery, judge_top
+from cli.main import app
+from engine.model.model_card import ModelCard
+from index.gallery import GalleryIndex
+from index.judgments import JudgedQuery
+from tests.support.train_config import tiny_train_config
+from training.config import TrainConfig
+from training.data import DataError, load_labelled_images
+from training.feedback_data import Closure, JudgedPair, load_feedback
+from training.feedback_gate import rank_judgments
+from training.run_dir import RunDirectory
+from training.trainer import train
+
+
+@pytest.fixture(scope="module")
+def judged_index(
+    labelled_folder: Path, feature_cache: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The labelled folder indexed by the pretrained model, 30 queries' top 5 judged by class (150)."""
+    images = load_labelled_images(labelled_folder)
+    directory = tmp_path_factory.mktemp("judged") / "index"
+    labels = [images.class_names[label] for label in images.labels]
+    count = index_gallery(labelled_folder, images.files(), labels, directory, feature_cache)
+    queries = np.random.default_rng(0).choice(np.arange(1, count + 1), size=30, replace=False)
+    assert judge_top(directory, [int(q) for q in queries], top=5) == 150
+    return directory
+
+
+def alone(index: Path, cache: Path, **overrides: object) -> TrainConfig:
+    """A tiny run on the judgments of ``index`` alone."""
+    config = tiny_train_config(index, cache, feedback=str(index), **overrides)
+    return config.model_copy(update={"data": None})
+
+
+def test_judgments_imply_certain_pairs_and_leave_the_rest_unknown() -> None:
+    pairs = [JudgedPair(1, 2, 1), JudgedPair(1, 3, -1), JudgedPair(4, 2, 1), JudgedPair(5, 6, -1)]
+    closure = Closure(pairs)
+    signs = closure.signs([1, 2, 4, 3, 7, 1])
+    assert signs[0, 1] == signs[1, 2] == signs[0, 2] == 1  # 4 is like 2, which is like 1
+    assert signs[2, 3] == signs[1, 3] == -1  # 3 is unlike 1, so unlike its whole component
+    assert not signs[4].any() and not signs[:, 4].any()  # no judgment names item 7
+    assert signs[0, 5] == 1 and signs.diagonal().tolist() == [0] * 6  # two views of one photo are alike
+    # a direct 👎 inside a 👍 component wins for that pair alone
+    conflicted = Closure([*pairs, JudgedPair(4, 1, -1)]).signs([1, 2, 4])
+    assert conflicted[0, 2] == conflicted[2, 0] == -1 and conflicted[0, 1] == 1
+
+
+def test_held_out_judgments_are_whole_queries_and_uploads_are_counted(judged_index: Path) -> None:
+    with closing(GalleryIndex.open(judged_index)) as index:
+        index.judgments.add(JudgedQuery(content_hash="ab" * 32), 1, 1, "fp", "2026-01-01T00:00:00+00:00")
+        index.save()
+    feedback = load_feedback(judged_index, seed=0, validation=True)
+    queries = {name: {p.query for p in getattr(feedback, name)} for name in ("train", "val", "test")}
+    assert not queries["train"] & queries["test"] and not queries["val"] & (
+        queries["train"] | queries["test"]
+    )
+    assert len(feedback.train) + len(feedback.val) + len(feedback.test) == 150 and feedback.uploads == 1
+    for name in ("val", "test"):  # each held-out query can be ranked: a 👍 and a 👎
+        for query in queries[name]:
+            assert {p.sign for p in getattr(feedback, name) if p.query == query} == {1, -1}
+
+
+def test_the_gate_counts_what_training_fixed_and_broke() -> None:
+    pairs = [JudgedPair(0, 1, 1), JudgedPair(0, 2, -1), JudgedPair(3, 4, 1), JudgedPair(3, 5, -1)]
+    axis = np.eye(3)
+    before = {0: axis[0], 1: axis[1], 2: axis[0] + 0.1 * axis[1], 3: axis[0], 4: axis[0], 5: axis[1]}
+    after = {**before, 1: axis[0], 2: axis[2]}  # query 0's 👍 now nearest; query 3 unchanged
+    precision, right = rank_judgments(before, pairs)
+    assert precision.tolist() == [0.0, 1.0] and not right[pairs[0]] and right[pairs[2]]
+    precision, right = rank_judgments(after, pairs)
+    assert precision.tolist() == [1.0, 1.0] and right[pairs[0]] and right[pairs[1]]
+
+
+@pytest.mark.parametrize("loss", ["triplet", "loop-triplet", "pddm"])
+def test_a_run_trains_on_judgments_alone(
+    judged_index: Path, feature_cache: Path, tmp_path: Path, loss: str
+) -> None:
+    config = alone(
+        judged_index,
+        feature_cache,
+        loss=loss,
+        max_steps=40,
+        eval_every=10,
+    )
+    if loss == "pddm":
+        config = config.model_copy(update={"loss_hparams": {"embedding_dim": 16}})
+    summary = train(config, tmp_path / "run", progress=False)
+    gate = summary.feedback
+    assert gate is not None and summary.steps == 40
+    used = gate.judgments_trained + gate.judgments_validation + gate.judgments_held_out
+    assert used == 150 and gate.judgments_held_out > 0 and gate.queries_held_out > 0
+    assert 0 <= gate.precision_before <= 1 and 0 <= gate.precision_after <= 1
+    assert gate.interval.low <= gate.interval.difference <= gate.interval.high
+    assert {(j.query, j.sign) for j in gate.fixed} <= {(p.query, p.sign) for p in _held_out(judged_index)}
+    assert summary.label_free is None and "val" in summary.model_dump()
+
+
+def _held_out(index: Path) -> tuple[JudgedPair, ...]:
+    return load_feedback(index, seed=0, validation=True).test
+
+
+def test_judged_photos_join_a_labelled_folder(
+    judged_index: Path, labelled_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    config = tiny_train_config(
+        labelled_folder, feature_cache, loss="ms", feedback=str(judged_index), max_steps=20, eval_every=10
+    )
+    summary = train(config, tmp_path / "run", progress=False)
+    assert summary.feedback is not None and summary.feedback.judgments_validation == 0
+    assert summary.feedback.judgments_trained + summary.feedback.judgments_held_out == 150
+
+
+def test_judged_photos_join_a_label_free_run(
+    judged_index: Path, flat_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    config = tiny_train_config(
+        flat_folder,
+        feature_cache,
+        loss="triplet",
+        labels="none",
+        views=1,
+        feedback=str(judged_index),
+        max_steps=20,
+        eval_every=10,
+    )
+    summary = train(config, tmp_path / "run", progress=False)
+    assert summary.feedback is not None and summary.label_free is not None
+    assert summary.label_free.refreshes  # the pseudo-labels were made, past the judged rows
+
+
+def test_a_loss_without_pairs_is_refused_on_judgments(
+    judged_index: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    config = alone(judged_index, feature_cache, loss="magnet")
+    with pytest.raises(DataError, match="does not train on judged pairs"):
+        train(config, tmp_path / "run", progress=False)
+
+
+def test_the_cli_trains_on_judgments_and_export_follows_the_gate(
+    judged_index: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    words = ["train", "--loss", "triplet", "--feedback", str(judged_index), "--out", str(out)]
+    words += ["--cache-dir", str(feature_cache), "-p", "max_steps=20", "-p", "eval_every=10"]
+    words += ["-p", "embedding_dim=16", "-p", "head_hidden=32"]
+    result = CliRunner().invoke(app, words)
+    assert result.exit_code == 0, result.output
+    gate = RunDirectory(out).read_summary().feedback
+    assert gate is not None and f"trained on {gate.judgments_trained} judgments" in result.output
+    exported = CliRunner().invoke(app, ["export", str(out), "--out", str(tmp_path / "model.onnx")])
+    if gate.passed:
+        assert exported.exit_code == 0, exported.output
+    else:
+        assert exported.exit_code == 2 and "on the judgments held out from it" in exported.output
+    forced = CliRunner().invoke(app, ["export", str(out), "--out", str(tmp_path / "forced.onnx"), "--force"])
+    assert forced.exit_code == 0, forced.output
+    card = ModelCard.load(tmp_path / "forced.onnx")
+    assert card.validation_check is not None and card.validation_check.passed == gate.passed
+    assert "held-out judgments" in card.validation_check.detail
+
+
+def test_the_cli_refuses_judgments_it_cannot_train_on(judged_index: Path, tmp_path: Path) -> None:
+    nothing = CliRunner().invoke(app, ["train", "--loss", "triplet", "--out", str(tmp_path / "a")])
+    assert nothing.exit_code == 2 and "--feedback" in nothing.output
+    not_an_index = ["train", "--loss", "triplet", "--feedback", str(tmp_path), "--out", str(tmp_path / "b")]
+    result = CliRunner().invoke(app, not_an_index)
+    assert result.exit_code == 2 and "not an index directory" in result.output
+    finetune = ["train", "--loss", "triplet", "--feedback", str(judged_index), "--mode", "finetune"]
+    result = CliRunner().invoke(app, [*finetune, "--out", str(tmp_path / "c")])
+    assert result.exit_code == 2 and "--mode frozen" in result.output
