@@ -1,6 +1,7 @@
-"""The feedback loop with a simulated user (issue 40): refinement at once, through the search service.
+"""The feedback loop with a simulated user (issue 40): refinement at once, and training on the judgments.
 
-    python bench/feedback_loop.py --data ../shared/data/cars196 [--queries 50] [--seeds 0 1]
+    python bench/feedback_loop.py --data ../shared/data/cars196 [--queries 50] [--seeds 0 1] \
+        [--halves refinement learning] [--losses ms triplet ...] [--max-steps 1000]
 
 The gallery is Cars196's 98 test classes (``dml_split=test`` of ``labels.csv``, 8,131 photos), embedded by
 the pretrained EfficientNet-Lite0 as exported (``training.features``' cached backbone model, the model
@@ -17,8 +18,18 @@ shows only results the user has not judged yet.
   the refined page. Both pages hold only unjudged photos.
 - ``recall@1_before`` / ``_after``: whether the first photo of each of those pages is of the query's
   class (the share of queries where it is).
-The gain's 95% interval is a paired bootstrap over the queries. The learning half of the loop (training on
-the judgments) is issue 40's part 3 and is not measured here.
+The gain's 95% interval is a paired bootstrap over the queries.
+
+The learning half: for each seed the same 50 queries' judgments (10 each, the top 10 of the index's own
+vectors, judged by class, ``bench.lib.simulated_user``), kept with a copy of the index; at 0, 50, 100, 200
+and 500 judgments (the first 0, 5, 10, 20 and 50 queries of the draw) a run trains on them alone
+(``dmlsearch train --feedback INDEX`` with no data folder: ``training.feedback_rows``), in frozen mode (the
+head on the cached backbone features; the recommended recipe of each loss, ``--max-steps`` and validation
+every ``--eval-every`` steps on the validation judgments). It is scored on the gallery's *other* photos: the
+ones no query of the seed's 50 searched or judged (about 7,700), among themselves by true class:
+``recall@1`` and ``precision@10`` before (the pretrained model, what the index serves) and after (the run's
+selected head). The run's gate (``training.feedback_gate``: held-out judgments, ranking precision, bootstrap)
+is reported beside it, with whether it refused each run whose R@1 fell.
 """
 
 from __future__ import annotations
@@ -26,13 +37,18 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import shutil
 import sys
 import tempfile
 import time
+import warnings
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
+import torch
 from lib.options import bench_parser, data_option, out_option, threads_option
+from lib.simulated_user import judge_top
 
 from engine.serve.query import ItemQuery, SearchOptions
 from engine.serve.refine import Refinement, Strategy
@@ -41,11 +57,18 @@ from foundation import defaults
 from index.gallery import GalleryIndex
 from index.protocol import Entry
 from index.selection import IndexOptions
+from training.data import DataError
 from training.features import FeatureExtractor
+from training.metrics import evaluate, nearest_neighbours
+from training.model import build_objective
+from training.recipes import resolve
+from training.run_dir import RunDirectory
+from training.trainer import train
 
 RESULTS = Path(__file__).parent / "results"
 JUDGED = 10  # the top results the simulated user judges, and the page size compared
 BOOTSTRAP = 10_000
+CURVE = (0, 50, 100, 200, 500)  # judgments trained on (learning half)
 
 
 def test_gallery(data: Path) -> tuple[list[Path], list[str]]:
@@ -117,6 +140,156 @@ def bootstrap_gain(before: np.ndarray, after: np.ndarray, seed: int) -> tuple[fl
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
+def scores(vectors: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """Recall@1 and precision@10 of each photo among the others, by true class."""
+    neighbours = nearest_neighbours(vectors, JUDGED)
+    return {
+        "recall@1": evaluate(vectors, labels, ks=(1,), clustering=False)["recall@1"],
+        "precision@10": float((labels[neighbours] == labels[:, None]).mean()),
+    }
+
+
+def embed_with_run(run: Path, features: np.ndarray) -> np.ndarray:
+    """The run's selected head on backbone features (frozen mode: what its exported model computes)."""
+    directory = RunDirectory(run)
+    objective = build_objective(directory.require_config(), features.shape[1])
+    objective.load_state_dict(directory.require_best().objective)
+    objective.eval()
+    with torch.no_grad():
+        return torch.cat([objective.embed(part) for part in torch.from_numpy(features).split(1024)]).numpy()
+
+
+def learning_seed(
+    index: Path, features: dict[int, np.ndarray], labels: dict[int, str], seed: int, args, scratch: Path
+) -> list[dict]:
+    """The learning half's rows of one seed: each loss at each point of the curve."""
+    items = sorted(labels)
+    drawn = [
+        items[i] for i in np.random.default_rng(seed).choice(len(items), size=args.queries, replace=False)
+    ]
+    every = scratch / f"seed{seed}-all"
+    shutil.copytree(index, every)
+    judge_top(every, drawn, JUDGED)
+    with closing(GalleryIndex.open(every, read_only=True)) as judged:
+        named = {j.result for j in judged.judgments.scan()} | set(drawn)
+    shutil.rmtree(every)
+    other = [item for item in items if item not in named]  # never searched nor judged by this seed's user
+    truth = np.array([labels[item] for item in other])
+    base = np.stack([features[item] for item in other])
+    before = scores(base, truth)
+    rows = []
+    for count in args.curve:
+        if count == 0:
+            rows.append(
+                {
+                    "seed": seed,
+                    "strategy": "none",
+                    "judgments": 0,
+                    "others": len(other),
+                    **_before_after(before, before),
+                }
+            )
+            continue
+        copy = scratch / f"seed{seed}-{count}"
+        shutil.copytree(index, copy)
+        judge_top(copy, drawn[: count // JUDGED], JUDGED)
+        for loss in args.losses if count == max(args.curve) else args.losses[:1]:
+            out = scratch / f"run-{seed}-{count}-{loss}"
+            config = resolve(loss).config(
+                loss,
+                None,
+                feedback=str(copy),
+                cache_dir=str(defaults.CACHE_DIR),
+                embedding_dim=args.embedding_dim,
+                max_steps=args.max_steps,
+                eval_every=args.eval_every,
+                seed=seed,
+            )
+            started = time.perf_counter()
+            row = {
+                "seed": seed,
+                "strategy": f"train:{loss}",
+                "judgments": count,
+                "others": len(other),
+                "command": args.command,
+            }
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    summary = train(config, out, progress=False)
+            except DataError as refused:
+                rows.append({**row, "refused": str(refused)})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
+            after = scores(embed_with_run(out, base), truth)
+            gate = summary.feedback
+            assert gate is not None
+            rows.append(
+                {
+                    **row,
+                    **_before_after(before, after),
+                    "steps": summary.steps,
+                    "best_step": summary.best_step,
+                    "train_seconds": summary.train_seconds,
+                    "run_seconds": round(time.perf_counter() - started, 1),
+                    "judgments_trained": gate.judgments_trained,
+                    "judgments_validation": gate.judgments_validation,
+                    "judgments_held_out": gate.judgments_held_out,
+                    "gate_precision_before": gate.precision_before,
+                    "gate_precision_after": gate.precision_after,
+                    "gate_interval": [gate.interval.low, gate.interval.high],
+                    "gate_passed": gate.passed,
+                    "fixed": len(gate.fixed),
+                    "broke": len(gate.broke),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+            shutil.rmtree(out)
+        shutil.rmtree(copy)
+    return rows
+
+
+def _before_after(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {
+        f"{name}_{when}": values[name]
+        for name in before
+        for when, values in (("before", before), ("after", after))
+    }
+
+
+def learning_half(data: Path, index: Path, args, scratch: Path) -> list[dict]:
+    """Every seed's learning rows (see the module docstring)."""
+    files, names = test_gallery(data)
+    extracted = FeatureExtractor(defaults.CACHE_DIR, progress=False).extract(files)
+    row_of = {file.relative_to(data).as_posix(): row for row, file in enumerate(files)}
+    with closing(GalleryIndex.open(index, read_only=True)) as gallery:
+        items = list(gallery.items.scan())
+    features = {item.id: extracted.features[row_of[item.path]] for item in items}
+    labels = {item.id: names[row_of[item.path]] for item in items}
+    return [row for seed in args.seeds for row in learning_seed(index, features, labels, seed, args, scratch)]
+
+
+def refinement_rows(service: SearchService, args) -> list[dict]:
+    """The refinement half's rows: per seed and strategy, the means and the gain's interval."""
+    rows = []
+    for seed in args.seeds:
+        for strategy, measured in run_seed(service, seed, args.queries).items():
+            means = {name: float(values.mean()) for name, values in measured.items()}
+            low, high = bootstrap_gain(measured["precision@10_before"], measured["precision@10_after"], seed)
+            rows.append(
+                {
+                    "seed": seed,
+                    "strategy": strategy,
+                    "queries": args.queries,
+                    "judgments": args.queries * JUDGED,
+                    **means,
+                    "gain_points": 100 * (means["precision@10_after"] - means["precision@10_before"]),
+                    "gain_points_95ci": [100 * low, 100 * high],
+                }
+            )
+    return rows
+
+
 def main() -> None:
     parser = bench_parser(
         __doc__,
@@ -126,38 +299,78 @@ def main() -> None:
     )
     parser.add_argument("--queries", type=int, default=50, help="queries per seed (10 judgments each)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds of the query draw")
+    parser.add_argument(
+        "--halves", nargs="+", choices=("refinement", "learning"), default=["refinement", "learning"]
+    )
+    parser.add_argument(
+        "--losses", nargs="+", default=["ms"], help="learning: the first draws the curve, all train at 500"
+    )
+    parser.add_argument("--curve", type=int, nargs="+", default=list(CURVE), help="learning: judgments")
+    parser.add_argument(
+        "--embedding-dim",
+        type=int,
+        default=1280,
+        help="learning: the head's output; the backbone's 1280 makes the untrained head a rotation of the "
+        "features, so step 0 ranks as the served pretrained model does",
+    )
+    parser.add_argument(
+        "--learning-rows",
+        type=Path,
+        nargs="+",
+        help="learning: report the rows these files hold (JSON lines, as a run prints them) instead of "
+        "training",
+    )
+    parser.add_argument("--max-steps", type=int, default=1000, help="learning: steps per run at most")
+    parser.add_argument("--eval-every", type=int, default=25, help="learning: steps between validations")
     args = parser.parse_args()
+    args.command = "python bench/feedback_loop.py " + " ".join(sys.argv[1:])
+    torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as scratch:
-        model, count, classes = build_gallery_index(args.data.resolve(), Path(scratch) / "index")
-        service = SearchService.open(model, Path(scratch) / "index", threads=args.threads)
-        rows = []
-        for seed in args.seeds:
-            for strategy, measured in run_seed(service, seed, args.queries).items():
-                means = {name: float(values.mean()) for name, values in measured.items()}
-                low, high = bootstrap_gain(
-                    measured["precision@10_before"], measured["precision@10_after"], seed
-                )
-                rows.append(
-                    {
-                        "seed": seed,
-                        "strategy": strategy,
-                        "queries": args.queries,
-                        "judgments": args.queries * JUDGED,
-                        **means,
-                        "gain_points": 100 * (means["precision@10_after"] - means["precision@10_before"]),
-                        "gain_points_95ci": [100 * low, 100 * high],
-                    }
-                )
-        service.close()
+    saved = args.out.with_suffix(".json")
+    previous = json.loads(saved.read_text()) if saved.exists() else None
+    refine = "refinement" in args.halves
+    rows, learning = [], []
+    if args.learning_rows:  # rows printed by runs of this script, one seed each
+        lines = [line for file in args.learning_rows for line in file.read_text().splitlines()]
+        learning = [json.loads(line) for line in lines if line.startswith('{"seed"')]
+    if refine or ("learning" in args.halves and not args.learning_rows):
+        with tempfile.TemporaryDirectory() as scratch:
+            model, count, classes = build_gallery_index(args.data.resolve(), Path(scratch) / "index")
+            gallery = {"data": "Cars196 test classes (dml_split=test)", "classes": classes, "items": count}
+            if "learning" in args.halves and not args.learning_rows:
+                learning = learning_half(args.data.resolve(), Path(scratch) / "index", args, Path(scratch))
+            if refine:
+                service = SearchService.open(model, Path(scratch) / "index", threads=args.threads)
+                rows = refinement_rows(service, args)
+                service.close()
+    else:
+        assert previous is not None, f"{saved} holds no gallery to report on: run the refinement half"
+        gallery = previous["gallery"]
+    refinement = {"command": args.command, "seconds": time.perf_counter() - started}
+    if not refine and previous is not None:  # the half not run now keeps its results
+        rows, refinement = previous["rows"], {"command": previous["command"], "seconds": previous["seconds"]}
     result = {
-        "gallery": {"data": "Cars196 test classes (dml_split=test)", "classes": classes, "items": count},
-        "command": "python bench/feedback_loop.py " + " ".join(sys.argv[1:]),
+        "gallery": gallery,
+        "command": refinement["command"],
         "model": "pretrained EfficientNet-Lite0, exported (training.features.backbone_model)",
         "index": "FAISS flat",
         "goal_points": 15,
         "rows": rows,
-        "seconds": time.perf_counter() - started,
+        "learning": {
+            "goal_points": 5,
+            "settings": {
+                "mode": "frozen (the head on cached backbone features)",
+                "recipe": "recommended",
+                "losses": args.losses,
+                "embedding_dim": args.embedding_dim,
+                "max_steps": args.max_steps,
+                "eval_every": args.eval_every,
+                "threads": args.threads,
+            },
+            "rows": learning,
+            "commands": sorted({row.get("command", args.command) for row in learning}),
+        },
+        "seconds": refinement["seconds"],
     }
     out = args.out
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
@@ -190,12 +403,69 @@ def report(result: dict) -> str:
     lines += [
         "",
         "R@1 here is the first photo of each compared page (rank 11 against the refined page's first), not "
-        "the learning half's R@1 on photos never judged (issue 40, part 3: not measured here).",
+        "the learning half's R@1 on photos never judged (below).",
         "",
+        *learning_report(result["learning"]),
         f"Command: `{result['command']}` ({result['seconds']:.0f} s).",
         "",
     ]
     return "\n".join(lines)
+
+
+def learning_report(learning: dict) -> list[str]:
+    """The learning half's table: R@1 and P@10 on the photos never searched nor judged, and the gate."""
+    if not learning["rows"]:
+        return []
+    settings = learning["settings"]
+    lines = [
+        "## Learning: training on the judgments",
+        "",
+        f"Runs on the judgments alone, {settings['mode']}, a {settings['embedding_dim']}-d head, the "
+        f"{settings['recipe']} recipe of each loss, at "
+        f"most {settings['max_steps']} steps, validated every {settings['eval_every']} steps on the "
+        f"validation judgments, {settings['threads']} threads. Scored on the gallery's photos that no "
+        "query of the seed searched or judged, among themselves by true class. "
+        f"Goal: +{learning['goal_points']} R@1. "
+        "Gate: ranking precision of the held-out judgments (👍 above 👎), trained vs served, 95% bootstrap "
+        "interval over the held-out queries; `passed` means the run may be exported.",
+        "",
+        "| seed | run | judgments (trained/val/held out) | others | R@1 before | R@1 after | gain | "
+        "P@10 before | P@10 after | steps (best) | gate: precision before -> after (95% CI of gain) | "
+        "gate | fixed / broke | R@1 fell, gate refused |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in learning["rows"]:
+        if "refused" in row:
+            lines.append(
+                f"| {row['seed']} | {row['strategy']} | {row['judgments']} | {row['others']} | "
+                f"refused: {row['refused']} |||||||||"
+            )
+            continue
+        gain = 100 * (row["recall@1_after"] - row["recall@1_before"])
+        head = (
+            f"| {row['seed']} | {row['strategy']} | {row['judgments']} | {row['others']} | "
+            f"{100 * row['recall@1_before']:.2f} | {100 * row['recall@1_after']:.2f} | {gain:+.2f} | "
+            f"{100 * row['precision@10_before']:.2f} | {100 * row['precision@10_after']:.2f} |"
+        )
+        if "gate_passed" not in row:
+            lines.append(head + " - | - | - | - | - |")
+            continue
+        low, high = row["gate_interval"]
+        head = head.replace(
+            f"| {row['judgments']} |",
+            f"| {row['judgments']} ({row['judgments_trained']}/{row['judgments_validation']}/"
+            f"{row['judgments_held_out']}) |",
+            1,
+        )
+        fell = row["recall@1_after"] < row["recall@1_before"]
+        lines.append(
+            head + f" {row['steps']} ({row['best_step']}) | {100 * row['gate_precision_before']:.1f} -> "
+            f"{100 * row['gate_precision_after']:.1f} ({100 * low:+.1f} to {100 * high:+.1f}) | "
+            f"{'passed' if row['gate_passed'] else 'refused'} | {row['fixed']} / {row['broke']} | "
+            f"{('yes, ' + ('yes' if not row['gate_passed'] else 'NO')) if fell else 'no'} |"
+        )
+    commands = "; ".join(f"`{command}`" for command in learning["commands"])
+    return [*lines, "", f"Learning half: {commands}.", ""]
 
 
 if __name__ == "__main__":
