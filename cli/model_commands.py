@@ -254,6 +254,7 @@ def train(
                     raise fail(f"--loss auto races the {DEFAULT_RECIPE} recipes; drop --recipe")
                 race_steps = race_steps or AUTO_RACE_STEPS
                 overrides = parse_assignments(AUTO_CANDIDATES[0], hparam or [])
+                assert data is not None  # --feedback refuses auto, and a run without either is refused
                 auto_run = train_auto(  # which says what it races, within each candidate's max_steps
                     str(data.resolve()), out, overrides=overrides, race_steps=race_steps, **fields
                 )

@@ -198,6 +198,7 @@ def measure(config: TrainConfig, *, clock: Clock = time.perf_counter, load: Load
     batch = (config.classes_per_batch or layout.classes) * (
         config.samples_per_class or layout.samples_per_class
     )
+    assert config.data is not None, "a fine-tuning plan needs a data folder (runs on judgments are frozen)"
     split = split_classes(
         load_labelled_images(Path(config.data)),
         train_classes=config.train_classes,

@@ -606,9 +606,8 @@ class _Training:
 
     def _label_free_record(self) -> LabelFreeRecord | None:
         """What a label-free run's summary says about its photos and pseudo-labels."""
-        plan, sampler = self.data.label_free, self.sampler
-        if isinstance(sampler, FeedbackSampler):
-            sampler = sampler.inner
+        plan = self.data.label_free
+        sampler = self.sampler.inner if isinstance(self.sampler, FeedbackSampler) else self.sampler
         if plan is None or not isinstance(sampler, PseudoLabelSampler):
             return None
         train = self.data.labels("train")
