@@ -24,6 +24,9 @@ TRASH_FOLDER = ".dmlsearch-trash"
 # The duplicate review's keeper rule (engine.gallery.keeper): the keys that find a group's source, in
 # the order they break ties; the CLI's --keep-by default.
 KEEPER_RULE = ("camera", "source", "date", "folder", "centre")
+# The similar tier (engine.duplicates.tiers): images at this cosine or closer are the same scene (a second
+# take, a copy). Another photo of the same car model is about as close to the embedding as a second take.
+SIMILAR_COSINE = 0.86
 # Seconds a call to the index server (Milvus) may take, retries and reconnecting included, and the most a
 # request's calls take in all in the API: a server that is down, stuck or restarting fails requests, never
 # hangs them.

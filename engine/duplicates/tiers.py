@@ -50,6 +50,7 @@ from engine.duplicates.groups import (
     signature_match,
     signature_pairs,
 )
+from foundation.defaults import SIMILAR_COSINE
 from foundation.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -102,10 +103,9 @@ ALIGNED_TRIES: int | None = None
 # 0.002 of NCC. On half B of the bench it lifted the worst kind of copy from 0.928 to 0.964, and edited
 # pair precision rose by 0.002 on both halves (0.005 did the same; tried on both halves, not chosen on A).
 HOLDER_BITS_WEIGHT = 0.002
-# The similar tier: another photo of the same car model is about as close to the embedding as a second
-# take. No signature limit: a take's signature lands about as far from its photo's as another photo's
-# (14-22 bits; a limit of 16 bits lost half the takes for no better min(P, R)).
-SIMILAR_COSINE = 0.86
+# The similar tier's cosine is foundation.defaults.SIMILAR_COSINE (the keeper rule reads it too). No signature
+# limit: a take's signature lands about as far from its photo's as another photo's (14-22 bits; a limit of
+# 16 bits lost half the takes for no better min(P, R)).
 SIMILAR_BITS = 64
 
 # Reads the pixel digests of items (engine.pixel_digest): id -> digest, absent where a file cannot be read.

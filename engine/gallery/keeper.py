@@ -14,10 +14,15 @@ its source). Each key of the rule, in turn, breaks the ties of the keys before i
   time, which a copy gets when it is made (``cp -p`` keeps it: byte copies then tie). File times less
   than ``FILE_TIME_TIE`` apart tie: files written in one go (a folder copied, a download) are dated in
   the order they were written;
-- **folder**: the file in its label folder: the folder that holds most of the group's files, then the
-  one whose other images look most like the group's (the mean of the 3 highest cosines between the
-  group's stored vectors and theirs): a photo's class folder, not a folder of copies (``edited/``). Where
-  nothing tells the folders apart, the key ties;
+- **folder**: the file in its label folder: the one whose other images look most like the group's (the
+  mean of the 3 highest cosines between the group's stored vectors and theirs): a photo's class folder,
+  not a folder of copies (``edited/``), however many of the group's copies that holds. Images at the
+  similar tier's cosine or closer to the group are copies or takes of it, not evidence of what a folder
+  holds, and are left out where the folder holds other images: ``edited/`` with a resize, a crop and a
+  re-encode of a photo, and edits of other photos, is not the photo's label folder, while a folder of one
+  photo and its takes is, and so is a folder of the group's images and nothing else. A folder holding
+  nothing but edits of this one photo is taken for its label folder too: the vectors cannot tell it from
+  a folder of takes. Where nothing tells the folders apart, the key ties;
 - **centre**: the image nearest the others (the highest mean cosine of its stored vector to theirs): each
   copy is one edit away from its source, two copies are two edits apart (a mirror and a warmer copy), so
   the source sits in the middle of its copies. Files of the same bytes share one vector, and tie;
@@ -29,7 +34,6 @@ Members tied on every key keep their order (an item before its byte copies, then
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -40,7 +44,7 @@ import numpy as np
 
 from engine.decode.capture_time import camera_name, capture_time, file_time
 from engine.decode.images import image_header
-from foundation.defaults import KEEPER_RULE
+from foundation.defaults import KEEPER_RULE, SIMILAR_COSINE
 from foundation.errors import InvalidInputError
 
 if TYPE_CHECKING:
@@ -189,11 +193,11 @@ class GroupVectors:
         self._by_label: dict[str | None, list[int]] | None = None  # read once, on the first question
 
     def home_folder(self, ids: Sequence[int], labels: Sequence[str | None]) -> str | None:
-        """Of ``labels`` (the folders of the group's files), the group's label folder: the one holding
-        most of its files, then the one whose other images (not ``ids``, the group's items) look most
-        like the group's; None where the files are in one folder, or nothing tells the folders apart."""
-        held = Counter(labels)
-        if len(held) < 2 or not ids:
+        """Of ``labels`` (the folders of the group's files), the group's label folder: the one whose other
+        images (not ``ids``, the group's items, nor their copies and takes) look most like the group's;
+        None where the files are in one folder, or nothing tells the folders apart."""
+        folders = set(labels)
+        if len(folders) < 2 or not ids:
             return None
         if self._by_label is None:
             self._by_label = {}
@@ -201,11 +205,17 @@ class GroupVectors:
                 self._by_label.setdefault(item.label, []).append(item.id)
         group = set(ids)
         vectors = self.index.vectors(list(ids))
-        scores: dict[str | None, tuple[int, float]] = {}
-        for label, files in held.items():
-            others = [i for i in self._by_label.get(label, ()) if i not in group]
-            closest = (vectors @ self.index.vectors(others).T).max(axis=0) if others else np.full(1, -2.0)
-            scores[label] = (files, float(np.sort(closest)[-FOLDER_NEIGHBOURS:].mean()))
+        scores: dict[str | None, float] = {}
+        for label in folders:
+            items = self._by_label.get(label, [])
+            others = [i for i in items if i not in group]
+            if not others:  # the group's items and nothing else: the folder is about this photo alone
+                scores[label] = 1.0 if items else -2.0  # -2: only byte copies, which have no item
+                continue
+            closest = (vectors @ self.index.vectors(others).T).max(axis=0)
+            # Not the group's copies and takes (module doc), unless the folder holds nothing else.
+            evidence = closest[closest < SIMILAR_COSINE] if (closest < SIMILAR_COSINE).any() else closest
+            scores[label] = float(np.sort(evidence)[-FOLDER_NEIGHBOURS:].mean())
         ranked = sorted(scores.values(), reverse=True)
         if ranked[0] == ranked[1]:
             return None

@@ -524,11 +524,17 @@ def test_build_index_gives_a_byte_copys_item_to_the_photo_in_its_label_folder(
 ) -> None:
     """``cp -p rocket/03_original.jpg "edited/rocket copy.jpg"``: the same bytes and time. Path order put
     the item at the copy ("edited" < "rocket"), and the rocket's label one short; the keeper rule's folder
-    key gives it to the photo, whose folder's other images look like it."""
+    key gives it to the photo, whose folder's other images look like it. ``edited/`` also holds a PNG and
+    two re-encodes of the photo, which look more like it than anything: they are its copies, not
+    evidence that ``edited/`` is its folder (with them, the copy kept the item before)."""
     gallery = tmp_path / "gallery"
     shutil.copytree(demo_gallery, gallery)
     (gallery / "edited").mkdir()
     shutil.copy2(gallery / "rocket" / "03_original.jpg", gallery / "edited" / "rocket copy.jpg")
+    rocket = Image.open(gallery / "rocket" / "03_original.jpg")
+    rocket.save(gallery / "edited" / "rocket.png")
+    rocket.save(gallery / "edited" / "rocket re-encoded.jpg", quality=95)
+    rocket.save(gallery / "edited" / "rocket smaller file.jpg", quality=90)
     coffee = Image.open(gallery / "coffee" / "01_original.jpg")
     coffee.transpose(Image.Transpose.ROTATE_90).save(gallery / "edited" / "coffee turned.jpg")
     index = tmp_path / "index"
@@ -541,11 +547,15 @@ def test_build_index_gives_a_byte_copys_item_to_the_photo_in_its_label_folder(
     )
     with app_clients({"index_path": index, "model_path": exported_model, "threads": 1}) as make:
         labels = {row["label"]: row["count"] for row in make().get("/v1/labels").json()["labels"]}
-    assert labels["rocket"] == 6 and labels["edited"] == 1  # the photo and its 5 variants; the turned coffee
-    # The review proposes the same: the copy is set aside, the photo kept.
-    groups = {frozenset(i["path"] for i in g["items"]): g for g in _groups(index, "exact")}
-    group = groups[frozenset({"rocket/03_original.jpg", "edited/rocket copy.jpg"})]
-    assert group["keeper"] == "rocket/03_original.jpg" and "label folder 'rocket'" in group["reason"]
+    # The photo and its 5 variants; the turned coffee and the rocket's 3 edits.
+    assert labels["rocket"] == 6 and labels["edited"] == 4
+    # The review proposes the same: the photo is kept and its copies set aside (the byte copy and the PNG
+    # in the exact tier; in the edited tier the re-encodes too, and rocket/'s variants).
+    for tier in ("exact", "edited"):
+        (group,) = [
+            g for g in _groups(index, tier) if "edited/rocket copy.jpg" in {i["path"] for i in g["items"]}
+        ]
+        assert group["keeper"] == "rocket/03_original.jpg" and "label folder 'rocket'" in group["reason"]
 
 
 COPIES = 120  # same pixels, different bytes: one group of exact copies, all but one set aside
