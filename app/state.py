@@ -9,6 +9,7 @@ from pathlib import Path
 from app.settings import Settings
 from engine.decode.pool import Decoder
 from engine.gallery.files import own_folders
+from engine.gallery.shared import require_shared_gallery
 from engine.model.bundle import ModelFile, locate_model
 from engine.serve.loaded_bundle import LoadedBundle, ServingConfig
 from engine.serve.probe import prove_index
@@ -89,6 +90,8 @@ class EngineState:
         bundle = cls.open_bundle(settings, *cls.locate(settings))
         try:
             prove_index(bundle, stored_vectors=True)
+            if settings.writes_enabled:  # uploads and deletes go to the gallery every replica shares
+                require_shared_gallery(bundle.index)
         except Exception:
             bundle.index.close()
             raise

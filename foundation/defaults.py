@@ -21,6 +21,9 @@ DEMO_DIR = Path("artifacts/demo")
 # Where applying a duplicates plan moves the images it sets aside: a folder inside the gallery (same file
 # system, so a move is a rename), never listed as part of the gallery.
 TRASH_FOLDER = ".dmlsearch-trash"
+# The mark of a gallery folder (a random id, written once): an index whose vectors several processes share
+# (a Milvus collection) records it, and a process writes photos only into a folder that carries it.
+GALLERY_MARK = ".dmlsearch-gallery"
 # The duplicate review's keeper rule (engine.gallery.keeper): the keys that find a group's source, in
 # the order they break ties; the CLI's --keep-by default.
 KEEPER_RULE = ("camera", "source", "date", "folder", "centre")

@@ -27,7 +27,7 @@ from index.filters import ItemFilter
 from index.items import ItemStore
 from index.judgments import SqliteJudgments
 from index.manifest import BuiltIndex, Manifest
-from index.protocol import Capabilities, Entry, IndexNotBuiltError, Move, normalize_rows
+from index.protocol import Capabilities, CapabilityError, Entry, IndexNotBuiltError, Move, normalize_rows
 from index.selection import IndexOptions, IndexSpec, choose_index
 from index.sources import StoreSource
 from index.tuning import Tuning, tuning_parameter
@@ -190,6 +190,12 @@ class FaissBackend:
 
     def stats(self) -> dict[str, object]:
         return {"indexed_vectors": len(self.index) if self.index is not None else 0}
+
+    def gallery_mark(self) -> str | None:
+        return None  # its vectors live in its folder: no other process writes to them
+
+    def record_gallery_mark(self, mark: str) -> None:
+        raise CapabilityError("a FAISS index lives in its own folder: no gallery is shared through it")
 
     def move(self, moves: Sequence[Move]) -> int:
         """Metadata only: the vectors and the FAISS index are untouched."""

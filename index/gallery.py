@@ -142,6 +142,14 @@ class GalleryIndex:
     def capabilities(self) -> Capabilities:
         return self._backend.capabilities
 
+    def gallery_mark(self) -> str | None:
+        """The mark of the gallery folder the processes writing to this index share (None: none recorded,
+        or an index that lives in its folder)."""
+        return self._backend.gallery_mark()
+
+    def record_gallery_mark(self, mark: str) -> None:
+        self._backend.record_gallery_mark(mark)
+
     def _require(self, granted: bool, refusal: str) -> None:
         """Go on only where the backend declares the capability (``granted``), else refuse, saying why."""
         if not granted:

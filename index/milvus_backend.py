@@ -58,6 +58,8 @@ from index.protocol import (
 from index.selection import IndexOptions
 
 MODEL_PROPERTY = "dmlsearch.model_fingerprint"
+# The mark of the gallery folder that every replica writing to the collection shares (uploads go there).
+GALLERY_PROPERTY = "dmlsearch.gallery"
 METADATA_FIELDS = ["path", "label", "content_hash", "added"]
 TAKEN = "taken"  # a field of collections made since capture times were kept (index.filters)
 MAX_PATH = 4096
@@ -371,6 +373,10 @@ class MilvusBackend:
         backend.judgments.create(_pymilvus().DataType)  # beside the items, for every replica to see
         client.load_collection(backend.collection)
         backend.judgments.load()
+        # Session reads see this process's writes, and others' only once the server has applied them: one
+        # Strong read waits for that, so whatever was written before this process opened the collection
+        # (a replica's uploads, before a build-index that must not index their files again) is seen.
+        client.query(backend.collection, filter="", output_fields=["count(*)"], consistency_level="Strong")
         return backend
 
     def _create_collection(self, options: IndexOptions) -> None:
@@ -572,6 +578,13 @@ class MilvusBackend:
 
     def stats(self) -> dict[str, object]:
         return {}
+
+    def gallery_mark(self) -> str | None:
+        properties = self.client.describe_collection(self.collection).get("properties") or {}
+        return properties.get(GALLERY_PROPERTY) or None
+
+    def record_gallery_mark(self, mark: str) -> None:
+        self.client.alter_collection_properties(self.collection, properties={GALLERY_PROPERTY: mark})
 
     def move(self, moves: Sequence[Move]) -> int:
         return self._update({m.id: {"path": m.path, "label": m.label} for m in moves})

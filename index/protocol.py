@@ -148,6 +148,16 @@ class VectorIndex(Protocol):
         """Whether the search structure exists (a server-indexed backend: always)."""
         ...
 
+    def gallery_mark(self) -> str | None:
+        """The mark of the gallery folder that every process writing to these vectors shares
+        (``record_gallery_mark``), or None: none recorded, or vectors that live in the index's folder, which
+        no other process writes to."""
+        ...
+
+    def record_gallery_mark(self, mark: str) -> None:
+        """Record ``mark`` where every process serving these vectors reads it (``gallery_mark``)."""
+        ...
+
     def built_index(self) -> BuiltIndex:
         """What the search structure is and how it was tuned, for the manifest."""
         ...

@@ -20,6 +20,7 @@ from engine.build.rebuild import read_source, reembed
 from engine.build.report import BuildReport
 from engine.build.sync import plan_sync, sync_files
 from engine.gallery.files import list_images, resolves_inside
+from engine.gallery.shared import mark_built_gallery
 from engine.model.bundle import model_writer
 from engine.model.embedder import Embedder
 from foundation.defaults import BATCH_SIZE, DECODE_WORKERS
@@ -197,6 +198,7 @@ def build_index(
         return report
     index = GalleryIndex.open(out_dir, milvus=milvus.server_only() if milvus else None)
     try:
+        mark_built_gallery(index, gallery_root, replace=replace)
         index.set_gallery_root(gallery_root)
         changed = gallery.sync(index, report) or options is not None
         report.rebuilt = index.build(options, retune=changed, progress=progress)
@@ -213,6 +215,7 @@ def _fill_in_place(index: GalleryIndex, gallery: _Gallery, report: BuildReport) 
     which the rerun completes."""
     discard = False
     try:
+        mark_built_gallery(index, gallery.root, replace=True)  # its replicas write to this folder
         index.store_model(model_writer(gallery.embedder.model_path))
         index.save()
         gallery.sync(index, report)

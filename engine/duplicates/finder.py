@@ -20,6 +20,7 @@ from engine.duplicates.review import (
 )
 from engine.duplicates.tiers import Evidence, Tier, TieredDuplicates
 from engine.gallery.keeper import FileFacts, GroupVectors
+from engine.gallery.shared import require_shared_gallery
 from engine.serve.loaded_bundle import CurrentBundle
 from foundation.defaults import KEEPER_RULE
 from index.protocol import Item
@@ -138,11 +139,13 @@ class DuplicateFinder:
     def apply(self, plan: dict) -> ReviewReport:
         """Set aside a plan's non-keepers in the served index (``engine.duplicates.review``), alone."""
         with self.current.writing() as bundle:
+            require_shared_gallery(bundle.index)
             return set_aside(bundle.index, plan)
 
     def undo(self, plan_id: str) -> ReviewReport:
         """Undo the apply of ``plan_id`` in the served index, from the plan its trash folder holds."""
         with self.current.writing() as bundle:
+            require_shared_gallery(bundle.index)
             root = bundle.index.manifest.gallery_root
             if root is None:
                 raise PlanError("the index records no gallery folder: nothing was set aside from it")

@@ -17,6 +17,7 @@ from engine.decode.model_input import RUN_IMAGES, DecodedUploads, decode_uploads
 from engine.duplicates.review import delete_items
 from engine.gallery.files import is_writable_folder
 from engine.gallery.labels import InvalidLabelError, check_label
+from engine.gallery.shared import require_shared_gallery
 from engine.serve.item_reader import find_item
 from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle, ServingConfig
 from foundation.atomic import atomic_write_bytes
@@ -113,6 +114,7 @@ class ItemWriter:
         bundle = self.current.bundle
         embedded = self._embed(bundle, new_items)
         with self.current.writing() as served:
+            require_shared_gallery(served.index)  # the folder every replica writes to, or none
             if served.embedder.fingerprint != bundle.embedder.fingerprint:
                 embedded = self._embed(served, new_items)
             # Placed under the lock: a reload may have closed the catalog of the bundle embedded for.
@@ -184,6 +186,7 @@ class ItemWriter:
         index saved. A gallery folder that cannot be written refuses it (503), nothing removed."""
         with self.current.writing() as bundle:
             item = find_item(bundle, item_id)
+            require_shared_gallery(bundle.index)  # the folder every replica sets photos aside in
             with _storage(f"item {item_id} was not deleted"):
                 deletion = delete_items(bundle.index, [item_id])
         return RemovedItem(item, [*deletion.report.moved, *deletion.report.already], deletion.plan_id)

@@ -7,6 +7,7 @@ against :data:`REPLICA_DELAY_S`.
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -14,9 +15,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
 from bench.lib.images import image_bytes, make_image
 from bench.lib.servers import serving
+from cli.main import app
+from foundation.defaults import GALLERY_MARK, TRASH_FOLDER
+from index.connection import MilvusConnection
+from index.gallery import GalleryIndex
+from index.manifest import Manifest
 from tests.support.milvus_server import MilvusServerProcess, milvus_target
 from tests.support.servers import API_KEY, uvicorn_server
 from tests.support.waiting import wait_until
@@ -143,3 +150,94 @@ def test_a_replica_killed_during_writes_loses_no_acknowledged_write(
         _time_until(all_on_b, f"replica B to show the {len(acknowledged)} acknowledged items")
         stats = httpx.get(f"{b}/v1/stats").json()
         assert stats["count"] >= 9 + len(acknowledged)
+
+
+def _copy_index(index: Path, target: Path, gallery: Path | None = None) -> Path:
+    """A replica's own copy of the index directory (its working folder), naming ``gallery`` if given."""
+    shutil.copytree(index, target)
+    if gallery is not None:
+        manifest = Manifest.load(target)
+        manifest.gallery_root = str(gallery.resolve())
+        manifest.save(target)
+    return target
+
+
+def _add(base: str, seed: int) -> httpx.Response:
+    image = image_bytes(make_image(seed), "PNG")
+    return httpx.post(f"{base}/v1/items", files={"images": (f"{seed}.png", image)}, headers=KEY, timeout=60)
+
+
+@pytest.mark.server  # the real Milvus server, through milvus_target
+def test_replicas_write_to_the_one_shared_gallery_or_refuse_to_serve(
+    tmp_path: Path, exported_model: Path, request: pytest.FixtureRequest
+) -> None:
+    """Issue 42, finding 3: uploads were written into each replica's own gallery folder, so a rebuild from
+    either folder lost the other's. Two replicas with their own working folders (copies of the index
+    directory) on one collection of the real server: with the one shared gallery, both write there and a
+    rebuild keeps every upload and every delete; a replica whose gallery is another folder (a local copy
+    of the photos) is refused: not ready, 503 on a write, and its build-index into the collection refused;
+    and a replica whose share went away (the mount point empty) refuses writes."""
+    shared = tmp_path / "shared-photos"
+    for i in range(6):
+        (shared / f"label{i % 2}").mkdir(parents=True, exist_ok=True)
+        make_image(700 + i).save(shared / f"label{i % 2}" / f"{i}.png")
+    target = milvus_target("milvus-server", request, tmp_path)
+    milvus = target["milvus"]
+    assert isinstance(milvus, MilvusConnection)
+    built = tmp_path / "built"
+    build = ["build-index", str(shared), "--model", str(exported_model), "--no-progress"]
+    where = ["--backend", "milvus", "--milvus-uri", milvus.uri, "--milvus-collection", milvus.collection]
+    result = CliRunner().invoke(app, [*build, "--out", str(built), *where])
+    assert result.exit_code == 0, result.output
+    a = _copy_index(built, tmp_path / "machine-a" / "index")
+    b = _copy_index(built, tmp_path / "machine-b" / "index")
+    env = {"DMLSEARCH_API_KEY": API_KEY}
+    serve = ["--model", str(exported_model), "--rate-limit", "0"]
+
+    with (
+        uvicorn_server(["--index", str(a), *serve], env) as on_a,
+        uvicorn_server(["--index", str(b), *serve], env) as on_b,
+    ):
+        uploads = []
+        for base, seed in ((on_a, 9001), (on_b, 9002), (on_a, 9003)):
+            added = _add(base, seed)
+            assert added.status_code == 201, added.text
+            uploads.append(added.json()["items"][0])
+        deleted = httpx.delete(f"{on_b}/v1/items/{uploads[2]['id']}", headers=KEY, timeout=60)
+        assert deleted.status_code == 200, deleted.text
+        for upload in uploads[:2]:  # both in the one folder every replica writes to
+            assert (shared / upload["path"]).is_file()
+
+    # A rebuild from the shared folder, through either working folder: every upload stays, the delete too.
+    for index in (a, b):
+        result = CliRunner().invoke(app, [*build, "--out", str(index)])
+        assert result.exit_code == 0, result.output
+        assert "indexed 0 images" in result.output and "0 removed" in result.output
+    opened = GalleryIndex.open(a)
+    paths = {item.path for item in opened.items.scan()}
+    opened.close()
+    assert len(paths) == 6 + 2 and {upload["path"] for upload in uploads[:2]} <= paths
+
+    # A replica whose gallery is a local copy of the photos (not the share): refused, as is its rebuild.
+    local = tmp_path / "machine-c" / "photos"
+    shutil.copytree(shared, local, ignore=shutil.ignore_patterns(GALLERY_MARK, TRASH_FOLDER))
+    c = _copy_index(built, tmp_path / "machine-c" / "index", gallery=local)
+    copied = sorted(local.rglob("*"))
+    with uvicorn_server(["--index", str(c), *serve], env, ready_path="/healthz") as on_c:
+        ready = httpx.get(f"{on_c}/readyz", timeout=10)
+        assert ready.status_code == 503 and "not the one" in ready.json()["error"]["message"], ready.text
+        assert _add(on_c, 9004).status_code == 503
+    assert sorted(local.rglob("*")) == copied  # nothing written into the local copy
+    result = CliRunner().invoke(app, [*build[:1], str(local), *build[2:], "--out", str(c)])
+    assert result.exit_code == 2 and "not the one" in result.output, result.output
+    # Read-only, it may serve the copy: it writes nothing.
+    with uvicorn_server(["--index", str(c), *serve]) as read_only:
+        assert httpx.get(f"{read_only}/v1/stats", timeout=10).json()["count"] == 8
+
+    # The share gone from under a running replica (the mount point left empty): its writes are refused.
+    with uvicorn_server(["--index", str(a), *serve], env) as on_a:
+        shared.rename(tmp_path / "unmounted")
+        shared.mkdir()
+        refused = _add(on_a, 9005)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "gallery_not_shared"
+        assert list(shared.iterdir()) == []
