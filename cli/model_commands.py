@@ -234,9 +234,8 @@ def train(
             raise fail("training on judgments (--feedback) takes a named loss in --mode frozen")
         mode = "frozen"
     label_free = data is not None and is_label_free(data, labels)
-    if label_free and mode is None:
-        typer.echo("training without labels (photos outside class folders): --mode frozen")
-        mode = "frozen"  # fine-tuning without labels is not built yet: the trainer refuses it
+    if label_free:
+        typer.echo("training without labels (photos outside class folders, or --labels none)")
     fields: dict[str, Any] = {
         "mode": mode or ("finetune" if torch.cuda.is_available() else "frozen"),
         "train_classes": train_classes,
@@ -269,7 +268,7 @@ def train(
                 if time_budget is not None:
                     fields["time_budget"] = 60 * time_budget
                 if mode is None and not torch.cuda.is_available() and data is not None:
-                    plan_on = resolve(loss, recipe_name, overrides, "finetune")
+                    plan_on = resolve(loss, recipe_name, overrides, "finetune", label_free=label_free)
                     fields.update(_plan_cpu_mode(plan_on, loss, data, out, fields, time_budget))
                 resolved = resolve(loss, recipe_name, overrides, fields.pop("mode"), label_free=label_free)
                 config = resolved.config(

@@ -27,9 +27,11 @@ import torch
 from training.backbone import BACKBONES
 from training.config import TrainConfig
 from training.data import load_labelled_images, split_classes
+from training.label_free_data import label_free_images, plan_label_free
 from training.losses import LOSSES
 from training.model import build_objective
 from training.precision import model_inputs, resolve_compute
+from training.pseudo_labels import FINETUNE_REFRESH_EPOCHS
 
 # The fewest fine-tuning steps worth choosing over the frozen mode: what a measured run took to gain
 # most of fine-tuning's lead (docs/measurements.md).
@@ -198,15 +200,7 @@ def measure(config: TrainConfig, *, clock: Clock = time.perf_counter, load: Load
     batch = (config.classes_per_batch or layout.classes) * (
         config.samples_per_class or layout.samples_per_class
     )
-    assert config.data is not None, "a fine-tuning plan needs a data folder (runs on judgments are frozen)"
-    split = split_classes(
-        load_labelled_images(Path(config.data)),
-        train_classes=config.train_classes,
-        val_fraction=config.val_fraction,
-        fold=config.fold,
-        folds=config.folds,
-    )
-    images = {name: len(split[name]) for name in ("train", "val", "test")}
+    images = split_sizes(config)
     input_size = BACKBONES[config.backbone].preprocessing.input_size
     eval_area = (input_size / (config.train_size or input_size)) ** 2
     frozen_stage_s = 0.0
@@ -215,6 +209,28 @@ def measure(config: TrainConfig, *, clock: Clock = time.perf_counter, load: Load
         frozen_stage_s = max_steps / measure_head_speed(config, batch, clock=clock)
     img_per_s = measure_finetune_speed(config, batch, clock=clock)
     return Speed(img_per_s, batch, images, eval_area, frozen_stage_s, load)
+
+
+def split_sizes(config: TrainConfig) -> dict[str, int]:
+    """Images of each split that a run of ``config`` trains on, validates and tests: a label-free run's
+    held-out photos count twice (as served and as an augmented view), and its pseudo-label refreshes
+    embed the training photos again, counted as that many more validation images."""
+    assert config.data is not None, "a fine-tuning plan needs a data folder (runs on judgments are frozen)"
+    loose = label_free_images(Path(config.data), config.labels)
+    if loose is None:
+        split = split_classes(
+            load_labelled_images(Path(config.data)),
+            train_classes=config.train_classes,
+            val_fraction=config.val_fraction,
+            fold=config.fold,
+            folds=config.folds,
+        )
+        return {name: len(split[name]) for name in ("train", "val", "test")}
+    plan = plan_label_free(loose, seed=config.seed)
+    # A refresh every FINETUNE_REFRESH_EPOCHS epochs embeds the training photos: per epoch (a validation),
+    # that many more evaluated images.
+    refreshed = math.ceil(len(plan.train) / FINETUNE_REFRESH_EPOCHS)
+    return {"train": len(plan.train), "val": 2 * len(plan.val) + refreshed, "test": 2 * len(plan.test)}
 
 
 def plan_for(config: TrainConfig, budget_s: float) -> Plan:

@@ -113,7 +113,15 @@ def embed_run(
         workload = CachedWorkload(objective, prepared.train_views, inputs, device)
     else:
         preprocessing = BACKBONES[config.backbone].preprocessing
-        workload = FinetuneWorkload(objective, {"eval": files}, preprocessing, device, workers=config.workers)
+        views = prepared.seeded_views(names)  # a label-free run's held-out views, made as it made them
+        workload = FinetuneWorkload(
+            objective,
+            {"eval": files},
+            preprocessing,
+            device,
+            workers=config.workers,
+            views=None if views is None else {"eval": views},
+        )
     return RunEmbeddings(
         config=config,
         objective=objective,

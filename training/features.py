@@ -46,6 +46,10 @@ from training.export import export_onnx
 from training.model import EmbeddingModel
 
 Stage = Literal["pooled", "trunk"]
+# How an augmented view is made: "crop", the training augmentation (random resized crop and flip); "strong",
+# SimCLR's view (Chen et al. 2020: smaller crops, colour jitter, grey), a harder held-out check.
+Augmentation = Literal["crop", "strong"]
+STRONG_MIN_AREA = 0.2  # SimCLR's crops reach 8% of the image; 20% keeps most of an object in a tight crop
 SHARD_SIZE = 512
 
 
@@ -92,8 +96,30 @@ def augment_transform(preprocessing: Preprocessing, min_area: float = AUGMENT_MI
     )
 
 
+def strong_transform(preprocessing: Preprocessing) -> v2.Compose:
+    """SimCLR's augmentation (Chen et al. 2020, Appendix A): random resized crop down to
+    :data:`STRONG_MIN_AREA`, flip, colour jitter (0.4, 0.4, 0.4, 0.1) 80% of the time, grey 20%."""
+    return v2.Compose(
+        [
+            augment_transform(preprocessing, STRONG_MIN_AREA),
+            v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
+            v2.RandomGrayscale(p=0.2),
+        ]
+    )
+
+
+def view_transform(preprocessing: Preprocessing, augmentation: Augmentation = "crop") -> v2.Compose:
+    """The transform that makes an augmented view of kind ``augmentation``."""
+    return strong_transform(preprocessing) if augmentation == "strong" else augment_transform(preprocessing)
+
+
 def view_images(
-    images: Sequence[Image.Image], indices: Sequence[int], view: int, seed: int, preprocessing: Preprocessing
+    images: Sequence[Image.Image],
+    indices: Sequence[int],
+    view: int,
+    seed: int,
+    preprocessing: Preprocessing,
+    augmentation: Augmentation = "crop",
 ) -> np.ndarray:
     """The NCHW input batch for one view: the serving preprocessing, augmented for ``view > 0``.
 
@@ -101,14 +127,21 @@ def view_images(
     same for an image whichever batch it lands in.
     """
     if view > 0:
-        transform = augment_transform(preprocessing)
-        augmented = []
-        for image, index in zip(images, indices, strict=True):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(int(np.random.SeedSequence([seed, view, int(index)]).generate_state(1)[0]))
-                augmented.append(transform(image))
-        images = augmented
+        transform = view_transform(preprocessing, augmentation)
+        images = [
+            seeded_view(image, index, view, seed, transform)
+            for image, index in zip(images, indices, strict=True)
+        ]
     return to_tensor(images, preprocessing)
+
+
+def seeded_view(image: Image.Image, index: int, view: int, seed: int, transform: v2.Compose) -> Image.Image:
+    """Augmented ``view`` of the image at ``index`` of a file list: ``transform`` seeded by (seed, view,
+    index), so that the same view of the same image is the same picture wherever it is made (the feature
+    cache, or a fine-tuning run's held-out check)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(np.random.SeedSequence([seed, view, int(index)]).generate_state(1)[0]))
+        return transform(image)
 
 
 class FeatureExtractor:
@@ -140,9 +173,11 @@ class FeatureExtractor:
     def _empty(self, rows: int) -> np.ndarray:
         return np.zeros((rows, *self.row_shape), self.dtype)
 
-    def extract(self, files: Sequence[Path], *, view: int = 0, seed: int = 0) -> FeatureSet:
-        """Features of ``files`` for ``view``, from the cache where present."""
-        directory = self.cache_dir / "features" / self._key(files, view, seed)
+    def extract(
+        self, files: Sequence[Path], *, view: int = 0, seed: int = 0, augmentation: Augmentation = "crop"
+    ) -> FeatureSet:
+        """Features of ``files`` for ``view`` (made by ``augmentation``), from the cache where present."""
+        directory = self.cache_dir / "features" / self._key(files, view, seed, augmentation)
         shards = [files[start : start + SHARD_SIZE] for start in range(0, len(files), SHARD_SIZE)]
         missing = [i for i in range(len(shards)) if not _shard_path(directory, i).exists()]
         bar = progress_bar(
@@ -152,7 +187,8 @@ class FeatureExtractor:
             disable=not self.progress or not missing,
         )
         for i in missing:
-            self._extract_shard(shards[i], i * SHARD_SIZE, view, seed, _shard_path(directory, i), bar)
+            target = _shard_path(directory, i)
+            self._extract_shard(shards[i], i * SHARD_SIZE, (view, seed, augmentation), target, bar)
             stopping.checkpoint()  # SIGTERM stops after the shard just written: a rerun resumes from the next
         bar.close()
         parts = [np.load(_shard_path(directory, i)) for i in range(len(shards))]
@@ -173,8 +209,9 @@ class FeatureExtractor:
         )
 
     def _extract_shard(
-        self, files: Sequence[Path], offset: int, view: int, seed: int, target: Path, bar: tqdm
+        self, files: Sequence[Path], offset: int, how: tuple[int, int, Augmentation], target: Path, bar: tqdm
     ) -> None:
+        """``how``: the view, its seed and its augmentation."""
         features = self._empty(len(files))
         ok = np.zeros(len(files), bool)
         skipped_rows: list[int] = []
@@ -190,7 +227,7 @@ class FeatureExtractor:
                     skipped_rows.append(row)
                     reasons.append(str(err))
             if images:
-                batch = view_images(images, [offset + row for row in rows], view, seed, preprocessing)
+                batch = view_images(images, [offset + row for row in rows], *how[:2], preprocessing, how[2])
                 features[rows] = self._run(batch)
                 ok[rows] = True
             bar.update(min(self.batch_size, len(files) - start))
@@ -203,9 +240,15 @@ class FeatureExtractor:
                 skipped_reasons=np.array(reasons, dtype=str),
             )
 
-    def _key(self, files: Sequence[Path], view: int, seed: int) -> str:
+    def _key(self, files: Sequence[Path], view: int, seed: int, augmentation: Augmentation) -> str:
         digest = hashlib.sha256()
-        header = {"model": self.embedder.fingerprint, "view": view, "seed": seed if view else None}
+        header: dict[str, object] = {
+            "model": self.embedder.fingerprint,
+            "view": view,
+            "seed": seed if view else None,
+        }
+        if view and augmentation != "crop":  # the crop views' keys stay what they were: their caches hold
+            header["augmentation"] = augmentation
         digest.update(json.dumps(header, sort_keys=True).encode())
         for path in files:
             # Hashing costs far less than decoding and embedding (docs/measurements.md).

@@ -9,7 +9,8 @@ folder); the loose ones train on pseudo-labels (:mod:`training.pseudo_labels`).
   check, and never straddle the split.
 * The held-out check: :data:`HELD_OUT_SHARE` of the loose photos (whole copy groups, seeded) for validation
   and as many for test; none of them trains. Each held-out photo is embedded twice, as it is served and as
-  one augmented view (view :data:`EVAL_VIEW` of the feature cache), both rows labelled with the photo's id.
+  one augmented view (view :data:`EVAL_VIEW` of the feature cache, :data:`EVAL_AUGMENTATION`), both rows
+  labelled with the photo's id.
   Recall@1 over those rows is the share of images whose nearest other image is the same photo's other
   version (view -> original and original -> view): whether the embedding still tells a photo it never saw
   from the others under the changes training teaches it to ignore. The trainer selects checkpoints and the
@@ -26,6 +27,7 @@ import numpy as np
 from engine.gallery.hashing import file_hash
 from training.config import LabelSource
 from training.data import LOOSE, DataError, LabelledImages, load_labelled_images, without_labels
+from training.features import Augmentation
 
 # Held out for validation, and as many for test: a tenth each (at least MIN_HELD_OUT photos) leaves most of
 # a folder to train on while a few hundred photos of a few thousand give a Recall@1 interval of some points.
@@ -35,6 +37,7 @@ MIN_HELD_OUT = 4
 # photos are then ignored (with a warning) as before label-free runs existed.
 MIN_LOOSE_PHOTOS = 20
 EVAL_VIEW = 1  # the feature cache's augmented view that held-out photos are embedded in besides their own
+EVAL_AUGMENTATION: Augmentation = "crop"  # how that view is made: as training's augmented crops
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,17 @@ LABEL_FREE: dict[str, Choice] = {
     ),
 }
 
+# What a run without labels changes of that when the whole network trains.
+LABEL_FREE_FINETUNE: dict[str, Choice] = {
+    "views": Choice(
+        1,
+        "fine-tuning makes fresh crops of each photo at every step, so its two views need no cache; one "
+        "cached view lets the frozen first stage draw two different pictures of a photo (served and "
+        "augmented): two backbone passes over every photo instead of the five of 4 views (each pass "
+        "takes minutes on a CPU for thousands of photos)",
+    ),
+}
+
 # Dot-product losses on unnormalised embeddings take the squared norm as softmax temperature; the
 # PCA-initialised head starts with norms below 1, so their logits stay within +-1 unless scaled.
 _DOT_SCALE = Choice(
@@ -208,10 +219,11 @@ def recipe(
     loss: str, name: RecipeName = DEFAULT_RECIPE, mode: Mode = "frozen", *, label_free: bool = False
 ) -> dict[str, Choice]:
     """The choices ``name`` makes for ``loss`` trained in ``mode`` (for ``paper``, the printed defaults
-    apply), plus, ``label_free``, what a run without labels needs (:data:`LABEL_FREE`)."""
+    apply), plus, ``label_free``, what a run without labels needs (:data:`LABEL_FREE`, and
+    :data:`LABEL_FREE_FINETUNE` when fine-tuning)."""
     LOSSES[loss]  # an unknown loss fails here, with the known names
     parse_recipe_name(name)  # and an unknown recipe here
-    needed = LABEL_FREE if label_free else {}
+    needed = {**LABEL_FREE, **(LABEL_FREE_FINETUNE if mode == "finetune" else {})} if label_free else {}
     if name == "paper":
         return dict(needed)
     return {**COMMON, **(FINETUNE if mode == "finetune" else {}), **RECIPES.get(loss, {}), **needed}

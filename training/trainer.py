@@ -19,6 +19,7 @@ import math
 import time
 import warnings
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -40,12 +41,18 @@ from training.feedback_data import load_feedback
 from training.feedback_gate import FeedbackGate, feedback_gate
 from training.feedback_rows import JUDGED_SPLIT, JudgedRows, judged_only, with_judged_photos
 from training.feedback_sampler import FeedbackSampler
-from training.label_free_data import EVAL_VIEW, LabelFreePlan, label_free_images, plan_label_free
+from training.label_free_data import (
+    EVAL_AUGMENTATION,
+    EVAL_VIEW,
+    LabelFreePlan,
+    label_free_images,
+    plan_label_free,
+)
 from training.losses import LOSSES, LossSpec
 from training.metrics import evaluate, top_hits
 from training.model import build_objective
 from training.precision import Compute, resolve_compute
-from training.pseudo_labels import PseudoLabelSampler
+from training.pseudo_labels import FINETUNE_REFRESH_EPOCHS, PseudoLabelSampler
 from training.run_dir import (
     LABEL_FREE_SCORE,
     BestCheckpoint,
@@ -59,7 +66,7 @@ from training.run_dir import (
     TrainState,
 )
 from training.samplers import ClassBalancedSampler, sampler_for
-from training.workloads import CachedWorkload, FinetuneWorkload
+from training.workloads import CachedWorkload, FinetuneWorkload, SeededViews
 
 SELECTION_METRIC = "recall@1"
 # A run whose loss is stuck learns nothing: 0 (every example already meets the loss's margin, so there is
@@ -90,6 +97,8 @@ class PreparedData:
     train_views: np.ndarray  # (1 + augmented views, n_train, *input shape): inputs of training
     label_free: LabelFreePlan | None = None
     judged: JudgedRows | None = None  # a run with --feedback: its judged photos' rows (feedback_rows)
+    # label-free: per held-out split, the rows shown as an augmented view (fine-tuning makes them anew)
+    held_out_views: dict[str, SeededViews] = field(default_factory=dict)
 
     def labels(self, split: str) -> np.ndarray:
         return self.row_labels[split]
@@ -101,6 +110,18 @@ class PreparedData:
     def class_names(self) -> tuple[str, ...]:
         """The name of each label of the validation and test rows: a class, or a held-out photo's path."""
         return self.images.paths if self.label_free is not None else self.images.class_names
+
+    def seeded_views(self, names: Sequence[str]) -> SeededViews | None:
+        """The rows of the splits ``names``, in order, that a fine-tuning workload shows as augmented views
+        (a label-free run's held-out views); None for a labelled run."""
+        if not self.held_out_views:
+            return None
+        held_out = self.held_out_views
+        positions = [
+            held_out[name].positions if name in held_out else np.full(len(self.indices[name]), -1)
+            for name in names
+        ]
+        return replace(next(iter(held_out.values())), positions=np.concatenate(positions))
 
     def train_copies(self) -> np.ndarray:
         """Per training row, the training row of its first byte copy (itself when it has none)."""
@@ -146,11 +167,7 @@ def _folder_data(
     loose = label_free_images(Path(config.data), config.labels)
     plan = None if loose is None else plan_label_free(loose, seed=config.seed)
     if plan is not None:
-        if config.mode == "finetune":
-            raise DataError(
-                "a run without labels trains in --mode frozen or partial (fine-tuning one is not built yet)"
-            )
-        images, pool, views = plan.images, np.arange(len(plan.images)), max(config.views, EVAL_VIEW)
+        images, pool = plan.images, np.arange(len(plan.images))
         split: dict[str, np.ndarray] = {"train": plan.train, "val": plan.val, "test": plan.test}
     else:
         images = load_labelled_images(Path(config.data))
@@ -161,7 +178,7 @@ def _folder_data(
             fold=config.fold,
             folds=config.folds,
         )
-        pool, views = classes.pool, config.views
+        pool = classes.pool
         split = {name: classes[name] for name in ("train", "val", "test")}
     for turn in (True, False):  # the main process extracts first; the others then read the cache
         if dist.is_main == turn:
@@ -178,12 +195,10 @@ def _folder_data(
             seed = config.effective_view_seed
             augmented = [
                 extractor.extract(images.files(training_range), view=view, seed=seed).features
-                for view in range(1, views + 1)
+                for view in range(1, config.views + 1)
             ]
-            pooled_view = (
-                pooled.extract(images.files(training_range), view=EVAL_VIEW, seed=seed).features
-                if plan is not None
-                else None
+            held_out_view = (
+                None if plan is None else held_out_views_of(plan, images, base.ok, pooled, extractor, seed)
             )
         dist.barrier()
     indices = {name: split[name][base.ok[split[name]]] for name in ("train", "val", "test")}
@@ -193,9 +208,7 @@ def _folder_data(
             if len(np.unique(images.labels[kept])) < 2:
                 raise DataError(f"the {name} split has fewer than two classes of readable images")
     rows = np.searchsorted(training_range, indices["train"])
-    train_views = np.stack(
-        [base_inputs[indices["train"]], *(inputs[rows] for inputs in augmented[: config.views])]
-    )
+    train_views = np.stack([base_inputs[indices["train"]], *(inputs[rows] for inputs in augmented)])
     features = {name: base.features[kept] for name, kept in indices.items()}
     # Frozen mode feeds the pooled features themselves: share them rather than copy every split again.
     inputs = (
@@ -203,15 +216,18 @@ def _folder_data(
         if base_inputs is base.features
         else {name: base_inputs[kept] for name, kept in indices.items()}
     )
+    held_out_views: dict[str, SeededViews] = {}
     if plan is not None:
-        assert pooled_view is not None
+        assert held_out_view is not None
         inputs, features = dict(inputs), dict(features)
         for name in ("val", "test"):
-            held, at = indices[name], np.searchsorted(training_range, indices[name])
+            held, at = indices[name], np.searchsorted(held_out_view.photos, indices[name])
+            positions = np.concatenate([np.full(len(held), -1), at])
+            held_out_views[name] = SeededViews(positions, EVAL_VIEW, seed, EVAL_AUGMENTATION)
             indices[name] = np.concatenate([held, held])
             row_labels[name] = np.concatenate([plan.held_out_labels(held)] * 2)
-            features[name] = np.concatenate([features[name], pooled_view[at]])
-            inputs[name] = np.concatenate([inputs[name], augmented[EVAL_VIEW - 1][at]])
+            features[name] = np.concatenate([features[name], held_out_view.pooled[at]])
+            inputs[name] = np.concatenate([inputs[name], held_out_view.inputs[at]])
         if config.mode == "frozen":
             inputs = features
     return PreparedData(
@@ -222,7 +238,36 @@ def _folder_data(
         inputs=inputs,
         train_views=train_views,
         label_free=plan,
+        held_out_views=held_out_views,
     )
+
+
+@dataclass(frozen=True)
+class HeldOutView:
+    """The augmented view of a label-free run's held-out photos that its check finds them again from."""
+
+    photos: np.ndarray  # the readable held-out photos (image indices, sorted): the list the view was made of
+    pooled: np.ndarray  # the untrained backbone's pooled features of the view (the baseline)
+    inputs: np.ndarray  # the model's inputs of the view (pooled features, or trunk maps in partial mode)
+
+
+def held_out_views_of(
+    plan: LabelFreePlan,
+    images: LabelledImages,
+    ok: np.ndarray,
+    pooled: FeatureExtractor,
+    extractor: FeatureExtractor,
+    seed: int,
+) -> HeldOutView:
+    """View :data:`EVAL_VIEW` (made by :data:`EVAL_AUGMENTATION`) of each readable held-out photo."""
+    held = np.sort(np.concatenate([plan.val, plan.test]))
+    held = held[ok[held]]
+    files = images.files(held)
+    view = pooled.extract(files, view=EVAL_VIEW, seed=seed, augmentation=EVAL_AUGMENTATION).features
+    inputs = view
+    if extractor is not pooled:
+        inputs = extractor.extract(files, view=EVAL_VIEW, seed=seed, augmentation=EVAL_AUGMENTATION).features
+    return HeldOutView(held, view, inputs)
 
 
 @dataclass
@@ -331,6 +376,7 @@ def frozen_stage(config: TrainConfig, out: Path, *, progress: bool) -> FrozenSta
             "max_steps": defaults["max_steps"].default,
             "time_budget": None,
             "compute": None,
+            "cache_dir": str(cache_directory(config, out)),  # the backbone features are extracted once
         }
     )
     path = out / FROZEN_STAGE
@@ -432,6 +478,7 @@ class _Training:
                 classes=config.classes_per_batch,
                 samples_per_class=config.samples_per_class,
                 clusters_per_class=config.clusters_per_class,
+                refresh_epochs=FINETUNE_REFRESH_EPOCHS if config.mode == "finetune" else 0.0,
                 seed=seed,
             )
         return sampler_for(
@@ -524,6 +571,7 @@ class _Training:
             channels_last=self.compute.channels_last,
             train_size=self.config.train_size,
             min_crop_area=self.config.min_crop_area,
+            views=data.held_out_views,
         )
 
     def _param_groups(self) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from engine.model.model_card import Preprocessing
 from engine.model.preprocess import to_tensor
 from foundation.stopping import obey_stop_signals_from_owner, stop_signals_blocked
 from training.config import AUGMENT_MIN_AREA
-from training.features import augment_transform
+from training.features import Augmentation, augment_transform, seeded_view, view_transform
 from training.model import TrainingObjective
 from training.precision import model_inputs
 from training.samplers import ClassBalancedSampler
@@ -103,16 +104,35 @@ class CachedWorkload:
         return torch.cat(parts).numpy()
 
 
+@dataclass(frozen=True)
+class SeededViews:
+    """Rows of an evaluated split shown as a seeded augmented view instead of as served (a label-free
+    run's held-out check, :mod:`training.label_free_data`): the same pictures the feature cache holds."""
+
+    positions: np.ndarray  # per row: the image's index in the list its view was made from; -1: served
+    view: int
+    seed: int
+    augmentation: Augmentation = "crop"
+
+
 class ImageFiles(Dataset):
     """Decoded, preprocessed images; augmented (random resized crop + flip) for training."""
 
     def __init__(
-        self, files: Sequence[Path], preprocessing: Preprocessing, *, augment: float | None = None
+        self,
+        files: Sequence[Path],
+        preprocessing: Preprocessing,
+        *,
+        augment: float | None = None,
+        views: SeededViews | None = None,
     ) -> None:
-        """``augment``: the smallest area fraction of the random resized crops; None: no augmentation."""
+        """``augment``: the smallest area fraction of the random resized crops; None: no augmentation.
+        ``views``: rows shown as a seeded view of the feature cache's (training.features.view_images)."""
         self.files = list(files)
         self.preprocessing = preprocessing
         self.augment = None if augment is None else augment_transform(preprocessing, augment)
+        self.views = views
+        self.view_transform = view_transform(preprocessing, views.augmentation if views else "crop")
 
     def __len__(self) -> int:
         return len(self.files)
@@ -122,6 +142,8 @@ class ImageFiles(Dataset):
         image = load_image_file(self.files[index], draft_size=self.preprocessing.resize_size)
         if self.augment is not None:
             image = self.augment(image)
+        if self.views is not None and (position := int(self.views.positions[index])) >= 0:
+            image = seeded_view(image, position, self.views.view, self.views.seed, self.view_transform)
         return index, torch.from_numpy(to_tensor([image], self.preprocessing)[0])
 
 
@@ -178,9 +200,12 @@ class FinetuneWorkload:
         channels_last: bool = False,
         train_size: int | None = None,
         min_crop_area: float = AUGMENT_MIN_AREA,
+        views: dict[str, SeededViews] | None = None,
     ) -> None:
+        """``views``: per evaluated split, rows shown as a seeded augmented view (label-free runs)."""
         self.objective = objective
         self.files = files
+        self.views = views or {}
         self.preprocessing = preprocessing
         self.train_preprocessing = training_preprocessing(preprocessing, train_size)
         self.min_crop_area = min_crop_area
@@ -203,7 +228,7 @@ class FinetuneWorkload:
     @torch.no_grad()
     def embed(self, split: str) -> np.ndarray:
         loader = StopSafeLoader(
-            ImageFiles(self.files[split], self.preprocessing),
+            ImageFiles(self.files[split], self.preprocessing, views=self.views.get(split)),
             batch_size=self.batch_size,
             num_workers=self.workers,
         )

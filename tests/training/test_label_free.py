@@ -3,6 +3,7 @@ gate on the label-free score."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -12,11 +13,19 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
+from engine.gallery.hashing import file_hash
 from engine.model.embedder import Embedder
 from tests.support.train_config import tiny_train_config
+from training import trainer
+from training.backbone import BACKBONES
+from training.budget import split_sizes
+from training.config import TrainConfig
 from training.data import LOOSE
+from training.features import FeatureExtractor
 from training.label_free_data import is_label_free, label_free_images, plan_label_free
+from training.recipes import FINETUNE, LABEL_FREE, resolve
 from training.trainer import prepare_data
+from training.workloads import ImageFiles
 
 runner = CliRunner()
 TINY = ["-p", "embedding_dim=16", "-p", "head_hidden=32"]
@@ -120,3 +129,94 @@ def test_a_partly_labelled_folder_keeps_its_labels_and_merges_byte_copies(
     assert (train != LOOSE).sum() == 21  # 20 in class folders and the copy of one of them
     val = data.labels("val")
     assert (val[: len(val) // 2] == val[len(val) // 2 :]).all()  # a held-out photo and its view: one id
+
+
+@pytest.mark.parametrize("augmentation", ["crop", "strong"])
+def test_a_fine_tuning_run_checks_held_out_photos_on_the_views_the_baseline_was_cached_on(
+    flat_folder: Path, feature_cache: Path, augmentation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fine-tuning embeds held-out photos from their files: the augmented half of each held-out split
+    must be the same pictures as the cached view the untrained backbone's baseline was computed on, or
+    the gate would compare two models on different images."""
+    monkeypatch.setattr(trainer, "EVAL_AUGMENTATION", augmentation)
+    config = tiny_train_config(flat_folder, feature_cache, mode="finetune", views=1)
+    data = prepare_data(config, feature_cache, progress=False)
+    views = data.held_out_views["val"]
+    assert views.augmentation == augmentation
+    half = len(data.indices["val"]) // 2
+    assert (views.positions[:half] == -1).all() and (views.positions[half:] >= 0).all()
+    preprocessing = BACKBONES[config.backbone].preprocessing
+    shown = ImageFiles(data.files("val"), preprocessing, views=views)
+    embedder = Embedder(feature_cache / "backbones" / config.backbone / "model.onnx")
+    pictures = np.stack([shown[row][1].numpy() for row in range(len(shown))])
+    np.testing.assert_allclose(embedder.embed_tensor(pictures), data.features["val"], atol=1e-5)
+
+
+def test_the_label_free_recipe_fine_tunes_on_fresh_crops_with_one_cached_view() -> None:
+    frozen = resolve("ms", label_free=True).config("ms", "photos")
+    finetune = resolve("ms", mode="finetune", label_free=True).config("ms", "photos")
+    assert (frozen.views, finetune.views) == (LABEL_FREE["views"].value, 1)
+    assert finetune.frozen_first and finetune.train_size == FINETUNE["train_size"].value
+
+
+def test_the_cpu_budget_counts_a_label_free_runs_held_out_views_and_refreshes(
+    flat_folder: Path, labelled_folder: Path
+) -> None:
+    sizes = split_sizes(TrainConfig(loss="ms", data=str(flat_folder)))
+    # 60 photos: 6 + 6 held out, each twice; 48 training photos, embedded again every 3 epochs
+    assert sizes == {"train": 48, "val": 12 + 16, "test": 12}
+    labelled = split_sizes(TrainConfig(loss="ms", data=str(labelled_folder)))
+    assert labelled == {"train": 20, "val": 10, "test": 30}  # 6 training classes (2 validating), 6 test
+
+
+@pytest.mark.slow  # real fine-tuning steps on the CPU
+def test_a_flat_folder_fine_tunes_from_a_label_free_frozen_stage_and_evaluates_and_exports(
+    flat_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    """--mode finetune without labels (refused before): the whole network trains on pseudo-labels from a
+    label-free frozen stage, within --time-budget, and the run evaluates and exports. (Without --mode the
+    CPU picks the mode as for a labelled run, from training.budget.split_sizes.)"""
+    out = tmp_path / "run"
+    command = ["train", "--loss", "contrastive", "--data", str(flat_folder), "--out", str(out)]
+    command += ["--mode", "finetune", "--cache-dir", str(feature_cache), "--time-budget", "30", *TINY]
+    command += ["-p", "max_steps=2", "-p", "eval_every=1", "-p", "workers=0", "-p", "train_size=64"]
+    result = runner.invoke(app, command)
+    assert result.exit_code == 0, result.output
+    assert "training without labels" in result.output and "estimate: about" in result.output
+    config = json.loads((out / "config.json").read_text())
+    assert (config["mode"], config["views"], config["time_budget"]) == ("finetune", 1, 1800.0)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == "finetune" and summary["steps"] == 2
+    assert summary["label_free"]["refreshes"][0]["step"] == 0 and summary["frozen_stage"] is not None
+    stage = json.loads((out / "frozen-stage" / "summary.json").read_text())
+    assert stage["mode"] == "frozen" and stage["label_free"]["loose_photos"] == 48
+    assert not (out / "frozen-stage" / "cache").exists()  # one feature cache for both stages
+    # eval embeds the held-out views from the files as the run did: it finds the run's own test score
+    evaluated = runner.invoke(app, ["eval", str(out)])
+    assert evaluated.exit_code == 0, evaluated.output
+    scored = json.loads((out / "eval.json").read_text())
+    assert scored["images"] == 12
+    assert scored["trained"]["recall@1"] == pytest.approx(summary["test"]["recall@1"])
+    assert scored["untrained"]["recall@1"] == pytest.approx(summary["test_backbone"]["recall@1"])
+    exported = runner.invoke(app, ["export", str(out), "--force"])
+    assert exported.exit_code == 0, exported.output
+    assert Embedder(out / "model.onnx").card.embedding_dim == 16
+
+
+def test_a_strong_view_is_another_picture_than_a_crop_view_and_the_crop_views_keep_their_cache(
+    flat_folder: Path, feature_cache: Path
+) -> None:
+    files = sorted(flat_folder.iterdir())[:6]
+    extractor = FeatureExtractor(feature_cache, progress=False)
+    crop = extractor.extract(files, view=1, seed=3).features
+    strong = extractor.extract(files, view=1, seed=3, augmentation="strong").features
+    assert not np.allclose(crop, strong, atol=1e-3)
+    np.testing.assert_array_equal(
+        strong, extractor.extract(files, view=1, seed=3, augmentation="strong").features
+    )
+    # The key of a crop view is what it was before views had an augmentation: caches made then still hold.
+    header = {"model": extractor.embedder.fingerprint, "view": 1, "seed": 3}
+    digest = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
+    for path in files:
+        digest.update(f"\n{file_hash(path)}".encode())
+    assert (feature_cache / "features" / digest.hexdigest()[:32]).is_dir()

@@ -11,7 +11,13 @@ from tests.support.train_config import tiny_train_config
 from training.data import LOOSE
 from training.losses import LOSSES
 from training.model import build_objective
-from training.pseudo_labels import REFRESH_STEPS, VIEWS_PER_PHOTO, PseudoLabelSampler, cluster_count
+from training.pseudo_labels import (
+    FINETUNE_REFRESH_EPOCHS,
+    REFRESH_STEPS,
+    VIEWS_PER_PHOTO,
+    PseudoLabelSampler,
+    cluster_count,
+)
 from training.workloads import distinct_views
 
 LAYOUT = LOSSES["contrastive"].layout
@@ -120,3 +126,19 @@ def test_every_loss_trains_on_pseudo_labels_through_the_same_call(loss: str) -> 
     if float(value.detach()) != 0:  # a batch that already meets a margin (LoOp's) has no gradient to give
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in objective.head.parameters())
     sampler.after_step(indices, objective.loss)
+
+
+def test_fine_tuning_re_clusters_no_more_often_than_every_few_epochs() -> None:
+    """A fine-tuning refresh embeds every training photo through the whole network: on a folder whose
+    epoch is more than a third of REFRESH_STEPS it waits FINETUNE_REFRESH_EPOCHS epochs instead."""
+    photos = 4000  # contrastive's label-free batch: 2 views x 32 = 64 photos, so an epoch is 63 steps
+    cached = PseudoLabelSampler(LAYOUT, np.full(photos, LOOSE), np.arange(photos), seed=0)
+    tuned = PseudoLabelSampler(
+        LAYOUT, np.full(photos, LOOSE), np.arange(photos), refresh_epochs=FINETUNE_REFRESH_EPOCHS, seed=0
+    )
+    epochs = FINETUNE_REFRESH_EPOCHS * photos / tuned.batch_size
+    assert cached.refresh_steps == REFRESH_STEPS and tuned.refresh_steps == int(np.ceil(epochs)) > 100
+    tuned.refresh(_blobs(np.arange(photos) % 2))
+    assert not tuned.refresh_due(REFRESH_STEPS) and tuned.refresh_due(tuned.refresh_steps)
+    small = PseudoLabelSampler(LAYOUT, np.full(40, LOOSE), np.arange(40), refresh_epochs=3, seed=0)
+    assert small.refresh_steps == REFRESH_STEPS  # a small folder's 3 epochs are a few steps: at least 100
