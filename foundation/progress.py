@@ -39,6 +39,9 @@ class LineProgress(tqdm):
         # Every update reaches display(), which decides (tqdm's own pacing could skip a percent step).
         kwargs.setdefault("mininterval", 0)
         kwargs.setdefault("miniters", 1)
+        # The count over the time elapsed: tqdm's smoothed rate follows the last update, and images are
+        # counted a batch at a time, so it swings between the batch's speed and thousands a second.
+        kwargs.setdefault("smoothing", 0)
         super().__init__(*args, **kwargs)
 
     def display(self, msg: str | None = None, pos: int | None = None) -> bool:
