@@ -232,9 +232,14 @@ def test_a_query_embedded_by_a_model_swapped_out_meanwhile_is_answered_by_the_ne
 
     old_service.embedder.embed_tensor = slow_embed
     answers: list[httpx.Response] = []
+    # The query in flight comes from the API key's holder and the new one from an address: two clients.
+    # One client holds at most its share of the compute slots (app.compute), so a second query of the same
+    # client would wait for the held one, which waits for it.
     query = threading.Thread(
         target=lambda: answers.append(
-            client.post("/v1/search?k=3", files={"image": ("q.png", PNG, "image/png")})
+            client.post(
+                "/v1/search?k=3", files={"image": ("q.png", PNG, "image/png")}, headers={"X-API-Key": API_KEY}
+            )
         )
     )
     query.start()
