@@ -165,18 +165,41 @@ def embed_files(
         workers=decode_workers,
         depth=2 * batch_size,
     )
-    with pool, BatchCommitter(index, report) as committer:
-        for gallery_file, result in progress_bar(
-            loaded, total=len(files), desc="embedding", unit="img", disable=not progress
-        ):
+    with pool, BatchCommitter(index, report) as committer, EmbeddingProgress(len(files), progress) as bar:
+        for gallery_file, result in loaded:
             if isinstance(result, Exception):
                 report.skipped.append((gallery_file.relative, str(result)))
+                bar.count(skipped=1)
                 continue
             batch.append((gallery_file, result))
+            bar.count(embedded=1)
             if len(batch) == batch_size:
                 flush(committer)
         if batch:
             flush(committer)
+
+
+class EmbeddingProgress:
+    """The embedding bar of a build: the files looked at, and of them how many were embedded and how many
+    skipped (a file that cannot be decoded is looked at, not embedded), e.g. ``(6/6) [..., 5 embedded, 1
+    skipped]``."""
+
+    def __init__(self, total: int, progress: bool) -> None:
+        self.bar = progress_bar(total=total, desc="embedding", unit="img", disable=not progress)
+        self.embedded = 0
+        self.skipped = 0
+
+    def count(self, *, embedded: int = 0, skipped: int = 0) -> None:
+        self.embedded += embedded
+        self.skipped += skipped
+        self.bar.set_postfix_str(f"{self.embedded} embedded, {self.skipped} skipped", refresh=False)
+        self.bar.update(embedded + skipped)
+
+    def __enter__(self) -> EmbeddingProgress:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.bar.close()
 
 
 class BatchCommitter:

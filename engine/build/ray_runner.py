@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.build.embedding import BatchCommitter, ItemSink, hash_files
+from engine.build.embedding import BatchCommitter, EmbeddingProgress, ItemSink, hash_files
 from engine.build.prefetch import FILE_ERRORS, WORKER_NICENESS, DecodedFile, decode_file, prefetch
 from engine.build.report import BuildReport
 from engine.decode.pool import DecodePool
@@ -37,7 +37,6 @@ from engine.model.embedder import Embedder
 from engine.model.model_card import ModelCard
 from foundation import stopping
 from foundation.errors import MissingDependencyError, UnavailableError
-from foundation.progress import progress_bar
 from index.protocol import Entry
 
 # Files per hashing task: enough that a task's start (milliseconds) is small beside its reads.
@@ -165,10 +164,11 @@ class RayRunner:
         try:
             with (
                 BatchCommitter(index, report) as committer,
-                progress_bar(total=len(files), desc="embedding", unit="img", disable=not progress) as bar,
+                EmbeddingProgress(len(files), progress) as bar,
             ):
                 for batch in embedded.iter_batches(batch_size=None, batch_format="numpy"):
                     keep = []
+                    failed = len(skipped)
                     for row, position in enumerate(batch["file"]):
                         if position in done:  # delivered twice (a retried task): committed once
                             continue
@@ -187,7 +187,7 @@ class RayRunner:
                             ],
                             [bytes(batch["signature"][row]) for row in keep],
                         )
-                    bar.update(len(batch["file"]))
+                    bar.count(embedded=len(keep), skipped=len(skipped) - failed)
                     stopping.checkpoint()  # after the batch is handed to the committer, which finishes it
         finally:
             report.skipped.extend(sorted(skipped))

@@ -48,3 +48,18 @@ def test_build_index_index_add_and_rebuild_print_plain_progress_lines_into_a_pip
     assert_plain_lines(piped("index", "add", index, gallery / "extra"), "embedding")
     rebuilt = piped("index", "rebuild", index, "--model", small_model, "--out", tmp_path / "rebuilt")
     assert_plain_lines(rebuilt, "embedding")
+
+
+def test_the_embedding_count_says_what_was_embedded_and_what_was_skipped(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """A truncated JPEG is looked at but not embedded: the progress line does not count it as embedded."""
+    gallery = tmp_path / "gallery" / "cars"
+    gallery.mkdir(parents=True)
+    for i in range(5):
+        make_image(i).save(gallery / f"img_{i}.jpg")
+    whole = (gallery / "img_0.jpg").read_bytes()
+    (gallery / "cut.jpg").write_bytes(whole[: len(whole) // 2])
+    output = piped("build-index", tmp_path / "gallery", "--out", tmp_path / "index", "--model", small_model)
+    last = re.findall(r"^embedding: .*$", output, flags=re.MULTILINE)[-1]
+    assert "(6/6)" in last and "5 embedded, 1 skipped" in last, output
