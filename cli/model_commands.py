@@ -115,14 +115,14 @@ def export(
 @commands.command()
 @reports_errors
 def train(
+    out: Annotated[Path, typer.Option(help="Run directory (an existing run there is resumed).")],
     loss: Annotated[
         str,
         typer.Option(
-            help="Loss name (`dmlsearch losses` lists them), or `auto` to race the strongest recipes on "
-            "the validation classes and keep the best."
+            help="Loss name (`dmlsearch losses` lists them), or `auto`: race the strongest recipes on the "
+            "validation classes and keep the best; without labels, train the label-free recommended loss."
         ),
-    ],
-    out: Annotated[Path, typer.Option(help="Run directory (an existing run there is resumed).")],
+    ] = "auto",
     data: Annotated[
         Path | None,
         typer.Option(
@@ -214,6 +214,7 @@ def train(
         AUTO_CANDIDATES,
         AUTO_RACE_STEPS,
         DEFAULT_RECIPE,
+        LABEL_FREE_AUTO_LOSS,
         parse_assignments,
         parse_recipe_name,
         resolve,
@@ -231,11 +232,19 @@ def train(
         if not (feedback / "manifest.json").is_file():
             raise fail(f"--feedback {feedback} is not an index directory (no manifest.json)")
         if loss == "auto" or mode not in (None, "frozen"):
-            raise fail("training on judgments (--feedback) takes a named loss in --mode frozen")
+            raise fail("training on judgments (--feedback) takes a named loss (--loss NAME) in --mode frozen")
         mode = "frozen"
     label_free = data is not None and is_label_free(data, labels)
     if label_free:
         typer.echo("training without labels (photos outside class folders, or --labels none)")
+        if loss == "auto":
+            if race_steps is not None:
+                raise fail("--race-steps: a run without labels does not race, drop it or name a --loss")
+            loss = LABEL_FREE_AUTO_LOSS
+            typer.echo(
+                f"--loss auto without labels trains {loss}, the label-free recommended loss (no race: "
+                "without labels validation cannot tell which loss groups kinds of photos better)"
+            )
     fields: dict[str, Any] = {
         "mode": mode or ("finetune" if torch.cuda.is_available() else "frozen"),
         "train_classes": train_classes,

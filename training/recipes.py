@@ -202,6 +202,13 @@ def magnet_clusters(class_size: int, clusters_per_class: int, samples_per_cluste
 # `--loss auto` races these: the four strongest recipes of the frozen Cars196 table (train_all.md, seed 0:
 # ms 71.06, angular 70.82, npair-angular 69.04, loop-lifted 67.90; untrained 60.62).
 AUTO_CANDIDATES: tuple[str, ...] = ("ms", "angular", "npair-angular", "loop-lifted")
+# `--loss auto` on a run without labels trains this loss instead of racing: the race judges candidates on
+# validation Recall@1, which without labels is the held-out photos' check (training/label_free_data.py), near
+# its ceiling on real photos and agreeing with the true change in class Recall@1 in 5 of 12 Cars196 cases
+# (label_free_gate.md): it cannot tell which loss groups kinds of photos better. ms is the strongest
+# labelled frozen recipe (71.06, train_all.md) and the loss every label-free measurement so far trained
+# (label_free_cars40.md, label_free_gate.md); no other loss has been measured without labels yet.
+LABEL_FREE_AUTO_LOSS = "ms"
 # Steps each candidate trains before the race is judged on validation Recall@1: a fifth of the default
 # budget (not tuned); the winner then continues to the full budget from where its race ended.
 AUTO_RACE_STEPS = 600

@@ -23,7 +23,7 @@ from training.config import TrainConfig
 from training.data import LOOSE
 from training.features import FeatureExtractor
 from training.label_free_data import is_label_free, label_free_images, plan_label_free
-from training.recipes import FINETUNE, LABEL_FREE, resolve
+from training.recipes import FINETUNE, LABEL_FREE, LABEL_FREE_AUTO_LOSS, resolve
 from training.trainer import prepare_data
 from training.workloads import ImageFiles
 
@@ -63,6 +63,25 @@ def test_a_flat_folder_trains_without_labels_and_its_run_evaluates_reports_and_e
     exported = runner.invoke(app, ["export", str(out), "--force"])
     assert exported.exit_code == 0, exported.output
     assert Embedder(out / "model.onnx").card.embedding_dim == 16
+
+
+def test_train_without_loss_on_a_flat_folder_trains_the_label_free_recommended_loss(
+    flat_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    """A new user's first command names no loss: `--loss` defaults to auto, which without labels trains
+    LABEL_FREE_AUTO_LOSS (no race), and refuses --race-steps, which would mean nothing there."""
+    out = tmp_path / "run"
+    command = ["train", "--data", str(flat_folder), "--out", str(out), "--mode", "frozen"]
+    command += ["--cache-dir", str(feature_cache), *TINY, "-p", "max_steps=4", "-p", "eval_every=2"]
+    result = runner.invoke(app, command)
+    assert result.exit_code == 0, result.output
+    assert f"--loss auto without labels trains {LABEL_FREE_AUTO_LOSS}" in result.output
+    assert "without labels: 48 photos pseudo-labelled" in result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["loss"] == LABEL_FREE_AUTO_LOSS and config["views"] == LABEL_FREE["views"].value
+    assert not (out / "race").exists()
+    refused = runner.invoke(app, [*command, "--loss", "auto", "--race-steps", "2"])
+    assert refused.exit_code == 2 and "does not race" in refused.output
 
 
 def test_labels_none_ignores_class_folders(labelled_folder: Path) -> None:

@@ -229,6 +229,15 @@ def test_cli_auto_states_its_budget_and_winner(
     assert result.exit_code == 2 and "unknown hyperparameter 'beta'" in result.output
 
 
+def test_train_without_loss_races_as_auto(labelled_folder: Path, feature_cache: Path, tmp_path: Path) -> None:
+    """`--loss` defaults to auto: a labelled run that names no loss races the candidates."""
+    out = tmp_path / "default"
+    args = ["train", "--data", str(labelled_folder), "--out", str(out), "--cache-dir", str(feature_cache)]
+    result = runner.invoke(app, [*args, "--race-steps", "1", "-p", "max_steps=1", *TINY])
+    assert result.exit_code == 0, result.output
+    assert RunDirectory(out).require_config().recipe["name"] == "auto" and "kept " in result.output
+
+
 def test_losses_command_lists_every_loss_with_paper_layout_and_recipe() -> None:
     result = runner.invoke(app, ["losses"])
     assert result.exit_code == 0, result.output
