@@ -28,9 +28,18 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("runs/label_free"), help="runs and feature cache")
     parser.add_argument("--max-steps", type=int, help="training steps per run (default: the trainer's)")
     parser.add_argument("--time-budget", type=float, help="minutes of training steps per run")
+    parser.add_argument(
+        "--mode",
+        choices=["frozen", "partial", "finetune", "auto"],
+        default="frozen",
+        help="auto (needs --time-budget): as `dmlsearch train` on a CPU without --mode, fine-tune if "
+        "enough steps fit the budget, measured, else frozen",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    settings: dict[str, object] = {}
+    if args.mode == "auto" and args.time_budget is None:
+        parser.error("--mode auto needs --time-budget")
+    settings: dict[str, object] = {"mode": args.mode}
     if args.max_steps is not None:
         settings["max_steps"] = args.max_steps
     if args.time_budget is not None:

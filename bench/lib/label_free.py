@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from training.budget import plan_for
 from training.comparison import compare_run
 from training.data import load_labelled_images, split_classes
 from training.recipes import resolve
@@ -79,13 +80,21 @@ def run_setting(
     **settings: Any,
 ) -> Row:
     """Train ``method`` without labels in ``setting`` (``settings``: trainer fields or the loss's, e.g.
-    max_steps) and score its selected checkpoint with the labels; ``cache``: the feature cache (default:
-    under ``work``)."""
+    max_steps; ``mode="auto"`` with a ``time_budget`` in seconds picks the mode as ``dmlsearch train`` does
+    on a CPU without ``--mode``) and score its selected checkpoint with the labels; ``cache``: the feature
+    cache (default: under ``work``)."""
     trained_on = setting_data(data, setting, work)
-    resolved = resolve(method, overrides=settings, label_free=True)
-    config = resolved.config(
-        method, str(trained_on), labels="none", seed=seed, cache_dir=str(cache or work / "cache")
-    )
+    fields: dict[str, Any] = {"labels": "none", "seed": seed, "cache_dir": str(cache or work / "cache")}
+    mode = settings.pop("mode", "frozen")
+    if mode == "auto":  # as `dmlsearch train` without --mode on a CPU: fine-tune if enough steps fit
+        finetune = resolve(method, overrides=settings, mode="finetune", label_free=True)
+        plan = plan_for(finetune.config(method, str(trained_on), **fields), settings["time_budget"])
+        print(plan.reason, flush=True)
+        mode = plan.mode
+        if mode == "finetune":
+            settings["max_steps"] = plan.max_steps
+    resolved = resolve(method, overrides=settings, mode=mode, label_free=True)
+    config = resolved.config(method, str(trained_on), **fields)
     run = work / f"{method}-{setting}-seed{seed}"
     started = time.perf_counter()
     summary = train(config, run, progress=False)
