@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import csv
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -303,10 +303,26 @@ def replay(
     return verdicts
 
 
+def both(verdicts: list[Verdict], first: str, second: str) -> list[Verdict]:
+    """The gate of two checks together, replayed from their verdicts: ``second`` selects the checkpoint,
+    and the run is served only where both checks served it and selected that same checkpoint (where they
+    selected different ones, the verdicts do not say whether ``first`` finds ``second``'s checkpoint
+    better, and the stricter reading refuses it)."""
+    by_case = {(v.method, v.half, v.setting, v.seed, v.check): v for v in verdicts}
+    combined = []
+    for v in verdicts:
+        if v.check != second:
+            continue
+        other = by_case[(v.method, v.half, v.setting, v.seed, first)]
+        served = v.served and other.served and other.selected_step == v.selected_step
+        combined.append(replace(v, check=f"{first}+{second}", served=served, agrees=served == (v.gain > 0)))
+    return combined
+
+
 def summary_rows(verdicts: list[Verdict]) -> list[dict[str, Any]]:
     """Per check: cases, agreement rate, runs served, served below untrained, mean gain when served."""
     rows = []
-    for check in CHECKS:
+    for check in dict.fromkeys(v.check for v in verdicts):
         mine = [v for v in verdicts if v.check == check]
         served = [v for v in mine if v.served]
         rows.append(

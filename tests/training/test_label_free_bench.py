@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.lib.label_free import markdown, run_setting
+from bench.lib.label_free_gate import Verdict, both, summary_rows
 from training.data import load_labelled_images, split_classes
 from training.features import FeatureExtractor
 from training.metrics import evaluate
@@ -34,3 +35,31 @@ def test_a_label_free_run_is_scored_with_the_labels_it_never_saw(
     }
     assert in_test == ({True} if setting == "own-gallery" else {False})
     assert f"| contrastive | {setting} |" in markdown([row], "python bench/label_free.py")
+
+
+def test_two_checks_gate_together_only_where_both_serve_the_same_checkpoint() -> None:
+    def verdict(check: str, seed: int, step: int, served: bool, gain: float) -> Verdict:
+        return Verdict(
+            "ms", "A", "unseen", seed, check, 48, step, 90.0, 95.0, 1.0, 9.0, served, 0, 0, 0, gain, False
+        )
+
+    verdicts = [
+        verdict("crop", 0, 200, True, 2.0),
+        verdict("strong-neighbours", 0, 200, True, 2.0),  # both serve step 200: served
+        verdict("crop", 1, 100, True, -1.0),
+        verdict("strong-neighbours", 1, 300, True, -1.5),  # both serve, other steps: refused
+        verdict("crop", 2, 100, False, 0.5),
+        verdict("strong-neighbours", 2, 100, True, 0.5),  # crop refuses: refused
+    ]
+    combined = both(verdicts, "crop", "strong-neighbours")
+    assert [(v.check, v.seed, v.selected_step, v.served) for v in combined] == [
+        ("crop+strong-neighbours", 0, 200, True),
+        ("crop+strong-neighbours", 1, 300, False),
+        ("crop+strong-neighbours", 2, 100, False),
+    ]
+    assert [v.agrees for v in combined] == [True, True, False]  # seed 2 gained and was refused
+    rows = {row["check"]: row for row in summary_rows(verdicts + combined)}
+    assert (
+        rows["crop+strong-neighbours"]["served"] == 1
+        and rows["strong-neighbours"]["served_below_untrained"] == 1
+    )
