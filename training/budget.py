@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from foundation.stopping import checkpoint
 from training.backbone import BACKBONES
 from training.config import TrainConfig
 from training.data import load_labelled_images, split_classes
@@ -117,6 +118,7 @@ def _seconds_per_step(
     optimizer = torch.optim.Adam(objective.parameters(), lr=1e-9)
     timed = []
     for _ in range(steps + 1):
+        checkpoint()  # a step of a loaded CPU takes a minute or more: SIGTERM must not wait for them all
         started = clock()
         with forward_context():
             value = objective(inputs, labels)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
+from foundation import stopping
 from tests.support.train_config import tiny_train_config
 from training.budget import (
     MIN_FINETUNE_STEPS,
@@ -144,6 +146,22 @@ def test_a_speed_is_the_fastest_of_several_steps_so_a_passing_load_does_not_deci
     config = tiny_train_config(tmp_path, tmp_path / "cache")
     assert measure_head_speed(config, batch=8, steps=3, clock=clock) == 1 / 2.0
     assert len(ticks) == 8  # a warm-up and three timed steps
+
+
+def test_a_stop_signal_ends_the_speed_measurement_before_its_next_step(tmp_path: Path) -> None:
+    """`dmlsearch train` without --mode on a loaded CPU measures fine-tuning steps of a minute or more each:
+    SIGTERM then stopped the command only after all of them (seen: still measuring 40 s after it)."""
+    steps: list[float] = []
+
+    def clock() -> float:
+        steps.append(0.0)
+        return 0.0
+
+    config = tiny_train_config(tmp_path, tmp_path / "cache")
+    with stopping.stop_on_signals(), pytest.raises(stopping.StopRequested):
+        signal.raise_signal(signal.SIGTERM)  # as `kill -TERM` while the speed is measured
+        measure_head_speed(config, batch=8, steps=3, clock=clock)
+    assert steps == []  # no step started after the signal
 
 
 def test_the_plan_says_when_the_machine_looked_busy() -> None:
