@@ -159,30 +159,46 @@ def embed_with_run(run: Path, features: np.ndarray) -> np.ndarray:
         return torch.cat([objective.embed(part) for part in torch.from_numpy(features).split(1024)]).numpy()
 
 
+def class_folds(labels: dict[int, str], folds: int) -> list[set[str]]:
+    """The classes cut into ``folds`` contiguous blocks, sorted by name (as bench/recipes_cv.py does), so a
+    fold's makes are mostly unseen by the others' queries."""
+    return [set(block) for block in np.array_split(np.array(sorted(set(labels.values()))), folds)]
+
+
 def learning_seed(
-    index: Path, features: dict[int, np.ndarray], labels: dict[int, str], seed: int, args, scratch: Path
+    index: Path,
+    features: dict[int, np.ndarray],
+    labels: dict[int, str],
+    seed: int,
+    args,
+    scratch: Path,
+    fold: set[str] | None = None,
 ) -> list[dict]:
-    """The learning half's rows of one seed: each loss at each point of the curve."""
+    """The learning half's rows of one seed: each loss at each point of the curve. With a ``fold`` of
+    classes, the queries come from the other classes and the run is scored on the fold's photos alone."""
     items = sorted(labels)
-    drawn = [
-        items[i] for i in np.random.default_rng(seed).choice(len(items), size=args.queries, replace=False)
-    ]
+    pool = [item for item in items if fold is None or labels[item] not in fold]
+    drawn = [pool[i] for i in np.random.default_rng(seed).choice(len(pool), size=args.queries, replace=False)]
     every = scratch / f"seed{seed}-all"
     shutil.copytree(index, every)
     judge_top(every, drawn, JUDGED)
     with closing(GalleryIndex.open(every, read_only=True)) as judged:
         named = {j.result for j in judged.judgments.scan()} | set(drawn)
     shutil.rmtree(every)
-    other = [item for item in items if item not in named]  # never searched nor judged by this seed's user
+    other = [  # never searched nor judged by this seed's user (and, with a fold, of the fold's classes)
+        item for item in items if item not in named and (fold is None or labels[item] in fold)
+    ]
     truth = np.array([labels[item] for item in other])
     base = np.stack([features[item] for item in other])
     before = scores(base, truth)
+    where = {} if fold is None else {"fold": args.folds_named.index(fold)}
     rows = []
     for count in args.curve:
         if count == 0:
             rows.append(
                 {
                     "seed": seed,
+                    **where,
                     "strategy": "none",
                     "judgments": 0,
                     "others": len(other),
@@ -208,6 +224,7 @@ def learning_seed(
             started = time.perf_counter()
             row = {
                 "seed": seed,
+                **where,
                 "strategy": f"train:{loss}",
                 "judgments": count,
                 "others": len(other),
@@ -266,7 +283,17 @@ def learning_half(data: Path, index: Path, args, scratch: Path) -> list[dict]:
         items = list(gallery.items.scan())
     features = {item.id: extracted.features[row_of[item.path]] for item in items}
     labels = {item.id: names[row_of[item.path]] for item in items}
-    return [row for seed in args.seeds for row in learning_seed(index, features, labels, seed, args, scratch)]
+    if not args.folds:
+        return [
+            row for seed in args.seeds for row in learning_seed(index, features, labels, seed, args, scratch)
+        ]
+    args.folds_named = class_folds(labels, args.folds)
+    return [
+        row
+        for seed in args.seeds
+        for fold in (args.fold if args.fold is not None else range(args.folds))
+        for row in learning_seed(index, features, labels, seed, args, scratch, args.folds_named[fold])
+    ]
 
 
 def refinement_rows(service: SearchService, args) -> list[dict]:
@@ -320,6 +347,14 @@ def main() -> None:
         help="learning: report the rows these files hold (JSON lines, as a run prints them) instead of "
         "training",
     )
+    parser.add_argument(
+        "--folds",
+        type=int,
+        default=0,
+        help="learning: cross-validate over this many class folds (0: none); for each fold the queries come "
+        "from the other classes and the runs are scored on the fold's photos; the losses are ranked",
+    )
+    parser.add_argument("--fold", type=int, nargs="+", help="learning: only these folds of --folds")
     parser.add_argument("--max-steps", type=int, default=1000, help="learning: steps per run at most")
     parser.add_argument("--eval-every", type=int, default=25, help="learning: steps between validations")
     args = parser.parse_args()
@@ -366,8 +401,10 @@ def main() -> None:
                 "max_steps": args.max_steps,
                 "eval_every": args.eval_every,
                 "threads": args.threads,
+                "folds": args.folds,
             },
             "rows": learning,
+            "cross_validation": cross_validation(learning),
             "commands": sorted({row.get("command", args.command) for row in learning}),
         },
         "seconds": refinement["seconds"],
@@ -379,9 +416,19 @@ def main() -> None:
 
 
 def report(result: dict) -> str:
-    lines = [
-        "# Feedback loop: refinement at once (issue 40)",
+    lines = ["# Feedback loop: refinement at once (issue 40)", "", *refinement_report(result)]
+    lines += [
+        *learning_report(result["learning"]),
+        f"Command: `{result['command']}` ({result['seconds']:.0f} s).",
         "",
+    ]
+    return "\n".join(lines)
+
+
+def refinement_report(result: dict) -> list[str]:
+    if not result["rows"]:
+        return ["The refinement half was not run for these results (bench/results/feedback_loop.md).", ""]
+    lines = [
         f"Gallery: {result['gallery']['data']}, {result['gallery']['items']} photos, "
         f"{result['gallery']['classes']} classes; {result['model']}; {result['index']}. A simulated user "
         f"judges each query's top {JUDGED} by the true class; the refined page (only unjudged photos) is "
@@ -400,16 +447,13 @@ def report(result: dict) -> str:
             f"{row['gain_points']:+.1f} ({low:+.1f} to {high:+.1f}) | {row['recall@1_before']:.2f} | "
             f"{row['recall@1_after']:.2f} |"
         )
-    lines += [
+    return [
+        *lines,
         "",
         "R@1 here is the first photo of each compared page (rank 11 against the refined page's first), not "
         "the learning half's R@1 on photos never judged (below).",
         "",
-        *learning_report(result["learning"]),
-        f"Command: `{result['command']}` ({result['seconds']:.0f} s).",
-        "",
     ]
-    return "\n".join(lines)
 
 
 def learning_report(learning: dict) -> list[str]:
@@ -465,7 +509,65 @@ def learning_report(learning: dict) -> list[str]:
             f"{('yes, ' + ('yes' if not row['gate_passed'] else 'NO')) if fell else 'no'} |"
         )
     commands = "; ".join(f"`{command}`" for command in learning["commands"])
-    return [*lines, "", f"Learning half: {commands}.", ""]
+    return [*lines, "", *cross_validation_report(learning["rows"]), f"Learning half: {commands}.", ""]
+
+
+def cross_validation(rows: list[dict]) -> dict[str, dict]:
+    """Per loss, over the (seed, fold) cells of the rows that have a fold: the R@1 gain of each cell, its
+    mean, worst, rank in each cell (1: best gain there) and how often the gate passed; best mean first."""
+    trained = [row for row in rows if "fold" in row and "gate_passed" in row]
+    cells = sorted({(row["seed"], row["fold"]) for row in trained})
+    gains: dict[str, dict[tuple[int, int], float]] = {}
+    passed: dict[str, int] = {}
+    for row in trained:
+        loss = row["strategy"].removeprefix("train:")
+        gains.setdefault(loss, {})[(row["seed"], row["fold"])] = 100 * (
+            row["recall@1_after"] - row["recall@1_before"]
+        )
+        passed[loss] = passed.get(loss, 0) + row["gate_passed"]
+    complete = {loss: cell for loss, cell in gains.items() if set(cell) == set(cells)}
+    ranks = {
+        loss: [1 + sum(other[c] > complete[loss][c] for other in complete.values()) for c in cells]
+        for loss in complete
+    }
+    table = {
+        loss: {
+            "cells": [{"seed": s, "fold": f, "gain": complete[loss][(s, f)]} for s, f in cells],
+            "mean_gain": float(np.mean([complete[loss][c] for c in cells])),
+            "worst_gain": min(complete[loss][c] for c in cells),
+            "ranks": ranks[loss],
+            "gate_passed": passed[loss],
+        }
+        for loss in complete
+    }
+    return dict(sorted(table.items(), key=lambda item: (-item[1]["mean_gain"], -item[1]["worst_gain"])))
+
+
+def cross_validation_report(rows: list[dict]) -> list[str]:
+    table = cross_validation(rows)
+    if not table:
+        return []
+    cells = next(iter(table.values()))["cells"]
+    names = " | ".join(f"seed {c['seed']} fold {c['fold']}" for c in cells)
+    lines = [
+        "## Which loss: cross-validation over class folds",
+        "",
+        "R@1 gain (points) on each fold's photos, from the judgments of queries of the other classes; the "
+        "rank of the loss in each cell in brackets (1: best there). Best mean gain first, the worst cell "
+        "breaking ties.",
+        "",
+        f"| loss | {names} | mean | worst | gate passed |",
+        "|---|" + "---|" * (len(cells) + 3),
+    ]
+    for loss, row in table.items():
+        gains = " | ".join(
+            f"{cell['gain']:+.2f} ({rank})" for cell, rank in zip(row["cells"], row["ranks"], strict=True)
+        )
+        lines.append(
+            f"| {loss} | {gains} | {row['mean_gain']:+.2f} | {row['worst_gain']:+.2f} | "
+            f"{row['gate_passed']}/{len(cells)} |"
+        )
+    return [*lines, "", f"Recommended for `dmlsearch train --feedback`: **{next(iter(table))}**.", ""]
 
 
 if __name__ == "__main__":

@@ -120,7 +120,8 @@ def train(
         str,
         typer.Option(
             help="Loss name (`dmlsearch losses` lists them), or `auto`: race the strongest recipes on the "
-            "validation classes and keep the best; without labels, train the label-free recommended loss."
+            "validation classes and keep the best; without labels, train the label-free recommended loss; "
+            "with --feedback, the loss cross-validated on judgments (bench/results/feedback_losses_cv.md)."
         ),
     ] = "auto",
     data: Annotated[
@@ -208,12 +209,14 @@ def train(
 
     from foundation.stopping import StopRequested, stop_on_signals
     from training.auto import train_auto
+    from training.backbone import BACKBONES
     from training.comparison import serving_check
     from training.label_free_data import is_label_free
     from training.recipes import (
         AUTO_CANDIDATES,
         AUTO_RACE_STEPS,
         DEFAULT_RECIPE,
+        FEEDBACK_LOSS,
         LABEL_FREE_AUTO_LOSS,
         parse_assignments,
         parse_recipe_name,
@@ -231,9 +234,12 @@ def train(
     if feedback is not None:
         if not (feedback / "manifest.json").is_file():
             raise fail(f"--feedback {feedback} is not an index directory (no manifest.json)")
-        if loss == "auto" or mode not in (None, "frozen"):
-            raise fail("training on judgments (--feedback) takes a named loss (--loss NAME) in --mode frozen")
+        if mode not in (None, "frozen"):
+            raise fail("training on judgments (--feedback) takes --mode frozen")
         mode = "frozen"
+        if loss == "auto":  # no race: the judgments' gate, not validation classes, judges these runs
+            loss = FEEDBACK_LOSS
+            typer.echo(f"--loss auto on judgments trains {loss}, the loss cross-validated on judgments")
     label_free = data is not None and is_label_free(data, labels)
     if label_free:
         typer.echo("training without labels (photos outside class folders, or --labels none)")
@@ -252,6 +258,11 @@ def train(
         "seed": seed,
         "labels": labels,
     }
+    if feedback is not None and data is None:
+        # Judgments alone: a head as wide as the backbone's features starts as a rotation of them, so an
+        # untrained run ranks as the served model does (the width bench/feedback_loop.py cross-validated
+        # FEEDBACK_LOSS at); a narrower head's random projection alone broke held-out judgments.
+        fields["embedding_dim"] = BACKBONES[defaults.BACKBONE].feature_dim
     try:
         # SIGTERM/SIGINT: save last.pt after the current step and stop. The trainer's NoGainWarning is
         # said plainly below, from the run's validation gain, not as a Python warning with a source line.

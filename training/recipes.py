@@ -209,6 +209,9 @@ AUTO_CANDIDATES: tuple[str, ...] = ("ms", "angular", "npair-angular", "loop-lift
 # labelled frozen recipe (71.06, train_all.md) and the loss every label-free measurement so far trained
 # (label_free_cars40.md, label_free_gate.md); no other loss has been measured without labels yet.
 LABEL_FREE_AUTO_LOSS = "ms"
+# `--loss auto` (the default) on judgments (--feedback): the pair loss with the best mean Recall@1 gain on
+# class folds of judgments (bench/feedback_loop.py --folds, bench/results/feedback_losses_cv.md).
+FEEDBACK_LOSS = "npair-angular"
 # Steps each candidate trains before the race is judged on validation Recall@1: a fifth of the default
 # budget (not tuned); the winner then continues to the full budget from where its race ended.
 AUTO_RACE_STEPS = 600

@@ -16,10 +16,12 @@ from engine.model.model_card import ModelCard
 from index.gallery import GalleryIndex
 from index.judgments import JudgedQuery
 from tests.support.train_config import tiny_train_config
+from training.backbone import BACKBONES
 from training.config import TrainConfig
 from training.data import DataError, load_labelled_images
 from training.feedback_data import Closure, JudgedPair, load_feedback
 from training.feedback_gate import rank_judgments
+from training.recipes import FEEDBACK_LOSS
 from training.run_dir import RunDirectory
 from training.trainer import train
 
@@ -180,3 +182,23 @@ def test_the_cli_refuses_judgments_it_cannot_train_on(judged_index: Path, tmp_pa
     finetune = ["train", "--loss", "triplet", "--feedback", str(judged_index), "--mode", "finetune"]
     result = CliRunner().invoke(app, [*finetune, "--out", str(tmp_path / "c")])
     assert result.exit_code == 2 and "--mode frozen" in result.output
+
+
+def test_without_loss_the_cli_trains_judgments_with_the_cross_validated_loss(
+    judged_index: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    words = ["train", "--feedback", str(judged_index), "--out", str(out), "--cache-dir", str(feature_cache)]
+    words += ["-p", "max_steps=10", "-p", "eval_every=5", "-p", "head_hidden=32"]
+    result = CliRunner().invoke(app, words)
+    assert result.exit_code == 0, result.output
+    run = RunDirectory(out)
+    config = run.require_config()
+    assert config.loss == FEEDBACK_LOSS
+    assert f"--loss auto on judgments trains {FEEDBACK_LOSS}" in result.output
+    # As wide as the backbone's features: the untrained head ranks the held-out judgments as served.
+    assert config.embedding_dim == BACKBONES[config.backbone].feature_dim
+    summary = run.read_summary()
+    assert summary is not None and summary.feedback is not None
+    if summary.best_step == 0:
+        assert not summary.feedback.fixed and not summary.feedback.broke
