@@ -27,6 +27,7 @@ from index.manifest import Manifest
 from tests.support.milvus_server import MilvusServerProcess, milvus_target
 from tests.support.servers import API_KEY, uvicorn_server
 from tests.support.waiting import wait_until
+from training.feedback_data import load_feedback
 
 KEY = {"X-API-Key": API_KEY}
 # How long a write through one replica may take to show on another: Milvus's Bounded staleness (5 s), an
@@ -241,3 +242,56 @@ def test_replicas_write_to_the_one_shared_gallery_or_refuse_to_serve(
         refused = _add(on_a, 9005)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "gallery_not_shared"
         assert list(shared.iterdir()) == []
+
+
+def _judge_everything(base: str, query: dict, count: int) -> int:
+    """Judge ``count`` results of ``query`` through ``base`` (👍 its label, 👎 another); how many were."""
+    similar = httpx.get(f"{base}/v1/items/{query['id']}/similar", params={"k": count}, timeout=60)
+    similar.raise_for_status()
+    for result in similar.json()["results"]:
+        sign = 1 if result["label"] == query["label"] else -1
+        body = {"query_item": query["id"], "result": result["id"], "sign": sign}
+        judged = httpx.post(f"{base}/v1/feedback", json=body, headers=KEY, timeout=60)
+        assert judged.status_code == 201, judged.text
+    return len(similar.json()["results"])
+
+
+def _judgment_total(base: str) -> int:
+    return int(httpx.get(f"{base}/v1/feedback", params={"limit": 1}, timeout=30).json()["total"])
+
+
+def test_judgments_made_through_either_replica_reach_both_and_one_training_run(
+    replicated: list[str], tmp_path: Path
+) -> None:
+    """Judgments (POST /v1/feedback) are kept in the collection's ``<collection>_judgments`` on the Milvus
+    server, not in a replica's working folder: two replicas with their own copies of the index directory
+    list every judgment made through either, a judgment deleted through one is gone from the other, and
+    the judgments `train --feedback` reads from either copy (training.feedback_data) are all of them."""
+    index, serve = Path(replicated[1]), replicated[2:]  # --index INDEX, the rest
+    copies = {name: _copy_index(index, tmp_path / f"machine-{name}" / "index") for name in "ab"}
+    env = {"DMLSEARCH_API_KEY": API_KEY}
+    with (
+        uvicorn_server(["--index", str(copies["a"]), *serve], env) as a,
+        uvicorn_server(["--index", str(copies["b"]), *serve], env) as b,
+    ):
+        before = _judgment_total(a)
+        items = httpx.get(f"{a}/v1/items", params={"limit": 1000}, timeout=30).json()["items"]
+        queries = [item for item in items if item["label"] in {"label0", "label1", "label2"}]
+        assert len(queries) == 9, items
+        # Every item judged for each query (each has both signs), the queries alternating between replicas.
+        made = sum(_judge_everything((a, b)[n % 2], q, len(items) - 1) for n, q in enumerate(queries))
+        total = before + made
+        for base in (a, b):
+            wait_until(lambda b=base: _judgment_total(b) == total, REPLICA_DELAY_S, f"{total} judgments")
+
+        listed = httpx.get(f"{a}/v1/feedback", params={"limit": 1000}, timeout=30).json()["judgments"]
+        removed = httpx.delete(f"{b}/v1/feedback/{listed[-1]['id']}", headers=KEY, timeout=30)
+        assert removed.status_code == 200, removed.text
+        wait_until(lambda: _judgment_total(a) == total - 1, REPLICA_DELAY_S, "the deletion through B on A")
+
+    # What a training run reads, from either working folder's copy: every judgment but the deleted one.
+    kept = {(j["query_item"], j["result"]) for j in listed[:-1] if j["query_item"] != j["result"]}
+    for copy in copies.values():
+        feedback = load_feedback(copy, seed=0, validation=True)
+        pairs = {(pair.query, pair.result) for pair in (*feedback.train, *feedback.val, *feedback.test)}
+        assert pairs == kept and feedback.test, (len(pairs), len(kept))
