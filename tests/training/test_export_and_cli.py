@@ -46,6 +46,13 @@ def trained_run(labelled_folder: Path, feature_cache: Path, tmp_path_factory: py
     return out
 
 
+@pytest.fixture(scope="module")
+def exported_run(trained_run: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ModelCard]:
+    """``trained_run`` exported once (model.onnx and its card), for the tests that read the export."""
+    model_path = tmp_path_factory.mktemp("exported") / "model.onnx"
+    return model_path, export_run(trained_run, model_path)
+
+
 def _torch_model(run: Path) -> EmbeddingModel:
     config = RunDirectory(run).require_config()
     objective = build_objective(config, 1280)
@@ -54,10 +61,9 @@ def _torch_model(run: Path) -> EmbeddingModel:
 
 
 def test_exported_run_matches_torch_and_the_frozen_pipeline(
-    trained_run: Path, labelled_folder: Path, feature_cache: Path, tmp_path: Path
+    trained_run: Path, exported_run: tuple[Path, ModelCard], labelled_folder: Path, feature_cache: Path
 ) -> None:
-    model_path = tmp_path / "model.onnx"
-    card = export_run(trained_run, model_path)
+    model_path, card = exported_run
     assert card.embedding_dim == 16 and card.loss == "contrastive"
     assert card.extra["mode"] == "frozen" and "recall@1" in card.extra["val"]
     assert ModelCard.load(model_path).fingerprint == card.fingerprint
@@ -79,10 +85,9 @@ def test_exported_run_matches_torch_and_the_frozen_pipeline(
 
 
 def test_exported_run_builds_an_index_and_evaluates_like_the_run(
-    trained_run: Path, labelled_folder: Path, tmp_path: Path
+    trained_run: Path, exported_run: tuple[Path, ModelCard], labelled_folder: Path, tmp_path: Path
 ) -> None:
-    model_path = tmp_path / "model.onnx"
-    export_run(trained_run, model_path)
+    model_path, _ = exported_run
     report = build_index(labelled_folder, Embedder(model_path), tmp_path / "index", progress=False)
     assert report.indexed == 60
     from_onnx = evaluate_onnx(model_path, labelled_folder, progress=False)
