@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,24 @@ def pytest_configure(config: pytest.Config) -> None:
     threadpool_limits(limits=int(os.environ["OPENBLAS_NUM_THREADS"]), user_api="blas")
 
 
+def made_once(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> Path:
+    """A folder ``make(folder)`` fills once per test run: under pytest-xdist the first worker to ask makes it
+    while the others wait, then all read it (a session fixture is otherwise made in every worker: an ONNX
+    export, an index build). Read-only, as a session fixture's files are anyway."""
+    root = factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    folder = root / f"made-once-{name}"
+    with open(root / f"made-once-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / f"made-once-{name}.done").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (root / f"made-once-{name}.done").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def exported_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The pretrained EfficientNet-Lite0 embedder exported to ONNX (model.onnx + model.json)."""
@@ -42,29 +62,32 @@ def exported_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from training.export import export_onnx
     from training.model import EmbeddingModel
 
-    path = tmp_path_factory.mktemp("model") / "model.onnx"
-    export_onnx(
-        EmbeddingModel(create_backbone("efficientnet_lite0")),
-        path,
-        preprocessing=BACKBONES["efficientnet_lite0"].preprocessing,
-        backbone="efficientnet_lite0",
-    )
-    return path
+    def export(folder: Path) -> None:
+        export_onnx(
+            EmbeddingModel(create_backbone("efficientnet_lite0")),
+            folder / "model.onnx",
+            preprocessing=BACKBONES["efficientnet_lite0"].preprocessing,
+            backbone="efficientnet_lite0",
+        )
+
+    return made_once(tmp_path_factory, "model", export) / "model.onnx"
 
 
 @pytest.fixture(scope="session")
 def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Another model than ``exported_model`` (a small 24-d CNN): what indexes are rebuilt or reloaded with."""
-    return export_small_model(tmp_path_factory.mktemp("small_model") / "small.onnx", seed=7)
+
+    def export(folder: Path) -> None:
+        export_small_model(folder / "small.onnx", seed=7)
+
+    return made_once(tmp_path_factory, "small_model", export) / "small.onnx"
 
 
 @pytest.fixture(scope="session")
 def demo_gallery(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.gallery.demo import write_demo_gallery
 
-    root = tmp_path_factory.mktemp("demo_gallery")
-    write_demo_gallery(root)
-    return root
+    return made_once(tmp_path_factory, "demo_gallery", write_demo_gallery)
 
 
 @pytest.fixture(scope="session")
@@ -72,9 +95,10 @@ def demo_index(tmp_path_factory: pytest.TempPathFactory, exported_model: Path, d
     from engine.build.indexing import build_index
     from engine.model.embedder import Embedder
 
-    out = tmp_path_factory.mktemp("demo_index") / "index"
-    build_index(demo_gallery, Embedder(exported_model), out, progress=False)
-    return out
+    def build(folder: Path) -> None:
+        build_index(demo_gallery, Embedder(exported_model), folder / "index", progress=False)
+
+    return made_once(tmp_path_factory, "demo_index", build) / "index"
 
 
 @pytest.fixture
