@@ -211,7 +211,7 @@ AUTO_CANDIDATES: tuple[str, ...] = ("ms", "angular", "npair-angular", "loop-lift
 LABEL_FREE_AUTO_LOSS = "ms"
 # `--loss auto` (the default) on judgments (--feedback): the pair loss with the best mean Recall@1 gain on
 # class folds of judgments (bench/feedback_loop.py --folds, bench/results/feedback_losses_cv.md).
-FEEDBACK_LOSS = "npair-angular"
+FEEDBACK_LOSS = "pddm"
 # Steps each candidate trains before the race is judged on validation Recall@1: a fifth of the default
 # budget (not tuned); the winner then continues to the full budget from where its race ended.
 AUTO_RACE_STEPS = 600
