@@ -19,11 +19,10 @@ from tests.tiers import starts
 # Set before pymilvus loads gRPC: its fork handlers restart pollers in a forked child, which can then abort
 # before exec (grpc/grpc#43055); the tests fork server processes after Milvus Lite tests ran.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-# Each test process computes on one thread (torch, scikit-learn's OpenMP, FAISS, the BLAS), and `make test`
-# runs one process per core: on a machine whose cores are all busy, idle OpenMP threads spin for work and
-# burn the CPU time the computing thread needs (a t-SNE of 111 points took 28 s of CPU with 2 threads under
-# load, 1 s with one). Set before those libraries load (the imports above load none of them); an explicit
-# value in the environment wins.
+# Each test process computes on one thread (torch, scikit-learn's OpenMP, FAISS, the BLAS): on a machine
+# whose cores are all busy, idle OpenMP threads spin for work and burn the CPU time the computing thread
+# needs (a t-SNE of 111 points took 28 s of CPU with 2 threads under load, 1 s with one). Set before those
+# libraries load (the imports above load none of them); an explicit value in the environment wins.
 for _threads in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_threads, "1")
 
