@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import fcntl
+import importlib
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -34,6 +36,35 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(tiers, "dmlsearch-tiers")
     # numpy's BLAS loaded with pytest's plugins, before the setting above: limited where it already runs.
     threadpool_limits(limits=int(os.environ["OPENBLAS_NUM_THREADS"]), user_api="blas")
+
+
+# pytorch-metric-learning's k-NN imports this module, which replaces faiss's functions and index methods
+# (search, add, knn, ...) in the whole process with torch versions that refuse ``params``, as Milvus Lite
+# passes them: a later test in the same process would then fail for a reason of its own test order.
+FAISS_TORCH_PATCH = "faiss.contrib.torch_utils"
+
+
+@pytest.fixture(autouse=True)
+def faiss_as_installed() -> Iterator[None]:
+    """faiss as it is installed after every test: a test that loaded :data:`FAISS_TORCH_PATCH` (directly, or
+    through pytorch-metric-learning) has it undone, from the originals the patch keeps as ``NAME_numpy``."""
+    yield
+    if sys.modules.pop(FAISS_TORCH_PATCH, None) is None:
+        return
+    import faiss
+
+    for owner in (faiss, *(value for value in vars(faiss).values() if isinstance(value, type))):
+        for name, original in list(vars(owner).items()):
+            if name.endswith("_numpy"):
+                setattr(owner, name.removesuffix("_numpy"), original)
+                delattr(owner, name)
+
+
+@pytest.fixture
+def faiss_with_torch() -> None:
+    """faiss patched to take torch tensors for this test (what pytorch-metric-learning's k-NN expects), even
+    after an earlier test's patch was undone: the import runs the patch again."""
+    importlib.import_module(FAISS_TORCH_PATCH)
 
 
 def made_once(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> Path:

@@ -49,6 +49,7 @@ def test_perfect_and_singleton_classes() -> None:
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.usefixtures("faiss_with_torch")
 def test_recall_at_1_and_map_at_r_match_pytorch_metric_learning(seed: int) -> None:
     from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
 
