@@ -21,8 +21,10 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/dmlsearch demo
 
+# The fast tier in one process per core (pytest-xdist; a test file stays in one process, with its module
+# fixtures); each process computes on one thread (tests/conftest.py).
 test: setup
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -m "not slow" -n auto --dist loadfile
 
 test-all: setup
 	$(BIN)/pytest -q
