@@ -8,16 +8,20 @@ engine and the CLI come from ``foundation.defaults``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from app.middleware import BodyPace
-from engine.decode.pool import DecodeLimits
 from foundation import defaults
 from foundation.families import Backend
-from index.connection import MilvusConnection
+
+# What the settings make, imported where they are made: `dmlsearch` reads these settings for its flags
+# without loading the server (FastAPI) or the decoder (Pillow).
+if TYPE_CHECKING:
+    from app.middleware import BodyPace
+    from engine.decode.pool import DecodeLimits
+    from index.connection import MilvusConnection
 
 
 class Settings(BaseSettings):
@@ -211,14 +215,20 @@ class Settings(BaseSettings):
     @property
     def milvus(self) -> MilvusConnection:
         """How to reach the served index's Milvus collection where it is not where the index recorded."""
+        from index.connection import MilvusConnection
+
         return MilvusConnection(uri=self.milvus_uri)
 
     def body_pace(self) -> BodyPace:
+        from app.middleware import BodyPace
+
         return BodyPace(
             self.min_upload_bytes_per_second, self.body_timeout_seconds, self.body_deadline_seconds
         )
 
     def decode_limits(self) -> DecodeLimits:
+        from engine.decode.pool import DecodeLimits
+
         memory = self.decode_memory_mb * 1024**2
         return DecodeLimits(
             self.decode_cpu_seconds,
