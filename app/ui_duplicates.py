@@ -85,9 +85,10 @@ def render_review(client: SearchClient, thumbnail: Callable[[int, str], bytes | 
     st.caption(plain(f"{body['total']} groups up to the {tier} tier: {body['criteria']}"))
     st.caption(
         "Proposed keeper: the source of the copies (the camera's EXIF, then the image the others were cut or "
-        "reduced from, then the earliest capture time, then the image in its label folder), never the "
-        "largest file. Untick to set an image aside, tick to keep it; applying moves set-aside images to the "
-        "gallery's trash folder (nothing is deleted; Undo puts them back)."
+        "reduced from, then the earliest capture time by the camera's clock, then the image in its label "
+        "folder; a file's own time comes last), never the largest file. Untick to set an image aside, tick "
+        "to keep it; applying moves set-aside images to the gallery's trash folder (nothing is deleted; Undo "
+        "puts them back)."
     )
     if tier == "similar":
         st.info(

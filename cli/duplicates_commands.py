@@ -24,8 +24,9 @@ from foundation.defaults import KEEPER_RULE
 
 KEEPER_HELP = (
     "Keeper rule: the order in which camera (the file with the camera's EXIF), source (not a crop or "
-    "reduction of another), date (the earliest capture time), folder (in its label folder), pixels (most) "
-    "and bytes (largest) decide which file of a group is kept."
+    "reduction of another), date (the earliest capture time by the camera's clock), folder (in its label "
+    "folder), centre (nearest the others), file-time (the earliest file time), pixels (most) and bytes "
+    "(largest) decide which file of a group is kept."
 )
 
 commands = typer.Typer()

@@ -26,7 +26,7 @@ TRASH_FOLDER = ".dmlsearch-trash"
 GALLERY_MARK = ".dmlsearch-gallery"
 # The duplicate review's keeper rule (engine.gallery.keeper): the keys that find a group's source, in
 # the order they break ties; the CLI's --keep-by default.
-KEEPER_RULE = ("camera", "source", "date", "folder", "centre")
+KEEPER_RULE = ("camera", "source", "date", "folder", "centre", "file-time")
 # The similar tier (engine.duplicates.tiers): images at this cosine or closer are the same scene (a second
 # take, a copy). Another photo of the same car model is about as close to the embedding as a second take.
 SIMILAR_COSINE = 0.86

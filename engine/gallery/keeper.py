@@ -10,10 +10,9 @@ its source). Each key of the rule, in turn, breaks the ties of the keys before i
   reduction has fewer pixels and fits inside its source, upright or turned a quarter (a crop then a turn
   too); a turn, a mirror, a re-encode or a colour change keeps the size, and is told by the keys below.
   A copy enlarged beyond its source would be taken for the source: no edit the tiers measure does that;
-- **date**: the earliest capture time: the camera's clock (EXIF) where the file has one, else the file's
-  time, which a copy gets when it is made (``cp -p`` keeps it: byte copies then tie). File times less
-  than ``FILE_TIME_TIE`` apart tie: files written in one go (a folder copied, a download) are dated in
-  the order they were written;
+- **date**: the earliest capture time by the camera's clock (EXIF DateTimeOriginal); files without one
+  tie here, after those with one. A file's own time is weak evidence (``touch``, a copy tool or an
+  unpacked archive sets it to anything), so it comes last (**file-time**);
 - **folder**: the file in its label folder: the one whose other images look most like the group's (the
   mean of the 3 highest cosines between the group's stored vectors and theirs): a photo's class folder,
   not a folder of copies (``edited/``), however many of the group's copies that holds. Images at the
@@ -26,6 +25,9 @@ its source). Each key of the rule, in turn, breaks the ties of the keys before i
 - **centre**: the image nearest the others (the highest mean cosine of its stored vector to theirs): each
   copy is one edit away from its source, two copies are two edits apart (a mirror and a warmer copy), so
   the source sits in the middle of its copies. Files of the same bytes share one vector, and tie;
+- **file-time**: the earliest file time, where nothing above told the files apart: a copy gets its time
+  when it is made (``cp -p`` keeps it: byte copies then tie). File times less than ``FILE_TIME_TIE`` apart
+  tie: files written in one go (a folder copied, a download) are dated in the order they were written;
 - **pixels** and **bytes** (most, largest) are not in the default rule: bytes do not tell a source from a
   copy; they can be asked for with ``--keep-by``.
 
@@ -50,9 +52,9 @@ from foundation.errors import InvalidInputError
 if TYPE_CHECKING:
     from index.gallery import GalleryIndex
 
-KEEPER_KEYS = ("camera", "source", "date", "folder", "centre", "pixels", "bytes")
-# The date key: file times closer than this (seconds) tie (see _together); copies made by hand are minutes
-# or days younger than their source.
+KEEPER_KEYS = ("camera", "source", "date", "folder", "centre", "file-time", "pixels", "bytes")
+# The file-time key: file times closer than this (seconds) tie (see _together); copies made by hand are
+# minutes or days younger than their source.
 FILE_TIME_TIE = 60
 # The folder key: how many of a folder's images closest to the group's are averaged.
 FOLDER_NEIGHBOURS = 3
@@ -129,10 +131,12 @@ def choose_keeper(
     values: dict[str, list[Any]] = {  # each key's value per member: the lowest is best
         "camera": [f.camera is None for f in facts],
         "source": derived,
-        "date": [f.date for f in facts],
+        # A capture time before none (a file time is not one: the file-time key reads it).
+        "date": [(0, f.date) if f.dated_by == "camera clock" else (1, "") for f in facts],
         "folder": [home is None or f.label != home for f in facts],
         # Rounded: two files of the same bytes share a vector, and float sums must not part them.
         "centre": [-round(c, 4) for c in centrality] if centrality else [0] * len(facts),
+        "file-time": [f.date for f in facts],
         "pixels": [-f.pixels for f in facts],
         "bytes": [-f.size for f in facts],
     }
@@ -140,7 +144,9 @@ def choose_keeper(
     reasons = []
     for key in rule:
         best = min(values[key][i] for i in left)
-        kept = [i for i in left if values[key][i] == best or (key == "date" and _together(facts[i], best))]
+        kept = [
+            i for i in left if values[key][i] == best or (key == "file-time" and _together(facts[i], best))
+        ]
         if len(kept) < len(left):
             reasons.append(_reason(key, facts, kept[0], home, len(left) - len(kept)))
             left = kept
@@ -174,7 +180,12 @@ def _reason(key: str, facts: Sequence[FileFacts], chosen: int, home: str | None,
     if key == "source":
         return f"the source: {others} fit inside its {fact.width}x{fact.height} (crops or reductions)"
     if key == "date":
-        return f"the earliest capture time ({fact.date}, {fact.dated_by}), before {others}"
+        return f"the earliest capture time ({fact.date}, camera clock), before {others}"
+    if key == "file-time":
+        return (
+            f"the earliest file time ({fact.date}, {fact.dated_by}), before {others}: nothing else told "
+            "them apart"
+        )
     if key == "folder":
         return f"in its label folder {home!r} (whose images look most like it), {others} not"
     if key == "centre":

@@ -198,7 +198,9 @@ def _camera_exif() -> Image.Exif:
 
 # Each kind of copy the tiers find, of another photo, and the key of the keeper rule that must find the
 # photo: (label, kind, the copy, its JPEG quality, its file's day in 2020 or None: the photo's time).
-# The photos are dated 5 January; a crop and a reduction older than their photo are still derived from it.
+# The photos are dated 5 January; a crop and a reduction older than their photo are still derived from it,
+# and a turned or mirrored copy whose file time is older (`touch -d 2020-01-01`) is still not kept over
+# the photo in its label folder: a file time is weak evidence, only a camera's capture time comes first.
 COPIES_OF_PHOTOS = [
     ("coffee", "resize", lambda im: im.resize((im.width // 2, im.height // 2)), 92, 1, "the source"),
     (
@@ -209,9 +211,9 @@ COPIES_OF_PHOTOS = [
         1,
         "the source",
     ),
-    ("rocket", "turn", lambda im: im.transpose(Image.Transpose.ROTATE_90), 95, 9, "earliest capture time"),
-    ("motorcycle", "re-encode", lambda im: im, 100, 9, "earliest capture time"),
-    ("temple", "mirror", ImageOps.mirror, 95, 9, "earliest capture time"),
+    ("rocket", "turn", lambda im: im.transpose(Image.Transpose.ROTATE_90), 95, 1, "label folder 'rocket'"),
+    ("motorcycle", "re-encode", lambda im: im, 100, 9, "in its label folder 'motorcycle'"),
+    ("temple", "mirror", ImageOps.mirror, 95, 1, "in its label folder 'temple'"),
     ("cat", "byte copy", None, 0, None, "in its label folder 'cat'"),
     ("flower", "camera", lambda im: im, 100, 1, "has the camera's EXIF (Canon EOS 5D)"),
 ]

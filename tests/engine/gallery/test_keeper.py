@@ -1,5 +1,5 @@
 """The keeper rule's folder key (engine.gallery.keeper.GroupVectors.home_folder) on a real FAISS index whose
-vectors are placed by hand: which folder a group of copies belongs to."""
+vectors are placed by hand: which folder a group of copies belongs to; and the order of its date keys."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.gallery.keeper import GroupVectors
+from engine.gallery.keeper import FileFacts, GroupVectors, choose_keeper
 from foundation.defaults import SIMILAR_COSINE
 from index.gallery import GalleryIndex
 from index.protocol import Entry
@@ -60,3 +60,22 @@ def test_a_folder_of_one_photo_and_its_takes_is_its_label_folder(tmp_path: Path)
     index, ids = _index(tmp_path, {"class": [0.98, 0.96, 0.94, 0.92], "edited": [0.2]})
     home = GroupVectors(index).home_folder([ids["class/photo.jpg"]], ["edited", "class"])
     assert home == "class"
+
+
+def _facts(label: str, date: str, dated_by: str) -> FileFacts:
+    return FileFacts(640, 480, 1000, None, date, dated_by, label)
+
+
+def test_a_file_time_comes_after_the_label_folder_and_a_capture_time_before_it() -> None:
+    """An edited copy elsewhere whose file time is older (`touch -d 2020-01-01`) does not beat the photo in
+    its label folder; a camera's capture time does; and between files nothing else tells apart, the older
+    file time wins."""
+    photo = _facts("hummer", "2026-11-29T10:00:00+00:00", "file time")
+    touched = _facts("edited", "2020-01-01T00:00:00+00:00", "file time")
+    choice = choose_keeper([touched, photo], "hummer")
+    assert choice.keeper == 1 and "in its label folder 'hummer'" in choice.reason
+    captured = _facts("edited", "2019-06-01T10:00:00", "camera clock")
+    choice = choose_keeper([photo, captured], "hummer")
+    assert choice.keeper == 1 and "earliest capture time (2019-06-01T10:00:00, camera clock)" in choice.reason
+    choice = choose_keeper([photo, touched], None)  # no label folder tells them apart
+    assert choice.keeper == 1 and "the earliest file time (2020-01-01T00:00:00+00:00" in choice.reason
