@@ -180,7 +180,8 @@ async def apply_plan(plan: PlanIn, service: Service, compute: Compute) -> Applie
 async def undo_plan(undo: UndoIn, service: Service, compute: Compute) -> UndoneOut:
     """Undo an apply (``X-API-Key`` required), from the plan its trash folder holds: each set-aside file
     goes back to its place and its item back into the index under the id it had (404: no apply of that
-    plan id). Undoing again is harmless."""
+    plan id). A complete undo removes the apply's trash folder, leaving no trace: undoing it again is a
+    404."""
     report = (await compute.run(service.duplicates.undo, undo.plan_id))[0]
     return UndoneOut(
         moved=report.moved,

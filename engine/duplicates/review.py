@@ -8,7 +8,10 @@ file) proposes one keeper per group, with the reason it was chosen; a similar gr
 set-aside file there (same relative path), keeps the items it removes from the index (``ITEMS_FILE``:
 vectors, signatures and metadata; the judgments naming them in ``JUDGMENTS_FILE``) and removes them;
 undoing moves the files back and puts their items, and those judgments, back under their ids (a file
-changed in the trash, or an index that takes no ids, is indexed again). A
+changed in the trash, or an index that takes no ids, is indexed again), then, where every file is back,
+removes what the apply made: those three files and the emptied folders, up to the trash folder itself when
+no other apply is in it. An undo leaves no trace, and never deletes a file it did not make: a trash folder
+holding anything else (a file that could not go back, a file someone put there) is left whole. A
 byte copy (a file with an item's bytes, which the index holds once: ``engine.duplicates.byte_copies``) is a
 member under its item's id and its own path, ranked by the keeper rule like any file: setting it aside
 moves only its file; keeping it while setting its item's file aside hands the item to the copy's path
@@ -728,7 +731,30 @@ def put_back(index: GalleryIndex, plan: dict, embedder: Embedder, *, progress: b
     if back:
         index.build(retune=False, progress=progress)
         index.save()
+    if not report.left:
+        _remove_trash(root, plan_id)
     return report
+
+
+APPLY_FILES = (PLAN_FILE, ITEMS_FILE, JUDGMENTS_FILE)  # what an apply writes into its trash folder
+
+
+def _remove_trash(root: Path, plan_id: str) -> None:
+    """Remove an undone apply's trash folder (module doc) where it holds only the apply's own files and
+    folders (a link is not one of them); the trash folder itself where no other apply's folder is in it.
+    A folder something was put into meanwhile stays."""
+    trash = root / TRASH_FOLDER / plan_id
+    if not trash.is_dir() or trash.is_symlink():
+        return
+    inside = list(trash.rglob("*"))
+    folders = [path for path in inside if path.is_dir() and not path.is_symlink()]
+    if any(path not in folders and path.relative_to(trash).as_posix() not in APPLY_FILES for path in inside):
+        return
+    for name in APPLY_FILES:
+        (trash / name).unlink(missing_ok=True)
+    for folder in [*sorted(folders, key=lambda path: len(path.parts), reverse=True), trash, trash.parent]:
+        with contextlib.suppress(OSError):  # deepest first; one not empty (another apply's) stays
+            folder.rmdir()
 
 
 def undo_plan(index_dir: Path, plan: dict, embedder: Embedder, *, progress: bool = False) -> ReviewReport:

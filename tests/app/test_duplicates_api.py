@@ -204,8 +204,14 @@ def test_an_apply_is_undone_by_its_plan_id_and_its_items_keep_their_ids(
     assert {i["path"] for i in page["items"]} == {
         i["path"] for i in group["items"]
     }  # the group is whole again
-    again = client.post("/v1/duplicates/undo", json={"plan_id": "undo-me"}, headers=key).json()
-    assert again["moved"] == [] and again["restored"] == 0 and again["count"] == count
+    # The undo left no trace: no trash folder, so nothing to undo again.
+    assert (
+        not (served.gallery / applied["trash"]).exists()
+        and not (served.gallery / applied["trash"]).parent.exists()
+    )
+    again = client.post("/v1/duplicates/undo", json={"plan_id": "undo-me"}, headers=key)
+    assert again.status_code == 404 and again.json()["error"]["code"] == "plan_not_found"
+    assert client.get("/v1/stats").json()["count"] == count
     missing = client.post("/v1/duplicates/undo", json={"plan_id": "never-applied"}, headers=key)
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "plan_not_found"
 

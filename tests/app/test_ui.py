@@ -652,6 +652,7 @@ def test_real_browser_applies_duplicate_decisions(sync_api: ModuleType, writable
                 found = httpx.get(f"{api}/v1/items/{item['id']}", timeout=30)
                 assert found.status_code == 200
                 assert item["byte_copy"] or found.json()["path"] == item["path"]
+            assert not (served.gallery / ".dmlsearch-trash").exists()  # the undo leaves no trace
             view.get_by_text(re.compile(r"^Group 1 · \w+ · \d+ images$")).first.wait_for(timeout=90_000)
             view.wait_for_function(
                 "(paths) => paths.every(p => [...document.querySelectorAll("

@@ -516,9 +516,41 @@ def test_an_apply_is_undone_from_its_trash_folder_or_its_plan_id_with_the_ids_it
         assert "items under their ids, indexed 0 again" in result.output
         assert _files(gallery) == before
         assert _ids_by_path(index) == ids
+        assert not (gallery / TRASH_FOLDER).exists()  # the undo leaves no trace: no plan, no empty folder
         (tmp_path / "elsewhere.json").rename(plan_path)
     result = runner.invoke(app, ["duplicates", "--index", str(index), "--undo", "20990101T000000Z-none"])
     assert result.exit_code == 2 and "no trash folder" in result.output
+
+
+def test_an_undo_never_deletes_a_file_it_did_not_make(
+    gallery_and_index: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A file put into the trash folder after the apply stays, and so does the plan that undoes it."""
+    gallery, index = _writable_copy(gallery_and_index, tmp_path)
+    before = _files(gallery)
+    plan_path = tmp_path / "plan.json"
+    made = runner.invoke(
+        app, ["duplicates", "--index", str(index), "--tier", "edited", "--plan", str(plan_path)]
+    )
+    assert made.exit_code == 0, made.output
+    plan_id = json.loads(plan_path.read_text())["plan_id"]
+    other = gallery / TRASH_FOLDER / "20200101T000000Z-other"  # another apply's trash, untouched
+    other.mkdir(parents=True)
+    assert runner.invoke(app, ["duplicates", "--index", str(index), "--apply", str(plan_path)]).exit_code == 0
+    trash = gallery / TRASH_FOLDER / plan_id
+    note = trash / "note.txt"
+    note.write_text("mine")
+    result = runner.invoke(app, ["duplicates", "--index", str(index), "--undo", plan_id])
+    assert result.exit_code == 0, result.output
+    assert note.read_text() == "mine"
+    assert {
+        path: sha for path, sha in _files(gallery).items() if path != note.relative_to(gallery).as_posix()
+    } == before
+    assert (trash / ".dmlsearch-plan.json").is_file()  # left whole: an undo can still read it
+    note.unlink()
+    result = runner.invoke(app, ["duplicates", "--index", str(index), "--undo", plan_id])
+    assert result.exit_code == 0, result.output
+    assert not trash.exists() and other.is_dir()  # the folder of another apply stays, and so the trash
 
 
 def test_build_index_gives_a_byte_copys_item_to_the_photo_in_its_label_folder(
