@@ -624,8 +624,8 @@ def test_real_browser_applies_duplicate_decisions(sync_api: ModuleType, writable
                 arg=group["items"].index(changed_mind),
                 timeout=30_000,
             )
-            view.get_by_label("API key").fill("k3y")
-            view.get_by_label("API key").press("Enter")
+            view.get_by_label("API key", exact=True).fill("k3y")  # the page's own, not the sidebar's
+            view.get_by_label("API key", exact=True).press("Enter")
             time.sleep(1)  # the rerun with the key
             # Each group says why its keeper is kept.
             view.get_by_text(f"Keep {keeper['path']}: {group['reason']}").wait_for(timeout=30_000)
