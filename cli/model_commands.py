@@ -79,6 +79,8 @@ def export(
             than = (
                 "the served model on the judgments held out from it"
                 if verdict.on_judgments
+                else "the untrained model on its held-out photos: it learned nothing usable without labels"
+                if verdict.label_free
                 else "the untrained model on validation"
             )
             raise fail(
@@ -334,7 +336,13 @@ def train(
                 more = f" and {len(judged) - 10} more" if len(judged) > 10 else ""
                 typer.echo(f"  {name} (held out, query->result): {shown}{more}")
     verdict = serving_check(out)
-    if not verdict.passed:
+    if not verdict.passed and verdict.label_free and not verdict.on_judgments:
+        typer.echo(
+            f"run in {out}: it learned nothing usable without labels: NOT better than the untrained backbone "
+            f"on its held-out photos ({verdict.detail}), so `dmlsearch export` refuses it and the untrained "
+            "model stays the one to serve; more photos or another recipe may learn more"
+        )
+    elif not verdict.passed:
         than = (
             "the served model on the held-out judgments" if verdict.on_judgments else "the untrained backbone"
         )

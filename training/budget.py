@@ -215,8 +215,10 @@ def measure(config: TrainConfig, *, clock: Clock = time.perf_counter, load: Load
 
 def split_sizes(config: TrainConfig) -> dict[str, int]:
     """Images of each split that a run of ``config`` trains on, validates and tests: a label-free run's
-    held-out photos count twice (as served and as an augmented view), and its pseudo-label refreshes
-    embed the training photos again, counted as that many more validation images."""
+    held-out photos count twice (as served and as an augmented view), its pseudo-label refreshes embed
+    the training photos again, counted as that many more validation images, and its gate's neighbourhood
+    check embeds them once more at the end with a strong view of each validation photo, counted with the
+    test images."""
     assert config.data is not None, "a fine-tuning plan needs a data folder (runs on judgments are frozen)"
     loose = label_free_images(Path(config.data), config.labels)
     if loose is None:
@@ -232,7 +234,12 @@ def split_sizes(config: TrainConfig) -> dict[str, int]:
     # A refresh every FINETUNE_REFRESH_EPOCHS epochs embeds the training photos: per epoch (a validation),
     # that many more evaluated images.
     refreshed = math.ceil(len(plan.train) / FINETUNE_REFRESH_EPOCHS)
-    return {"train": len(plan.train), "val": 2 * len(plan.val) + refreshed, "test": 2 * len(plan.test)}
+    gate = len(plan.train) + len(plan.val)  # the trainer's _neighbourhood_check
+    return {
+        "train": len(plan.train),
+        "val": 2 * len(plan.val) + refreshed,
+        "test": 2 * len(plan.test) + gate,
+    }
 
 
 def plan_for(config: TrainConfig, budget_s: float) -> Plan:

@@ -20,9 +20,10 @@ from engine.model.run_proof import EVAL_FILE
 from foundation.atomic import atomic_write_text
 from training.bootstrap import DEFAULT_RESAMPLES, Interval, paired_bootstrap
 from training.evaluation import EvalSplit, RunEmbeddings, embed_run
+from training.label_free_data import is_label_free
 from training.losses.magnet import KNCClassifier
 from training.metrics import answerable, evaluate, top_hits
-from training.run_dir import RunDirectory
+from training.run_dir import RunDirectory, RunSummary
 from training.samplers import NeighbourhoodSampler
 from training.trainer import SELECTION_METRIC, ValidationGain
 
@@ -203,25 +204,47 @@ class ServingCheck:
     passed: bool
     detail: str
     on_judgments: bool  # the run trained on judgments: their held-out share is (part of) the check
+    label_free: bool = False  # the run trained without labels: judged on held-out photos by two checks
 
 
 def serving_check(run_path: Path) -> ServingCheck:
     """A run is served only where it is better than what it would replace: than the untrained backbone on
     the validation classes (:func:`validation_gain`) for a run on a data folder, and, for a run on
     judgments, on the judgments held out from it (``summary.feedback``, :mod:`training.feedback_gate`);
-    a run on judgments alone has the held-out judgments only."""
+    a run on judgments alone has the held-out judgments only. A run without labels is judged on held-out
+    photos, and where the first check finds it better, the second must agree (training.label_free_data)."""
     run = RunDirectory(run_path)
     config = run.require_config()
+    summary = run.read_summary()
     checks: list[tuple[bool, str]] = []
+    label_free = config.data is not None and (
+        summary.label_free is not None  # a finished run says; an unfinished one needs its folder anyway
+        if summary is not None
+        else is_label_free(Path(config.data), config.labels)
+    )
     if config.data is not None:
         gain = validation_gain(run_path)
         checks.append((gain.improved, gain.describe()))
+        if label_free and gain.improved:
+            checks.append(_neighbourhood_check(summary))
     if config.feedback is not None:
-        summary = run.read_summary()
         if summary is None or summary.feedback is None:
             checks.append((False, "the run has not finished: its held-out judgments are not scored yet"))
         else:
             checks.append((summary.feedback.passed, summary.feedback.describe()))
     return ServingCheck(
-        all(ok for ok, _ in checks), "; ".join(detail for _, detail in checks), config.feedback is not None
+        all(ok for ok, _ in checks),
+        "; ".join(detail for _, detail in checks),
+        config.feedback is not None,
+        label_free,
     )
+
+
+def _neighbourhood_check(summary: RunSummary | None) -> tuple[bool, str]:
+    """The label-free gate's second check, as the trainer scored it at the end of the run."""
+    if summary is None:
+        return False, "the run has not finished: its held-out photos' neighbourhood check is not scored yet"
+    if summary.label_free is None or summary.label_free.neighbours is None:
+        return False, "the run finished before the gate's neighbourhood check existed: train it again"
+    check = summary.label_free.neighbours
+    return check.passed, check.describe()

@@ -13,8 +13,16 @@ folder); the loose ones train on pseudo-labels (:mod:`training.pseudo_labels`).
   labelled with the photo's id.
   Recall@1 over those rows is the share of images whose nearest other image is the same photo's other
   version (view -> original and original -> view): whether the embedding still tells a photo it never saw
-  from the others under the changes training teaches it to ignore. The trainer selects checkpoints and the
-  gate judges the run on it as a labelled run does on validation Recall@1.
+  from the others under the changes training teaches it to ignore. The trainer selects checkpoints on it
+  as a labelled run does on validation Recall@1.
+* The gate asks a second check to agree: neighbourhood agreement
+  (:func:`training.metrics.neighbourhood_agreement`), the share of a validation photo's :data:`NEIGHBOURS`
+  nearest photos of the folder that a strong view of it (:data:`GATE_AUGMENTATION`: SimCLR's crops, colour
+  jitter and grey) also has among its nearest. A run is served only where the selected checkpoint is
+  *better* than the untrained backbone on both, else it learned nothing usable and the untrained model
+  stays served. On Cars196 class folds (bench/results/label_free_gate*.md) the first check alone served
+  runs whose class Recall@1 had fallen (5 of 12 cases): training on two views of each photo raises it
+  whatever happens to the classes.
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ MIN_HELD_OUT = 4
 MIN_LOOSE_PHOTOS = 20
 EVAL_VIEW = 1  # the feature cache's augmented view that held-out photos are embedded in besides their own
 EVAL_AUGMENTATION: Augmentation = "crop"  # how that view is made: as training's augmented crops
+# The gate's second check (module docstring), as bench/lib/label_free_gate.py measured it: 10 neighbours.
+NEIGHBOURS = 10
+GATE_AUGMENTATION: Augmentation = "strong"  # the validation photos' view of the neighbourhood check
 
 
 @dataclass(frozen=True)

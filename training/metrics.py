@@ -8,6 +8,9 @@
   pairwise F-measure (precision and recall over item pairs put in the same cluster) of the lifted-structure
   paper's clustering protocol.
 
+* Neighbourhood agreement (label-free runs' gate, training.label_free_data): how many of a photo's k nearest
+  photos a changed view of it still has among its k nearest.
+
 Queries whose class has no other item cannot be answered and are left out of Recall@K and MAP@R.
 """
 
@@ -42,6 +45,26 @@ def nearest_neighbours(embeddings: np.ndarray, k: int) -> np.ndarray:
     is_self = found == np.arange(len(vectors))[:, None]
     is_self[~is_self.any(axis=1), -1] = True
     return found[~is_self].reshape(len(vectors), k)
+
+
+def neighbourhood_agreement(folder: np.ndarray, held: np.ndarray, views: np.ndarray, k: int) -> np.ndarray:
+    """Per held-out photo (rows ``held`` of the ``folder``'s embeddings, its photos as served): the share of
+    its ``k`` nearest photos of the folder (cosine, exact) that its view (``views``, a row per held photo)
+    also has among its ``k`` nearest, its own photo left out of both."""
+    k = min(k, len(folder) - 1)
+    index = faiss.IndexFlatIP(folder.shape[1])
+    index.add(_unit(folder))
+
+    def nearest(queries: np.ndarray) -> np.ndarray:
+        _, found = index.search(_unit(queries), k + 1)
+        # Leave the photo itself out; where ties push it past the first k + 1, the last one instead.
+        is_self = found == held[:, None]
+        is_self[~is_self.any(axis=1), -1] = True
+        return found[~is_self].reshape(len(held), k)
+
+    around, view_around = nearest(folder[held]), nearest(views)
+    shared = [len(np.intersect1d(a, b)) for a, b in zip(around, view_around, strict=True)]
+    return np.array(shared, dtype=np.float64) / k
 
 
 def answerable(labels: np.ndarray) -> np.ndarray:

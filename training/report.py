@@ -36,7 +36,7 @@ from sklearn.manifold import TSNE
 from engine.decode.images import load_image_file
 from engine.model.run_proof import PLOTS, REPORT_FILE, plot_path
 from foundation.atomic import atomic_path, atomic_write_text
-from training.comparison import Comparison
+from training.comparison import Comparison, serving_check
 from training.evaluation import RunEmbeddings
 from training.metrics import TopHits, retrieval_metrics, top_hits
 from training.run_dir import LabelFreeRecord, RunDirectory
@@ -319,6 +319,12 @@ def _summary_html(run_path: Path, comparison: Comparison, embedded: RunEmbedding
             f"{record.held_out_photos['test']} held-out photos and one augmented view of each; the scores "
             f"below are {record.score}"
         )
+        gate = serving_check(run_path)
+        facts["served"] = (
+            "yes: better than the untrained backbone on both checks of its held-out photos"
+            if gate.passed
+            else "no: the run learned nothing usable without labels, the untrained model stays served"
+        ) + f" ({gate.detail})"
     items = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>" for k, v in facts.items())
     verdict = comparison.verdict
     if comparison.learned_nothing is not None:

@@ -14,10 +14,18 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError, field_serializer, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    PlainSerializer,
+    ValidationError,
+    field_serializer,
+    field_validator,
+)
 
 from foundation.atomic import atomic_path, atomic_write_text
 from foundation.errors import InvalidInputError
@@ -52,6 +60,40 @@ LABEL_FREE_SCORE = (
 )
 
 
+# A bootstrap interval in a record: written with its verdict, read back from that dict.
+IntervalRecord = Annotated[
+    Interval,
+    BeforeValidator(lambda value: Interval.from_dict(value) if isinstance(value, dict) else value),
+    PlainSerializer(Interval.to_dict),
+]
+
+
+class NeighbourhoodCheck(BaseModel):
+    """The label-free gate's second check (training.label_free_data): the validation photos' neighbourhood
+    agreement under a strong view, the selected checkpoint against the untrained backbone."""
+
+    model_config = ConfigDict(frozen=True)
+
+    neighbours: int  # the neighbourhood's size
+    untrained: float
+    trained: float
+    interval: IntervalRecord  # of trained - untrained, photos resampled
+    seconds: float  # what the check cost: embedding the folder and the strong views, and the search
+
+    @property
+    def passed(self) -> bool:
+        return self.interval.verdict == "better"
+
+    def describe(self) -> str:
+        interval = self.interval
+        return (
+            f"neighbourhood agreement of held-out photos under a strong view {100 * self.trained:.2f}% vs "
+            f"{100 * self.untrained:.2f}% untrained, difference {100 * interval.difference:+.2f} "
+            f"({100 * interval.level:.0f}% CI [{100 * interval.low:+.2f}, {100 * interval.high:+.2f}]): "
+            f"{interval.verdict}"
+        )
+
+
 class PseudoLabelRefresh(BaseModel):
     """One re-clustering of a label-free run's loose photos: at which step, how many clusters, their sizes."""
 
@@ -73,6 +115,9 @@ class LabelFreeRecord(BaseModel):
     copies_merged: int  # photos that are byte copies of another, merged into its pseudo-class
     score: str  # what validation and test metrics measure instead of class retrieval
     refreshes: list[PseudoLabelRefresh]
+    # The gate's second check, scored where the first found the selected checkpoint better (None: it did
+    # not, or the run finished before the gate had it)
+    neighbours: NeighbourhoodCheck | None = None
 
 
 class RunSummary(BaseModel):

@@ -36,7 +36,7 @@ from training.bootstrap import Interval, paired_bootstrap
 from training.config import TrainConfig
 from training.data import LOOSE, DataError, LabelledImages, load_labelled_images, split_classes
 from training.distributed import Distributed, distributed_from_env
-from training.features import FeatureExtractor
+from training.features import Augmentation, FeatureExtractor
 from training.feedback_data import load_feedback
 from training.feedback_gate import FeedbackGate, feedback_gate
 from training.feedback_rows import JUDGED_SPLIT, JudgedRows, judged_only, with_judged_photos
@@ -44,12 +44,14 @@ from training.feedback_sampler import FeedbackSampler
 from training.label_free_data import (
     EVAL_AUGMENTATION,
     EVAL_VIEW,
+    GATE_AUGMENTATION,
+    NEIGHBOURS,
     LabelFreePlan,
     label_free_images,
     plan_label_free,
 )
 from training.losses import LOSSES, LossSpec
-from training.metrics import evaluate, top_hits
+from training.metrics import evaluate, neighbourhood_agreement, top_hits
 from training.model import build_objective
 from training.precision import Compute, resolve_compute
 from training.pseudo_labels import FINETUNE_REFRESH_EPOCHS, PseudoLabelSampler
@@ -59,6 +61,7 @@ from training.run_dir import (
     FrozenStageSummary,
     LabelFreeRecord,
     LastCheckpoint,
+    NeighbourhoodCheck,
     PseudoLabelRefresh,
     RunDirectory,
     RunDirError,
@@ -77,6 +80,7 @@ STUCK_WINDOW = 50
 STUCK_MIN_STEPS = 5
 STUCK_MOVING_SHARE = 0.05
 FROZEN_STAGE = "frozen-stage"  # the run directory, inside a fine-tuning run's, of its frozen first stage
+GATE_SPLIT = "val_strong"  # a label-free run's validation photos as their strong view: the gate's 2nd check
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ class PreparedData:
     judged: JudgedRows | None = None  # a run with --feedback: its judged photos' rows (feedback_rows)
     # label-free: per held-out split, the rows shown as an augmented view (fine-tuning makes them anew)
     held_out_views: dict[str, SeededViews] = field(default_factory=dict)
+    gate_views: SeededViews | None = None  # label-free: GATE_SPLIT's rows, each a strong view
 
     def labels(self, split: str) -> np.ndarray:
         return self.row_labels[split]
@@ -197,9 +202,14 @@ def _folder_data(
                 extractor.extract(images.files(training_range), view=view, seed=seed).features
                 for view in range(1, config.views + 1)
             ]
-            held_out_view = (
-                None if plan is None else held_out_views_of(plan, images, base.ok, pooled, extractor, seed)
-            )
+            held_out_view = gate_view = None
+            if plan is not None:
+                held = np.sort(np.concatenate([plan.val, plan.test]))
+                held_out_view = held_out_views_of(
+                    held[base.ok[held]], images, pooled, extractor, seed, EVAL_AUGMENTATION
+                )
+                val = plan.val[base.ok[plan.val]]
+                gate_view = held_out_views_of(val, images, pooled, extractor, seed, GATE_AUGMENTATION)
         dist.barrier()
     indices = {name: split[name][base.ok[split[name]]] for name in ("train", "val", "test")}
     row_labels = {name: images.labels[kept] for name, kept in indices.items()}
@@ -217,9 +227,14 @@ def _folder_data(
         else {name: base_inputs[kept] for name, kept in indices.items()}
     )
     held_out_views: dict[str, SeededViews] = {}
+    gate_views = None
     if plan is not None:
-        assert held_out_view is not None
+        assert held_out_view is not None and gate_view is not None
         inputs, features = dict(inputs), dict(features)
+        indices[GATE_SPLIT] = gate_view.photos  # the readable validation photos, in their split's order
+        row_labels[GATE_SPLIT] = plan.held_out_labels(gate_view.photos)
+        features[GATE_SPLIT], inputs[GATE_SPLIT] = gate_view.pooled, gate_view.inputs
+        gate_views = SeededViews(np.arange(len(gate_view.photos)), EVAL_VIEW, seed, GATE_AUGMENTATION)
         for name in ("val", "test"):
             held, at = indices[name], np.searchsorted(held_out_view.photos, indices[name])
             positions = np.concatenate([np.full(len(held), -1), at])
@@ -239,12 +254,14 @@ def _folder_data(
         train_views=train_views,
         label_free=plan,
         held_out_views=held_out_views,
+        gate_views=gate_views,
     )
 
 
 @dataclass(frozen=True)
 class HeldOutView:
-    """The augmented view of a label-free run's held-out photos that its check finds them again from."""
+    """An augmented view of a label-free run's held-out photos: the crop view its check finds them again
+    from, or the strong view of the validation photos that the gate's neighbourhood check embeds."""
 
     photos: np.ndarray  # the readable held-out photos (image indices, sorted): the list the view was made of
     pooled: np.ndarray  # the untrained backbone's pooled features of the view (the baseline)
@@ -252,22 +269,20 @@ class HeldOutView:
 
 
 def held_out_views_of(
-    plan: LabelFreePlan,
+    photos: np.ndarray,
     images: LabelledImages,
-    ok: np.ndarray,
     pooled: FeatureExtractor,
     extractor: FeatureExtractor,
     seed: int,
+    augmentation: Augmentation,
 ) -> HeldOutView:
-    """View :data:`EVAL_VIEW` (made by :data:`EVAL_AUGMENTATION`) of each readable held-out photo."""
-    held = np.sort(np.concatenate([plan.val, plan.test]))
-    held = held[ok[held]]
-    files = images.files(held)
-    view = pooled.extract(files, view=EVAL_VIEW, seed=seed, augmentation=EVAL_AUGMENTATION).features
+    """View :data:`EVAL_VIEW` (made by ``augmentation``) of each of the readable held-out ``photos``."""
+    files = images.files(photos)
+    view = pooled.extract(files, view=EVAL_VIEW, seed=seed, augmentation=augmentation).features
     inputs = view
     if extractor is not pooled:
-        inputs = extractor.extract(files, view=EVAL_VIEW, seed=seed, augmentation=EVAL_AUGMENTATION).features
-    return HeldOutView(held, view, inputs)
+        inputs = extractor.extract(files, view=EVAL_VIEW, seed=seed, augmentation=augmentation).features
+    return HeldOutView(photos, view, inputs)
 
 
 @dataclass
@@ -550,7 +565,9 @@ class _Training:
         data = self.data
         if self.config.mode != "finetune":
             eval_inputs = {
-                name: data.inputs[name] for name in ("val", "test", JUDGED_SPLIT) if name in data.inputs
+                name: data.inputs[name]
+                for name in ("val", "test", JUDGED_SPLIT, GATE_SPLIT)
+                if name in data.inputs
             }
             return CachedWorkload(
                 self.objective,
@@ -559,7 +576,11 @@ class _Training:
                 self.device,
                 channels_last=self.compute.channels_last,
             )
-        files = {name: data.files(name) for name in ("train", "val", "test")}
+        splits = ("train", "val", "test", GATE_SPLIT)
+        files = {name: data.files(name) for name in splits if name in data.indices}
+        views = dict(data.held_out_views)
+        if data.gate_views is not None:
+            views[GATE_SPLIT] = data.gate_views
         preprocessing = BACKBONES[self.config.backbone].preprocessing
         return FinetuneWorkload(
             self.objective,
@@ -571,7 +592,7 @@ class _Training:
             channels_last=self.compute.channels_last,
             train_size=self.config.train_size,
             min_crop_area=self.config.min_crop_area,
-            views=data.held_out_views,
+            views=views,
         )
 
     def _param_groups(self) -> list[dict[str, Any]]:
@@ -652,8 +673,8 @@ class _Training:
                 stopping.stop_now()
         bar.close()
 
-    def _label_free_record(self) -> LabelFreeRecord | None:
-        """What a label-free run's summary says about its photos and pseudo-labels."""
+    def _label_free_record(self, neighbours: NeighbourhoodCheck | None) -> LabelFreeRecord | None:
+        """What a label-free run's summary says about its photos, pseudo-labels and gate."""
         plan = self.data.label_free
         sampler = self.sampler.inner if isinstance(self.sampler, FeedbackSampler) else self.sampler
         if plan is None or not isinstance(sampler, PseudoLabelSampler):
@@ -666,6 +687,31 @@ class _Training:
             copies_merged=int(len(plan.copies) - len(np.unique(plan.copies))),
             score=LABEL_FREE_SCORE,
             refreshes=[PseudoLabelRefresh(**entry) for entry in sampler.history],
+            neighbours=neighbours,
+        )
+
+    def _neighbourhood_check(self, val: np.ndarray) -> NeighbourhoodCheck:
+        """The label-free gate's second check (:mod:`training.label_free_data`), the selected model against
+        the untrained backbone: each validation photo's neighbours among the folder's photos as served
+        (training and validation photos), and its strong view's. ``val``: the selected model's embedding of
+        the validation rows, whose served half is reused; the check embeds the training photos once more
+        (in fine-tuning, as a pseudo-label refresh does) and the strong views."""
+        started = time.perf_counter()
+        data, workload = self.data, self.workload
+        photos = len(data.indices[GATE_SPLIT])  # the served half of the validation rows, in that order
+        held = len(data.features["train"]) + np.arange(photos)
+
+        def agreement(train: np.ndarray, served: np.ndarray, views: np.ndarray) -> np.ndarray:
+            return neighbourhood_agreement(np.concatenate([train, served[:photos]]), held, views, NEIGHBOURS)
+
+        trained = agreement(workload.embed("train"), val, workload.embed(GATE_SPLIT))
+        untrained = agreement(data.features["train"], data.features["val"], data.features[GATE_SPLIT])
+        return NeighbourhoodCheck(
+            neighbours=NEIGHBOURS,
+            untrained=float(untrained.mean()),
+            trained=float(trained.mean()),
+            interval=paired_bootstrap(trained, untrained, seed=self.config.seed),
+            seconds=round(time.perf_counter() - started, 1),
         )
 
     def _feedback_gate(self) -> FeedbackGate | None:
@@ -729,12 +775,16 @@ class _Training:
         # A run started before the baseline was recorded at step 0 gets it now.
         val_backbone = self.records[0].get("val_backbone") or self._backbone_metrics("val")
         labels = self.data.labels("val")
+        val = self.workload.embed("val")
         interval = paired_bootstrap(
-            top_hits(self.workload.embed("val"), labels).hit,
-            top_hits(self.data.features["val"], labels).hit,
-            seed=seed,
+            top_hits(val, labels).hit, top_hits(self.data.features["val"], labels).hit, seed=seed
         )
         gain = ValidationGain(val_backbone[SELECTION_METRIC], best.val[SELECTION_METRIC], best.step, interval)
+        # Without labels the gate asks a second check to agree on the same checkpoint (label_free_data);
+        # where the first already refuses, the extra pass is not spent.
+        label_free = self.data.label_free is not None
+        neighbours = self._neighbourhood_check(val) if label_free and gain.improved else None
+        served = gain.improved and (not label_free or (neighbours is not None and neighbours.passed))
         first_stage = self.records[0].get("frozen_stage")
         # Failed: no validated gain and a stuck loss; the summary, the CLI, the report and the Model page
         # then say that the run learned nothing and why, rather than compare its step-0 head.
@@ -748,7 +798,7 @@ class _Training:
             train_seconds=round(state.elapsed, 1),
             val=best.val,
             val_backbone=val_backbone,
-            beats_backbone=gain.improved,
+            beats_backbone=served,
             validation_gain=interval,
             test=evaluate(self.workload.embed("test"), self.data.labels("test"), seed=seed),
             test_backbone=self._backbone_metrics("test"),
@@ -757,7 +807,7 @@ class _Training:
             ),
             frozen_stage=FrozenStageSummary.model_validate(first_stage) if first_stage else None,
             failure=failure,
-            label_free=self._label_free_record(),
+            label_free=self._label_free_record(neighbours),
             feedback=self._feedback_gate(),
         )
         if self.dist.is_main:
@@ -769,10 +819,12 @@ class _Training:
                 NoGainWarning,
                 stacklevel=2,
             )
-        if not gain.improved and failure is None and self.config.data is not None:
+        if not served and failure is None and self.config.data is not None:
+            checks = "; ".join(check.describe() for check in (gain, neighbours) if check is not None)
+            nothing = "learned nothing usable without labels: " if label_free else ""
             warnings.warn(
-                f"{self.config.loss}: the selected model is not better than the untrained backbone's own "
-                f"features ({gain.describe()}); export refuses it, keep serving the untrained backbone",
+                f"{self.config.loss}: {nothing}the selected model is not better than the untrained "
+                f"backbone's own features ({checks}); export refuses it, keep serving the untrained backbone",
                 NoGainWarning,
                 stacklevel=2,
             )

@@ -41,27 +41,28 @@ from foundation.atomic import atomic_path
 from training.bootstrap import paired_bootstrap
 from training.data import LabelledImages, load_labelled_images
 from training.features import SHARD_SIZE, Augmentation, FeatureExtractor
-from training.label_free_data import label_free_images, plan_label_free
-from training.metrics import nearest_neighbours, top_hits
+from training.label_free_data import NEIGHBOURS, label_free_images, plan_label_free
+from training.metrics import neighbourhood_agreement, top_hits
 from training.model import build_objective
 from training.recipes import resolve
 from training.run_dir import RunDirectory
 from training.trainer import train
 
 CHECKS = ("crop", "strong", "strong-gallery", "strong-neighbours")
+TRAINER_GATE = ("crop", "strong-neighbours")  # the checks the trainer's gate asks to agree
+TRAINER_CHECK = "crop>strong-neighbours"  # the trainer's gate: crop selects, both must find it better
 HALVES = ("A", "B")
-NEIGHBOURS = 10  # strong-neighbours: the neighbourhood compared
 VIEW_SEED = 0  # every run's cached views and the checks' views: one extraction shared by all seeds
 
 Embed = Callable[[np.ndarray], np.ndarray]
 
 
-def subset_table(data: Path, classes: int, per_class: int, out: Path) -> Path:
-    """A ``path,label`` table of the first ``per_class`` readable-looking photos (by name) of the first
-    ``classes`` classes of the labelled folder ``data``."""
+def subset_table(data: Path, classes: int, per_class: int, out: Path, *, first: int = 0) -> Path:
+    """A ``path,label`` table of the first ``per_class`` readable-looking photos (by name) of ``classes``
+    classes of the labelled folder ``data``, from its class ``first`` (counted from 0, in name order)."""
     images = load_labelled_images(data)
     rows = []
-    for label in range(classes):
+    for label in range(first, first + classes):
         members = np.flatnonzero(images.labels == label)[:per_class]
         rows += [(str(images.root / images.paths[i]), images.class_names[label]) for i in members]
     return _write(out, rows)
@@ -162,13 +163,7 @@ def check_scores(subset: Subset, embed: Embed, held: np.ndarray, folder: np.ndar
     queries /= np.linalg.norm(queries, axis=1, keepdims=True)
     own = np.searchsorted(folder, held)  # folder is sorted
     scores["strong-gallery"] = (np.argmax(queries @ gallery.T, axis=1) == own).astype(float)
-    around = nearest_neighbours(gallery, NEIGHBOURS)[own]
-    similarity = queries @ gallery.T
-    similarity[np.arange(len(held)), own] = -np.inf  # its own photo is left out of the view's neighbours
-    view_around = np.argsort(-similarity, axis=1)[:, :NEIGHBOURS]
-    scores["strong-neighbours"] = np.array(
-        [len(np.intersect1d(a, b)) / NEIGHBOURS for a, b in zip(around, view_around, strict=True)]
-    )
+    scores["strong-neighbours"] = neighbourhood_agreement(gallery, own, queries, NEIGHBOURS)  # the trainer's
     return scores
 
 
@@ -270,13 +265,19 @@ class Verdict:
 def replay(
     method: str, half: str, seed: int, checkpoints: list[Checkpoint], untrained: Checkpoint, held_out: int
 ) -> list[Verdict]:
-    """Each check's gate replayed on the checkpoints, in both settings."""
+    """Each check's gate replayed on the checkpoints, in both settings; and the trainer's gate
+    (:data:`TRAINER_CHECK`): the checkpoint ``crop`` selects, served only where both checks of
+    :data:`TRAINER_GATE` find it better (its row shows the second check's scores)."""
+    gates = [(check, check, (check,)) for check in CHECKS] + [(TRAINER_CHECK, "crop", TRAINER_GATE)]
     verdicts = []
-    for check in CHECKS:
-        means = [float(point.checks[check].mean()) for point in checkpoints]
+    for name, selecting, judging in gates:
+        means = [float(point.checks[selecting].mean()) for point in checkpoints]
         selected = checkpoints[int(np.argmax(means))]  # the first of equal highs, as the trainer keeps
-        interval = paired_bootstrap(selected.checks[check], untrained.checks[check], seed=seed)
-        served = selected.step > 0 and interval.verdict == "better"
+        intervals = [
+            paired_bootstrap(selected.checks[check], untrained.checks[check], seed=seed) for check in judging
+        ]
+        served = selected.step > 0 and all(interval.verdict == "better" for interval in intervals)
+        interval, shown = intervals[-1], judging[-1]
         for setting in ("unseen", "own-gallery"):
             gain = selected.recall[setting] - untrained.recall[setting]
             verdicts.append(
@@ -285,11 +286,11 @@ def replay(
                     half=half,
                     setting=setting,
                     seed=seed,
-                    check=check,
+                    check=name,
                     held_out=held_out,
                     selected_step=selected.step,
-                    check_untrained=round(100 * float(untrained.checks[check].mean()), 2),
-                    check_selected=round(100 * float(selected.checks[check].mean()), 2),
+                    check_untrained=round(100 * float(untrained.checks[shown].mean()), 2),
+                    check_selected=round(100 * float(selected.checks[shown].mean()), 2),
                     low=round(100 * interval.low, 2),
                     high=round(100 * interval.high, 2),
                     served=served,

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from training.metrics import clustering_metrics, evaluate, nearest_neighbours, retrieval_metrics
+from training.metrics import (
+    clustering_metrics,
+    evaluate,
+    nearest_neighbours,
+    neighbourhood_agreement,
+    retrieval_metrics,
+)
 
 
 def _clustered(seed: int, classes: int = 12, per_class: int = 9, dim: int = 16, noise: float = 0.9):
@@ -76,3 +82,37 @@ def test_clustering_metrics_track_separation() -> None:
 
     pairs = pair_confusion_matrix([0, 0, 1, 1], [0, 0, 0, 1])
     assert pairs[1, 1] == 2 and pairs[0, 1] == 4  # 1 same-class pair together (ordered: 2), 2 split
+
+
+def _agreement_by_loops(folder: np.ndarray, held: np.ndarray, views: np.ndarray, k: int) -> np.ndarray:
+    """The definition, one photo at a time: its k nearest other photos against its view's k nearest
+    photos other than itself (cosine, by sorting)."""
+    unit = folder / np.linalg.norm(folder, axis=1, keepdims=True)
+    shares = []
+    for row, view in zip(held, views, strict=True):
+        others = [i for i in range(len(folder)) if i != row]
+        by_photo = sorted(others, key=lambda i: -float(unit[row] @ unit[i]))[:k]
+        view = view / np.linalg.norm(view)
+        by_view = sorted(others, key=lambda i: -float(view @ unit[i]))[:k]
+        shares.append(len(set(by_photo) & set(by_view)) / k)
+    return np.array(shares)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_neighbourhood_agreement_matches_its_definition(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    folder = rng.normal(size=(40, 8)).astype(np.float32)
+    held = np.array([3, 17, 25, 39])
+    views = folder[held] + rng.normal(scale=0.5, size=(4, 8)).astype(np.float32)
+    expected = _agreement_by_loops(folder, held, views, 5)
+    np.testing.assert_allclose(neighbourhood_agreement(folder, held, views, 5), expected)
+    assert 0 < expected.mean() < 1  # neither trivial case
+
+
+def test_a_view_that_keeps_the_photo_keeps_its_whole_neighbourhood_and_its_own_photo_never_counts() -> None:
+    rng = np.random.default_rng(0)
+    folder = rng.normal(size=(30, 6)).astype(np.float32)
+    held = np.array([0, 7])
+    assert (neighbourhood_agreement(folder, held, 3 * folder[held], 10) == 1).all()  # scale: same direction
+    # k above the other photos: every other photo is a neighbour of both, the photo itself of neither
+    assert (neighbourhood_agreement(folder[:5], held[:1], -folder[:1], 10) == 1).all()
