@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from foundation.errors import InvalidInputError
+from index.milvus_tombstones import MilvusTombstones, id_list
 
 SIGNS = (1, -1)
 TABLE = "judgments"
@@ -260,8 +261,17 @@ class MilvusJudgments:
     (``index.milvus_backend.IdClock``: every server version takes ids given by the client).
     """
 
-    def __init__(self, server: Any, items_collection: str, dim: int, new_ids: Any, consistency: str) -> None:
+    def __init__(
+        self,
+        server: Any,
+        items_collection: str,
+        dim: int,
+        new_ids: Any,
+        consistency: str,
+        tombstones: MilvusTombstones,
+    ) -> None:
         self.server = server
+        self.tombstones = tombstones  # deletes that outlast a restart of the server
         self.collection = f"{items_collection}_{TABLE}"
         self.dim = dim
         self.new_ids = new_ids
@@ -351,7 +361,19 @@ class MilvusJudgments:
         return int(rows[0]["count(*)"])
 
     def _delete(self, condition: str) -> None:
-        self.server.delete(self.collection, filter=condition)
+        """Delete the judgments that meet ``condition``, by their ids, recorded first (``tombstones``)."""
+        ids: list[int] = []
+        while rows := self.server.query(
+            self.collection,
+            filter=f"({condition}) and id > {ids[-1] if ids else -1}",
+            output_fields=["id"],
+            limit=_PAGE,
+            consistency_level="Strong",
+        ):
+            ids += sorted(int(row["id"]) for row in rows)
+        self.tombstones.record(self.collection, ids)
+        for start in range(0, len(ids), _PAGE):
+            self.server.delete(self.collection, filter=id_list(ids[start : start + _PAGE]))
         # A delete does not move the session's timestamp: one Strong read waits until the server applied it.
         self.server.query(self.collection, filter="id < 0", output_fields=["id"], consistency_level="Strong")
 

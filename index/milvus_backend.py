@@ -45,6 +45,7 @@ from index.items import now_utc
 from index.judgments import MilvusJudgments
 from index.manifest import MILVUS_COLLECTION, BuiltIndex, Manifest
 from index.milvus_access import ENV_PREFIX, MilvusAccess, public_uri, redact, uri_secrets
+from index.milvus_tombstones import MilvusTombstones, id_list
 from index.protocol import (
     BackendUnavailableError,
     Capabilities,
@@ -124,10 +125,6 @@ def _literal(value: str) -> str:
     return json.dumps(value)
 
 
-def _id_list(ids: Sequence[int]) -> str:
-    return f"id in [{', '.join(str(int(i)) for i in ids)}]"
-
-
 def supports_partial_upsert(server_version: str) -> bool:
     """Milvus Lite reports ``milvus_lite-3.x``; servers ``v2.3.5``, ``v2.6.0``, ``v2.3.5-lite`` (the
     ``milvus`` package's embedded 2.3 server)."""
@@ -170,6 +167,8 @@ CALL_THREADS = 16
 # Part of what Milvus answers a search or query on a collection that is not in memory: after a restart
 # (until the server has loaded it again itself) or after a release.
 NOT_LOADED = "not loaded"
+# Calls that read: answered again when :attr:`_Server.after_connect` ran after them.
+_READS = {"query", "search", "get"}
 
 
 def _message(err: Exception) -> str:
@@ -198,7 +197,9 @@ class _Server:
     object's own (not pymilvus's shared one) and is opened afresh after a failure: gRPC's own reconnection
     backs off for up to two minutes, and a server that was restarted or replaced at the same address is
     then reached by the next call. A collection that is not loaded is loaded, and the call tried again,
-    within the same deadline.
+    within the same deadline. After each new connection, :attr:`after_connect` runs before any answer is
+    returned (the backend's re-deletion of removed ids: ``index.milvus_tombstones``), and a read made
+    before it is answered again.
 
     It logs in with ``options`` (``index.milvus_access``: credentials, TLS) and names the server by
     ``where``, its URI without credentials; no message carries one of ``hidden``, the credentials.
@@ -220,6 +221,11 @@ class _Server:
         self._client: Any = None
         self._lock = threading.Lock()
         self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="milvus-call")
+        self.after_connect: Callable[[], object] | None = None
+        self._connections = 0  # connections opened so far
+        self._connected_seen = 0  # the last of them after_connect ran for
+        self._after_connect_lock = threading.RLock()
+        self._in_after_connect = False
 
     def failure(self, err: Exception) -> BackendUnavailableError:
         """``err`` (pymilvus's or gRPC's) as the error dmlsearch reports, with what to set where the server
@@ -247,15 +253,37 @@ class _Server:
             return getattr(self._pymilvus.MilvusClient, name)
 
         def call(*args: object, **kwargs: object) -> Any:
-            try:
-                return self._bounded(name, args, kwargs)
-            except BackendUnavailableError as err:
-                if NOT_LOADED not in str(err) or not args or not isinstance(args[0], str):
-                    raise
-            self._bounded("load_collection", args[:1], {})
-            return self._bounded(name, args, kwargs)
+            answer = self._loaded(name, args, kwargs)
+            if self._run_after_connect() and name in _READS:
+                answer = self._loaded(name, args, kwargs)
+            return answer
 
         return call
+
+    def _loaded(self, name: str, args: tuple, kwargs: dict) -> Any:
+        """:meth:`_bounded`, loading the collection and calling again where it was not loaded."""
+        try:
+            return self._bounded(name, args, kwargs)
+        except BackendUnavailableError as err:
+            if NOT_LOADED not in str(err) or not args or not isinstance(args[0], str):
+                raise
+        self._bounded("load_collection", args[:1], {})
+        return self._bounded(name, args, kwargs)
+
+    def _run_after_connect(self) -> bool:
+        """Run :attr:`after_connect` for the newest connection unless it ran for it (a run that failed is
+        run again by the next call); whether it ran now."""
+        with self._after_connect_lock:
+            connection = self._connections
+            if self.after_connect is None or self._in_after_connect or self._connected_seen == connection:
+                return False
+            self._in_after_connect = True  # its own calls come back through here
+            try:
+                self.after_connect()
+            finally:
+                self._in_after_connect = False
+            self._connected_seen = connection
+            return True
 
     def _bounded(self, name: str, args: tuple, kwargs: dict) -> Any:
         """``name(*args, **kwargs)`` on the server, answered within the call's budget or failed."""
@@ -301,6 +329,7 @@ class _Server:
         with self._lock:
             if self._client is None:
                 self._client = client
+                self._connections += 1
                 return client
             opened = self._client  # another call connected meanwhile: share its connection
         client.close()
@@ -359,7 +388,12 @@ class MilvusBackend:
         self.nullable = True
         self.has_taken = True  # False for a collection made before: its items have no capture time
         self._ids = IdClock()
-        self.judgments = MilvusJudgments(client, collection, self.dim, IdClock(), CONSISTENCY)
+        # Deletes the server may bring back after a restart, deleted again at every new connection.
+        self.tombstones = MilvusTombstones(client, collection)
+        client.after_connect = self.tombstones.reapply
+        self.judgments = MilvusJudgments(
+            client, collection, self.dim, IdClock(), CONSISTENCY, tombstones=self.tombstones
+        )
 
     @classmethod
     def connect(cls, directory: Path, manifest: Manifest, connection: MilvusConnection) -> MilvusBackend:
@@ -371,6 +405,7 @@ class MilvusBackend:
             backend._create_collection(manifest.options)
         backend._check_collection()
         backend.judgments.create(_pymilvus().DataType)  # beside the items, for every replica to see
+        backend.tombstones.create(_pymilvus().DataType)
         client.load_collection(backend.collection)
         backend.judgments.load()
         # Session reads see this process's writes, and others' only once the server has applied them: one
@@ -533,14 +568,15 @@ class MilvusBackend:
 
     def remove(self, ids: Sequence[int]) -> int:
         present = sorted(self.get_many(list(ids)))
+        self.tombstones.record(self.collection, present)  # first: a delete the server loses is made again
         for start in range(0, len(present), PAGE):
-            self.client.delete(self.collection, filter=_id_list(present[start : start + PAGE]))
+            self.client.delete(self.collection, filter=id_list(present[start : start + PAGE]))
         if present:
             # A delete does not move the session's timestamp (Milvus 2.3 returns none): one Strong read
             # waits until the server has applied it, so this process's next Session reads miss the items.
             self.client.query(
                 self.collection,
-                filter=_id_list(present[:1]),
+                filter=id_list(present[:1]),
                 output_fields=["id"],
                 consistency_level="Strong",
             )
@@ -555,7 +591,7 @@ class MilvusBackend:
             chunk = unique[start : start + PAGE]
             rows += self.client.query(
                 self.collection,
-                filter=_id_list(chunk),
+                filter=id_list(chunk),
                 output_fields=fields,
                 limit=len(chunk),
                 consistency_level=CONSISTENCY,

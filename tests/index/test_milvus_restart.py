@@ -1,0 +1,98 @@
+"""Deletes that outlast a restart of the real Milvus server (issue 42, found by
+bench/operator_walkthrough.py): Milvus 2.3.5, stopped as it must be (its process group killed: it ignores
+SIGTERM) and started again on its data folder, brought back items and judgments deleted, and flushed, before
+the stop. ``index.milvus_tombstones`` records every removed id and deletes them again at each new
+connection."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from index.connection import MilvusConnection
+from index.gallery import GalleryIndex
+from index.judgments import JudgedQuery
+from index.protocol import BackendUnavailableError
+from tests.support.milvus_server import MilvusServerProcess, running_milvus_server
+from tests.support.vectors import clustered_vectors, entries
+from tests.support.waiting import wait_until
+from tests.tiers import starts
+
+DIM = 8
+COUNT = 12
+TIME = "2026-01-02T03:04:05+00:00"
+RELOAD_TIMEOUT_S = 180
+
+
+@pytest.fixture
+@starts("server")
+def restartable_milvus() -> Iterator[MilvusServerProcess]:
+    """A Milvus server of this test's own: it is stopped and started again."""
+    with running_milvus_server("dmlsearch-milvus-restart-") as server:
+        yield server
+
+
+def _state(index: GalleryIndex) -> tuple[list[int], list[int]]:
+    """The item ids and the judgment ids the index reads."""
+    return sorted(item.id for item in index.items.scan()), sorted(j.id for j in index.judgments.scan())
+
+
+def test_deleted_items_and_judgments_stay_deleted_across_a_restart_of_milvus(
+    restartable_milvus: MilvusServerProcess, tmp_path: Path
+) -> None:
+    """The server's loss of deletes is put in the test's hands: short runs here kept their deletes (twice,
+    with the same steps on the code before the fix), where the walkthrough's longer one lost 3 of 4. So,
+    after the restart, the deleted rows are written back as they were, which is what the server did."""
+    server = restartable_milvus
+    directory = tmp_path / "index"
+    where = MilvusConnection(server.uri, "restarted")
+    index = GalleryIndex.create(
+        directory, dim=DIM, model_fingerprint="m", gallery_root=None, backend="milvus", milvus=where
+    )
+    index.add(clustered_vectors(COUNT, DIM), entries(COUNT))
+    index.save()
+    ids = _state(index)[0]
+    judged = [index.judgments.add(JudgedQuery(item=ids[0]), result, 1, "m", TIME) for result in ids[1:5]]
+    index.save()
+    # Deleted after they were flushed, as a replica's DELETEs come after the build-index: items (one of
+    # them judged, so its judgment goes too), and a judgment of its own.
+    removed = [ids[4], ids[7], ids[9]]
+    client = server.client()
+    gone = {where.collection: removed, f"{where.collection}_judgments": [judged[0].id, judged[3].id]}
+    rows = {
+        name: client.query(name, filter=f"id in {some}", output_fields=["*"]) for name, some in gone.items()
+    }
+    assert [len(found) for found in rows.values()] == [3, 2]
+    assert index.remove(removed) == 3
+    assert index.judgments.remove(judged[0].id)
+    index.save()
+    kept = (sorted(set(ids) - set(removed)), [j.id for j in judged[1:3]])
+    assert _state(index) == kept
+
+    server.stop()
+    with pytest.raises(BackendUnavailableError):  # a serving replica's call during the outage
+        len(index)
+    server.start()
+    client = server.client()
+    for collection, lost in rows.items():  # what Milvus 2.3.5 did to deleted rows across a restart
+        client.insert(collection, lost)
+    client.close()
+
+    # The server answers, but loads its collections again first: a read may time out (10 s) meanwhile.
+    wait_until(lambda: _readable(index), RELOAD_TIMEOUT_S, "the collections to answer after the restart")
+    assert _state(index) == kept, "the replica that stayed up reads deleted rows again"
+    index.close()
+    with closing(GalleryIndex.open(directory)) as reopened:  # a process started after the restart
+        assert _state(reopened) == kept, "a process opening the index reads deleted rows again"
+        assert len(reopened) == len(kept[0]) and len(reopened.judgments) == len(kept[1])
+
+
+def _readable(index: GalleryIndex) -> bool:
+    try:
+        _state(index)
+    except BackendUnavailableError:
+        return False
+    return True
