@@ -59,6 +59,8 @@ class MilvusTombstones:
         """Delete every recorded id from its collection again; how many ids are recorded."""
         if not self.server.has_collection(self.collection):
             return 0  # an index from before it, or a collection just being made: nothing recorded
+        # Read only from loaded collections: Milvus Lite opens its file with every collection released.
+        self.server.load_collection(self.collection)
         removed: dict[str, list[int]] = defaultdict(list)
         last = -1
         while rows := self.server.query(
@@ -74,6 +76,7 @@ class MilvusTombstones:
         for of, ids in removed.items():
             if not self.server.has_collection(of):
                 continue  # dropped since
+            self.server.load_collection(of)
             for start in range(0, len(ids), PAGE):
                 self.server.delete(of, filter=id_list(ids[start : start + PAGE]))
             # A delete does not move the session's timestamp: one Strong read waits until it is applied.
