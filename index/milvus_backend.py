@@ -169,6 +169,8 @@ CALL_THREADS = 16
 NOT_LOADED = "not loaded"
 # Calls that read: answered again when :attr:`_Server.after_connect` ran after them.
 _READS = {"query", "search", "get"}
+# Reads that take a filter expression (:attr:`_Server.exclusion`).
+_FILTERED_READS = {"query", "search"}
 
 
 def _message(err: Exception) -> str:
@@ -198,8 +200,9 @@ class _Server:
     backs off for up to two minutes, and a server that was restarted or replaced at the same address is
     then reached by the next call. A collection that is not loaded is loaded, and the call tried again,
     within the same deadline. After each new connection, :attr:`after_connect` runs before any answer is
-    returned (the backend's re-deletion of removed ids: ``index.milvus_tombstones``), and a read made
-    before it is answered again.
+    returned (the backend's reading of removed ids: ``index.milvus_tombstones``), and a read made before
+    it is answered again; every read (``query``, ``search``) of a collection leaves out the ids
+    :attr:`exclusion` names for it (removed ids while their re-deletion is under way).
 
     It logs in with ``options`` (``index.milvus_access``: credentials, TLS) and names the server by
     ``where``, its URI without credentials; no message carries one of ``hidden``, the credentials.
@@ -222,6 +225,7 @@ class _Server:
         self._lock = threading.Lock()
         self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="milvus-call")
         self.after_connect: Callable[[], object] | None = None
+        self.exclusion: Callable[[str], str | None] | None = None
         self._connections = 0  # connections opened so far
         self._connected_seen = 0  # the last of them after_connect ran for
         self._after_connect_lock = threading.RLock()
@@ -253,12 +257,22 @@ class _Server:
             return getattr(self._pymilvus.MilvusClient, name)
 
         def call(*args: object, **kwargs: object) -> Any:
-            answer = self._loaded(name, args, kwargs)
+            answer = self._loaded(name, args, self._excluding(name, args, kwargs))
             if self._run_after_connect() and name in _READS:
-                answer = self._loaded(name, args, kwargs)
+                answer = self._loaded(name, args, self._excluding(name, args, kwargs))
             return answer
 
         return call
+
+    def _excluding(self, name: str, args: tuple, kwargs: dict) -> dict:
+        """``kwargs`` with a read's filter narrowed by :attr:`exclusion` for its collection."""
+        if name not in _FILTERED_READS or self.exclusion is None or not args or not isinstance(args[0], str):
+            return kwargs
+        left_out = self.exclusion(args[0])
+        if left_out is None:
+            return kwargs
+        given = kwargs.get("filter") or ""
+        return {**kwargs, "filter": f"({given}) and {left_out}" if given else left_out}
 
     def _loaded(self, name: str, args: tuple, kwargs: dict) -> Any:
         """:meth:`_bounded`, loading the collection and calling again where it was not loaded."""
@@ -270,12 +284,27 @@ class _Server:
         self._bounded("load_collection", args[:1], {})
         return self._bounded(name, args, kwargs)
 
+    def sibling(self) -> _Server:
+        """Another client of the same server, logged in the same way, on a connection of its own."""
+        return _Server(self.uri, self.where, self._options, self._hidden)
+
     def _run_after_connect(self) -> bool:
         """Run :attr:`after_connect` for the newest connection unless it ran for it (a run that failed is
-        run again by the next call); whether it ran now."""
-        with self._after_connect_lock:
+        run again by the next call); whether it ran now. A call waits for another's run no longer than its
+        own budget."""
+        if self.after_connect is None or self._connected_seen == self._connections:
+            return False
+        try:
+            budget = call_budget(REQUEST_TIMEOUT_S)
+        except DeadlinePassedError as err:
+            raise BackendUnavailableError(f"Milvus at {self.where}: {err}") from err
+        if not self._after_connect_lock.acquire(timeout=budget):
+            raise BackendUnavailableError(
+                f"Milvus at {self.where}: no answer within {budget:.1f} s (removed ids being read again)"
+            )
+        try:
             connection = self._connections
-            if self.after_connect is None or self._in_after_connect or self._connected_seen == connection:
+            if self._in_after_connect or self._connected_seen == connection:
                 return False
             self._in_after_connect = True  # its own calls come back through here
             try:
@@ -284,6 +313,8 @@ class _Server:
                 self._in_after_connect = False
             self._connected_seen = connection
             return True
+        finally:
+            self._after_connect_lock.release()
 
     def _bounded(self, name: str, args: tuple, kwargs: dict) -> Any:
         """``name(*args, **kwargs)`` on the server, answered within the call's budget or failed."""
@@ -389,8 +420,9 @@ class MilvusBackend:
         self.has_taken = True  # False for a collection made before: its items have no capture time
         self._ids = IdClock()
         # Deletes the server may bring back after a restart, deleted again at every new connection.
-        self.tombstones = MilvusTombstones(client, collection)
-        client.after_connect = self.tombstones.reapply
+        self.tombstones = MilvusTombstones(client, collection, background=client.sibling)
+        client.after_connect = self.tombstones.reconnected
+        client.exclusion = self.tombstones.exclusion
         self.judgments = MilvusJudgments(
             client, collection, self.dim, IdClock(), CONSISTENCY, tombstones=self.tombstones
         )
@@ -730,4 +762,5 @@ class MilvusBackend:
         self.client.flush(self.collection)
 
     def close(self) -> None:
+        self.tombstones.close()
         self.client.close()

@@ -1,23 +1,37 @@
 """Deletes that outlast a restart of the Milvus server: the collection ``<items collection>_removed`` records,
-as inserts, the ids every delete removes (items, judgments), and each new connection to the server deletes
-the recorded ids again before it answers.
+as inserts, the ids every delete removes (items, judgments), and each new connection to the server has them
+deleted again, in the background, while reads leave them out.
 
 Why: the real Milvus 2.3.5 standalone server, killed and started again on its data folder, brought back rows
 deleted (and flushed) before the kill, while it kept every inserted row (bench/operator_walkthrough.py,
 issue 42; upstream, milvus-io/milvus#33015, "many of the delete issues" fixed in 2.3.15). A delete of an id
 that is gone changes nothing, and ids are never handed out twice (``IdClock``, or the server's own), so
 deleting them all again after every reconnection is safe.
+
+Why in the background: after such a restart the server answers reads of the ``Eventually`` level at once,
+but ``Strong`` and ``Bounded`` ones only about 25 s later (its time ticks resume late), where a request has
+10 s. So, at a new connection, the first call reads the recorded ids at the ``Eventually`` level (about
+0.1 s) and from then on every read leaves them out (``exclusion``); a thread of its own, on a connection of
+its own, reads them again at the ``Strong`` level (another replica's latest too), deletes them again and
+waits with one ``Strong`` read per collection until the server has applied the deletes; only then do reads
+stop leaving them out.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Sequence
+import logging
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from index.protocol import BackendUnavailableError
 
 SUFFIX = "removed"
 PAGE = 1000  # ids a query returns or a delete names at once
 _OF_BYTES = 255  # the longest collection name Milvus allows
+RETRY_S = 2.0  # between tries of the background re-deletion while the server does not answer
+
+log = logging.getLogger(__name__)
 
 
 def id_list(ids: Sequence[int]) -> str:
@@ -29,11 +43,20 @@ class MilvusTombstones:
     """The removed ids of an items collection and of its judgments, on the same server.
 
     ``server`` is the backend's client (``index.milvus_backend._Server``: deadlines and errors as for
-    items)."""
+    items); ``background`` opens another one, on a connection of its own, for the re-deletion (a call of it
+    that times out closes its own connection, not the one requests share)."""
 
-    def __init__(self, server: Any, items_collection: str) -> None:
+    def __init__(self, server: Any, items_collection: str, background: Callable[[], Any]) -> None:
         self.server = server
         self.collection = f"{items_collection}_{SUFFIX}"
+        self._open_background = background
+        self._known: dict[str, set[int]] = {}  # recorded ids by the collection they left
+        self._lock = threading.Lock()
+        self._connections = 0  # new connections seen (``reconnected``)
+        self._confirmed = 0  # the last of them whose re-deletion the server has applied
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._closed = False
 
     def create(self, data_type: Any) -> None:
         """Make the collection if it does not exist yet (``data_type``: pymilvus's ``DataType``)."""
@@ -51,34 +74,102 @@ class MilvusTombstones:
 
     def record(self, of: str, ids: Sequence[int]) -> None:
         """Record that ``ids`` are being removed from the collection ``of`` (before removing them)."""
+        self._remember(of, ids)
         for start in range(0, len(ids), PAGE):
             rows = [{"removed": int(i), "of": of, "vector": [0.0, 0.0]} for i in ids[start : start + PAGE]]
             self.server.insert(self.collection, rows)
 
-    def reapply(self) -> int:
-        """Delete every recorded id from its collection again; how many ids are recorded."""
-        if not self.server.has_collection(self.collection):
-            return 0  # an index from before it, or a collection just being made: nothing recorded
+    def exclusion(self, collection: str) -> str | None:
+        """An expression that keeps the recorded ids of ``collection`` out of a read, while the server may
+        not have applied their re-deletion since the last new connection; None once it has."""
+        with self._lock:
+            if self._confirmed == self._connections or not self._known.get(collection):
+                return None
+            return f"id not in [{', '.join(str(i) for i in sorted(self._known[collection]))}]"
+
+    def reconnected(self) -> None:
+        """Run by the first call on a new connection, before it answers: read the recorded ids as the
+        server has them now, leave them out of reads, and have them deleted again in the background."""
+        with self._lock:
+            self._connections += 1
+            connection = self._connections
+        self._remember_all(self._read(self.server, "Eventually"))
+        with self._lock:
+            if self._closed:
+                return
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._redelete_forever, name="milvus-redelete", daemon=True
+                )
+                self._thread.start()
+            self._wake.notify_all()
+        log.debug("connection %d to Milvus: removed ids are being deleted again", connection)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+
+    def _remember(self, of: str, ids: Sequence[int]) -> None:
+        with self._lock:
+            self._known.setdefault(of, set()).update(int(i) for i in ids)
+
+    def _remember_all(self, removed: dict[str, list[int]]) -> None:
+        for of, ids in removed.items():
+            self._remember(of, ids)
+
+    def _read(self, server: Any, consistency: str) -> dict[str, list[int]]:
+        """The recorded ids by collection, read at the ``consistency`` level."""
+        removed: dict[str, list[int]] = {}
+        if not server.has_collection(self.collection):
+            return removed  # an index from before it, or a collection just being made: nothing recorded
         # Read only from loaded collections: Milvus Lite opens its file with every collection released.
-        self.server.load_collection(self.collection)
-        removed: dict[str, list[int]] = defaultdict(list)
+        server.load_collection(self.collection)
         last = -1
-        while rows := self.server.query(
+        while rows := server.query(
             self.collection,
             filter=f"id > {last}",
             output_fields=["id", "removed", "of"],
             limit=PAGE,
-            consistency_level="Strong",
+            consistency_level=consistency,
         ):
             for row in rows:
-                removed[row["of"]].append(int(row["removed"]))
+                removed.setdefault(row["of"], []).append(int(row["removed"]))
             last = max(int(row["id"]) for row in rows)
+        return removed
+
+    def _redelete_forever(self) -> None:
+        """The background thread: after each new connection, delete every recorded id again, until the
+        server has applied it (tried again every ``RETRY_S`` while it fails)."""
+        server = None
+        while True:
+            with self._lock:
+                while not self._closed and self._confirmed == self._connections:
+                    self._wake.wait()
+                if self._closed:
+                    break
+                connection = self._connections
+            try:
+                server = server or self._open_background()
+                self._redelete(server)
+            except BackendUnavailableError as err:
+                log.info("removed ids not deleted again yet, tried again in %g s: %s", RETRY_S, err)
+                with self._lock:
+                    self._wake.wait(RETRY_S)
+                continue
+            with self._lock:
+                self._confirmed = max(self._confirmed, connection)
+        if server is not None:
+            server.close()
+
+    def _redelete(self, server: Any) -> None:
+        removed = self._read(server, "Strong")  # another replica's latest records too
+        self._remember_all(removed)
         for of, ids in removed.items():
-            if not self.server.has_collection(of):
+            if not server.has_collection(of):
                 continue  # dropped since
-            self.server.load_collection(of)
+            server.load_collection(of)
             for start in range(0, len(ids), PAGE):
-                self.server.delete(of, filter=id_list(ids[start : start + PAGE]))
+                server.delete(of, filter=id_list(ids[start : start + PAGE]))
             # A delete does not move the session's timestamp: one Strong read waits until it is applied.
-            self.server.query(of, filter="id < 0", output_fields=["id"], consistency_level="Strong")
-        return sum(len(ids) for ids in removed.values())
+            server.query(of, filter="id < 0", output_fields=["id"], consistency_level="Strong")
