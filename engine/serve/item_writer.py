@@ -24,7 +24,7 @@ from foundation.atomic import atomic_write_bytes
 from foundation.errors import DmlsearchError, ErrorKind, InvalidInputError
 from foundation.names import readable_name
 from index.filters import label_key
-from index.protocol import Entry, Item
+from index.protocol import BackendUnavailableError, Entry, Item
 
 
 class InvalidItemError(InvalidInputError):
@@ -110,6 +110,11 @@ class ItemWriter:
         the index unchanged; the decode and embedding run outside the lock (again under it if a reload
         swapped in another model meanwhile), the labels and files are placed under it. Files are written
         atomically; the index is saved before returning.
+
+        Where the index server fails (:class:`BackendUnavailableError`, a 503), its message says the
+        outcome: during the insert it is unknown (the server may have stored them before its answer was
+        lost), the files are kept and the same upload sent again settles it; during the save that follows,
+        the items were stored.
         """
         bundle = self.current.bundle
         embedded = self._embed(bundle, new_items)
@@ -138,12 +143,25 @@ class ItemWriter:
                         [file.entry for file in prepared.files],
                         prepared.signatures,
                     )
+            except BackendUnavailableError as err:
+                # The index server may have stored them before its answer was lost (a call past its
+                # deadline): the files stay, so that no stored item lacks its photo.
+                raise BackendUnavailableError(
+                    f"{err}; whether the images were stored is unknown: their files are kept in the gallery, "
+                    "and sending them again adds them or answers 409 duplicate_item with the item stored"
+                ) from err
             except BaseException:
                 for target in written:  # files of items that never made it into the index
                     target.unlink(missing_ok=True)
                 raise
-            with _storage(f"items {ids} were stored and are searchable, but the index files were not saved"):
-                served.index.save()
+            stored = f"items {ids} were stored and are searchable, but"
+            with _storage(f"{stored} the index files were not saved"):
+                try:
+                    served.index.save()
+                except BackendUnavailableError as err:
+                    raise BackendUnavailableError(
+                        f"{stored} the index server did not confirm saving them: {err}"
+                    ) from err
             return [find_item(served, item_id) for item_id in ids]
 
     def _embed(self, bundle: LoadedBundle, new_items: Sequence[NewItem]) -> _Embedded:

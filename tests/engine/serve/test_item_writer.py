@@ -19,6 +19,7 @@ from engine.serve.loaded_bundle import CurrentBundle, LoadedBundle, ServingConfi
 from foundation.defaults import TRASH_FOLDER
 from index.gallery import GalleryIndex
 from index.items import ItemStore
+from index.protocol import BackendUnavailableError
 from index.selection import IndexOptions
 
 IMAGE_SIZE = (40, 36)
@@ -201,3 +202,35 @@ def test_removed_items_leave_the_index_and_their_file_is_set_aside(writable: Wri
         assert reopened.manifest.count == 1
     finally:
         reopened.close()
+
+
+def test_an_add_the_index_server_stored_but_did_not_confirm_says_so(
+    writable: Writable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Milvus's answer to the insert or to the flush after it lost (a call past the request's deadline,
+    found by bench/operator_walkthrough.py: an add answered 503 and was stored): the 503 says what
+    happened, and no stored item is left without its photo."""
+    index = writable.current.bundle.index
+    stored, saved = index.add, index.save
+
+    def stored_but_unanswered(*args: object) -> list[int]:
+        stored(*args)
+        raise BackendUnavailableError("Milvus at http://milvus:19530: no answer to insert within 3.2 s")
+
+    def unconfirmed_save() -> None:
+        raise BackendUnavailableError("Milvus at http://milvus:19530: no answer to flush within 0.4 s")
+
+    monkeypatch.setattr(index, "add", stored_but_unanswered)
+    with pytest.raises(BackendUnavailableError, match="whether the images were stored is unknown"):
+        writable.writer.add([NewItem(_png(1), "cats")])
+    monkeypatch.setattr(index, "add", stored)
+    (kept,) = index.items.scan()
+    assert _files(writable.gallery) == {Path(kept.path)}  # the stored item's photo is kept
+    with pytest.raises(DuplicateItemError, match=f"as item {kept.id}"):  # sent again: it was stored
+        writable.writer.add([NewItem(_png(1), "cats")])
+
+    monkeypatch.setattr(index, "save", unconfirmed_save)
+    with pytest.raises(BackendUnavailableError, match=r"items \[\d+\] were stored and are searchable, but"):
+        writable.writer.add([NewItem(_png(2), "cats")])
+    monkeypatch.setattr(index, "save", saved)
+    assert len(index) == 2 and len(_files(writable.gallery)) == 2
