@@ -59,6 +59,7 @@ from index.protocol import Entry
 from index.selection import IndexOptions
 from training.data import DataError
 from training.features import FeatureExtractor
+from training.feedback_gate import MIN_NEIGHBOURS_KEPT, UnjudgedCheck
 from training.metrics import evaluate, nearest_neighbours
 from training.model import build_objective
 from training.recipes import resolve
@@ -255,15 +256,31 @@ def learning_seed(
                     "gate_precision_before": gate.precision_before,
                     "gate_precision_after": gate.precision_after,
                     "gate_interval": [gate.interval.low, gate.interval.high],
+                    "gate_judgments_better": gate.judgments_better,
                     "gate_passed": gate.passed,
                     "fixed": len(gate.fixed),
                     "broke": len(gate.broke),
+                    **_unjudged_fields(gate.unjudged),
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
             shutil.rmtree(out)
         shutil.rmtree(copy)
     return rows
+
+
+def _unjudged_fields(check: UnjudgedCheck | None) -> dict:
+    """The gate's label-free check of the unjudged photos, as a row's fields."""
+    if check is None:
+        return {}
+    return {
+        "unjudged_photos": check.photos,
+        "unjudged_recall_before": check.recall_before,
+        "unjudged_recall_after": check.recall_after,
+        "unjudged_interval": [check.interval.low, check.interval.high],
+        "unjudged_passed": check.passed,
+        "unjudged_neighbours_kept": check.neighbours_kept,
+    }
 
 
 def _before_after(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -379,8 +396,7 @@ def main() -> None:
                 rows = refinement_rows(service, args)
                 service.close()
     else:
-        assert previous is not None, f"{saved} holds no gallery to report on: run the refinement half"
-        gallery = previous["gallery"]
+        gallery = None if previous is None else previous["gallery"]  # rows alone: no refinement half
     refinement = {"command": args.command, "seconds": time.perf_counter() - started}
     if not refine and previous is not None:  # the half not run now keeps its results
         rows, refinement = previous["rows"], {"command": previous["command"], "seconds": previous["seconds"]}
@@ -475,8 +491,9 @@ def learning_report(learning: dict) -> list[str]:
         "",
         "| seed | run | judgments (trained/val/held out) | others | R@1 before | R@1 after | gain | "
         "P@10 before | P@10 after | steps (best) | gate: precision before -> after (95% CI of gain) | "
-        "gate | fixed / broke | R@1 fell, gate refused |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "gate | fixed / broke | R@1 fell, gate refused | unjudged: view R@1 before -> after (95% CI), "
+        "neighbours kept | gate with the unjudged check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in learning["rows"]:
         if "refused" in row:
@@ -492,7 +509,7 @@ def learning_report(learning: dict) -> list[str]:
             f"{100 * row['precision@10_before']:.2f} | {100 * row['precision@10_after']:.2f} |"
         )
         if "gate_passed" not in row:
-            lines.append(head + " - | - | - | - | - |")
+            lines.append(head + " - | - | - | - | - | - | - |")
             continue
         low, high = row["gate_interval"]
         head = head.replace(
@@ -505,11 +522,76 @@ def learning_report(learning: dict) -> list[str]:
         lines.append(
             head + f" {row['steps']} ({row['best_step']}) | {100 * row['gate_precision_before']:.1f} -> "
             f"{100 * row['gate_precision_after']:.1f} ({100 * low:+.1f} to {100 * high:+.1f}) | "
-            f"{'passed' if row['gate_passed'] else 'refused'} | {row['fixed']} / {row['broke']} | "
-            f"{('yes, ' + ('yes' if not row['gate_passed'] else 'NO')) if fell else 'no'} |"
+            f"{'passed' if judgments_gate(row) else 'refused'} | {row['fixed']} / {row['broke']} | "
+            f"{('yes, ' + ('yes' if not judgments_gate(row) else 'NO')) if fell else 'no'} | "
+            f"{_unjudged_cell(row)} | {_verdict(unjudged_gate(row))} |"
         )
     commands = "; ".join(f"`{command}`" for command in learning["commands"])
-    return [*lines, "", *cross_validation_report(learning["rows"]), f"Learning half: {commands}.", ""]
+    return [
+        *lines,
+        "",
+        *gate_report(learning["rows"]),
+        *cross_validation_report(learning["rows"]),
+        f"Learning half: {commands}.",
+        "",
+    ]
+
+
+def judgments_gate(row: dict) -> bool:
+    """The gate on the held-out judgments alone (before the unjudged check; rows without its field come
+    from then)."""
+    return row.get("gate_judgments_better", row["gate_passed"])
+
+
+def unjudged_gate(row: dict) -> bool | None:
+    """The gate with the unjudged photos' check (training.feedback_gate), replayed from the row's figures
+    with today's rule; None for a row without them."""
+    if "unjudged_interval" not in row:
+        return None
+    not_worse = row["unjudged_interval"][1] >= 0
+    return judgments_gate(row) and not_worse and row["unjudged_neighbours_kept"] >= MIN_NEIGHBOURS_KEPT
+
+
+def _verdict(passed: bool | None) -> str:
+    return "-" if passed is None else "passed" if passed else "refused"
+
+
+def _unjudged_cell(row: dict) -> str:
+    if "unjudged_interval" not in row:
+        return "-"
+    low, high = row["unjudged_interval"]
+    return (
+        f"{100 * row['unjudged_recall_before']:.1f} -> {100 * row['unjudged_recall_after']:.1f} "
+        f"({100 * low:+.1f} to {100 * high:+.1f}), {row['unjudged_neighbours_kept']:.2f}"
+    )
+
+
+def gate_report(rows: list[dict]) -> list[str]:
+    """How many runs each gate lets through, and how many of those lost R@1 on the unjudged classes."""
+    scored = [row for row in rows if unjudged_gate(row) is not None]
+    if not scored:
+        return []
+    lines = [
+        "## The gate against R@1 on the classes nobody judged",
+        "",
+        f"Runs with the unjudged photos' check: {len(scored)}. `passed`: the gate lets it be served; "
+        "`fell`: its R@1 on the fold's photos (never judged) fell. The check: the label-free view Recall@1 "
+        f"of up to 500 unjudged photos not worse (95% CI), and at least {MIN_NEIGHBOURS_KEPT:.2f} of their "
+        "10 nearest unjudged photos kept on average (training/feedback_gate.py).",
+        "",
+        "| gate | passed | of which R@1 fell | fell by |",
+        "|---|---|---|---|",
+    ]
+    for name, rule in (
+        ("held-out judgments only", judgments_gate),
+        ("with the unjudged check", unjudged_gate),
+    ):
+        passed = [row for row in scored if rule(row)]
+        falls = [100 * (row["recall@1_before"] - row["recall@1_after"]) for row in passed]
+        fell = sorted(fall for fall in falls if fall > 0)
+        span = f"{fell[0]:.2f}-{fell[-1]:.2f}" if fell else "-"
+        lines.append(f"| {name} | {len(passed)} | {len(fell)} | {span} |")
+    return [*lines, ""]
 
 
 def cross_validation(rows: list[dict]) -> dict[str, dict]:
@@ -545,7 +627,7 @@ def cross_validation(rows: list[dict]) -> dict[str, dict]:
 
 def cross_validation_report(rows: list[dict]) -> list[str]:
     table = cross_validation(rows)
-    if not table:
+    if len(table) < 2:  # one loss run in every cell: nothing to choose between
         return []
     cells = next(iter(table.values()))["cells"]
     names = " | ".join(f"seed {c['seed']} fold {c['fold']}" for c in cells)

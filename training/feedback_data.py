@@ -16,6 +16,9 @@ and the vector the index serves for it (the model before training, for the gate)
   component, union-find); a 👎 between two photos makes their components unlike. A direct 👎 between two
   photos of one component wins for that pair. Two views of one photo are alike. Every other pair is left
   to the labels (:func:`training.losses.pairs.pair_masks`): none for photos known only from judgments.
+- Unjudged: a seeded sample of :data:`UNJUDGED_SAMPLE` items that no judgment names, the photos the user
+  never looked at, which the gate checks without labels (:mod:`training.feedback_gate`): training on
+  judgments must not spoil what nobody judged.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from index.gallery import GalleryIndex
 from training.data import DataError
 
 HELD_OUT_SHARE = 0.2  # of the rankable queries (a 👍 and a 👎), for the gate; as much again for val alone
+# Unjudged photos the gate checks: 500 give the check's Recall@1 an interval of a few points, and take
+# well under a minute to decode and embed once more (one augmented view each) on a 2-core machine.
+UNJUDGED_SAMPLE = 500
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class Feedback:
     served: dict[int, np.ndarray]  # item id -> the vector the index serves for it (before training)
     uploads: int  # judgments of uploaded queries, left out (no photo to train from)
     model_fingerprint: str  # the model the index serves: its vectors are the served ones
+    unjudged: tuple[int, ...] = ()  # a seeded sample of the items no judgment names (module docstring)
 
     def items(self, pairs: Iterable[JudgedPair]) -> list[int]:
         """The items ``pairs`` name, each once, in order of first appearance."""
@@ -70,13 +77,21 @@ def load_feedback(index: Path, *, seed: int, validation: bool) -> Feedback:
     with closing(GalleryIndex.open(index, read_only=True)) as gallery:
         latest: dict[tuple[int, int], int] = {}
         uploads = 0
+        named: set[int] = set()  # every item a judgment names, an uploaded query's results too
         for judgment in gallery.judgments.scan():  # id order: a later judgment of a pair replaces it
+            named.add(judgment.result)
             if judgment.query.item is None:
                 uploads += 1
-            elif judgment.query.item != judgment.result:
+                continue
+            named.add(judgment.query.item)
+            if judgment.query.item != judgment.result:
                 latest[(judgment.query.item, judgment.result)] = judgment.sign
         pairs = [JudgedPair(query, result, sign) for (query, result), sign in latest.items()]
-        ids = sorted({item for pair in pairs for item in (pair.query, pair.result)})
+        judged = {item for pair in pairs for item in (pair.query, pair.result)}
+        rest = [item.id for item in gallery.items.scan() if item.id not in named]
+        draw = np.random.default_rng(seed).permutation(len(rest))[:UNJUDGED_SAMPLE]
+        unjudged = tuple(sorted(rest[int(k)] for k in draw))
+        ids = sorted(judged | set(unjudged))
         found = gallery.items.get_many(ids)
         root = gallery.manifest.gallery_root
         fingerprint = gallery.manifest.model_fingerprint
@@ -91,7 +106,7 @@ def load_feedback(index: Path, *, seed: int, validation: bool) -> Feedback:
             f"a 👎 ({_rankable_count(pairs)} here) and needs some left to train on; judge more results"
         )
     paths = {item: found[item].path for item in ids if item in found}
-    return Feedback(index, train, val, test, Path(root), paths, served, uploads, fingerprint)
+    return Feedback(index, train, val, test, Path(root), paths, served, uploads, fingerprint, unjudged)
 
 
 def _rankable_count(pairs: Sequence[JudgedPair]) -> int:

@@ -9,10 +9,15 @@
   selects the checkpoint; the test rows are the held-out judgments' photos, labelled the same way.
 
 Either way the photos of the held-out judgments are the split ``judged``, which the gate embeds
-(:mod:`training.feedback_gate`). Frozen mode only: the inputs are the pooled features. An index served by
-the pretrained backbone itself (its model's fingerprint) already holds those features as its vectors:
-they are read from it, and no photo is decoded (unless the run trains on augmented views). Otherwise a
-judged photo that cannot be read is left out with its judgments, with a warning.
+(:mod:`training.feedback_gate`), and the unjudged sample (:attr:`~training.feedback_data.Feedback.unjudged`)
+is the split ``unjudged``: each photo as served and as the label-free check's augmented view
+(:data:`~training.label_free_data.EVAL_VIEW`, :data:`~training.label_free_data.EVAL_AUGMENTATION`), two rows
+labelled with its item id, which the gate checks without labels.
+
+Frozen mode only: the inputs are the pooled features. An index served by the pretrained backbone itself
+(its model's fingerprint) already holds those features as its vectors: they are read from it, and no
+judged photo is decoded (unless the run trains on augmented views). Otherwise a judged photo that cannot be
+read is left out with its judgments, with a warning.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ from training.config import TrainConfig
 from training.data import DataError, LabelledImages
 from training.features import FeatureExtractor
 from training.feedback_data import Closure, Feedback
+from training.label_free_data import EVAL_AUGMENTATION, EVAL_VIEW
 from training.losses.pairs import UNLABELLED
 
 if TYPE_CHECKING:
     from training.trainer import PreparedData
 
 JUDGED_SPLIT = "judged"  # the eval split of the held-out judgments' photos
+UNJUDGED_SPLIT = "unjudged"  # the eval split of the unjudged sample: as served, then as a view
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,7 @@ class JudgedRows:
     row_items: np.ndarray  # per training row (the folder's first, then judged photos): its item, or -1
     data_rows: int  # the first rows, the folder's: what the loss layout's own sampler draws from
     held_out: list[int]  # the held-out judgments' items, the rows of split JUDGED_SPLIT
+    unjudged: UnjudgedRows  # the unjudged sample, the rows of split UNJUDGED_SPLIT
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,39 @@ def _extract(
     return feedback, _Extracted(base.features, np.stack([base.features, *augmented]), row)
 
 
+@dataclass(frozen=True)
+class UnjudgedRows:
+    """The readable unjudged sample: split UNJUDGED_SPLIT's rows, and the served model's embedding of them."""
+
+    items: np.ndarray  # per photo its item; the split's rows are these photos as served, then their views
+    features: np.ndarray  # (2n, d) backbone features of those rows: the frozen head's inputs
+    before: np.ndarray  # (2n, d) the rows embedded by the model the index serves, or by the backbone
+    baseline: str  # "served": the index serves the backbone itself; "backbone": it serves another model
+
+
+def _unjudged(config: TrainConfig, feedback: Feedback, cache_dir: Path, progress: bool) -> UnjudgedRows:
+    """The unjudged sample as served and as the check's view. An index served by the pretrained backbone
+    holds its served features already; for one served by another model, whose embedding of the views
+    cannot be computed here, the check compares against the untrained backbone instead (``baseline``)."""
+    extractor = FeatureExtractor(cache_dir, config.backbone, progress=progress)
+    items = list(feedback.unjudged)
+    files = [feedback.root / feedback.paths[item] for item in items]
+    view = extractor.extract(files, view=EVAL_VIEW, seed=config.seed, augmentation=EVAL_AUGMENTATION)
+    served_is_backbone = extractor.embedder.fingerprint == feedback.model_fingerprint
+    if served_is_backbone:
+        base, ok = np.array([feedback.served[item] for item in items]).reshape(view.features.shape), view.ok
+    else:
+        extracted = extractor.extract(files)
+        base, ok = extracted.features, view.ok & extracted.ok
+    features = np.concatenate([base[ok], view.features[ok]]).astype(np.float32)
+    return UnjudgedRows(
+        np.array(items, dtype=np.int64)[ok],
+        features,
+        features,
+        "served" if served_is_backbone else "backbone",
+    )
+
+
 def _rows(extracted: _Extracted, items: list[int]) -> np.ndarray:
     return np.array([extracted.row[item] for item in items], dtype=np.int64)
 
@@ -121,8 +162,10 @@ def judged_only(config: TrainConfig, feedback: Feedback, cache_dir: Path, progre
         np.full(len(every), UNLABELLED, dtype=np.int64),
         tuple(f"👍 group {k}" for k in range(groups)),
     )
+    unjudged = _unjudged(config, feedback, cache_dir, progress)
     features = {name: extracted.features[rows[name]] for name in rows}
     features[JUDGED_SPLIT] = features["test"]
+    features[UNJUDGED_SPLIT] = unjudged.features
     return JudgedOnlyData(
         images=images,
         indices=rows,
@@ -130,7 +173,7 @@ def judged_only(config: TrainConfig, feedback: Feedback, cache_dir: Path, progre
         features=features,
         inputs=features,
         train_views=extracted.views[:, rows["train"]],
-        judged=JudgedRows(feedback, np.array(items["train"], dtype=np.int64), 0, items["test"]),
+        judged=JudgedRows(feedback, np.array(items["train"], dtype=np.int64), 0, items["test"], unjudged),
     )
 
 
@@ -151,12 +194,18 @@ def with_judged_photos(
     held_out = feedback.items(feedback.test)
     added, judged = _rows(extracted, extra), extracted.features[_rows(extracted, held_out)]
     train = np.concatenate([data.features["train"], extracted.features[added]])
+    unjudged = _unjudged(config, feedback, cache_dir, progress)
+    evaluated = {"train": train, JUDGED_SPLIT: judged, UNJUDGED_SPLIT: unjudged.features}
     return replace(
         data,
-        features={**data.features, "train": train, JUDGED_SPLIT: judged},
-        inputs={**data.inputs, "train": train, JUDGED_SPLIT: judged},
+        features={**data.features, **evaluated},
+        inputs={**data.inputs, **evaluated},
         train_views=np.concatenate([data.train_views, extracted.views[:, added]], axis=1),
         judged=JudgedRows(
-            feedback, np.concatenate([row_items, np.array(extra, dtype=np.int64)]), len(row_items), held_out
+            feedback,
+            np.concatenate([row_items, np.array(extra, dtype=np.int64)]),
+            len(row_items),
+            held_out,
+            unjudged,
         ),
     )

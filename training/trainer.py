@@ -38,8 +38,8 @@ from training.data import LOOSE, DataError, LabelledImages, load_labelled_images
 from training.distributed import Distributed, distributed_from_env
 from training.features import Augmentation, FeatureExtractor
 from training.feedback_data import load_feedback
-from training.feedback_gate import FeedbackGate, feedback_gate
-from training.feedback_rows import JUDGED_SPLIT, JudgedRows, judged_only, with_judged_photos
+from training.feedback_gate import FeedbackGate, feedback_gate, unjudged_check
+from training.feedback_rows import JUDGED_SPLIT, UNJUDGED_SPLIT, JudgedRows, judged_only, with_judged_photos
 from training.feedback_sampler import FeedbackSampler
 from training.label_free_data import (
     EVAL_AUGMENTATION,
@@ -566,7 +566,7 @@ class _Training:
         if self.config.mode != "finetune":
             eval_inputs = {
                 name: data.inputs[name]
-                for name in ("val", "test", JUDGED_SPLIT, GATE_SPLIT)
+                for name in ("val", "test", JUDGED_SPLIT, UNJUDGED_SPLIT, GATE_SPLIT)
                 if name in data.inputs
             }
             return CachedWorkload(
@@ -719,7 +719,13 @@ class _Training:
         judged = self.data.judged
         if judged is None:
             return None
-        feedback = judged.feedback
+        feedback, sample = judged.feedback, judged.unjudged
+        unjudged = None
+        if len(sample.items) > 1:
+            after = self.workload.embed(UNJUDGED_SPLIT)
+            unjudged = unjudged_check(
+                sample.items, sample.before, after, baseline=sample.baseline, seed=self.config.seed
+            )
         return feedback_gate(
             index=str(feedback.index),
             trained=len(feedback.train),
@@ -728,6 +734,7 @@ class _Training:
             uploads=feedback.uploads,
             before=feedback.served,
             after=dict(zip(judged.held_out, self.workload.embed(JUDGED_SPLIT), strict=True)),
+            unjudged=unjudged,
             seed=self.config.seed,
         )
 

@@ -20,7 +20,7 @@ from training.backbone import BACKBONES
 from training.config import TrainConfig
 from training.data import DataError, load_labelled_images
 from training.feedback_data import Closure, JudgedPair, load_feedback
-from training.feedback_gate import rank_judgments
+from training.feedback_gate import feedback_gate, rank_judgments, unjudged_check
 from training.recipes import FEEDBACK_LOSS
 from training.run_dir import RunDirectory
 from training.trainer import train
@@ -83,6 +83,81 @@ def test_the_gate_counts_what_training_fixed_and_broke() -> None:
     assert precision.tolist() == [0.0, 1.0] and not right[pairs[0]] and right[pairs[2]]
     precision, right = rank_judgments(after, pairs)
     assert precision.tolist() == [1.0, 1.0] and right[pairs[0]] and right[pairs[1]]
+
+
+def _unit_rows(rng: np.random.Generator, count: int, dim: int) -> np.ndarray:
+    rows = rng.normal(size=(count, dim))
+    return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+
+def test_the_gate_refuses_a_run_that_spoils_the_unjudged_photos() -> None:
+    """Better on the held-out judgments is not enough: a model under which the unjudged photos no longer
+    find their own augmented view (here: it maps them all near one point) is refused."""
+    rng = np.random.default_rng(0)
+    photos = np.arange(100, 140)
+    served = _unit_rows(rng, len(photos), 16)
+    before = np.concatenate([served, served + 0.05 * _unit_rows(rng, len(photos), 16)])  # view near its photo
+    collapsed = np.ones((2 * len(photos), 16)) + 0.5 * _unit_rows(rng, 2 * len(photos), 16)
+    spoiled = unjudged_check(photos, before, collapsed, baseline="served", seed=0)
+    assert spoiled.recall_before == 1.0 and spoiled.recall_after < 0.5 and spoiled.interval.verdict == "worse"
+    assert not spoiled.passed and spoiled.neighbours_kept < 0.5
+    kept = unjudged_check(photos, before, before @ np.eye(16)[::-1], baseline="served", seed=0)  # a rotation
+    assert kept.passed and kept.neighbours_kept == 1.0 and kept.recall_after == kept.recall_before
+
+    pairs = [JudgedPair(0, 1, 1), JudgedPair(0, 2, -1), JudgedPair(3, 4, 1), JudgedPair(3, 5, -1)]
+    axis = np.eye(3)
+    judged_before = {0: axis[0], 1: axis[1], 2: axis[0], 3: axis[0], 4: axis[1], 5: axis[0]}
+    judged_after = {**judged_before, 1: axis[0], 2: axis[2], 4: axis[0], 5: axis[2]}  # both queries fixed
+
+    def gate(unjudged: object) -> object:
+        return feedback_gate(
+            index="i", trained=8, validation=0, held_out=pairs * 4, uploads=0, before=judged_before,
+            after=judged_after, unjudged=unjudged, seed=0,
+        )  # fmt: skip
+
+    assert gate(kept).passed and gate(kept).judgments_better
+    refused = gate(spoiled)
+    assert refused.judgments_better and not refused.passed
+    assert "unjudged photos (40" in refused.describe() and "worse" in refused.describe()
+
+
+@pytest.fixture(scope="module")
+def partly_judged_index(
+    labelled_folder: Path, feature_cache: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The labelled folder indexed, 8 queries' top 5 judged by class: some photos nobody judged."""
+    images = load_labelled_images(labelled_folder)
+    directory = tmp_path_factory.mktemp("partly") / "index"
+    labels = [images.class_names[label] for label in images.labels]
+    index_gallery(labelled_folder, images.files(), labels, directory, feature_cache)
+    assert judge_top(directory, [1, 8, 15, 22, 29, 36, 43, 50], top=5) == 40
+    return directory
+
+
+def test_the_unjudged_sample_leaves_out_every_judged_photo(partly_judged_index: Path) -> None:
+    with closing(GalleryIndex.open(partly_judged_index)) as index:  # an upload's result is judged too
+        index.judgments.add(JudgedQuery(content_hash="ab" * 32), 2, 1, "fp", "2026-01-01T00:00:00+00:00")
+        index.save()
+        judgments = list(index.judgments.scan())
+        everything = {item.id for item in index.items.scan()}
+    feedback = load_feedback(partly_judged_index, seed=0, validation=True)
+    named = {j.result for j in judgments} | {j.query.item for j in judgments if j.query.item is not None}
+    assert 2 in named and len(everything - named) >= 5
+    assert set(feedback.unjudged) == everything - named  # fewer than the sample's 500: all of them
+    assert all(item in feedback.served and item in feedback.paths for item in feedback.unjudged)
+
+
+def test_a_run_on_judgments_checks_the_unjudged_photos(
+    partly_judged_index: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    config = alone(partly_judged_index, feature_cache, loss="triplet", max_steps=20, eval_every=10)
+    summary = train(config, tmp_path / "run", progress=False)
+    gate = summary.feedback
+    unjudged = load_feedback(partly_judged_index, seed=0, validation=True).unjudged
+    assert gate is not None and gate.unjudged is not None and gate.unjudged.baseline == "served"
+    assert gate.unjudged.photos == len(unjudged) and 0 <= gate.unjudged.neighbours_kept <= 1
+    assert gate.passed == (gate.judgments_better and gate.unjudged.passed)
+    assert "unjudged photos" in gate.describe()
 
 
 @pytest.mark.parametrize("loss", ["triplet", "loop-triplet", "pddm"])
