@@ -101,12 +101,22 @@ def load_feedback(index: Path, *, seed: int, validation: bool) -> Feedback:
     pairs = [pair for pair in pairs if pair.query in found and pair.result in found]
     train, val, test = _split_by_query(pairs, seed=seed, validation=validation)
     if not test:
+        rankable = _rankable_count(pairs)
+        more = _least_rankable(validation) - rankable
         raise DataError(
             f"{index} has too few judged queries to train on: the gate holds out queries with both a 👍 and "
-            f"a 👎 ({_rankable_count(pairs)} here) and needs some left to train on; judge more results"
+            f"a 👎 ({rankable} here) and needs some left to train on; judge more: at least {more} more "
+            f"{'query' if more == 1 else 'queries'} with both, a 👎 on a wrong result near the top and a 👍 "
+            "on a right one (pair losses learn from the wrong results ranked high)"
         )
     paths = {item: found[item].path for item in ids if item in found}
     return Feedback(index, train, val, test, Path(root), paths, served, uploads, fingerprint, unjudged)
+
+
+def _least_rankable(validation: bool) -> int:
+    """The fewest rankable queries a run can split: a held-out share (two with ``validation``) and one to
+    train on."""
+    return (2 if validation else 1) + 1
 
 
 def _rankable_count(pairs: Sequence[JudgedPair]) -> int:
@@ -126,8 +136,7 @@ def _split_by_query(
     """``(train, val, test)``: a seeded draw of the rankable queries held out whole, the rest trains."""
     rankable = np.random.default_rng(seed).permutation(np.array(_rankable(pairs), dtype=np.int64))
     share = math.ceil(HELD_OUT_SHARE * len(rankable))
-    shares = 2 if validation else 1
-    if len(rankable) < shares + 1:  # a share each, and one rankable query left to train on
+    if len(rankable) < _least_rankable(validation):
         return tuple(pairs), (), ()
     test_queries = set(rankable[:share].tolist())
     val_queries = set(rankable[share : 2 * share].tolist()) if validation else set()

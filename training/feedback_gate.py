@@ -139,6 +139,7 @@ class FeedbackGate(BaseModel):
     fixed: list[JudgmentRecord]
     broke: list[JudgmentRecord]
     unjudged: UnjudgedCheck | None = None  # None: a run from before the check (its summary.json)
+    judge_more: str | None = None  # where the judgments showed no gain: what to judge (feedback_advice)
 
     @field_validator("interval", mode="before")
     @classmethod
@@ -160,6 +161,7 @@ class FeedbackGate(BaseModel):
     def describe(self) -> str:
         interval = self.interval
         unjudged = "" if self.unjudged is None else f"; {self.unjudged.describe()}"
+        advice = "" if self.judge_more is None else f"; {self.judge_more}"
         return (
             f"held-out judgments ({self.judgments_held_out} on {self.queries_held_out} queries): ranking "
             f"precision {100 * self.precision_after:.1f} trained vs {100 * self.precision_before:.1f} "
@@ -167,7 +169,7 @@ class FeedbackGate(BaseModel):
             f"difference {100 * interval.difference:+.1f} ({100 * interval.level:.0f}% CI "
             f"[{100 * interval.low:+.1f}, {100 * interval.high:+.1f}]): {interval.verdict}; "
             f"{len(self.fixed)} fixed, {len(self.broke)} broken; "
-            f"trained on {self.judgments_trained} judgments{unjudged}"
+            f"trained on {self.judgments_trained} judgments{unjudged}{advice}"
         )
 
 

@@ -325,6 +325,8 @@ def _summary_html(run_path: Path, comparison: Comparison, embedded: RunEmbedding
             if gate.passed
             else "no: the run learned nothing usable without labels, the untrained model stays served"
         ) + f" ({gate.detail})"
+    if summary is not None and summary.feedback is not None:  # its gate, and what to judge next
+        facts["judgments"] = summary.feedback.describe()
     items = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>" for k, v in facts.items())
     verdict = comparison.verdict
     if comparison.learned_nothing is not None:

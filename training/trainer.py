@@ -37,7 +37,8 @@ from training.config import TrainConfig
 from training.data import LOOSE, DataError, LabelledImages, load_labelled_images, split_classes
 from training.distributed import Distributed, distributed_from_env
 from training.features import Augmentation, FeatureExtractor
-from training.feedback_data import load_feedback
+from training.feedback_advice import judge_more
+from training.feedback_data import HELD_OUT_SHARE, load_feedback
 from training.feedback_gate import FeedbackGate, feedback_gate, unjudged_check
 from training.feedback_rows import JUDGED_SPLIT, UNJUDGED_SPLIT, JudgedRows, judged_only, with_judged_photos
 from training.feedback_sampler import FeedbackSampler
@@ -738,6 +739,18 @@ class _Training:
             seed=self.config.seed,
         )
 
+    def _judge_more(self, gate: FeedbackGate) -> str:
+        """What to judge next, from the judgments the run trained on and its gate (feedback_advice)."""
+        assert self.data.judged is not None
+        feedback = self.data.judged.feedback
+        return judge_more(
+            feedback.train,
+            feedback.served,
+            interval=gate.interval,
+            held_out_queries=gate.queries_held_out,
+            held_out_share=HELD_OUT_SHARE,
+        )
+
     def _validate(self, step: int, train_loss: float | None) -> dict[str, Any]:
         """Evaluate on the validation classes; keep the weights in best.pt when they are the best so far."""
         state = self.state
@@ -796,6 +809,11 @@ class _Training:
         # Failed: no validated gain and a stuck loss; the summary, the CLI, the report and the Model page
         # then say that the run learned nothing and why, rather than compare its step-0 head.
         failure = self.watch.stuck(final=True) if best.step == 0 else None
+        feedback = self._feedback_gate()
+        if feedback is not None and (failure is not None or not feedback.judgments_better):
+            advice = self._judge_more(feedback)
+            feedback = feedback.model_copy(update={"judge_more": advice})
+            failure = None if failure is None else f"{failure}; {advice}"
         summary = RunSummary(
             loss=self.config.loss,
             mode=self.config.mode,
@@ -815,7 +833,7 @@ class _Training:
             frozen_stage=FrozenStageSummary.model_validate(first_stage) if first_stage else None,
             failure=failure,
             label_free=self._label_free_record(neighbours),
-            feedback=self._feedback_gate(),
+            feedback=feedback,
         )
         if self.dist.is_main:
             self.run_dir.write_summary(summary)

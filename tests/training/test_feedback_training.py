@@ -17,8 +17,10 @@ from index.gallery import GalleryIndex
 from index.judgments import JudgedQuery
 from tests.support.train_config import tiny_train_config
 from training.backbone import BACKBONES
+from training.bootstrap import Interval
 from training.config import TrainConfig
 from training.data import DataError, load_labelled_images
+from training.feedback_advice import judge_more, queries_for_a_clear_gain
 from training.feedback_data import Closure, JudgedPair, load_feedback
 from training.feedback_gate import feedback_gate, rank_judgments, unjudged_check
 from training.recipes import FEEDBACK_LOSS
@@ -160,6 +162,38 @@ def test_a_run_on_judgments_checks_the_unjudged_photos(
     assert "unjudged photos" in gate.describe()
 
 
+def test_judge_more_counts_the_wrong_results_near_the_top() -> None:
+    axis = np.eye(3)
+    served = {0: axis[0], 1: axis[0] + axis[1], 2: axis[0] + 0.1 * axis[1], 3: axis[1], 4: axis[2]}
+    # query 0: 👎 2 scores above the 👍 1 (wrong near the top), 👎 3 below it
+    pairs = [JudgedPair(0, 1, 1), JudgedPair(0, 2, -1), JudgedPair(0, 3, -1), JudgedPair(4, 3, -1)]
+    unclear = Interval(difference=0.25, low=-0.25, high=0.75, level=0.95, resamples=100)
+    assert queries_for_a_clear_gain(unclear, 10) == 40  # (0.5 / 0.25)^2 times as many
+    advice = judge_more(pairs, served, interval=unclear, held_out_queries=10, held_out_share=0.2)
+    assert "4 judgments (1 👍, 3 👎) of 2 queries" in advice and "1 of its 👎" in advice
+    assert "about 40 held-out queries instead of 10" in advice and "the top 2 of about 150 more" in advice
+    assert "Judge about 300 more results" in advice
+    flat = Interval(difference=-0.01, low=-0.03, high=0.01, level=0.95, resamples=100)
+    advice = judge_more(pairs, served, interval=flat, held_out_queries=10, held_out_share=0.2)
+    assert "did not improve" in advice and "the top 2 of about 2 more queries" in advice
+    easy = [JudgedPair(0, 2, 1), JudgedPair(0, 3, -1)]  # the served model ranks it right already
+    assert "nothing to learn" in judge_more(
+        easy, served, interval=flat, held_out_queries=1, held_out_share=0.2
+    )
+
+
+def test_too_few_judgments_say_how_many_more(
+    labelled_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    images = load_labelled_images(labelled_folder)
+    directory = tmp_path / "index"
+    labels = [images.class_names[label] for label in images.labels]
+    index_gallery(labelled_folder, images.files(), labels, directory, feature_cache)
+    assert judge_top(directory, [1, 12], top=5) == 10
+    with pytest.raises(DataError, match=r"judge more: at least \d+ more quer(y|ies) with both"):
+        load_feedback(directory, seed=0, validation=True)
+
+
 @pytest.mark.parametrize("loss", ["triplet", "loop-triplet", "pddm"])
 def test_a_run_trains_on_judgments_alone(
     judged_index: Path, feature_cache: Path, tmp_path: Path, loss: str
@@ -182,6 +216,7 @@ def test_a_run_trains_on_judgments_alone(
     assert gate.interval.low <= gate.interval.difference <= gate.interval.high
     assert {(j.query, j.sign) for j in gate.fixed} <= {(p.query, p.sign) for p in _held_out(judged_index)}
     assert summary.label_free is None and "val" in summary.model_dump()
+    assert (gate.judge_more is None) == gate.judgments_better  # advice exactly where judgments showed no gain
 
 
 def _held_out(index: Path) -> tuple[JudgedPair, ...]:
@@ -197,6 +232,14 @@ def test_judged_photos_join_a_labelled_folder(
     summary = train(config, tmp_path / "run", progress=False)
     assert summary.feedback is not None and summary.feedback.judgments_validation == 0
     assert summary.feedback.judgments_trained + summary.feedback.judgments_held_out == 150
+    # the served model already ranks every held-out judgment right: nothing to gain, and the run says so
+    assert summary.feedback.precision_before == 1.0 and not summary.feedback.judgments_better
+    assert summary.feedback.judge_more is not None and summary.feedback.judge_more.startswith("judge more")
+    assert summary.feedback.judge_more in summary.feedback.describe()
+    reported = CliRunner().invoke(app, ["report", str(tmp_path / "run")])
+    assert reported.exit_code == 0, reported.output
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert "<dt>judgments</dt>" in page and "judge more: it trained on" in page
 
 
 def test_judged_photos_join_a_label_free_run(
@@ -246,6 +289,8 @@ def test_the_cli_trains_on_judgments_and_export_follows_the_gate(
     card = ModelCard.load(tmp_path / "forced.onnx")
     assert card.validation_check is not None and card.validation_check.passed == gate.passed
     assert "held-out judgments" in card.validation_check.detail
+    if gate.judge_more is not None:  # what to judge next: in the CLI's output and the card the API serves
+        assert gate.judge_more in card.validation_check.detail and "judge more" in result.output
 
 
 def test_the_cli_refuses_judgments_it_cannot_train_on(judged_index: Path, tmp_path: Path) -> None:
