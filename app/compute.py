@@ -12,6 +12,11 @@ sending costly decodes (a batch of 64 images that each take seconds, several at 
 slot while another's search waits behind them. Among those that may take a free slot, the longest waiting
 takes it.
 
+A request waits for a slot no longer than its deadline (``foundation.deadline``: the API's
+``index_deadline_seconds``, counted from when its body arrived): past it, 503 ``deadline_exceeded``, so that
+slots held by searches hung on an index server (a Milvus that stopped answering) do not make every request
+behind them overrun the deadline as well.
+
 A request whose client goes away stops: a decode under way has its process ended (``engine.decode.pool``),
 and work not yet started does not start, so the slot is free again at once.
 """
@@ -33,11 +38,20 @@ from starlette.requests import Request
 
 from app.clients import client_key
 from engine.decode.pool import DecodeCancelledError, cancelled_by
+from foundation.deadline import time_left
+from foundation.errors import DmlsearchError, ErrorKind
 
 # How often a request whose work is under way checks that its client is still there.
 DISCONNECT_POLL_SECONDS = 0.2
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+class SlotWaitTimeoutError(DmlsearchError, TimeoutError):
+    """The request's deadline passed while it waited for a compute slot."""
+
+    kind = ErrorKind.UNAVAILABLE
+    code = "deadline_exceeded"
 
 
 def default_slots() -> int:
@@ -100,13 +114,20 @@ class ComputeSlots:
             granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             entry = (client, granted)
             self._waiting.append(entry)
+            left = time_left()
             try:
-                await granted
-            except BaseException:
+                async with asyncio.timeout(None if left is None else max(left, 0.0)):
+                    await granted
+            except BaseException as err:
                 if granted.done() and not granted.cancelled():  # granted as it was cancelled
                     self._release(client)
                 else:
                     self._waiting.remove(entry)
+                if isinstance(err, TimeoutError):
+                    raise SlotWaitTimeoutError(
+                        f"the request's deadline passed while it waited for a compute slot "
+                        f"({self.in_use} of {self.slots} held): retry later"
+                    ) from None
                 raise
         try:
             yield

@@ -9,10 +9,12 @@ import time
 from collections.abc import Callable
 
 import anyio
+import pytest
 from starlette.requests import Request
 from starlette.types import Message
 
-from app.compute import ComputeSlots
+from app.compute import ComputeSlots, SlotWaitTimeoutError
+from foundation.deadline import request_deadline
 
 
 def test_slots_bound_concurrent_work_and_report_the_wait() -> None:
@@ -145,3 +147,28 @@ def test_a_share_may_be_set_and_a_cancelled_waiter_leaves_nothing_held() -> None
 
     anyio.run(main)
     assert "third" not in jobs.log and jobs.log.index("user") < jobs.log.index("first ends")
+
+
+def test_a_request_waits_for_a_slot_no_longer_than_its_deadline() -> None:
+    """Issue 42, finding 4: with the index server hung, the searches holding both slots waited out their
+    10 s deadline in it, and the searches behind them waited that long for a slot and more: 503 only after
+    10.25-12.6 s. Now the deadline bounds the wait: 503 ``deadline_exceeded`` once it passes, the slot
+    never taken."""
+    jobs = Jobs()
+
+    async def main() -> tuple[float, dict[str, int]]:
+        slots = ComputeSlots(1)
+        async with anyio.create_task_group() as group:
+            group.start_soon(slots.run_for, request_from("10.0.0.66"), jobs.hold, "hung search")
+            await until(lambda: slots.in_use == 1)
+            started = time.perf_counter()
+            with request_deadline(0.5), pytest.raises(SlotWaitTimeoutError) as refused:
+                await slots.run_for(request_from("10.0.0.1"), jobs.quick, "late search")
+            waited = time.perf_counter() - started
+            assert refused.value.code == "deadline_exceeded" and not slots._waiting
+            jobs.released.set()
+        return waited, dict(slots.held)
+
+    waited, held = anyio.run(main)
+    assert 0.4 < waited < 5.0, waited  # before: until the holder ended (30 s here)
+    assert held == {} and "late search" not in jobs.log
