@@ -100,8 +100,13 @@ Each image is decoded in a worker process under a CPU, wall-clock and memory lim
 past one, 422 `image_too_costly`. All the images of one request share a budget (`decode_request_cpu_seconds`,
 `decode_request_wall_seconds`): past it the request is cut off, 422 `request_too_costly` naming the image
 that ran out. One client (its API key, else its address) holds at most `client_compute_slots` of the
-compute slots (half, by default). A gallery file that needs more memory than a decode may use is 503
-`out_of_memory` (the server's own file, not the request's fault). A client that disconnects ends its
+compute slots (half, by default); a free slot goes to the waiting client that holds the fewest, and a
+request that held its slot `compute_quantum_seconds` while another client waits goes on in the background,
+its decodes at the lowest CPU priority, so that a normal search is not held up by costly ones; where the
+background is full too, the request longest in it is stopped for a client with nothing under way, 503
+`preempted`. A gallery
+file that needs more memory than a decode may use is 503 `out_of_memory` (the server's own file, not the
+request's fault). A client that disconnects ends its
 decode. Running out of memory anywhere else is 503 `out_of_memory` with `Retry-After`; a read-only or
 full index folder makes writes 503 `storage_unavailable`, searches go on.
 """
@@ -120,11 +125,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return_freed_blocks()
         redact_access_log()
         slots = settings.compute_slots or default_slots()
-        context.compute = ComputeSlots(slots, settings.client_compute_slots, settings.write_key)
-        # One decode process per compute slot (every decode holds a slot); started off the event loop, as
-        # their forkserver imports the decoders (seconds).
+        context.compute = ComputeSlots(
+            slots,
+            settings.client_compute_slots,
+            settings.write_key,
+            quantum=settings.compute_quantum_seconds,
+        )
+        # One decode process per request that may run at once (every decode holds a slot, in the
+        # foreground or the background); started off the event loop, as their forkserver imports the
+        # decoders (seconds).
         limits = settings.decode_limits()
-        context.decoder = await run_in_threadpool(DecodePool, context.compute.slots, limits)
+        context.decoder = await run_in_threadpool(DecodePool, context.compute.most_at_once, limits)
         tried = _directory_state(settings.index_path)
         context.engine = await run_in_threadpool(EngineState.load, settings, decoder=context.decoder)
         poller = asyncio.create_task(_poll_index(context, settings.index_poll_seconds, tried))

@@ -6,11 +6,21 @@ time) and the event loop thread, which receives uploads and sends answers, starv
 ~0.6 s just to arrive, against ~20 ms with the bound. With as many slots as cores, extra requests wait in
 line without using the CPU (the "queue" stage of a response's timings), at the same throughput.
 
-The slots are shared out fairly between clients (``app.clients``: an API key, or an address): one client
-holds at most ``share`` of them (half, by default) and waits for its own to end past that, so that a client
-sending costly decodes (a batch of 64 images that each take seconds, several at once) never holds every
-slot while another's search waits behind them. Among those that may take a free slot, the longest waiting
-takes it.
+The slots are shared out fairly between clients (``app.clients``: an API key, or an address):
+- one client holds at most ``share`` of them (half, by default) and waits for its own to end past that;
+- a free slot goes to the waiting client that holds the fewest (one with nothing under way first), the
+  longest waiting among equals: round robin by client, not first come first served;
+- a request that has held its slot for ``quantum`` seconds while another client waits gives it up: it goes
+  on in the background, its decodes at the lowest CPU priority (``engine.decode.pool.lowered_by``), and the
+  waiter takes the slot. At most ``background`` requests run so, each with a decode process of its own;
+- where the background is full too and a client with nothing under way waits, the request longest in the
+  background (held ``PREEMPT_AFTER_QUANTA`` quanta at least) is stopped, as if its client had gone away,
+  and answered 503 ``preempted`` with Retry-After: more clients sending costly work at once than the server
+  runs cannot keep a new client waiting for their decodes' limits.
+So costly decodes (a batch of 64 images that each take seconds, uploads that take a decode's whole limit)
+from several clients at once hold no slot past their first ``quantum``: before, three hostile addresses held
+both slots and a normal search waited 30 s for one (bench/results/hostile_budget.md). The cores go to the
+short requests first and the long ones go on with what is left.
 
 A request waits for a slot no longer than its deadline (``foundation.deadline``: the API's
 ``index_deadline_seconds``, counted from when its body arrived): past it, 503 ``deadline_exceeded``, so that
@@ -27,7 +37,7 @@ import asyncio
 import os
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -37,12 +47,16 @@ import anyio.to_thread
 from starlette.requests import Request
 
 from app.clients import client_key
-from engine.decode.pool import DecodeCancelledError, cancelled_by
+from engine.decode.pool import DecodeCancelledError, cancelled_by, lowered_by
+from foundation import defaults
 from foundation.deadline import time_left
 from foundation.errors import DmlsearchError, ErrorKind
 
 # How often a request whose work is under way checks that its client is still there.
 DISCONNECT_POLL_SECONDS = 0.2
+# How long (in quanta since it took its slot) a request in the background runs at least before it may be
+# stopped for a client with nothing under way.
+PREEMPT_AFTER_QUANTA = 2
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -52,6 +66,13 @@ class SlotWaitTimeoutError(DmlsearchError, TimeoutError):
 
     kind = ErrorKind.UNAVAILABLE
     code = "deadline_exceeded"
+
+
+class SlotPreemptedError(DmlsearchError, RuntimeError):
+    """The request was stopped in the background so that a client with nothing under way had a slot."""
+
+    kind = ErrorKind.UNAVAILABLE
+    code = "preempted"
 
 
 def default_slots() -> int:
@@ -64,65 +85,121 @@ def default_share(slots: int) -> int:
     return max(1, slots // 2)
 
 
-class ComputeSlots:
-    """Run blocking CPU work in worker threads, at most ``slots`` at a time and at most ``share`` of them
-    for one client (``api_key``: the configured key, whose holders are one client). Create and use inside
-    the event loop (the counts need no lock there)."""
+class _Hold:
+    """One request's hold on a slot: whose, since when, whether it went on in the background (its
+    ``lowered`` event lowers its decodes' priority), and the event that stops its work (a client's request:
+    set when the client goes away or the request is preempted; None for the server's own work, never
+    stopped)."""
 
-    def __init__(self, slots: int, share: int = 0, api_key: str | None = None) -> None:
-        if slots < 1 or share < 0:
-            raise ValueError(f"compute slots need slots >= 1 and share >= 0, got {slots} and {share}")
+    def __init__(self, client: str, stop: threading.Event | None) -> None:
+        self.client = client
+        self.stop = stop
+        self.preempted = False
+        self.since = 0.0  # loop time when granted
+        self.lowered = threading.Event()
+        self.granted: asyncio.Future[None] | None = None  # while waiting
+
+    @property
+    def background(self) -> bool:
+        return self.lowered.is_set()
+
+
+class ComputeSlots:
+    """Run blocking CPU work in worker threads, at most ``slots`` at a time in the foreground (and at most
+    ``background`` more that gave theirs up after ``quantum`` seconds), at most ``share`` of them for one
+    client (``api_key``: the configured key, whose holders are one client). Create and use inside the event
+    loop (the counts need no lock there)."""
+
+    def __init__(
+        self,
+        slots: int,
+        share: int = 0,
+        api_key: str | None = None,
+        *,
+        quantum: float = defaults.COMPUTE_QUANTUM_SECONDS,
+        background: int | None = None,
+    ) -> None:
+        if slots < 1 or share < 0 or quantum <= 0 or (background is not None and background < 0):
+            raise ValueError(
+                f"compute slots need slots >= 1, share >= 0, quantum > 0 and background >= 0, got {slots}, "
+                f"{share}, {quantum} and {background}"
+            )
         self.slots = slots
         self.share = min(share or default_share(slots), slots)
+        self.quantum = quantum
+        self.background = slots if background is None else background
         self.api_key = api_key.encode() if api_key else None
-        self.held: Counter[str] = Counter()  # slots held, by client
-        self._waiting: deque[tuple[str, asyncio.Future[None]]] = deque()
+        self.held: Counter[str] = Counter()  # slots held (foreground and background), by client
+        self._holds: list[_Hold] = []  # granted, oldest first
+        self._waiting: list[_Hold] = []  # oldest first
+        self._timer: asyncio.TimerHandle | None = None
 
     @property
     def in_use(self) -> int:
-        return self.held.total()
+        """Foreground slots held."""
+        return sum(not hold.background for hold in self._holds)
+
+    @property
+    def in_background(self) -> int:
+        return sum(hold.background for hold in self._holds)
+
+    @property
+    def most_at_once(self) -> int:
+        """The most requests that run at once (each holds a decode process while it decodes)."""
+        return self.slots + self.background
 
     async def run(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> tuple[T, float]:
         """``function(*args, **kwargs)`` in a worker thread once a slot is free, for work no client asked
         for; also the ms spent waiting."""
-        return await self._run("server", partial(function, *args, **kwargs))
+        return await self._run(_Hold("server", None), partial(function, *args, **kwargs))
 
     async def run_for(
         self, request: Request, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs
     ) -> tuple[T, float]:
         """:meth:`run` for ``request``, within its client's share: if its client disconnects, the work
-        stops (raising :class:`DecodeCancelledError`) instead of holding the slot to its end."""
-        gone = threading.Event()
-        watcher = asyncio.create_task(_watch(request, gone))
+        stops (raising :class:`DecodeCancelledError`) instead of holding the slot to its end; if it is
+        preempted, :class:`SlotPreemptedError`."""
+        stop = threading.Event()
+        hold = _Hold(client_key(request.scope, self.api_key), stop)
+        watcher = asyncio.create_task(_watch(request, stop))
         try:
-            work = partial(_unless_gone, gone, partial(function, *args, **kwargs))
-            return await self._run(client_key(request.scope, self.api_key), work)
+            return await self._run(hold, partial(function, *args, **kwargs))
         finally:
             watcher.cancel()
 
-    async def _run(self, client: str, work: Callable[[], T]) -> tuple[T, float]:
+    async def _run(self, hold: _Hold, work: Callable[[], T]) -> tuple[T, float]:
         started = time.perf_counter()
-        async with self._slot(client):
+        async with self._slot(hold):
             queued_ms = (time.perf_counter() - started) * 1000.0
-            return await anyio.to_thread.run_sync(work), queued_ms
+            try:
+                return await anyio.to_thread.run_sync(_within, hold, work), queued_ms
+            except DecodeCancelledError:
+                if hold.preempted:
+                    raise SlotPreemptedError(
+                        "this request was stopped after it had run in the background for a while, to give "
+                        "its compute slot to a client with nothing under way (more clients sent costly "
+                        "work at once than the server runs): retry later, or send cheaper images"
+                    ) from None
+                raise
 
     @asynccontextmanager
-    async def _slot(self, client: str) -> AsyncIterator[None]:
-        if self._admits(client):  # every waiter that could take a slot already has one
-            self.held[client] += 1
+    async def _slot(self, hold: _Hold) -> AsyncIterator[None]:
+        client = hold.client
+        if self._admits(client):  # every waiter that could take a free slot already has one
+            self._grant(hold)
         else:
-            granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            entry = (client, granted)
-            self._waiting.append(entry)
+            hold.granted = asyncio.get_running_loop().create_future()
+            self._waiting.append(hold)
+            self._share_out()  # a hold past its quantum may go to the background for it
             left = time_left()
             try:
                 async with asyncio.timeout(None if left is None else max(left, 0.0)):
-                    await granted
+                    await hold.granted
             except BaseException as err:
-                if granted.done() and not granted.cancelled():  # granted as it was cancelled
-                    self._release(client)
+                if hold.granted.done() and not hold.granted.cancelled():  # granted as it was cancelled
+                    self._release(hold)
                 else:
-                    self._waiting.remove(entry)
+                    self._waiting.remove(hold)
                 if isinstance(err, TimeoutError):
                     raise SlotWaitTimeoutError(
                         f"the request's deadline passed while it waited for a compute slot "
@@ -132,21 +209,76 @@ class ComputeSlots:
         try:
             yield
         finally:
-            self._release(client)
+            self._release(hold)
 
     def _admits(self, client: str) -> bool:
         return self.in_use < self.slots and self.held[client] < self.share
 
-    def _release(self, client: str) -> None:
-        self.held[client] -= 1
-        if not self.held[client]:
-            del self.held[client]
-        for entry in list(self._waiting):  # the longest waiting first, skipping clients at their share
-            waiter, granted = entry
-            if not granted.done() and self._admits(waiter):  # done: cancelled, on its way out
-                self._waiting.remove(entry)
-                self.held[waiter] += 1
-                granted.set_result(None)
+    def _grant(self, hold: _Hold) -> None:
+        hold.since = asyncio.get_running_loop().time()
+        self.held[hold.client] += 1
+        self._holds.append(hold)
+        if hold.granted is not None:
+            hold.granted.set_result(None)
+
+    def _release(self, hold: _Hold) -> None:
+        self._holds.remove(hold)
+        self.held[hold.client] -= 1
+        if not self.held[hold.client]:
+            del self.held[hold.client]
+        self._share_out()
+
+    def _share_out(self) -> None:
+        """Free slots to waiters, the client holding the fewest first (the longest waiting among equals);
+        where every slot is held and a waiter could take one, the foreground hold longest past its quantum
+        goes to the background while there is room there, else, for a waiting client with nothing under
+        way, the request longest in the background is preempted (its release shares out again)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while True:
+            candidates = [
+                hold
+                for hold in self._waiting
+                if hold.granted is not None
+                and not hold.granted.done()  # done: cancelled, on its way out
+                and self.held[hold.client] < self.share
+            ]
+            if not candidates:
+                return
+            if self.in_use < self.slots:
+                chosen = min(candidates, key=lambda hold: self.held[hold.client])  # stable: oldest of equals
+                self._waiting.remove(chosen)
+                self._grant(chosen)
+                continue
+            foreground = [hold for hold in self._holds if not hold.background]
+            if self.in_background < self.background and foreground:
+                oldest, quanta = foreground[0], 1
+            else:
+                oldest_or_none = self._preemptible(candidates)
+                if oldest_or_none is None:
+                    return
+                oldest, quanta = oldest_or_none, PREEMPT_AFTER_QUANTA
+            loop = asyncio.get_running_loop()
+            due = oldest.since + quanta * self.quantum
+            if loop.time() < due:
+                self._timer = loop.call_at(due, self._share_out)
+                return
+            if oldest.stop is not None and oldest.background:  # its slot is shared out once its work lets go
+                oldest.preempted = True
+                oldest.stop.set()
+                return
+            oldest.lowered.set()  # the background: its slot is free for the waiter
+
+    def _preemptible(self, candidates: list[_Hold]) -> _Hold | None:
+        """The request longest in the background, to stop for a waiting client with nothing under way;
+        None where no client waits so, where one is already being stopped, or where none can be."""
+        if any(hold.preempted for hold in self._holds):
+            return None
+        if all(self.held[hold.client] for hold in candidates):
+            return None
+        stoppable = [hold for hold in self._holds if hold.background and hold.stop is not None]
+        return stoppable[0] if stoppable else None
 
 
 async def _watch(request: Request, gone: threading.Event) -> None:
@@ -155,8 +287,12 @@ async def _watch(request: Request, gone: threading.Event) -> None:
     gone.set()
 
 
-def _unless_gone(gone: threading.Event, work: Callable[[], T]) -> T:
-    if gone.is_set():  # it went away while the request waited for its slot
+def _within(hold: _Hold, work: Callable[[], T]) -> T:
+    """``work``, stopped once ``hold.stop`` is set, its decodes lowered once ``hold.lowered`` is."""
+    if hold.stop is None:
+        with lowered_by(hold.lowered):
+            return work()
+    if hold.stop.is_set():  # it went away while the request waited for its slot
         raise DecodeCancelledError("the client went away")
-    with cancelled_by(gone):
+    with cancelled_by(hold.stop), lowered_by(hold.lowered):
         return work()

@@ -44,6 +44,7 @@ _ERROR_HEADERS = {
     # Every compute slot was held past the request's deadline (hung index calls, a burst): load, not the
     # request's fault.
     "deadline_exceeded": {"Retry-After": str(INDEX_UNAVAILABLE_RETRY_AFTER)},
+    "preempted": {"Retry-After": str(INDEX_UNAVAILABLE_RETRY_AFTER)},
     # Images reach the model at its input size and runs are bounded in images, so an overrun is the
     # server's state (load, a slow model), not the request's: the run stopped, its slot free.
     "embed_timeout": {"Retry-After": str(OUT_OF_MEMORY_RETRY_AFTER)},

@@ -51,6 +51,13 @@ class Settings(BaseSettings):
         "queries wait for its own to end, never for another client's (0 = half of compute_slots, at least "
         "one)",
     )
+    compute_quantum_seconds: float = Field(
+        defaults.COMPUTE_QUANTUM_SECONDS,
+        gt=0,
+        description="a query that has held its compute slot this long while another client waits gives it up "
+        "and goes on in the background, its decodes at the lowest CPU priority (as many in the background as "
+        "compute_slots)",
+    )
     api_key: SecretStr | None = Field(
         None,
         description="X-API-Key required by POST/DELETE /v1/items and POST /v1/admin/reload; both are "

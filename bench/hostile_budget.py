@@ -11,9 +11,12 @@ First the usual time: ``--normal`` searches of a 640x480 JPEG, one after another
 scenario: the hostile requests start together (a ``/v1/search/batch`` of ``--batch`` progressive JPEGs whose
 last scan repeats ``--batch-scans`` times, a second or so of CPU each; and two single uploads repeating it
 ``--single-scans`` times, over one image's CPU limit), and while any of them runs the normal client searches
-again, one after another. Scenarios: all hostile requests from one address; and from three addresses (one
-each). Reported: the normal searches' median and slowest time against the usual ones, what each hostile
-request was answered and when, and the load average (1 minute) before and after each part.
+again, one after another. Scenarios (``--addresses``): for each N, the hostile requests come from N
+addresses: N = 1 sends all three from one; N > 1 sends one from each (the batch from the first, a costly
+single upload from each of the others), so that N attackers hold N requests at once, more than the server
+has compute slots from N = 3 on (2 cores). Reported: the normal searches' median and slowest time against
+the usual ones, what each hostile request was answered and when, and the load average (1 minute) before
+and after each part.
 """
 
 from __future__ import annotations
@@ -49,10 +52,14 @@ def post(server: ServerProcess, route: str, files: list, address: str) -> tuple[
     return response, time.perf_counter() - started
 
 
-def normal_search(server: ServerProcess, query: bytes) -> float:
+def normal_search(server: ServerProcess, query: bytes, refused: list[str] | None = None) -> float:
+    """Seconds a normal search took; one not answered 200 is added to ``refused`` (status and code), or
+    raises where there is none (the usual time)."""
     response, seconds = post(server, "/v1/search", [("image", ("q.jpg", query))], NORMAL_ADDRESS)
     if response.status_code != 200:
-        raise RuntimeError(f"a normal search got {response.status_code}: {response.text}")
+        if refused is None:
+            raise RuntimeError(f"a normal search got {response.status_code}: {response.text}")
+        refused.append(f"{response.status_code} {response.json()['error']['code']} after {seconds:.1f} s")
     return seconds
 
 
@@ -75,13 +82,19 @@ def answer(response: httpx.Response, seconds: float) -> dict:
     }
 
 
+def hostile_addresses(count: int) -> list[str]:
+    """Whom each hostile request comes from: the batch and two singles from one address, or one request
+    from each of ``count`` addresses (the first the batch)."""
+    return ["10.6.6.6"] * 3 if count == 1 else [f"10.6.6.{number}" for number in range(1, count + 1)]
+
+
 def scenario(server: ServerProcess, name: str, addresses: list[str], attack: dict, query: bytes) -> dict:
-    """The hostile requests from ``addresses`` (batch, single, single), a normal client searching beside."""
+    """The hostile requests from ``addresses`` (a batch from the first, a single from each other), a normal
+    client searching beside."""
     batch = [("images", (f"{i}.jpg", attack["batch"])) for i in range(attack["batch_count"])]
-    requests = [
-        ("batch", "/v1/search/batch", batch, addresses[0]),
-        ("single 1", "/v1/search", [("image", ("s1.jpg", attack["single"]))], addresses[1]),
-        ("single 2", "/v1/search", [("image", ("s2.jpg", attack["single"]))], addresses[2]),
+    requests = [("batch", "/v1/search/batch", batch, addresses[0])] + [
+        (f"single {number}", "/v1/search", [("image", (f"s{number}.jpg", attack["single"]))], address)
+        for number, address in enumerate(addresses[1:], start=1)
     ]
     answers: dict[str, dict] = {}
     started = time.perf_counter()
@@ -97,8 +110,9 @@ def scenario(server: ServerProcess, name: str, addresses: list[str], attack: dic
         thread.start()
     time.sleep(1.0)  # the hostile bodies are received and their decodes under way
     normal: list[float] = []
+    refused: list[str] = []
     while any(thread.is_alive() for thread in threads):
-        normal.append(normal_search(server, query))
+        normal.append(normal_search(server, query, refused))
     for thread in threads:
         thread.join()
     return {
@@ -107,6 +121,7 @@ def scenario(server: ServerProcess, name: str, addresses: list[str], attack: dic
         "load_before": before,
         "load_after": load(),
         "normal": summary(normal),
+        "normal_refused": refused,
         "hostile": answers,
     }
 
@@ -125,21 +140,24 @@ def markdown(result: dict) -> str:
         f"{usual['max_s']} s; load average {result['usual_load']}.",
         "",
         "| scenario | normal searches | median s | slowest s | slowest - usual slowest | load before/after | "
-        "batch | single 1 | single 2 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "hostile requests: answer, when |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in result["scenarios"]:
         normal, hostile = row["normal"], row["hostile"]
         cells = [
-            f"{hostile[label]['status']} {hostile[label]['code'] or ''} at {hostile[label]['ended_at_s']} s"
-            for label in ("batch", "single 1", "single 2")
+            f"{label}: {answer['status']} {answer['code'] or ''} at {answer['ended_at_s']} s"
+            for label, answer in sorted(hostile.items())
         ]
         lines.append(
             f"| {row['scenario']} | {normal['count']} | {normal['median_s']} | {normal['max_s']} | "
             f"{normal['max_s'] - usual['max_s']:+.3f} | {row['load_before']}/{row['load_after']} | "
-            + " | ".join(cells)
+            + "; ".join(cells)
             + " |"
         )
+    lines += ["", "Normal searches not answered 200:", ""]
+    for row in result["scenarios"]:
+        lines.append(f"- {row['scenario']}: {', '.join(row['normal_refused']) or 'none'}")
     lines += ["", "What the hostile requests were told:", ""]
     for row in result["scenarios"]:
         for label, hostile in row["hostile"].items():
@@ -155,6 +173,12 @@ def main() -> None:
     parser.add_argument("--batch-scans", type=int, default=30)
     parser.add_argument("--single-scans", type=int, default=1000)
     parser.add_argument("--normal", type=int, default=20, help="normal searches alone, for the usual time")
+    parser.add_argument(
+        "--addresses",
+        type=lambda text: [int(count) for count in text.split(",")],
+        default=[1, 3, 5],
+        help="the scenarios: how many hostile addresses, comma-separated",
+    )
     args = parser.parse_args()
     attack = {
         "batch": jpeg_repeated_scan(args.batch_scans),
@@ -176,10 +200,8 @@ def main() -> None:
             usual_load = load()
             usual = summary([normal_search(server, query) for _ in range(args.normal)])
             scenarios = [
-                scenario(server, "one hostile address", ["10.6.6.6"] * 3, attack, query),
-                scenario(
-                    server, "three hostile addresses", ["10.6.6.1", "10.6.6.2", "10.6.6.3"], attack, query
-                ),
+                scenario(server, f"{count} hostile address(es)", hostile_addresses(count), attack, query)
+                for count in args.addresses
             ]
     result = {
         "argv": sys.argv[1:],

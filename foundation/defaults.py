@@ -53,6 +53,10 @@ DECODE_MEMORY_BYTES = 1024 * 1024**2
 # (64 is the largest batch).
 DECODE_REQUEST_CPU_SECONDS = 15.0
 DECODE_REQUEST_WALL_SECONDS = 60.0
+# Seconds a query holds its compute slot while another client waits before it goes on in the background,
+# its decodes at the lowest CPU priority (app.compute): a normal search's decode and model run take a
+# fraction of it, a costly decode holds the slot no longer.
+COMPUTE_QUANTUM_SECONDS = 0.5
 # Wall-clock seconds one model run (at most RUN_IMAGES images, already resized to the model's input) may
 # take in the server before onnxruntime is told to stop it: minutes of a loaded CPU, never a normal run.
 EMBED_RUN_SECONDS = 60.0

@@ -17,7 +17,11 @@ in one of a few worker processes, each
 A limit's error names the image of the task that was decoding when it ran out (the task says which:
 :func:`image_started`): a batch that exhausts its request's budget is refused at the image that did, not
 decoded for 64 times one image's limit.
-A worker that was ended, ran out of its memory or grew large is replaced by a fresh one. A SIGTERM or
+A decode started in :func:`lowered_by` an event runs at the lowest CPU priority (niceness 19) once the event
+is set, even midway: the caller that shares out the CPU (``app.compute``) lowers a request that has held
+its slot long while other clients wait, so that their decodes get the cores first and its own goes on
+with what is left. A worker that was lowered, was ended, ran out of its memory or grew large is replaced by
+a fresh one (an unprivileged process cannot raise its priority again). A SIGTERM or
 SIGINT to the whole process group ends neither the workers nor their forkserver: the decodes under way
 finish for the owner that is stopping (``foundation.stopping``, ``engine.decode.forkserver``). The caller gets
 ``ImageDecodeError("image_too_costly")`` for an image over its limits (:class:`DecodeMemoryError` for
@@ -47,7 +51,7 @@ import threading
 import time
 import types
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass
 from multiprocessing import reduction
@@ -80,12 +84,16 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 # waiting for the reader to be scheduled (a 600 KB array took 3-40 ms a round trip on a loaded machine,
 # a few bytes 0.3 ms). Larger answers go through the pipe.
 SHARED_BYTES = 64 * 1024**2
+# The niceness of a lowered decode (lowered_by): the lowest priority, so that the kernel gives the cores
+# to every other decode first (a weight of 15 against 1024 for niceness 0).
+LOWERED_NICENESS = 19
 # After the answers' shared memory, what the worker's task is at (:class:`_Progress`): the image it
 # decodes, since when, and which limit its CPU limit is.
 _PROGRESS = struct.Struct("<qdq")
 
 _main_swap = threading.Lock()
 _cancel: ContextVar[threading.Event | None] = ContextVar("decode_cancel", default=None)
+_lower: ContextVar[threading.Event | None] = ContextVar("decode_lower", default=None)
 # In a decode process, what its task is at (None elsewhere: a task run in-process has no limits to move).
 _progress: _Progress | None = None
 
@@ -174,6 +182,17 @@ def cancelled_by(event: threading.Event) -> Iterator[None]:
         _cancel.reset(token)
 
 
+@contextmanager
+def lowered_by(event: threading.Event) -> Iterator[None]:
+    """Decodes started in this context (this thread) run at the lowest CPU priority once ``event`` is set,
+    from then on (``LOWERED_NICENESS``)."""
+    token = _lower.set(event)
+    try:
+        yield
+    finally:
+        _lower.reset(token)
+
+
 class _Progress:
     """What a worker's task is at, in memory that the worker and its caller both map: the image it decodes
     (its position in the task), since when (``time.monotonic``: one clock for every process), and whether
@@ -215,6 +234,7 @@ class _Progress:
 
 class _Worker:
     def __init__(self, context: Any, memory_bytes: int, niceness: int) -> None:
+        self.lowered = False  # set to the lowest priority for a task: replaced after it
         # The pool's close and a request replacing this worker may end it at once: closing a pipe twice
         # at the same moment closes a file descriptor number another thread may already reuse.
         self._ending = threading.Lock()
@@ -238,6 +258,13 @@ class _Worker:
             os.close(shared)
             tasks.close()
             results.close()
+
+    def lower(self) -> None:
+        """Its priority the lowest, at once (midway through its task)."""
+        if not self.lowered:
+            self.lowered = True
+            with suppress(ProcessLookupError):  # it died meanwhile: the caller finds out from its sentinel
+                os.setpriority(os.PRIO_PROCESS, self.process.pid, LOWERED_NICENESS)
 
     def receive(self) -> tuple[str, Any, bool]:
         """The worker's answer: ``(status, value, retire)``."""
@@ -306,7 +333,8 @@ class DecodePool:
         try:
             status, value, retire = self._call(worker, task, args, kwargs, max(images, 1))
             position = worker.progress.position  # the image it was at (before the worker may end)
-            healthy = not retire  # it answered (a corrupt image too): it takes the next task
+            # It answered (a corrupt image too): it takes the next task, unless lowered for this one.
+            healthy = not retire and not worker.lowered
         finally:
             if healthy:
                 self._idle.put(worker)
@@ -364,10 +392,12 @@ class DecodePool:
     ) -> tuple[str, Any, bool]:
         """The worker's answer ``(status, value, retire)``; raises when it did not answer (ended for a
         limit, a cancel or the pool's close, or dead)."""
-        cancel = _cancel.get()
+        cancel, lower = _cancel.get(), _lower.get()
         limits = self.limits
         started = time.monotonic()
         worker.progress.start(started)
+        if lower is not None and lower.is_set():  # a request lowered before: its next decodes too
+            worker.lower()
         try:
             worker.tasks.send((task, args, kwargs, limits))
         except (OSError, ValueError):  # the worker was ended meanwhile (close) or died idle
@@ -390,6 +420,8 @@ class DecodePool:
             self._raise_if_closed()
             if cancel is not None and cancel.is_set():
                 raise DecodeCancelledError("the client went away")
+            if lower is not None and lower.is_set():
+                worker.lower()
             now = time.monotonic()
             position, image_since, _ = worker.progress.read()
             if now > started + limits.request_wall_seconds:

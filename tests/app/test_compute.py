@@ -13,7 +13,8 @@ import pytest
 from starlette.requests import Request
 from starlette.types import Message
 
-from app.compute import ComputeSlots, SlotWaitTimeoutError
+from app.compute import ComputeSlots, SlotPreemptedError, SlotWaitTimeoutError
+from engine.decode.pool import DecodeLimits, DecodePool
 from foundation.deadline import request_deadline
 
 
@@ -157,7 +158,7 @@ def test_a_request_waits_for_a_slot_no_longer_than_its_deadline() -> None:
     jobs = Jobs()
 
     async def main() -> tuple[float, dict[str, int]]:
-        slots = ComputeSlots(1)
+        slots = ComputeSlots(1, background=0)  # the hung search keeps its slot
         async with anyio.create_task_group() as group:
             group.start_soon(slots.run_for, request_from("10.0.0.66"), jobs.hold, "hung search")
             await until(lambda: slots.in_use == 1)
@@ -172,3 +173,112 @@ def test_a_request_waits_for_a_slot_no_longer_than_its_deadline() -> None:
     waited, held = anyio.run(main)
     assert 0.4 < waited < 5.0, waited  # before: until the holder ended (30 s here)
     assert held == {} and "late search" not in jobs.log
+
+
+def test_costly_work_from_more_clients_than_slots_leaves_a_normal_search_a_slot() -> None:
+    """Issue 43, class 2: three hostile addresses each sent a decode that takes its whole limit (30 s); two
+    held both slots, the third waited, and a normal search waited behind it for 30 s. Now a request that has
+    held its slot for its quantum while another client waits goes on in the background: the third attacker
+    and then the user get a slot within about a quantum each, while all three attackers still run."""
+    jobs = Jobs()
+
+    async def main() -> float:
+        slots = ComputeSlots(2, quantum=0.2)
+        try:
+            async with anyio.create_task_group() as group:
+                for number in (1, 2, 3):
+                    address = f"10.6.6.{number}"
+                    group.start_soon(slots.run_for, request_from(address), jobs.hold, f"attacker {number}")
+                    await anyio.sleep(0.05)
+                started = time.perf_counter()
+                with anyio.fail_after(10):  # before: until an attacker's decode ended (30 s here)
+                    await slots.run_for(request_from("10.0.0.1"), jobs.quick, "user")
+                waited = time.perf_counter() - started
+                assert slots.in_use == 1 and slots.in_background == 2  # attacker 3 in the foreground
+                jobs.released.set()
+        finally:
+            jobs.released.set()
+        return waited
+
+    waited = anyio.run(main)
+    assert waited < 2.0, waited
+    assert jobs.log.index("user") < jobs.log.index("attacker 1 ends")
+    assert jobs.log.index("attacker 3 starts") < jobs.log.index("user")
+
+
+class Gates:
+    """Jobs that each run until their own gate opens."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.gates: dict[str, threading.Event] = {}
+
+    def hold(self, name: str) -> None:
+        self.log.append(f"{name} starts")
+        self.gates.setdefault(name, threading.Event()).wait(30)
+        self.log.append(f"{name} ends")
+
+    def open(self, name: str) -> None:
+        self.gates.setdefault(name, threading.Event()).set()
+
+
+def test_a_free_slot_goes_to_the_waiting_client_that_holds_the_fewest() -> None:
+    """Round robin by client, not first come first served: a client already holding a slot waited first,
+    yet the slot freed goes to a client with nothing under way."""
+    jobs = Gates()
+
+    async def main() -> None:
+        slots = ComputeSlots(2, share=2, quantum=60)
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(slots.run_for, request_from("10.0.0.66"), jobs.hold, "busy client 1")
+                group.start_soon(slots.run_for, request_from("10.0.0.2"), jobs.hold, "other")
+                await until(lambda: slots.in_use == 2)
+                group.start_soon(slots.run_for, request_from("10.0.0.66"), jobs.hold, "busy client 2")
+                await anyio.sleep(0.1)
+                group.start_soon(slots.run_for, request_from("10.0.0.1"), jobs.hold, "fresh client")
+                await anyio.sleep(0.1)
+                jobs.open("other")
+                await until(lambda: "fresh client starts" in jobs.log or "busy client 2 starts" in jobs.log)
+                for name in ("busy client 1", "busy client 2", "fresh client"):
+                    jobs.open(name)
+        finally:
+            for name in ("busy client 1", "busy client 2", "fresh client", "other"):
+                jobs.open(name)
+
+    anyio.run(main)
+    assert jobs.log.index("fresh client starts") < jobs.log.index("busy client 2 starts")
+
+
+def test_more_costly_clients_than_the_server_runs_are_preempted_for_a_client_with_nothing_under_way() -> None:
+    """Beyond ``slots + background - 1`` clients with costly work at once, the background is full: five
+    hostile addresses held both slots and both background places, and a normal search waited for one of
+    their decodes to end (its deadline: 503 after 10 s in bench/hostile_budget.py). Now the request longest
+    in the background is stopped for it (its decode process ended, 503 ``preempted``)."""
+    answers: dict[str, str] = {}
+
+    async def main(pool: DecodePool) -> float:
+        slots = ComputeSlots(2, quantum=0.2)
+
+        async def attack(number: int) -> None:
+            try:
+                await slots.run_for(request_from(f"10.6.6.{number}"), pool.run, time.sleep, 30)
+                answers[f"attacker {number}"] = "done"
+            except SlotPreemptedError as err:
+                answers[f"attacker {number}"] = err.code
+
+        async with anyio.create_task_group() as group:
+            for number in range(1, 6):
+                group.start_soon(attack, number)
+                await anyio.sleep(0.3)  # each past its quantum before the next comes
+            started = time.perf_counter()
+            with anyio.fail_after(20):  # before: until an attacker's sleep ended (30 s)
+                await slots.run_for(request_from("10.0.0.1"), pool.run, len, b"query")
+            waited = time.perf_counter() - started
+            group.cancel_scope.cancel()
+        return waited
+
+    with DecodePool(4, DecodeLimits(cpu_seconds=60, wall_seconds=60)) as pool:
+        waited = anyio.run(main, pool)
+    assert waited < 5.0, waited
+    assert "preempted" in answers.values(), answers

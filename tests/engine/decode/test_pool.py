@@ -24,6 +24,7 @@ from engine.decode.pool import (
     DecodePool,
     DecodePoolClosedError,
     cancelled_by,
+    lowered_by,
 )
 from engine.model.model_card import Preprocessing
 from foundation.regular_files import FileTooLargeError, NotRegularFileError
@@ -150,6 +151,41 @@ def test_a_cancelled_decode_stops_at_once(scans: bytes) -> None:
             decode(pool, scans)
         assert time.monotonic() - started < 5
         assert decode(pool, image_bytes(make_image(4))).tensor.shape == (1, 3, 224, 224)
+
+
+def test_a_lowered_decode_runs_at_the_lowest_priority_and_its_worker_is_replaced() -> None:
+    """Fairness between clients (issue 43, class 2): a request that held its compute slot long while another
+    client waited goes on in the background, its decodes at niceness 19; a worker cannot raise its priority
+    again, so the next task gets a fresh one at the usual priority."""
+    lowered = threading.Event()
+    lowered.set()
+    with DecodePool(1) as pool:
+        before = worker_pids(pool)
+        with lowered_by(lowered):
+            assert pool.run(os.getpriority, os.PRIO_PROCESS, 0) == 19
+        assert worker_pids(pool).isdisjoint(before)
+        assert pool.run(os.getpriority, os.PRIO_PROCESS, 0) == os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def test_a_decode_under_way_is_lowered_midway(scans: bytes) -> None:
+    lowered = threading.Event()
+    patient = DecodeLimits(cpu_seconds=600, wall_seconds=600)
+    with DecodePool(1, patient) as pool:
+        (pid,) = worker_pids(pool)
+        gone = threading.Event()
+
+        def decode_lowered() -> None:
+            with lowered_by(lowered), cancelled_by(gone), pytest.raises(DecodeCancelledError):
+                decode(pool, scans)
+
+        decoding = threading.Thread(target=decode_lowered)
+        decoding.start()
+        time.sleep(0.5)
+        assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0)  # not yet
+        lowered.set()
+        wait_until(lambda: os.getpriority(os.PRIO_PROCESS, pid) == 19, 5, "the decode under way lowered")
+        gone.set()
+        decoding.join()
 
 
 def test_closing_the_pool_ends_a_decode_in_flight(scans: bytes) -> None:
