@@ -130,6 +130,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.client_compute_slots,
             settings.write_key,
             quantum=settings.compute_quantum_seconds,
+            within_deadline=lambda: context.engine.on_index_server(),
         )
         # One decode process per request that may run at once (every decode holds a slot, in the
         # foreground or the background); started off the event loop, as their forkserver imports the

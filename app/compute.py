@@ -22,10 +22,11 @@ from several clients at once hold no slot past their first ``quantum``: before, 
 both slots and a normal search waited 30 s for one (bench/results/hostile_budget.md). The cores go to the
 short requests first and the long ones go on with what is left.
 
-A request waits for a slot no longer than its deadline (``foundation.deadline``: the API's
-``index_deadline_seconds``, counted from when its body arrived): past it, 503 ``deadline_exceeded``, so that
-slots held by searches hung on an index server (a Milvus that stopped answering) do not make every request
-behind them overrun the deadline as well.
+Where the index is on an index server (Milvus: ``within_deadline``), a request waits for a slot no longer
+than its deadline (``foundation.deadline``: the API's ``index_deadline_seconds``, counted from when its body
+arrived): past it, 503 ``deadline_exceeded``, so that slots held by searches hung on the index server do not
+make every request behind them overrun the deadline as well. An index in a folder (FAISS) has no deadline:
+a request waits its turn.
 
 A request whose client goes away stops: a decode under way has its process ended (``engine.decode.pool``),
 and work not yet started does not start, so the slot is free again at once.
@@ -118,6 +119,7 @@ class ComputeSlots:
         *,
         quantum: float = defaults.COMPUTE_QUANTUM_SECONDS,
         background: int | None = None,
+        within_deadline: Callable[[], bool] = lambda: True,
     ) -> None:
         if slots < 1 or share < 0 or quantum <= 0 or (background is not None and background < 0):
             raise ValueError(
@@ -129,6 +131,7 @@ class ComputeSlots:
         self.quantum = quantum
         self.background = slots if background is None else background
         self.api_key = api_key.encode() if api_key else None
+        self.within_deadline = within_deadline  # whether waits end at the request's deadline now
         self.held: Counter[str] = Counter()  # slots held (foreground and background), by client
         self._holds: list[_Hold] = []  # granted, oldest first
         self._waiting: list[_Hold] = []  # oldest first
@@ -191,7 +194,7 @@ class ComputeSlots:
             hold.granted = asyncio.get_running_loop().create_future()
             self._waiting.append(hold)
             self._share_out()  # a hold past its quantum may go to the background for it
-            left = time_left()
+            left = time_left() if self.within_deadline() else None
             try:
                 async with asyncio.timeout(None if left is None else max(left, 0.0)):
                     await hold.granted

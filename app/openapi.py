@@ -74,9 +74,9 @@ _COMMON_ERRORS: list[tuple[int, str, Callable[[dict[str, Any], Settings], bool]]
     (
         503,
         "the server's state, never the request's: `busy` (too many uploads in progress), `not_ready`, "
-        "`out_of_memory`, `embed_timeout`, `shutting_down`, `index_unavailable`, `deadline_exceeded` (its "
-        "deadline passed while it waited for a compute slot), `preempted` (stopped in the background for a "
-        "client with nothing under way) or `storage_unavailable`; Retry-After where "
+        "`out_of_memory`, `embed_timeout`, `shutting_down`, `index_unavailable`, `deadline_exceeded` (an "
+        "index on Milvus: its deadline passed while it waited for a compute slot), `preempted` (stopped in "
+        "the background for a client with nothing under way) or `storage_unavailable`; Retry-After where "
         "waiting helps",
         lambda operation, _: True,
     ),

@@ -127,6 +127,11 @@ class EngineState:
             _remove_abandoned_uploads(Path(state.service.index.manifest.gallery_root))
         return state
 
+    def on_index_server(self) -> bool:
+        """Whether the served index is on an index server (Milvus), whose calls a request's deadline bounds,
+        and so its wait for a compute slot (``app.compute``)."""
+        return self.service is not None and not self.service.index.capabilities.lives_in_folder
+
     def size(self) -> int:
         return len(self.service.index) if self.service is not None else -1
 

@@ -3,8 +3,8 @@
 The API opens one for every request (:func:`request_deadline`); the index backend asks how long its next
 call may take (:func:`call_budget`). The clock starts once the request's body has arrived (the API starts
 it), or at its first such call where nothing started it: an upload has limits of its own, and a slow one
-must not leave its search no time; the wait for a compute slot (which ends at the deadline: ``app.compute``)
-and the model run count. Worker threads
+must not leave its search no time; the wait for a compute slot (which ends at the deadline where the index
+is on a server: ``app.compute``) and the model run count. Worker threads
 see the deadline of the request they run for (``anyio`` copies the context into them); outside a request
 (the CLI) each call has the caller's own bound only.
 """
