@@ -376,9 +376,12 @@ class DecodePool:
             if self._closed.is_set():
                 raise DecodePoolClosedError("the decoders are shutting down")
             try:
-                return self._idle.get(timeout=POLL_SECONDS)
+                worker = self._idle.get(timeout=POLL_SECONDS)
             except queue.Empty:
                 continue
+            if worker.process.is_alive():
+                return worker
+            self._replace(worker)  # it died idle (the kernel's OOM killer): a fresh one takes its place
 
     def _replace(self, worker: _Worker) -> None:
         with self._lock:

@@ -188,6 +188,18 @@ def test_a_decode_under_way_is_lowered_midway(scans: bytes) -> None:
         decoding.join()
 
 
+def test_a_worker_killed_while_idle_is_replaced_before_it_takes_a_task() -> None:
+    """The kernel's OOM killer may end an idle worker; the next decode gets a fresh one, not a 503 (seen
+    with four workers per server: the fault test killed every worker, and the next search took a dead idle
+    one)."""
+    with DecodePool(2) as pool:
+        for pid in worker_pids(pool):
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: all(not worker.process.is_alive() for worker in pool._live), 10, "the kills")
+        assert pool.run(len, b"abc") == 3
+        assert pool.run(len, b"abcd") == 4
+
+
 def test_closing_the_pool_ends_a_decode_in_flight(scans: bytes) -> None:
     pool = DecodePool(1, DecodeLimits(cpu_seconds=600, wall_seconds=600))
     threading.Timer(1.0, pool.close).start()
