@@ -101,7 +101,10 @@ class Embedder:
         # onnxruntime checks the flag between kernels and stops the run: the only way to end one early.
         deadline = threading.Timer(self.run_seconds or 0.0, setattr, (options, "terminate", True))
         if self.run_seconds is not None:
-            deadline.start()
+            try:
+                deadline.start()
+            except RuntimeError as err:  # no room left to map its stack: the process is at its memory cap
+                raise MemoryError(f"could not start the model run's deadline: {err}") from None
         try:
             return self.session.run(outputs, feed, options)
         except Exception as err:

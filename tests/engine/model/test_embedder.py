@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -70,3 +72,35 @@ def test_tampered_model_is_refused(exported_model: Path, tmp_path: Path) -> None
     ModelCard.path_for(copy).write_text(ModelCard.path_for(exported_model).read_text())
     with pytest.raises(ValueError, match=r"does not match its model\.json"):
         Embedder(copy)
+
+
+# A model run whose deadline thread cannot start, in a process at its address-space cap.
+_CAPPED_RUN = """
+import resource, sys
+from pathlib import Path
+from PIL import Image
+from engine.model.embedder import Embedder
+
+embedder = Embedder(sys.argv[1], threads=1)
+batch = embedder.preprocess([Image.new("RGB", (32, 32))])
+embedder.run_tensor(batch)  # onnxruntime's arena grown to this run: the next one allocates nothing
+size = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
+_, hard = resource.getrlimit(resource.RLIMIT_AS)
+resource.setrlimit(resource.RLIMIT_AS, (size + 4 * 1024**2, hard))  # less than a thread's stack
+embedder.run_seconds = 60.0
+try:
+    embedder.run_tensor(batch)
+except MemoryError as err:
+    print("MemoryError:", err)
+"""
+
+
+def test_a_run_whose_deadline_cannot_start_is_out_of_memory(small_model: Path) -> None:
+    """Before, ``RuntimeError: can't start new thread``: a 500 where the server was at its memory cap, not
+    the 503 ``out_of_memory`` of its model's own allocation failures (seen in tests/app/test_faults.py,
+    test_running_out_of_memory_is_a_503_and_the_memory_comes_back, in 3 of 7 runs)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CAPPED_RUN, str(small_model)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "MemoryError: could not start the model run's deadline" in done.stdout
