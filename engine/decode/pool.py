@@ -68,7 +68,10 @@ T = TypeVar("T")
 
 # Imported once by the forkserver, so that every worker forked from it starts with the decoders loaded
 # (and so that the forkserver outlives a stop of the whole process group: ``engine.decode.forkserver``).
-PRELOAD = ["engine.decode.forkserver", "engine.decode.model_input", "engine.build.prefetch"]
+# scipy.fftpack too: imagehash imports it at its first perceptual hash (the signatures of ``add`` and of the
+# duplicate review), which took a fresh worker 0.8 s idle and 2.3-3 s on a loaded machine, at every task
+# that was the first of its worker (every worker of the pool in turn, and each one replaced).
+PRELOAD = ["engine.decode.forkserver", "engine.decode.model_input", "engine.build.prefetch", "scipy.fftpack"]
 # How often a caller waiting on a worker looks at its client and at the pool's state.
 POLL_SECONDS = 0.05
 # A worker whose peak use grew past this above its start is replaced after its task, so that an idle
