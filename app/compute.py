@@ -19,8 +19,8 @@ The slots are shared out fairly between clients (``app.clients``: an API key, or
   runs cannot keep a new client waiting for their decodes' limits.
 So costly decodes (a batch of 64 images that each take seconds, uploads that take a decode's whole limit)
 from several clients at once hold no slot past their first ``quantum``: before, three hostile addresses held
-both slots and a normal search waited 30 s for one (bench/results/hostile_budget.md). The cores go to the
-short requests first and the long ones go on with what is left.
+both slots and a normal search waited 30 s for one (bench/hostile_budget.py before these slots; README).
+The cores go to the short requests first and the long ones go on with what is left.
 
 Where the index is on an index server (Milvus: ``within_deadline``), a request waits for a slot no longer
 than its deadline (``foundation.deadline``: the API's ``index_deadline_seconds``, counted from when its body
