@@ -77,6 +77,8 @@ def test_deleted_items_and_judgments_stay_deleted_across_a_restart_of_milvus(
     with pytest.raises(BackendUnavailableError):  # a serving replica's call during the outage
         len(index)
     server.start()
+    # It answers before it lists its collections again: an insert meanwhile finds no collection.
+    wait_until(lambda: _lists(server, list(rows)), RELOAD_TIMEOUT_S, "the server to list its collections")
     client = server.client()
     for collection, lost in rows.items():  # what Milvus 2.3.5 did to deleted rows across a restart
         client.insert(collection, lost)
@@ -102,6 +104,19 @@ def _readable(index: GalleryIndex) -> bool:
     except BackendUnavailableError:
         return False
     return True
+
+
+def _lists(server: MilvusServerProcess, names: list[str]) -> bool:
+    """Whether a client of the server's own finds every one of the collections ``names``."""
+    from pymilvus import MilvusException
+
+    client = server.client()
+    try:
+        return all(client.has_collection(name) for name in names)
+    except MilvusException:
+        return False
+    finally:
+        client.close()
 
 
 def _gone_from_server(server: MilvusServerProcess, gone: dict[str, list[int]]) -> bool:
