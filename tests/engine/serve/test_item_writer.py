@@ -153,10 +153,18 @@ def test_an_index_without_a_gallery_folder_takes_no_new_images(small_model: Path
         opened.current.bundle.index.close()
 
 
-def test_a_failed_index_write_removes_the_files_it_wrote(writable: Writable) -> None:
-    """Another connection holds items.sqlite's write lock: the insert fails once SQLite stops waiting."""
+def _hold_the_write_lock(writable: Writable) -> sqlite3.Connection:
+    """Another connection takes items.sqlite's write lock. The served store stops waiting for it after 50 ms
+    rather than SQLite's 5 s: these tests are about what a refused write leaves, not how long it waits."""
+    writable.current.bundle.index.items.connection.execute("PRAGMA busy_timeout = 50")
     blocker = sqlite3.connect(writable.index / ItemStore.FILE_NAME, isolation_level=None)
     blocker.execute("BEGIN IMMEDIATE")
+    return blocker
+
+
+def test_a_failed_index_write_removes_the_files_it_wrote(writable: Writable) -> None:
+    """Another connection holds items.sqlite's write lock: the insert fails once SQLite stops waiting."""
+    blocker = _hold_the_write_lock(writable)
     try:
         with pytest.raises(StorageError, match="nothing was added"):
             writable.writer.add([NewItem(_png(1), "cats")])
@@ -173,8 +181,7 @@ def test_a_delete_the_index_refuses_puts_the_photo_back(writable: Writable) -> N
     photo, already set aside, goes back, and the gallery is as it was."""
     (added,) = writable.writer.add([NewItem(_png(1), "cats")])
     before = sorted(writable.gallery.rglob("*"))
-    blocker = sqlite3.connect(writable.index / ItemStore.FILE_NAME, isolation_level=None)
-    blocker.execute("BEGIN IMMEDIATE")
+    blocker = _hold_the_write_lock(writable)
     try:
         with pytest.raises(StorageError, match=f"item {added.id} was not deleted"):
             writable.writer.remove(added.id)
