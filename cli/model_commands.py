@@ -224,7 +224,8 @@ def train(
         parse_recipe_name,
         resolve,
     )
-    from training.trainer import NoGainWarning
+    from training.run_dir import RunDirectory
+    from training.trainer import NoGainWarning, mostly_zero_loss
     from training.trainer import train as run_training
 
     if data is None and feedback is None:
@@ -317,6 +318,10 @@ def train(
     typer.echo(f"validation  {_metrics_line(summary.val)}")
     typer.echo(f"test        {_metrics_line(summary.test)}")
     typer.echo(f"untrained   {_metrics_line(summary.test_backbone)}")
+    run = RunDirectory(out)
+    idle = mostly_zero_loss(run.require_config().loss, run.read_metrics())
+    if idle is not None:
+        typer.echo(f"note: {idle}")
     if summary.label_free is not None:
         record = summary.label_free
         last = record.refreshes[-1] if record.refreshes else None

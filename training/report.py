@@ -40,7 +40,7 @@ from training.comparison import Comparison, serving_check
 from training.evaluation import RunEmbeddings
 from training.metrics import TopHits, retrieval_metrics, top_hits
 from training.run_dir import LabelFreeRecord, RunDirectory
-from training.trainer import SELECTION_METRIC
+from training.trainer import SELECTION_METRIC, mostly_zero_loss
 
 CURVE_KS = (1, 2, 4, 8, 16, 32)
 TABLE_METRICS = ("recall@1", "recall@2", "recall@4", "recall@8", "map@r", "nmi", "f1")
@@ -319,12 +319,20 @@ def _summary_html(run_path: Path, comparison: Comparison, embedded: RunEmbedding
             f"{record.held_out_photos['test']} held-out photos and one augmented view of each; the scores "
             f"below are {record.score}"
         )
-        gate = serving_check(run_path)
+    gate = serving_check(run_path)
+    if gate.label_free:
         facts["served"] = (
             "yes: better than the untrained backbone on both checks of its held-out photos"
             if gate.passed
             else "no: the run learned nothing usable without labels, the untrained model stays served"
         ) + f" ({gate.detail})"
+    else:  # the same rule as `dmlsearch export`: a report must not present a refused run as an improvement
+        facts["served"] = (
+            "yes: `dmlsearch export` serves it" if gate.passed else "no: `dmlsearch export` refuses it"
+        ) + f" ({gate.detail})"
+    idle = mostly_zero_loss(config.loss, RunDirectory(run_path).read_metrics())
+    if idle is not None:
+        facts["training loss"] = idle
     if summary is not None and summary.feedback is not None:  # its gate, and what to judge next
         facts["judgments"] = summary.feedback.describe()
     items = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>" for k, v in facts.items())

@@ -80,6 +80,9 @@ SELECTION_METRIC = "recall@1"
 STUCK_WINDOW = 50
 STUCK_MIN_STEPS = 5
 STUCK_MOVING_SHARE = 0.05
+# A loss at 0 on most steps, but not enough to call the run stuck: the other steps still learn, so the run
+# is judged by validation as usual, and the user is told that most of its steps taught nothing.
+MOSTLY_ZERO_SHARE = 0.5
 FROZEN_STAGE = "frozen-stage"  # the run directory, inside a fine-tuning run's, of its frozen first stage
 GATE_SPLIT = "val_strong"  # a label-free run's validation photos as their strong view: the gate's 2nd check
 
@@ -320,6 +323,27 @@ class LossWatch:
         if still >= least - 1:  # n values hold n - 1 changes
             return f"the {self.loss} loss stayed at {values[finite][-1]:.4g} through {still + 1} {last}"
         return None
+
+
+def mostly_zero_loss(loss: str, records: Sequence[dict[str, Any]]) -> str | None:
+    """Plain words when the loss was 0 through :data:`MOSTLY_ZERO_SHARE` or more of a run's steps, else None.
+
+    ``records`` are metrics.jsonl's, each with the mean loss of the steps since the one before; the losses
+    are never negative, so a mean of 0 means every one of those steps was 0 (a lower bound where not)."""
+    zero = total = previous = 0
+    for record in records:
+        steps, previous = record["step"] - previous, record["step"]
+        if record.get("train_loss") is None:
+            continue
+        total += steps
+        zero += steps if record["train_loss"] == 0 else 0
+    if total == 0 or zero < MOSTLY_ZERO_SHARE * total:
+        return None
+    why = LOSSES[loss].when_zero if loss in LOSSES else ""
+    return (
+        f"the {loss} loss was 0 through {zero} of its {total} steps, which taught nothing: "
+        f"{why or 'every batch already met its margin'}"
+    )
 
 
 @dataclass(frozen=True)

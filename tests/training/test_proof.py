@@ -24,7 +24,7 @@ from engine.model.embedder import Embedder
 from engine.model.run_proof import EVAL_FILE, PLOTS, REPORT_FILE, plot_path
 from tests.support.train_config import tiny_train_config
 from training.bootstrap import Interval, paired_bootstrap
-from training.comparison import compare_embeddings, knc_accuracy, validation_gain
+from training.comparison import compare_embeddings, knc_accuracy, serving_check, validation_gain
 from training.run_dir import RunDirectory
 from training.trainer import train
 
@@ -199,6 +199,8 @@ def test_report_is_one_self_contained_page_of_plots(magnet_run: Path, report_out
     assert f"<b>{shown['verdict']}</b>" in page
     assert f"{100 * shown['trained']['recall@1']:.2f}" in page and "kNC accuracy" in page
     assert "magnet" in page
+    served = serving_check(magnet_run)  # the report says what export would do, whatever the verdict
+    assert f"<dt>served</dt><dd>{'yes' if served.passed else 'no'}: `dmlsearch export`" in page
 
 
 def test_report_of_a_missing_run_exits_2(tmp_path: Path) -> None:
