@@ -3,6 +3,7 @@ the same index as a local build, reruns, a stop signal, and the faults of a work
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -28,8 +29,6 @@ from tests.support.ray_cluster import running_ray_cluster
 from tests.support.waiting import wait_until
 from tests.tiers import starts
 
-pytest.importorskip("ray", reason="ray is not installed (pip install 'dmlsearch[ray]')")
-
 # The embedding actors' process title (Ray Data's map worker running engine.build.ray_runner.EmbedActor).
 ACTOR_TITLE = "MapBatches(EmbedActor)"
 BUILD_TIMEOUT_S = 300
@@ -42,8 +41,14 @@ RAY_NOTICES = (
     "(raylet) Raylet is terminated. Termination is unexpected.",
 )
 
-# Every test runs Ray: a local cluster in the CLI's process, or the module's cluster.
-pytestmark = pytest.mark.cluster
+# Every test runs Ray: a local cluster in the CLI's process, or the module's cluster. Ray is looked for, not
+# imported: collecting this module for the fast tier (which leaves it out) does not load Ray.
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.skipif(
+        importlib.util.find_spec("ray") is None, reason="ray is not installed (pip install 'dmlsearch[ray]')"
+    ),
+]
 
 
 @pytest.fixture(scope="module")
