@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from app.api import create_app
 from app.settings import Settings
-from bench.lib.images import image_bytes, make_image
+from bench.lib.images import image_bytes, make_image, write_labelled_folder
 from engine.duplicates.groups import EMBEDDING_ONLY_THRESHOLD
 from tests.support.milvus_server import MILVUS_BACKENDS, MILVUS_PARAMS, milvus_target
 from tests.support.servers import API_KEY
@@ -20,22 +20,35 @@ ENGINES = ["faiss", *MILVUS_PARAMS]
 GALLERY_SIZE = 78  # the demo gallery's images
 
 
+def _build(request: pytest.FixtureRequest, gallery: Path, model: Path, index: Path) -> None:
+    """``gallery`` built into ``index`` with ``model`` on the engine ``request.param``."""
+    from engine.build.indexing import build_index
+    from engine.model.embedder import Embedder
+
+    target = {"backend": "faiss"}
+    if request.param in MILVUS_BACKENDS:
+        target = milvus_target(request.param, request, index)
+    build_index(gallery, Embedder(model), index, progress=False, **target)
+
+
 @pytest.fixture(params=ENGINES)
 def built(
     request: pytest.FixtureRequest, exported_model: Path, demo_gallery: Path, tmp_path: Path
 ) -> tuple[str, Path, Path]:
     """(engine, gallery, index) of the demo gallery built on ``engine``."""
-    from engine.build.indexing import build_index
-    from engine.model.embedder import Embedder
-
     gallery = tmp_path / "gallery"
     shutil.copytree(demo_gallery, gallery)
-    index = tmp_path / "index"
-    target = {"backend": "faiss"}
-    if request.param in MILVUS_BACKENDS:
-        target = milvus_target(request.param, request, index)
-    build_index(gallery, Embedder(exported_model), index, progress=False, **target)
-    return request.param, gallery, index
+    _build(request, gallery, exported_model, tmp_path / "index")
+    return request.param, gallery, tmp_path / "index"
+
+
+@pytest.fixture(params=ENGINES)
+def of_the_exported_model(request: pytest.FixtureRequest, exported_model: Path, tmp_path: Path) -> Path:
+    """An index on each engine whose vectors came from ``exported_model``: two generated photos (what the
+    index holds does not matter to a refusal of its model, only whose vectors they are)."""
+    gallery = write_labelled_folder(tmp_path / "gallery", classes=1, per_class=2)
+    _build(request, gallery, exported_model, tmp_path / "index")
+    return tmp_path / "index"
 
 
 def _settings(model: Path, index: Path, **overrides: object) -> Settings:
@@ -106,12 +119,12 @@ def test_api_over_each_backend(exported_model: Path, built: tuple[str, Path, Pat
         assert again["results"][0]["path"] == "cat/00_crop.jpg"
 
 
-def test_an_index_of_another_model_is_refused(small_model: Path, built: tuple[str, Path, Path]) -> None:
+def test_an_index_of_another_model_is_refused(small_model: Path, of_the_exported_model: Path) -> None:
     """Served with another model than the one its vectors came from: the server refuses to start, saying
     why; told to wait for an index, it starts not ready, saying why, and a reload is refused."""
     from app.state import NothingToServeError
 
-    _, _, index = built
+    index = of_the_exported_model
     with pytest.raises(NothingToServeError, match="rebuild the index with this model"):
         create_app(_settings(small_model, index))
     with TestClient(create_app(_settings(small_model, index, wait_for_index=True))) as client:
