@@ -7,6 +7,7 @@ import importlib
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -65,6 +66,44 @@ def faiss_with_torch() -> None:
     """faiss patched to take torch tensors for this test (what pytorch-metric-learning's k-NN expects), even
     after an earlier test's patch was undone: the import runs the patch again."""
     importlib.import_module(FAISS_TORCH_PATCH)
+
+
+# How often pymilvus's client asks whether the server is done with a new collection's index, a load or a
+# flush: every 20 ms in the tests instead of every 0.2-0.5 s (it sleeps 0.5 s even before its first ask, and
+# each Milvus index makes three collections, whose indexes Milvus Lite builds at once). Its longer waits (3 s
+# before reconnecting an idle channel, 5 s between flush-all polls) stay as they are.
+MILVUS_POLL_S = 0.02
+MILVUS_POLLS_UP_TO_S = 0.5
+
+
+class _QuickMilvusPolls:
+    """The ``time`` module as pymilvus's gRPC handler sees it: its polls of a server's state sleep
+    :data:`MILVUS_POLL_S`; everything else is the real module."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        time.sleep(MILVUS_POLL_S if seconds <= MILVUS_POLLS_UP_TO_S else seconds)
+
+
+@pytest.fixture(autouse=True)
+def milvus_polls_quickly(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A fast-tier test polls Milvus every :data:`MILVUS_POLL_S`: the same requests, answered the same way,
+    without ~1.5 s of sleep per index made. The slow tier's tests against the real server (outages,
+    restarts) keep pymilvus's own pace, as does a CLI run in a subprocess."""
+    if tiers.in_slow_tier(request.node):
+        yield
+        return
+    try:
+        from pymilvus.client import grpc_handler  # loaded anyway by collecting tests/index
+    except ImportError:  # the milvus extra is not installed: its tests skip
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grpc_handler, "time", _QuickMilvusPolls())
+        yield
 
 
 def made_once(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> Path:
