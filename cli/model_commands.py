@@ -198,8 +198,8 @@ def train(
 
     Classes are split as in the papers: training (and validation) on the first half, test on the rest.
     A folder of photos without class folders (or --labels none) trains without labels: pseudo-labels from
-    k-means clusters of the embedding, two augmented views of each photo, byte copies merged; checkpoints
-    are chosen, and the run judged, on held-out photos found again from an augmented view.
+    k-means clusters of the embedding, two augmented views of each photo, byte and edited copies merged;
+    checkpoints are chosen, and the run judged, on held-out photos found again from an augmented view.
     With --feedback INDEX_DIR the judgments kept with that index train the run too, as pairs and
     triplets of the pair-based losses, beside --data or alone; some queries' judgments are held out, and
     the summary says how many judgments trained and which held-out ones the run fixed and broke.

@@ -11,6 +11,9 @@ from training.precision import Precision
 
 Mode = Literal["frozen", "partial", "finetune"]
 LabelSource = Literal["folders", "none"]  # none: class folders are ignored, the run is label-free
+CopyTier = Literal[
+    "exact", "edited"
+]  # the duplicate finder's tiers a label-free run merges (training.copies)
 AUGMENT_MIN_AREA = 0.35  # random resized crops' smallest area fraction, as in the papers' crop augmentation
 
 # Fields that may change when a run is resumed (they do not change what the steps already taken computed).
@@ -80,6 +83,12 @@ class TrainConfig(BaseModel):
         "folders",
         description="folders: class folders label their photos, loose photos are pseudo-labelled; none: "
         "every photo is pseudo-labelled (training.label_free_data)",
+    )
+    copies: CopyTier = Field(
+        "edited",
+        description="without labels: copies of one photo that train as one (certain positives): exact "
+        "(byte copies) or edited (also the duplicate finder's edited copies: crops, turns, resizes, "
+        "re-encodes)",
     )
     train_classes: int | None = Field(None, ge=1)
     val_fraction: float = Field(0.2, gt=0, lt=1)

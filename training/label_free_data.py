@@ -4,9 +4,10 @@ A run is label-free when its folder holds loose photos (directly under it, in no
 to ignore class folders (``--labels none``). Photos in class folders keep their labels (a partly labelled
 folder); the loose ones train on pseudo-labels (:mod:`training.pseudo_labels`).
 
-* Copies: photos with the same bytes (content hash) are one photo. A loose copy of a labelled photo takes its
-  label (a real label wins); loose copies share one pseudo-label in training and one id in the held-out
-  check, and never straddle the split.
+* Copies: byte copies and edited copies (the duplicate finder's edited tier, :mod:`training.copies`) of
+  one photo are one photo, certain positives. A loose copy of a labelled photo takes its label (a real
+  label wins); loose copies share one pseudo-label in training and one id in the held-out check, and
+  never straddle the split.
 * The held-out check: :data:`HELD_OUT_SHARE` of the loose photos (whole copy groups, seeded) for validation
   and as many for test; none of them trains. Each held-out photo is embedded twice, as it is served and as
   one augmented view (view :data:`EVAL_VIEW` of the feature cache, :data:`EVAL_AUGMENTATION`), both rows
@@ -32,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.gallery.hashing import file_hash
 from training.config import LabelSource
+from training.copies import byte_copies
 from training.data import LOOSE, DataError, LabelledImages, load_labelled_images, without_labels
 from training.features import Augmentation
 
@@ -56,7 +57,7 @@ class LabelFreePlan:
     """A label-free run's photos: labels (real, or LOOSE), copy groups, and the split by photo."""
 
     images: LabelledImages  # labels: a class, or LOOSE (a copy of a labelled photo takes its class)
-    copies: np.ndarray  # per image: the index of the first image with the same bytes
+    copies: np.ndarray  # per image: the index of the first image of its group of copies
     train: np.ndarray  # image indices: every labelled photo and the loose photos not held out
     val: np.ndarray
     test: np.ndarray
@@ -92,23 +93,18 @@ def is_label_free(source: Path, labels: LabelSource) -> bool:
     return label_free_images(source, labels) is not None
 
 
-def copy_groups(images: LabelledImages) -> np.ndarray:
-    """Per image, the index of the first image with the same bytes (itself when it has no copy)."""
-    first: dict[str, int] = {}
-    return np.array(
-        [first.setdefault(file_hash(path), index) for index, path in enumerate(images.files())], np.int64
-    )
+def plan_label_free(images: LabelledImages, *, seed: int, copies: np.ndarray | None = None) -> LabelFreePlan:
+    """Copies merged (a real label wins), then whole loose copy groups held out for validation and test.
 
-
-def plan_label_free(images: LabelledImages, *, seed: int) -> LabelFreePlan:
-    """Copies merged (a real label wins), then whole loose copy groups held out for validation and test."""
-    copies = copy_groups(images)
+    ``copies``: per image, the first image of its group of copies (:func:`training.copies.copy_groups`:
+    byte and edited copies); byte copies alone when None."""
+    copies = byte_copies(images.files()) if copies is None else copies
     labels = images.labels.copy()
     for group in np.unique(copies):
         members = np.flatnonzero(copies == group)
         known = labels[members][labels[members] != LOOSE]
-        if len(known):
-            labels[members] = known[0]
+        if len(known):  # the loose copies take the first real label; a labelled copy keeps its own
+            labels[members[labels[members] == LOOSE]] = known[0]
     groups = np.unique(copies[labels == LOOSE])
     count = max(MIN_HELD_OUT, round(HELD_OUT_SHARE * len(groups)))
     if len(groups) < 2 * count + MIN_HELD_OUT:

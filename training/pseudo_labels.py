@@ -7,7 +7,8 @@ every registered loss trains on pseudo-labels through the same ``loss(embeddings
   (spherical: the embeddings are compared by cosine) at step 0, from the untrained model's neighbourhoods,
   and every :data:`REFRESH_STEPS` steps; a cluster's id is the pseudo-label, counted from past the real
   classes, so it never collides with one. Photos in class folders keep their real label.
-* Copies: byte copies are clustered once (their first photo) and all take its cluster.
+* Copies: a group of byte or edited copies (:mod:`training.copies`) is clustered once (its first photo)
+  and all its photos take that cluster, whatever clusters their own embeddings would fall in.
 * Instances (ISIF, Ye et al. 2019): every photo drawn is in its batch twice, so the workload gives it two
   different augmented views (cached views or fresh crops): every pair-based loss has certain positives
   besides the cluster's. Samples per class are halved (rounded up) to keep the layout's batch size.

@@ -313,7 +313,7 @@ def _summary_html(run_path: Path, comparison: Comparison, embedded: RunEmbedding
         facts["labels"] = (
             f"none for {record.loose_photos} training photos (pseudo-labels: k-means clusters, "
             f"{len(record.refreshes)} refreshes), class folders for {record.labelled_photos}; "
-            f"{record.copies_merged} byte copies merged"
+            f"{record.copies_merged} copies (byte or edited) merged"
         )
         facts["test images"] = (
             f"{record.held_out_photos['test']} held-out photos and one augmented view of each; the scores "

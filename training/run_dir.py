@@ -112,7 +112,7 @@ class LabelFreeRecord(BaseModel):
     labelled_photos: int  # training photos in class folders (real labels)
     loose_photos: int  # training photos pseudo-labelled
     held_out_photos: dict[str, int]  # split -> photos held out for the label-free score
-    copies_merged: int  # photos that are byte copies of another, merged into its pseudo-class
+    copies_merged: int  # photos that are byte or edited copies of another, merged into its pseudo-class
     score: str  # what validation and test metrics measure instead of class retrieval
     refreshes: list[PseudoLabelRefresh]
     # The gate's second check, scored where the first found the selected checkpoint better (None: it did

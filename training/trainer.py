@@ -29,11 +29,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from engine.duplicates.tiers import Tier
 from foundation import stopping
 from foundation.progress import progress_bar
 from training.backbone import BACKBONES
 from training.bootstrap import Interval, paired_bootstrap
 from training.config import TrainConfig
+from training.copies import copy_groups, signatures
 from training.data import LOOSE, DataError, LabelledImages, load_labelled_images, split_classes
 from training.distributed import Distributed, distributed_from_env
 from training.features import Augmentation, FeatureExtractor
@@ -174,7 +176,7 @@ def _folder_data(
     assert config.data is not None
     dist = dist or Distributed()
     loose = label_free_images(Path(config.data), config.labels)
-    plan = None if loose is None else plan_label_free(loose, seed=config.seed)
+    plan = None if loose is None else _label_free_plan(config, loose, cache_dir, dist, progress)
     if plan is not None:
         images, pool = plan.images, np.arange(len(plan.images))
         split: dict[str, np.ndarray] = {"train": plan.train, "val": plan.val, "test": plan.test}
@@ -260,6 +262,24 @@ def _folder_data(
         held_out_views=held_out_views,
         gate_views=gate_views,
     )
+
+
+def _label_free_plan(
+    config: TrainConfig, images: LabelledImages, cache_dir: Path, dist: Distributed, progress: bool
+) -> LabelFreePlan:
+    """The label-free split (:func:`plan_label_free`), with byte and edited copies (:mod:`training.copies`)
+    found from the untrained backbone's pooled features, which the run then reads from the cache."""
+    for turn in (True, False):  # the main process extracts first; the others then read the cache
+        if dist.is_main == turn:
+            show = progress and dist.is_main
+            extractor = FeatureExtractor(cache_dir, config.backbone, progress=show)
+            pooled = extractor.extract(images.files())
+            draft = extractor.embedder.card.preprocessing.resize_size
+            signed = signatures(images.files(), cache_dir, draft, progress=show)
+        dist.barrier()
+    tier = Tier.parse(config.copies)
+    copies = copy_groups(images.files(), pooled.features, pooled.ok, signed, tier)
+    return plan_label_free(images, seed=config.seed, copies=copies)
 
 
 @dataclass(frozen=True)

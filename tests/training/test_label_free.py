@@ -1,5 +1,5 @@
-"""Training without labels: a flat folder through the CLI, a partly labelled folder, byte copies, and the
-gate on the label-free score."""
+"""Training without labels: a flat folder through the CLI, a partly labelled folder, byte and edited copies,
+and the gate on the label-free score."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -29,13 +30,19 @@ from training.label_free_data import (
     label_free_images,
     plan_label_free,
 )
+from training.losses import LOSSES
 from training.metrics import neighbourhood_agreement
+from training.pseudo_labels import PseudoLabelSampler
 from training.recipes import FINETUNE, LABEL_FREE, LABEL_FREE_AUTO_LOSS, resolve
 from training.trainer import prepare_data
 from training.workloads import ImageFiles
 
 runner = CliRunner()
-TINY = ["-p", "embedding_dim=16", "-p", "head_hidden=32"]
+# The synthetic folder's photos are crops, mirrors and tints of 12 pictures: edited copies of each other by
+# construction, which the duplicate finder's edited tier merges. The tests of everything but copies take
+# each file as its own photo (byte copies only), as a folder of distinct photos would be.
+BYTE_COPIES = ["-p", "copies=exact"]
+TINY = ["-p", "embedding_dim=16", "-p", "head_hidden=32", *BYTE_COPIES]
 
 
 def _train(flat: Path, out: Path, cache: Path, *extra: str) -> str:
@@ -196,7 +203,9 @@ def test_a_partly_labelled_folder_keeps_its_labels_and_merges_byte_copies(
     assert (plan.images.labels[held_out] == LOOSE).all()  # only loose photos are held out
 
     data = prepare_data(
-        tiny_train_config(partly_labelled, feature_cache, views=1), feature_cache, progress=False
+        tiny_train_config(partly_labelled, feature_cache, views=1, copies="exact"),
+        feature_cache,
+        progress=False,
     )
     train = data.labels("train")
     assert sorted(np.unique(train[train != LOOSE])) == [0, 1, 2, 3]
@@ -315,3 +324,57 @@ def test_a_strong_view_is_another_picture_than_a_crop_view_and_the_crop_views_ke
     for path in files:
         digest.update(f"\n{file_hash(path)}".encode())
     assert (feature_cache / "features" / digest.hexdigest()[:32]).is_dir()
+
+
+EDITS = {
+    "crop": lambda image: image.crop((3, 3, image.width - 3, image.height - 3)),
+    "turn": lambda image: image.transpose(Image.Transpose.ROTATE_90),
+    "resize": lambda image: image.resize((2 * image.width, 2 * image.height)),
+    "re-encode": lambda image: image,
+}
+
+
+@pytest.fixture(scope="module")
+def edited_copies(flat_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """The flat folder plus an edited copy (saved as a JPEG: other bytes) of four of its photos, one per
+    edit; also each copy's original."""
+    root = tmp_path_factory.mktemp("edited") / "photos"
+    shutil.copytree(flat_folder, root)
+    originals = {}
+    for (edit, change), original in zip(EDITS.items(), sorted(flat_folder.iterdir())[::15], strict=True):
+        with Image.open(original) as image:
+            change(image.convert("RGB")).save(root / f"{edit}_of_{original.stem}.jpg", quality=70)
+        originals[f"{edit}_of_{original.stem}.jpg"] = original.name
+    return root, originals
+
+
+def test_edited_copies_of_a_photo_train_as_one_pseudo_class(
+    edited_copies: tuple[Path, dict[str, str]], feature_cache: Path
+) -> None:
+    """A crop, a turn, a resize and a re-encode of a photo are the duplicate finder's edited copies of it:
+    one group (held out whole, one id in the held-out check) whose photos always share their pseudo-label,
+    whatever k-means makes of their own embeddings. With byte copies alone none of them is merged."""
+    root, originals = edited_copies
+    # Seed 6 holds out none of the four groups (whole groups are held out): every copy trains.
+    config = tiny_train_config(root, feature_cache, views=1, seed=6)
+    data = prepare_data(config, feature_cache, progress=False)
+    plan = data.label_free
+    assert plan is not None
+    index = {path: i for i, path in enumerate(plan.images.paths)}
+    pairs = np.array([(index[copy], index[original]) for copy, original in originals.items()])
+    assert (plan.copies[pairs[:, 0]] == plan.copies[pairs[:, 1]]).all()
+    for split in (plan.train, plan.val, plan.test):  # copies never straddle the split
+        assert (np.isin(pairs[:, 0], split) == np.isin(pairs[:, 1], split)).all()
+    assert np.isin(pairs, plan.train).all()
+    sampler = PseudoLabelSampler(LOSSES["contrastive"].layout, data.labels("train"), data.train_copies())
+    row = {int(image): n for n, image in enumerate(data.indices["train"])}
+    rows = np.array([[row[int(copy)], row[int(original)]] for copy, original in pairs])
+    for moved in range(3):  # k-means of the embedding as it is, and as training moves it
+        rng = np.random.default_rng(moved)
+        noise = 0.3 * rng.normal(size=data.features["train"].shape).astype(np.float32)
+        sampler.refresh(data.features["train"] + moved * noise)
+        assert (sampler.labels[rows[:, 0]] == sampler.labels[rows[:, 1]]).all()  # certain positives
+
+    exact = prepare_data(config.model_copy(update={"copies": "exact"}), feature_cache, progress=False)
+    assert exact.label_free is not None
+    assert (exact.label_free.copies[pairs[:, 0]] != exact.label_free.copies[pairs[:, 1]]).all()
