@@ -77,13 +77,16 @@ def run_setting(
     *,
     seed: int,
     cache: Path | None = None,
+    trained_on: Path | None = None,
+    name: str = "",
     **settings: Any,
 ) -> Row:
     """Train ``method`` without labels in ``setting`` (``settings``: trainer fields or the loss's, e.g.
     max_steps; ``mode="auto"`` with a ``time_budget`` in seconds picks the mode as ``dmlsearch train`` does
     on a CPU without ``--mode``) and score its selected checkpoint with the labels; ``cache``: the feature
-    cache (default: under ``work``)."""
-    trained_on = setting_data(data, setting, work)
+    cache (default: under ``work``); ``trained_on``: the table to train on instead of the setting's
+    (bench/label_free_copies.py adds edited copies to it); ``name``: added to the run's folder."""
+    trained_on = trained_on or setting_data(data, setting, work)
     fields: dict[str, Any] = {"labels": "none", "seed": seed, "cache_dir": str(cache or work / "cache")}
     mode = settings.pop("mode", "frozen")
     if mode == "auto":  # as `dmlsearch train` without --mode on a CPU: fine-tune if enough steps fit
@@ -95,7 +98,7 @@ def run_setting(
             settings["max_steps"] = plan.max_steps
     resolved = resolve(method, overrides=settings, mode=mode, label_free=True)
     config = resolved.config(method, str(trained_on), **fields)
-    run = work / f"{method}-{setting}-seed{seed}"
+    run = work / f"{method}-{setting}{name}-seed{seed}"
     started = time.perf_counter()
     summary = train(config, run, progress=False)
     minutes = (time.perf_counter() - started) / 60
