@@ -130,6 +130,9 @@ def main() -> None:
     parser.add_argument("--share", type=float, default=0.25, help="training photos that get an edited copy")
     parser.add_argument("--methods", nargs="+", default=["ms"], help="losses (dmlsearch losses)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument(
+        "--copies", nargs="+", choices=["exact", "edited"], default=["exact", "edited"], help="copies merged"
+    )
     parser.add_argument("--max-steps", type=int, default=600, help="training steps per run")
     parser.add_argument("--every", type=int, default=100, help="steps between validations")
     parser.add_argument("--work", type=Path, default=Path("runs/label_free_copies"), help="runs and caches")
@@ -152,7 +155,7 @@ def main() -> None:
     rows = []
     for seed in args.seeds:
         for method in args.methods:
-            for copies in ("exact", "edited"):
+            for copies in args.copies:
                 row = run_setting(
                     method,
                     "unseen",
