@@ -107,13 +107,17 @@ def markdown(rows: list[Row], finder: dict[str, object], command: str) -> str:
         f"{r.minutes:.1f} | {r.seed} | {'yes' if r.served else 'no'} |"
         for r in rows
     ]
-    by = {}
+    by: dict[tuple[str, str], list[float]] = {}
     for r in rows:
-        by.setdefault(r.setting, []).append(r.recall_at_1)
-    lines += ["", "| setting | mean recall@1 | seeds | spread (max - min) |", "|---|---|---|---|"]
+        by.setdefault((r.method, r.setting), []).append(r.recall_at_1)
     lines += [
-        f"| {setting} | {np.mean(values):.2f} | {len(values)} | {max(values) - min(values):.2f} |"
-        for setting, values in by.items()
+        "",
+        "| method | setting | mean recall@1 | seeds | spread (max - min) |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {method} | {setting} | {np.mean(values):.2f} | {len(values)} | {max(values) - min(values):.2f} |"
+        for (method, setting), values in by.items()
     ]
     return "\n".join(lines) + "\n"
 

@@ -207,7 +207,9 @@ AUTO_CANDIDATES: tuple[str, ...] = ("ms", "angular", "npair-angular", "loop-lift
 # its ceiling on real photos and agreeing with the true change in class Recall@1 in 5 of 12 Cars196 cases
 # (label_free_gate.md): it cannot tell which loss groups kinds of photos better. ms is the strongest
 # labelled frozen recipe (71.06, train_all.md) and the loss every label-free measurement so far trained
-# (label_free_cars40.md, label_free_gate.md); no other loss has been measured without labels yet.
+# (label_free_cars40.md, label_free_gate.md). Five more losses were measured on one class split of Cars196, 2
+# seeds (label_free_losses.md, ms in label_free_copies.md): angular came first (49.38 mean against ms 47.60,
+# untrained 46.35) but the gate refused both its runs, and one split is no class-fold CV, so ms stays.
 LABEL_FREE_AUTO_LOSS = "ms"
 # `--loss auto` (the default) on judgments (--feedback): the pair loss with the best mean Recall@1 gain on
 # class folds of judgments (bench/feedback_loop.py --folds, bench/results/feedback_losses_cv.md).
