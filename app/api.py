@@ -128,7 +128,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         context.compute = ComputeSlots(
             slots,
             settings.client_compute_slots,
-            settings.write_key,
+            settings.clients(),
             quantum=settings.compute_quantum_seconds,
             within_deadline=lambda: context.engine.on_index_server(),
         )
@@ -168,7 +168,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             RateLimitMiddleware,
             limiter=TokenBucketLimiter(settings.rate_limit_per_second, settings.rate_limit_burst),
             metrics=metrics,
-            api_key=settings.write_key,
+            clients=settings.clients(),
         )
     app.add_middleware(ShutdownAnswerMiddleware)  # inside the metrics: they count its 503
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)

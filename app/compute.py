@@ -6,7 +6,8 @@ time) and the event loop thread, which receives uploads and sends answers, starv
 ~0.6 s just to arrive, against ~20 ms with the bound. With as many slots as cores, extra requests wait in
 line without using the CPU (the "queue" stage of a response's timings), at the same throughput.
 
-The slots are shared out fairly between clients (``app.clients``: an API key, or an address):
+The slots are shared out fairly between clients (``app.clients``: an API key, or an address's network, an
+IPv6 /64 by default):
 - one client holds at most ``share`` of them (half, by default) and waits for its own to end past that;
 - a free slot goes to the waiting client that holds the fewest (one with nothing under way first), the
   longest waiting among equals: round robin by client, not first come first served;
@@ -47,7 +48,7 @@ from typing import ParamSpec, TypeVar
 import anyio.to_thread
 from starlette.requests import Request
 
-from app.clients import client_key
+from app.clients import Clients
 from engine.decode.pool import DecodeCancelledError, cancelled_by, lowered_by
 from foundation import defaults
 from foundation.deadline import time_left
@@ -108,14 +109,14 @@ class _Hold:
 class ComputeSlots:
     """Run blocking CPU work in worker threads, at most ``slots`` at a time in the foreground (and at most
     ``background`` more that gave theirs up after ``quantum`` seconds), at most ``share`` of them for one
-    client (``api_key``: the configured key, whose holders are one client). Create and use inside the event
-    loop (the counts need no lock there)."""
+    client (as ``clients`` tells them apart). Create and use inside the event loop (the counts need no lock
+    there)."""
 
     def __init__(
         self,
         slots: int,
         share: int = 0,
-        api_key: str | None = None,
+        clients: Clients | None = None,
         *,
         quantum: float = defaults.COMPUTE_QUANTUM_SECONDS,
         background: int | None = None,
@@ -130,7 +131,7 @@ class ComputeSlots:
         self.share = min(share or default_share(slots), slots)
         self.quantum = quantum
         self.background = slots if background is None else background
-        self.api_key = api_key.encode() if api_key else None
+        self.clients = clients or Clients()
         self.within_deadline = within_deadline  # whether waits end at the request's deadline now
         self.held: Counter[str] = Counter()  # slots held (foreground and background), by client
         self._holds: list[_Hold] = []  # granted, oldest first
@@ -163,7 +164,7 @@ class ComputeSlots:
         stops (raising :class:`DecodeCancelledError`) instead of holding the slot to its end; if it is
         preempted, :class:`SlotPreemptedError`."""
         stop = threading.Event()
-        hold = _Hold(client_key(request.scope, self.api_key), stop)
+        hold = _Hold(self.clients.key(request.scope), stop)
         watcher = asyncio.create_task(_watch(request, stop))
         try:
             return await self._run(hold, partial(function, *args, **kwargs))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.clients import client_key
+from app.clients import Clients
 from app.errors import ApiError, busy_response, error_response, shutdown_response
 from app.metrics import Metrics
 from app.ratelimit import TokenBucketLimiter
@@ -85,8 +85,8 @@ class IndexDeadlineMiddleware:
 class RateLimitMiddleware:
     """429 with ``Retry-After`` once a client exceeds its token bucket on paths under ``prefix``.
 
-    A client is :func:`app.clients.client_key`'s: key holders behind one proxy share a bucket, and a
-    made-up key gets none of its own.
+    A client is :meth:`app.clients.Clients.key`'s: key holders behind one proxy share a bucket, a made-up
+    key gets none of its own, and the addresses of one network (an IPv6 /64) share one.
     """
 
     def __init__(
@@ -94,18 +94,18 @@ class RateLimitMiddleware:
         app: ASGIApp,
         limiter: TokenBucketLimiter,
         metrics: Metrics,
-        api_key: str | None,
+        clients: Clients,
         prefix: str = "/v1/",
     ) -> None:
         self.app = app
         self.limiter = limiter
         self.metrics = metrics
-        self.api_key = api_key.encode() if api_key else None
+        self.clients = clients
         self.prefix = prefix
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(self.prefix):
-            wait = self.limiter.acquire(client_key(scope, self.api_key))
+            wait = self.limiter.acquire(self.clients.key(scope))
             if wait > 0:
                 self.metrics.rate_limited.inc()
                 retry_after = str(max(1, math.ceil(wait)))

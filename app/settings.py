@@ -19,6 +19,7 @@ from foundation.families import Backend
 # What the settings make, imported where they are made: `dmlsearch` reads these settings for its flags
 # without loading the server (FastAPI) or the decoder (Pillow).
 if TYPE_CHECKING:
+    from app.clients import Clients
     from app.middleware import BodyPace
     from engine.decode.pool import DecodeLimits
     from index.connection import MilvusConnection
@@ -57,6 +58,20 @@ class Settings(BaseSettings):
         description="a query that has held its compute slot this long while another client waits gives it up "
         "and goes on in the background, its decodes at the lowest CPU priority (as many in the background as "
         "compute_slots)",
+    )
+    client_ipv4_prefix: int = Field(
+        defaults.CLIENT_IPV4_PREFIX,
+        ge=0,
+        le=32,
+        description="IPv4 addresses in one network this wide (prefix bits) are one client, for the rate "
+        "limit and the compute slots' fair share",
+    )
+    client_ipv6_prefix: int = Field(
+        defaults.CLIENT_IPV6_PREFIX,
+        ge=0,
+        le=128,
+        description="IPv6 addresses in one network this wide (prefix bits) are one client: a /64 by default, "
+        "the least one host is given, so that its many addresses do not count as many clients",
     )
     api_key: SecretStr | None = Field(
         None,
@@ -225,6 +240,12 @@ class Settings(BaseSettings):
         from index.connection import MilvusConnection
 
         return MilvusConnection(uri=self.milvus_uri)
+
+    def clients(self) -> Clients:
+        """How requests are told apart, for the rate limit and the compute slots."""
+        from app.clients import Clients
+
+        return Clients(self.write_key, self.client_ipv4_prefix, self.client_ipv6_prefix)
 
     def body_pace(self) -> BodyPace:
         from app.middleware import BodyPace

@@ -57,6 +57,10 @@ DECODE_REQUEST_WALL_SECONDS = 60.0
 # its decodes at the lowest CPU priority (app.compute): a normal search's decode and model run take a
 # fraction of it, a costly decode holds the slot no longer.
 COMPUTE_QUANTUM_SECONDS = 0.5
+# How wide a network of client addresses counts as one client (app.clients), in prefix bits: one IPv4
+# address; an IPv6 /64, the least a host or a home is given (RFC 6177), so its 2**64 addresses are one.
+CLIENT_IPV4_PREFIX = 32
+CLIENT_IPV6_PREFIX = 64
 # Wall-clock seconds one model run (at most RUN_IMAGES images, already resized to the model's input) may
 # take in the server before onnxruntime is told to stop it: minutes of a loaded CPU, never a normal run.
 EMBED_RUN_SECONDS = 60.0

@@ -13,6 +13,7 @@ import pytest
 from starlette.requests import Request
 from starlette.types import Message
 
+from app.clients import Clients
 from app.compute import ComputeSlots, SlotPreemptedError, SlotWaitTimeoutError
 from engine.decode.pool import DecodeLimits, DecodePool, DecodePoolClosedError
 from foundation.deadline import request_deadline
@@ -117,7 +118,7 @@ def test_holders_of_the_api_key_are_one_client_and_a_made_up_key_is_its_address(
     jobs = Jobs()
 
     async def main() -> None:
-        slots = ComputeSlots(2, api_key="secret")
+        slots = ComputeSlots(2, clients=Clients(api_key="secret"))
         async with anyio.create_task_group() as group:
             group.start_soon(slots.run_for, request_from("10.0.0.7", "secret"), jobs.hold, "key holder")
             await until(lambda: slots.in_use == 1)
@@ -129,6 +130,27 @@ def test_holders_of_the_api_key_are_one_client_and_a_made_up_key_is_its_address(
 
     anyio.run(main)
     assert jobs.log == ["key holder starts", "guesser", "key holder ends", "other holder"]
+
+
+def test_the_addresses_of_one_ipv6_network_are_one_client() -> None:
+    """Issue 43, leftover: one attacker given an IPv6 /64 (or a /48) counted as one client per address it
+    used, and so held as many fair shares as it had addresses: here two addresses of one /64 held both
+    slots and a user from elsewhere waited for them. Now a /64 is one client, at its share."""
+    jobs = Jobs()
+
+    async def main() -> None:
+        slots = ComputeSlots(2, quantum=60)
+        async with anyio.create_task_group() as group:
+            group.start_soon(slots.run_for, request_from("2001:db8:6:6::1"), jobs.hold, "attacker 1")
+            await until(lambda: slots.in_use == 1)
+            group.start_soon(slots.run_for, request_from("2001:db8:6:6:ffff::2"), jobs.hold, "attacker 2")
+            await anyio.sleep(0.3)
+            assert "attacker 2 starts" not in jobs.log  # one client, at its share
+            await slots.run_for(request_from("2001:db8:6:7::1"), jobs.quick, "user")
+            jobs.released.set()
+
+    anyio.run(main)
+    assert jobs.log.index("user") < jobs.log.index("attacker 1 ends") < jobs.log.index("attacker 2 starts")
 
 
 def test_a_share_may_be_set_and_a_cancelled_waiter_leaves_nothing_held() -> None:
