@@ -104,7 +104,7 @@ compute slots (half, by default); a free slot goes to the waiting client that ho
 request that held its slot `compute_quantum_seconds` while another client waits goes on in the background,
 its decodes at the lowest CPU priority, so that a normal search is not held up by costly ones; where the
 background is full too, the request longest in it is stopped for a client with nothing under way, 503
-`preempted`. A gallery
+`preempted` (a client so stopped may run its retry longer before it is stopped again). A gallery
 file that needs more memory than a decode may use is 503 `out_of_memory` (the server's own file, not the
 request's fault). A client that disconnects ends its
 decode. Running out of memory anywhere else is 503 `out_of_memory` with `Retry-After`; a read-only or

@@ -14,10 +14,19 @@ IPv6 /64 by default):
 - a request that has held its slot for ``quantum`` seconds while another client waits gives it up: it goes
   on in the background, its decodes at the lowest CPU priority (``engine.decode.pool.lowered_by``), and the
   waiter takes the slot. At most ``background`` requests run so, each with a decode process of its own;
-- where the background is full too and a client with nothing under way waits, the request longest in the
-  background (held ``PREEMPT_AFTER_QUANTA`` quanta at least) is stopped, as if its client had gone away,
-  and answered 503 ``preempted`` with Retry-After: more clients sending costly work at once than the server
-  runs cannot keep a new client waiting for their decodes' limits.
+- where the background is full too and a client with nothing under way waits, a request is stopped, as if
+  its client had gone away, and answered 503 ``preempted`` with Retry-After: the one whose time is up
+  first (``PREEMPT_AFTER_QUANTA`` quanta since it took its slot; the background's first among equals).
+  More clients sending costly work at once than the server runs cannot keep a new client waiting for
+  their decodes' limits;
+- a client whose request was stopped so is owed: its next request (its retry, within ``OWED_SECONDS``)
+  may be stopped only after twice as long, four times after a second stop in a row, and so on up to
+  ``2**OWED_DOUBLINGS`` times (reset once one of its requests ends unstopped); it is not lowered in the
+  background; at most ``background`` requests are owed at once; and while it waits it stops nobody.
+  Before, every request that outlived two quanta in a full background was stopped whenever a client with
+  nothing under way came, and the stopped clients' retries were such clients: with more clients sending
+  costly work than the server runs, legitimate slow work never ended (27 of 28 thumbnails of a costly
+  gallery file preempted in bench/hostile_fairness.py).
 So costly decodes (a batch of 64 images that each take seconds, uploads that take a decode's whole limit)
 from several clients at once hold no slot past their first ``quantum``: before, three hostile addresses held
 both slots and a normal search waited 30 s for one (bench/hostile_budget.py before these slots; README).
@@ -59,6 +68,11 @@ DISCONNECT_POLL_SECONDS = 0.2
 # How long (in quanta since it took its slot) a request in the background runs at least before it may be
 # stopped for a client with nothing under way.
 PREEMPT_AFTER_QUANTA = 2
+# How long a client whose request was stopped is owed a longer run (its retry: the 503 says Retry-After
+# 5 s; a browser retrying a page's thumbnails takes longer), and how many times in a row that run doubles:
+# 2 quanta, then 4, 8, 16 and 32 (16 s at the default quantum; a decode's CPU limit is 5 s).
+OWED_SECONDS = 60.0
+OWED_DOUBLINGS = 4
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -89,21 +103,23 @@ def default_share(slots: int) -> int:
 
 class _Hold:
     """One request's hold on a slot: whose, since when, whether it went on in the background (its
-    ``lowered`` event lowers its decodes' priority), and the event that stops its work (a client's request:
-    set when the client goes away or the request is preempted; None for the server's own work, never
-    stopped)."""
+    ``lowered`` event lowers its decodes' priority, unless it is ``owed``: the retry of a client stopped
+    that many times in a row), and the event that stops its work (a client's request: set when the client
+    goes away or the request is preempted; None for the server's own work, never stopped)."""
 
     def __init__(self, client: str, stop: threading.Event | None) -> None:
         self.client = client
         self.stop = stop
         self.preempted = False
+        self.owed = 0
+        self.background = False
         self.since = 0.0  # loop time when granted
         self.lowered = threading.Event()
         self.granted: asyncio.Future[None] | None = None  # while waiting
 
-    @property
-    def background(self) -> bool:
-        return self.lowered.is_set()
+    def stoppable_after(self, quantum: float) -> float:
+        """The loop time from which it may be preempted."""
+        return self.since + PREEMPT_AFTER_QUANTA * 2 ** min(self.owed, OWED_DOUBLINGS) * quantum
 
 
 class ComputeSlots:
@@ -136,6 +152,8 @@ class ComputeSlots:
         self.held: Counter[str] = Counter()  # slots held (foreground and background), by client
         self._holds: list[_Hold] = []  # granted, oldest first
         self._waiting: list[_Hold] = []  # oldest first
+        # Clients whose last request was preempted: when, and how many times in a row; oldest first.
+        self._owed: dict[str, tuple[float, int]] = {}
         self._timer: asyncio.TimerHandle | None = None
 
     @property
@@ -220,12 +238,30 @@ class ComputeSlots:
 
     def _grant(self, hold: _Hold) -> None:
         hold.since = asyncio.get_running_loop().time()
+        if (
+            hold.stop is not None
+            and self._owes(hold.client)
+            and sum(bool(held.owed) for held in self._holds) < self.background
+        ):
+            hold.owed = self._owed[hold.client][1]
         self.held[hold.client] += 1
         self._holds.append(hold)
         if hold.granted is not None:
             hold.granted.set_result(None)
 
+    def _owes(self, client: str) -> bool:
+        """Whether ``client`` had a request preempted within ``OWED_SECONDS`` and has not had its retry."""
+        now = asyncio.get_running_loop().time()
+        while self._owed and next(iter(self._owed.values()))[0] < now - OWED_SECONDS:
+            del self._owed[next(iter(self._owed))]  # oldest first: the forgotten ones
+        return client in self._owed
+
     def _release(self, hold: _Hold) -> None:
+        if hold.preempted:
+            _, times = self._owed.pop(hold.client, (0.0, 0))
+            self._owed[hold.client] = (asyncio.get_running_loop().time(), times + 1)
+        elif hold.stop is not None:  # it ended unstopped: its client is owed nothing more
+            self._owed.pop(hold.client, None)
         self._holds.remove(hold)
         self.held[hold.client] -= 1
         if not self.held[hold.client]:
@@ -236,7 +272,8 @@ class ComputeSlots:
         """Free slots to waiters, the client holding the fewest first (the longest waiting among equals);
         where every slot is held and a waiter could take one, the foreground hold longest past its quantum
         goes to the background while there is room there, else, for a waiting client with nothing under
-        way, the request longest in the background is preempted (its release shares out again)."""
+        way and owed nothing, the request whose time is up first is preempted (its release shares out
+        again)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -256,33 +293,39 @@ class ComputeSlots:
                 self._grant(chosen)
                 continue
             foreground = [hold for hold in self._holds if not hold.background]
-            if self.in_background < self.background and foreground:
-                oldest, quanta = foreground[0], 1
-            else:
-                oldest_or_none = self._preemptible(candidates)
-                if oldest_or_none is None:
-                    return
-                oldest, quanta = oldest_or_none, PREEMPT_AFTER_QUANTA
+            preempt = not (self.in_background < self.background and foreground)
+            oldest_or_none = self._preemptible(candidates) if preempt else foreground[0]
+            if oldest_or_none is None:
+                return
+            oldest = oldest_or_none
             loop = asyncio.get_running_loop()
-            due = oldest.since + quanta * self.quantum
+            due = oldest.stoppable_after(self.quantum) if preempt else oldest.since + self.quantum
             if loop.time() < due:
                 self._timer = loop.call_at(due, self._share_out)
                 return
-            if oldest.stop is not None and oldest.background:  # its slot is shared out once its work lets go
-                oldest.preempted = True
+            if preempt and oldest.stop is not None:
+                oldest.preempted = True  # its slot is shared out once its work lets go
                 oldest.stop.set()
                 return
-            oldest.lowered.set()  # the background: its slot is free for the waiter
+            oldest.background = True  # its slot is free for the waiter
+            if not oldest.owed:
+                oldest.lowered.set()
 
     def _preemptible(self, candidates: list[_Hold]) -> _Hold | None:
-        """The request longest in the background, to stop for a waiting client with nothing under way;
-        None where no client waits so, where one is already being stopped, or where none can be."""
-        if any(hold.preempted for hold in self._holds):
+        """The request that may be stopped first (the background's before the foreground's at equal
+        times, the longest held among equals), to stop for a waiting client with nothing under way and
+        owed nothing; None where no client waits so, where one is already being stopped, where there is no
+        background (nothing is stopped then), or where none can be."""
+        if not self.background or any(hold.preempted for hold in self._holds):
             return None
-        if all(self.held[hold.client] for hold in candidates):
+        if all(self.held[hold.client] or self._owes(hold.client) for hold in candidates):
             return None
-        stoppable = [hold for hold in self._holds if hold.background and hold.stop is not None]
-        return stoppable[0] if stoppable else None
+        stoppable = [hold for hold in self._holds if hold.stop is not None]
+        return min(
+            stoppable,
+            key=lambda hold: (hold.stoppable_after(self.quantum), not hold.background),
+            default=None,
+        )
 
 
 async def _watch(request: Request, gone: threading.Event) -> None:
