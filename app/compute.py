@@ -12,7 +12,7 @@ IPv6 /64 by default):
 - a free slot goes to the waiting client that holds the fewest (one with nothing under way first), the
   longest waiting among equals: round robin by client, not first come first served;
 - a request that has held its slot for ``quantum`` seconds while another client waits gives it up: it goes
-  on in the background, its decodes at the lowest CPU priority (``engine.decode.pool.lowered_by``), and the
+  on in the background, its decodes at the lowest CPU priority (``foundation.priority.lowered_by``), and the
   waiter takes the slot. At most ``background`` requests run so, each with a decode process of its own;
 - where the background is full too and a client with nothing under way waits, a request is stopped, as if
   its client had gone away, and answered 503 ``preempted`` with Retry-After: the one whose time is up
@@ -58,10 +58,11 @@ import anyio.to_thread
 from starlette.requests import Request
 
 from app.clients import Clients
-from engine.decode.pool import DecodeCancelledError, cancelled_by, lowered_by
+from engine.decode.pool import DecodeCancelledError, cancelled_by
 from foundation import defaults
 from foundation.deadline import time_left
 from foundation.errors import DmlsearchError, ErrorKind
+from foundation.priority import lowered_by
 
 # How often a request whose work is under way checks that its client is still there.
 DISCONNECT_POLL_SECONDS = 0.2

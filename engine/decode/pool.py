@@ -17,11 +17,11 @@ in one of a few worker processes, each
 A limit's error names the image of the task that was decoding when it ran out (the task says which:
 :func:`image_started`): a batch that exhausts its request's budget is refused at the image that did, not
 decoded for 64 times one image's limit.
-A decode started in :func:`lowered_by` an event runs at the lowest CPU priority (niceness 19) once the event
-is set, even midway: the caller that shares out the CPU (``app.compute``) lowers a request that has held
-its slot long while other clients wait, so that their decodes get the cores first and its own goes on
-with what is left. A worker that was lowered, was ended, ran out of its memory or grew large is replaced by
-a fresh one (an unprivileged process cannot raise its priority again). A SIGTERM or
+A decode started in ``foundation.priority.lowered_by`` an event runs at the lowest CPU priority (niceness
+19) once the event is set, even midway: the caller that shares out the CPU (``app.compute``) lowers a
+request that has held its slot long while other clients wait, so that their decodes get the cores first
+and its own goes on with what is left. A worker that was lowered, was ended, ran out of its memory or grew
+large is replaced by a fresh one (an unprivileged process cannot raise its priority again). A SIGTERM or
 SIGINT to the whole process group ends neither the workers nor their forkserver: the decodes under way
 finish for the owner that is stopping (``foundation.stopping``, ``engine.decode.forkserver``). The caller gets
 ``ImageDecodeError("image_too_costly")`` for an image over its limits (:class:`DecodeMemoryError` for
@@ -62,6 +62,7 @@ from typing import Any, Protocol, TypeVar
 from engine.decode.images import ImageDecodeError, ImageSource
 from foundation import defaults
 from foundation.errors import DmlsearchError, ErrorKind
+from foundation.priority import LOWERED_NICENESS, lowering
 from foundation.stopping import obey_stop_signals_from_owner
 
 T = TypeVar("T")
@@ -87,16 +88,12 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 # waiting for the reader to be scheduled (a 600 KB array took 3-40 ms a round trip on a loaded machine,
 # a few bytes 0.3 ms). Larger answers go through the pipe.
 SHARED_BYTES = 64 * 1024**2
-# The niceness of a lowered decode (lowered_by): the lowest priority, so that the kernel gives the cores
-# to every other decode first (a weight of 15 against 1024 for niceness 0).
-LOWERED_NICENESS = 19
 # After the answers' shared memory, what the worker's task is at (:class:`_Progress`): the image it
 # decodes, since when, and which limit its CPU limit is.
 _PROGRESS = struct.Struct("<qdq")
 
 _main_swap = threading.Lock()
 _cancel: ContextVar[threading.Event | None] = ContextVar("decode_cancel", default=None)
-_lower: ContextVar[threading.Event | None] = ContextVar("decode_lower", default=None)
 # In a decode process, what its task is at (None elsewhere: a task run in-process has no limits to move).
 _progress: _Progress | None = None
 
@@ -183,17 +180,6 @@ def cancelled_by(event: threading.Event) -> Iterator[None]:
         yield
     finally:
         _cancel.reset(token)
-
-
-@contextmanager
-def lowered_by(event: threading.Event) -> Iterator[None]:
-    """Decodes started in this context (this thread) run at the lowest CPU priority once ``event`` is set,
-    from then on (``LOWERED_NICENESS``)."""
-    token = _lower.set(event)
-    try:
-        yield
-    finally:
-        _lower.reset(token)
 
 
 class _Progress:
@@ -403,7 +389,7 @@ class DecodePool:
     ) -> tuple[str, Any, bool]:
         """The worker's answer ``(status, value, retire)``; raises when it did not answer (ended for a
         limit, a cancel or the pool's close, or dead)."""
-        cancel, lower = _cancel.get(), _lower.get()
+        cancel, lower = _cancel.get(), lowering()
         limits = self.limits
         started = time.monotonic()
         worker.progress.start(started)

@@ -25,9 +25,9 @@ from engine.decode.pool import (
     DecodePool,
     DecodePoolClosedError,
     cancelled_by,
-    lowered_by,
 )
 from engine.model.model_card import Preprocessing
+from foundation.priority import lowered_by
 from foundation.regular_files import FileTooLargeError, NotRegularFileError
 from tests.support.decoding import imported
 from tests.support.waiting import wait_until
