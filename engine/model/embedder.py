@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -19,6 +20,7 @@ from foundation.errors import (
     NotFoundError,
     UnavailableError,
 )
+from foundation.priority import lowering, run_lowered
 from foundation.regular_files import require_regular
 from index.protocol import normalize_rows
 
@@ -67,7 +69,8 @@ class Embedder:
             raise NotFoundError(f"model file {self.model_path} does not exist")
         self.card = card or ModelCard.load(self.model_path)
         check_fingerprint(self.model_path, self.card.fingerprint, self.model_path)
-        self.session = onnx_session(self.model_path, threads=threads, device=device, spinning=spinning)
+        self.sessions = ModelSession(self.model_path, threads=threads, device=device, spinning=spinning)
+        self.session = self.sessions.session
         self.input_name = self.session.get_inputs()[0].name
         # The embeddings are the first output; an explainable model's feature map is a second one.
         self.output_name = self.session.get_outputs()[0].name
@@ -106,7 +109,7 @@ class Embedder:
             except RuntimeError as err:  # no room left to map its stack: the process is at its memory cap
                 raise MemoryError(f"could not start the model run's deadline: {err}") from None
         try:
-            return self.session.run(outputs, feed, options)
+            return self.sessions.run(outputs, feed, options)
         except Exception as err:
             if options.terminate:
                 raise EmbedTimeoutError(
@@ -134,6 +137,31 @@ class Embedder:
         if not images:
             return np.zeros((0, self.dim), dtype=np.float32)
         return self.embed_tensor(self.preprocess(images))
+
+
+class ModelSession:
+    """An onnxruntime session whose runs for a request lowered into the background
+    (``foundation.priority``) are lowered too: they run in a thread of their own at the lowest priority, in
+    a second session with one intra-op thread (made at the first such run), so that the whole run is in
+    that thread. The first session's thread pool serves every request: lowering one of its threads would
+    lower them all."""
+
+    def __init__(self, path: Path, *, threads: int = 0, device: str = "auto", spinning: bool = False) -> None:
+        self.session = onnx_session(path, threads=threads, device=device, spinning=spinning)
+        self._make_lowered = partial(onnx_session, path, threads=1, device=device, spinning=spinning)
+        self._lowered: OnnxSession | None = None
+        self._lowered_made = threading.Lock()
+
+    def run(
+        self, outputs: list[str] | None, feed: dict[str, np.ndarray], options: Any = None
+    ) -> list[np.ndarray]:
+        lower = lowering()
+        if lower is None or not lower.is_set():
+            return self.session.run(outputs, feed, options)
+        with self._lowered_made:
+            if self._lowered is None:
+                self._lowered = self._make_lowered()
+        return run_lowered(partial(self._lowered.run, outputs, feed, options))
 
 
 def onnx_session(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.model.embedder import onnx_session
+from engine.model.embedder import ModelSession
 from engine.model.model_card import EXPLAINER_OUTPUTS, MAPS_OUTPUT, ModelCard, check_fingerprint
 
 log = logging.getLogger(__name__)
@@ -18,7 +18,7 @@ class Explainer:
     """The exported explainer graph: feature maps in, each position's share of the embedding out."""
 
     def __init__(self, path: Path, *, threads: int = 0, device: str = "auto") -> None:
-        self.session = onnx_session(path, threads=threads, device=device)
+        self.session = ModelSession(path, threads=threads, device=device)
 
     @classmethod
     def for_model(

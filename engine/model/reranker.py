@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.model.embedder import onnx_session
+from engine.model.embedder import ModelSession
 from engine.model.model_card import RERANKER_INPUTS, ModelCard, check_fingerprint
 from foundation.errors import NotFoundError
 
@@ -21,7 +21,7 @@ class PDDMReranker:
     """The exported PDDM unit: a query embedding and its candidates' embeddings in, S(q, c) out."""
 
     def __init__(self, path: Path, *, threads: int = 0, device: str = "auto") -> None:
-        self.session = onnx_session(path, threads=threads, device=device)
+        self.session = ModelSession(path, threads=threads, device=device)
 
     @classmethod
     def for_model(

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +17,7 @@ from PIL import Image
 from engine.model.embedder import Embedder
 from engine.model.model_card import ModelCard
 from engine.model.preprocess import to_tensor
+from foundation.priority import LOWERED_NICENESS, lowered_by
 from training.backbone import BACKBONES, create_backbone
 from training.model import EmbeddingModel
 
@@ -104,3 +108,52 @@ def test_a_run_whose_deadline_cannot_start_is_out_of_memory(small_model: Path) -
     )
     assert done.returncode == 0, done.stderr
     assert "MemoryError: could not start the model run's deadline" in done.stdout
+
+
+def _threads_at(niceness: int) -> dict[int, int]:
+    """This process's threads at ``niceness``: native id -> CPU ticks used (``/proc/self/task/*/stat``)."""
+    found = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()  # from field 3, the state
+        except OSError:  # the thread ended meanwhile
+            continue
+        if int(fields[16]) == niceness:  # field 19: nice; 14 and 15: utime, stime
+            found[int(task.name)] = int(fields[11]) + int(fields[12])
+    return found
+
+
+def test_the_model_run_of_a_lowered_request_runs_at_the_lowest_priority(exported_model: Path) -> None:
+    """Issue 43, leftover: a request moved to the background had its decodes lowered, but its model run
+    went on at the server's priority in onnxruntime's threads, shared by every request (a batch of 64 cheap
+    images cost a normal search the cores). Now a lowered request's runs are in a thread of its own at
+    niceness 19, in a session with one intra-op thread, and the calling thread keeps its priority."""
+    embedder = Embedder(exported_model, threads=2)
+    images = [Image.fromarray(np.full((96, 96, 3), i * 9, dtype=np.uint8)) for i in range(24)]
+    batch = embedder.preprocess(images)
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert caller < LOWERED_NICENESS, "run these tests below niceness 19"
+    seen: dict[int, int] = {}
+    running = threading.Event()
+
+    def watch() -> None:
+        while running.is_set():
+            seen.update(_threads_at(LOWERED_NICENESS))
+            time.sleep(0.005)
+
+    lowered = threading.Event()
+    lowered.set()
+    running.set()
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with lowered_by(lowered):
+            found = [embedder.run_tensor(batch) for _ in range(3)]
+    finally:
+        running.clear()
+        watcher.join()
+    assert seen and max(seen.values()) > 0, seen  # before: no thread of the process at 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
+    assert not _threads_at(LOWERED_NICENESS)  # the lowered thread ended with its run
+    for output in found:
+        np.testing.assert_allclose(output, embedder.run_tensor(batch), rtol=1e-4, atol=1e-5)
