@@ -22,7 +22,9 @@ IPv6 /64 by default):
 - a client whose request was stopped so is owed: its next request (its retry, within ``OWED_SECONDS``)
   may be stopped only after twice as long, four times after a second stop in a row, and so on up to
   ``2**OWED_DOUBLINGS`` times (reset once one of its requests ends unstopped); it is not lowered in the
-  background; at most ``background`` requests are owed at once; and while it waits it stops nobody.
+  background; and while it waits it stops nobody. At most ``background`` requests are owed at once (so
+  that a normal search always has one it may stop), those of the clients stopped the fewest times in a
+  row: a request that no limit lets end is stopped each time, and loses its place to shorter work.
   Before, every request that outlived two quanta in a full background was stopped whenever a client with
   nothing under way came, and the stopped clients' retries were such clients: with more clients sending
   costly work than the server runs, legitimate slow work never ended (27 of 28 thumbnails of a costly
@@ -239,16 +241,27 @@ class ComputeSlots:
 
     def _grant(self, hold: _Hold) -> None:
         hold.since = asyncio.get_running_loop().time()
-        if (
-            hold.stop is not None
-            and self._owes(hold.client)
-            and sum(bool(held.owed) for held in self._holds) < self.background
-        ):
-            hold.owed = self._owed[hold.client][1]
+        if hold.stop is not None and self._owes(hold.client):
+            self._owe(hold, self._owed[hold.client][1])
         self.held[hold.client] += 1
         self._holds.append(hold)
         if hold.granted is not None:
             hold.granted.set_result(None)
+
+    def _owe(self, hold: _Hold, times: int) -> None:
+        """``hold`` runs as owed ``times`` stops in a row, within ``background`` owed holds: where they are
+        all taken, it takes the place of the one owed the most, if more than it (which goes on as any other
+        hold): the places go to the clients stopped the fewest times in a row, whose work is the shortest
+        (a costly request past every limit is stopped each time)."""
+        owed = [held for held in self._holds if held.owed]
+        if len(owed) >= self.background:
+            most = max(owed, key=lambda held: held.owed, default=None)
+            if most is None or most.owed <= times:
+                return
+            most.owed = 0
+            if most.background:
+                most.lowered.set()
+        hold.owed = times
 
     def _owes(self, client: str) -> bool:
         """Whether ``client`` had a request preempted within ``OWED_SECONDS`` and has not had its retry."""
