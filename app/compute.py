@@ -23,8 +23,8 @@ IPv6 /64 by default):
   may be stopped only after twice as long, four times after a second stop in a row, and so on up to
   ``2**OWED_DOUBLINGS`` times (reset once one of its requests ends unstopped); it is not lowered in the
   background; and while it waits it stops nobody. At most ``background`` requests are owed at once (so
-  that a normal search always has one it may stop), those of the clients stopped the fewest times in a
-  row: a request that no limit lets end is stopped each time, and loses its place to shorter work.
+  that a normal search always has one it may stop), first come, first served, except that the request of
+  a client stopped in every run up to the longest gives its place to one stopped fewer times.
   Before, every request that outlived two quanta in a full background was stopped whenever a client with
   nothing under way came, and the stopped clients' retries were such clients: with more clients sending
   costly work than the server runs, legitimate slow work never ended (27 of 28 thumbnails of a costly
@@ -250,13 +250,13 @@ class ComputeSlots:
 
     def _owe(self, hold: _Hold, times: int) -> None:
         """``hold`` runs as owed ``times`` stops in a row, within ``background`` owed holds: where they are
-        all taken, it takes the place of the one owed the most, if more than it (which goes on as any other
-        hold): the places go to the clients stopped the fewest times in a row, whose work is the shortest
-        (a costly request past every limit is stopped each time)."""
+        all taken, it takes the place of the one owed the most if that one's client was stopped in every
+        run up to the longest (``OWED_DOUBLINGS`` times) and more often than its own (it goes on as any
+        other hold). The places are first come, first served, except that work no run lets end gives way."""
         owed = [held for held in self._holds if held.owed]
         if len(owed) >= self.background:
             most = max(owed, key=lambda held: held.owed, default=None)
-            if most is None or most.owed <= times:
+            if most is None or most.owed < OWED_DOUBLINGS or most.owed <= times:
                 return
             most.owed = 0
             if most.background:
