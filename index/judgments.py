@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from foundation.errors import InvalidInputError
+from index.milvus_flush import DeferredFlushes
 from index.milvus_tombstones import MilvusTombstones, id_list
 
 SIGNS = (1, -1)
@@ -269,9 +270,13 @@ class MilvusJudgments:
         new_ids: Any,
         consistency: str,
         tombstones: MilvusTombstones,
+        flushes: DeferredFlushes,
     ) -> None:
         self.server = server
         self.tombstones = tombstones  # deletes that outlast a restart of the server
+        # Judgments arrive one request at a time, between saves: flushed soon after, so that a restarted
+        # server reads them at once (index.milvus_flush).
+        self.flushes = flushes
         self.collection = f"{items_collection}_{TABLE}"
         self.dim = dim
         self.new_ids = new_ids
@@ -307,6 +312,8 @@ class MilvusJudgments:
     def copy_in(self, judgments: Sequence[Judgment]) -> None:
         for start in range(0, len(judgments), _PAGE):
             self.server.upsert(self.collection, [self._row(j) for j in judgments[start : start + _PAGE]])
+        if judgments:
+            self.flushes.written(self.collection)
 
     def _row(self, judgment: Judgment) -> dict[str, Any]:
         query = judgment.query

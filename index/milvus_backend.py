@@ -45,6 +45,7 @@ from index.items import now_utc
 from index.judgments import MilvusJudgments
 from index.manifest import MILVUS_COLLECTION, BuiltIndex, Manifest
 from index.milvus_access import ENV_PREFIX, MilvusAccess, public_uri, redact, uri_secrets
+from index.milvus_flush import DeferredFlushes
 from index.milvus_tombstones import MilvusTombstones, id_list
 from index.protocol import (
     BackendUnavailableError,
@@ -419,12 +420,16 @@ class MilvusBackend:
         self.nullable = True
         self.has_taken = True  # False for a collection made before: its items have no capture time
         self._ids = IdClock()
+        # Collections written to between saves (judgments, removed ids), flushed soon after their writes.
+        self.flushes = DeferredFlushes(client, background=client.sibling)
         # Deletes the server may bring back after a restart, deleted again at every new connection.
-        self.tombstones = MilvusTombstones(client, collection, background=client.sibling)
+        self.tombstones = MilvusTombstones(
+            client, collection, background=client.sibling, flushes=self.flushes
+        )
         client.after_connect = self.tombstones.reconnected
         client.exclusion = self.tombstones.exclusion
         self.judgments = MilvusJudgments(
-            client, collection, self.dim, IdClock(), CONSISTENCY, tombstones=self.tombstones
+            client, collection, self.dim, IdClock(), CONSISTENCY, self.tombstones, self.flushes
         )
 
     @classmethod
@@ -759,8 +764,10 @@ class MilvusBackend:
     # -- persistence -------------------------------------------------------------------------------
 
     def save(self) -> None:
-        self.client.flush(self.collection)
+        """Flush the items' collection and those written to since (``index.milvus_flush``)."""
+        self.flushes.flush([self.collection])
 
     def close(self) -> None:
         self.tombstones.close()
+        self.flushes.close()
         self.client.close()

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from index.milvus_flush import DeferredFlushes
 from index.protocol import BackendUnavailableError
 
 SUFFIX = "removed"
@@ -46,8 +47,11 @@ class MilvusTombstones:
     items); ``background`` opens another one, on a connection of its own, for the re-deletion (a call of it
     that times out closes its own connection, not the one requests share)."""
 
-    def __init__(self, server: Any, items_collection: str, background: Callable[[], Any]) -> None:
+    def __init__(
+        self, server: Any, items_collection: str, background: Callable[[], Any], flushes: DeferredFlushes
+    ) -> None:
         self.server = server
+        self.flushes = flushes  # records flushed soon: a restarted server shows unflushed ones only late
         self.collection = f"{items_collection}_{SUFFIX}"
         self._open_background = background
         self._known: dict[str, set[int]] = {}  # recorded ids by the collection they left
@@ -78,6 +82,7 @@ class MilvusTombstones:
         for start in range(0, len(ids), PAGE):
             rows = [{"removed": int(i), "of": of, "vector": [0.0, 0.0]} for i in ids[start : start + PAGE]]
             self.server.insert(self.collection, rows)
+        self.flushes.written(self.collection)
 
     def exclusion(self, collection: str) -> str | None:
         """An expression that keeps the recorded ids of ``collection`` out of a read, while the server may

@@ -6,12 +6,14 @@ connection, left out of reads until the server has applied that."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
 
 import pytest
 
+from foundation import defaults
 from index.connection import MilvusConnection
 from index.gallery import GalleryIndex
 from index.judgments import JudgedQuery
@@ -25,6 +27,7 @@ DIM = 8
 COUNT = 12
 TIME = "2026-01-02T03:04:05+00:00"
 RELOAD_TIMEOUT_S = 180
+DEADLINE_S = defaults.INDEX_DEADLINE_SECONDS  # what a request has for its calls to Milvus
 
 
 @pytest.fixture
@@ -133,3 +136,46 @@ def _gone_from_server(server: MilvusServerProcess, gone: dict[str, list[int]]) -
         return False  # still loading after the restart
     finally:
         client.close()
+
+
+# A flush takes ~3 s on the real server (bench/milvus_restart_reads.py): the judgments' and the removal's
+# flushes, made in the background, are long done by then on a loaded machine.
+FLUSHED_WITHIN_S = 20
+
+
+def test_judgments_and_removals_are_read_within_the_deadline_after_a_restart_of_milvus(
+    restartable_milvus: MilvusServerProcess, tmp_path: Path
+) -> None:
+    """Judgments come one request at a time, never followed by a save: a restarted 2.3.5 answered reads of
+    their collection only once it had replayed them, ~25-30 s later at every consistency level (replica A of
+    bench/operator_walkthrough.py: /v1/feedback 28.5 s after Milvus answered). Flushed soon after their
+    writes, they and the ids a removal recorded are read within the deadline, none missing, by the replica
+    that stayed up."""
+    server = restartable_milvus
+    directory = tmp_path / "index"
+    where = MilvusConnection(server.uri, "judged")
+    index = GalleryIndex.create(
+        directory, dim=DIM, model_fingerprint="m", gallery_root=None, backend="milvus", milvus=where
+    )
+    index.add(clustered_vectors(COUNT, DIM), entries(COUNT))
+    index.save()
+    ids = _state(index)[0]
+    for result in ids[1:9]:  # as POST /v1/feedback does: no save after it
+        index.judgments.add(JudgedQuery(item=ids[0]), result, 1, "m", TIME)
+    assert index.remove([ids[10]]) == 1  # as DELETE /v1/items/{id} does: a save after it
+    index.save()
+    kept = _state(index)
+    assert len(kept[0]) == COUNT - 1 and len(kept[1]) == 8
+    time.sleep(FLUSHED_WITHIN_S)
+
+    server.stop()
+    server.start()
+    wait_until(
+        lambda: _lists(server, [where.collection]), RELOAD_TIMEOUT_S, "the server to list its collections"
+    )
+    answered = time.monotonic()
+    while not _readable(index):
+        assert time.monotonic() - answered < DEADLINE_S, "the replica that stayed up waits past the deadline"
+    took = time.monotonic() - answered
+    assert took < DEADLINE_S and _state(index) == kept, f"{took:.1f} s"
+    index.close()
