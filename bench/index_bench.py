@@ -193,7 +193,7 @@ def bench_milvus(
             backend="milvus", dim=base.shape[1], model_fingerprint="bench", created=now, updated=now
         )
         began = time.perf_counter()
-        backend = MilvusBackend.connect(Path(workdir), manifest, manifest.milvus)
+        backend = MilvusBackend.connect(Path(workdir), manifest, manifest.milvus, create=True)
         milvus_ids = []
         for start in tqdm(range(0, len(base), 5000), desc="inserting into Milvus Lite", unit="batch"):
             chunk = base[start : start + 5000]

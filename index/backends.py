@@ -35,7 +35,7 @@ def connect(
     opens it; ``milvus``: reach its collection otherwise than the manifest records."""
     if manifest.backend is Backend.MILVUS:
         return MilvusBackend.connect(
-            directory, manifest, (milvus or MilvusConnection()).over(manifest.milvus)
+            directory, manifest, (milvus or MilvusConnection()).over(manifest.milvus), create=create
         )
     if create:
         return FaissBackend.create(directory, manifest)

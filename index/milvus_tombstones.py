@@ -35,6 +35,11 @@ RETRY_S = 2.0  # between tries of the background re-deletion while the server do
 log = logging.getLogger(__name__)
 
 
+class NotListedError(BackendUnavailableError):
+    """The server answers but does not list the index's collections (yet): under load, a restarted Milvus
+    2.3.5 was seen answering before it listed the collections it held."""
+
+
 def id_list(ids: Sequence[int]) -> str:
     """``id in [...]`` as a Milvus 2.3 expression (a literal list: 2.3 has no templates)."""
     return f"id in [{', '.join(str(int(i)) for i in ids)}]"
@@ -52,6 +57,7 @@ class MilvusTombstones:
     ) -> None:
         self.server = server
         self.flushes = flushes  # records flushed soon: a restarted server shows unflushed ones only late
+        self.items_collection = items_collection
         self.collection = f"{items_collection}_{SUFFIX}"
         self._open_background = background
         self._known: dict[str, set[int]] = {}  # recorded ids by the collection they left
@@ -61,9 +67,13 @@ class MilvusTombstones:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._closed = False
+        # Whether the index's collections must exist (a built index opened, or :meth:`create` ran): the server
+        # not listing them then is a server not ready yet (:class:`NotListedError`), not "nothing recorded".
+        self.expected = False
 
     def create(self, data_type: Any) -> None:
         """Make the collection if it does not exist yet (``data_type``: pymilvus's ``DataType``)."""
+        self.expected = True
         if self.server.has_collection(self.collection):
             return
         schema = self.server.create_schema(auto_id=True, enable_dynamic_field=False)
@@ -127,7 +137,13 @@ class MilvusTombstones:
         """The recorded ids by collection, read at the ``consistency`` level."""
         removed: dict[str, list[int]] = {}
         if not server.has_collection(self.collection):
-            return removed  # an index from before it, or a collection just being made: nothing recorded
+            if self.expected and not server.has_collection(self.items_collection):
+                raise NotListedError(
+                    f"Milvus at {server.where} does not list the collections of this index "
+                    f"({self.items_collection!r}, {self.collection!r}) at the moment: the ids removed from "
+                    "it cannot be read (a server just started lists them within seconds)"
+                )
+            return removed  # an index from before it, or one being made: nothing recorded
         # Read only from loaded collections: Milvus Lite opens its file with every collection released.
         server.load_collection(self.collection)
         last = -1

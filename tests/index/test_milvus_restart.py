@@ -150,7 +150,7 @@ def test_judgments_and_removals_are_read_within_the_deadline_after_a_restart_of_
     their collection only once it had replayed them, ~25-30 s later at every consistency level (replica A of
     bench/operator_walkthrough.py: /v1/feedback 28.5 s after Milvus answered). Flushed soon after their
     writes, they and the ids a removal recorded are read within the deadline, none missing, by the replica
-    that stayed up."""
+    that stayed up; and by a process that opens the index then."""
     server = restartable_milvus
     directory = tmp_path / "index"
     where = MilvusConnection(server.uri, "judged")
@@ -179,3 +179,6 @@ def test_judgments_and_removals_are_read_within_the_deadline_after_a_restart_of_
     took = time.monotonic() - answered
     assert took < DEADLINE_S and _state(index) == kept, f"{took:.1f} s"
     index.close()
+    # A process started now waits, at its open, for the server's Strong reads (~25-30 s after a restart).
+    with closing(GalleryIndex.open(directory)) as reopened:
+        assert _state(reopened) == kept
