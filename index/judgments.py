@@ -368,21 +368,32 @@ class MilvusJudgments:
         return int(rows[0]["count(*)"])
 
     def _delete(self, condition: str) -> None:
-        """Delete the judgments that meet ``condition``, by their ids, recorded first (``tombstones``)."""
+        """Delete the judgments that meet ``condition``, by their ids, recorded first (``tombstones``).
+
+        Found at the ``Strong`` level (another replica's latest judgments too), except while a re-deletion
+        is due after a reconnection (``MilvusTombstones.covering``): a restarted server answers ``Strong``
+        reads only ~25-30 s after it answers at all, so then at the ``Session`` level, which misses
+        judgments another replica made in the moments before."""
+        covering = self.tombstones.covering()
         ids: list[int] = []
         while rows := self.server.query(
             self.collection,
             filter=f"({condition}) and id > {ids[-1] if ids else -1}",
             output_fields=["id"],
             limit=_PAGE,
-            consistency_level="Strong",
+            consistency_level=self.consistency if covering else "Strong",
         ):
             ids += sorted(int(row["id"]) for row in rows)
+        if not ids:
+            return
         self.tombstones.record(self.collection, ids)
         for start in range(0, len(ids), _PAGE):
             self.server.delete(self.collection, filter=id_list(ids[start : start + _PAGE]))
-        # A delete does not move the session's timestamp: one Strong read waits until the server applied it.
-        self.server.query(self.collection, filter="id < 0", output_fields=["id"], consistency_level="Strong")
+        if not self.tombstones.covering():  # else reads leave them out until the re-deletion is applied
+            # A delete does not move the session's timestamp: one Strong read waits until it is applied.
+            self.server.query(
+                self.collection, filter="id < 0", output_fields=["id"], consistency_level="Strong"
+            )
 
     def _query(self, condition: str, *, limit: int) -> list[Judgment]:
         rows = self.server.query(

@@ -663,15 +663,17 @@ class MilvusBackend:
         self.tombstones.record(self.collection, present)  # first: a delete the server loses is made again
         for start in range(0, len(present), PAGE):
             self.client.delete(self.collection, filter=id_list(present[start : start + PAGE]))
-        if present:
+        if present and not self.tombstones.covering():
             # A delete does not move the session's timestamp (Milvus 2.3 returns none): one Strong read
             # waits until the server has applied it, so this process's next Session reads miss the items.
+            # While a re-deletion is due (after a reconnection), reads leave them out until it is applied.
             self.client.query(
                 self.collection,
                 filter=id_list(present[:1]),
                 output_fields=["id"],
                 consistency_level="Strong",
             )
+        if present:
             self.judgments.forget_items(present)
         return len(present)
 
@@ -819,8 +821,18 @@ class MilvusBackend:
     # -- persistence -------------------------------------------------------------------------------
 
     def save(self) -> None:
-        """Flush the items' collection and those written to since (``index.milvus_flush``)."""
-        self.flushes.flush([self.collection])
+        """Flush the items' collection and those written to since (``index.milvus_flush``).
+
+        A server restarted moments ago refuses flushes (``node not found``) until its data node has
+        registered again: while the re-deletion after a reconnection is due, a refused flush is left to the
+        background, which tries again. Nothing is lost meanwhile: the server keeps what it acknowledged in
+        its log, unflushed rows included (they are only read late after another restart)."""
+        try:
+            self.flushes.flush([self.collection])
+        except BackendUnavailableError as err:
+            if not self.tombstones.covering():
+                raise
+            log.info("flush left to the background after a reconnection: %s", err)
 
     def close(self) -> None:
         self.tombstones.close()

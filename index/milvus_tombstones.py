@@ -62,8 +62,10 @@ class MilvusTombstones:
         self._open_background = background
         self._known: dict[str, set[int]] = {}  # recorded ids by the collection they left
         self._lock = threading.Lock()
-        self._connections = 0  # new connections seen (``reconnected``)
-        self._confirmed = 0  # the last of them whose re-deletion the server has applied
+        # Passes of the re-deletion asked for (one at each new connection: ``reconnected``; one more at each
+        # record made while one is due) and the last the server has applied.
+        self._wanted = 0
+        self._confirmed = 0
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -93,12 +95,23 @@ class MilvusTombstones:
             rows = [{"removed": int(i), "of": of, "vector": [0.0, 0.0]} for i in ids[start : start + PAGE]]
             self.server.insert(self.collection, rows)
         self.flushes.written(self.collection)
+        with self._lock:
+            if self._confirmed != self._wanted:  # a pass now under way may have read the records before these
+                self._wanted += 1
+                self._wake.notify_all()
+
+    def covering(self) -> bool:
+        """Whether reads leave the recorded ids out now (a re-deletion is due): a removal need not wait
+        with a ``Strong`` read (which a restarted server answers only ~25-30 s after it answers at all) for
+        the server to apply its delete before this process reads again."""
+        with self._lock:
+            return self._confirmed != self._wanted
 
     def exclusion(self, collection: str) -> str | None:
         """An expression that keeps the recorded ids of ``collection`` out of a read, while the server may
         not have applied their re-deletion since the last new connection; None once it has."""
         with self._lock:
-            if self._confirmed == self._connections or not self._known.get(collection):
+            if self._confirmed == self._wanted or not self._known.get(collection):
                 return None
             return f"id not in [{', '.join(str(i) for i in sorted(self._known[collection]))}]"
 
@@ -106,8 +119,8 @@ class MilvusTombstones:
         """Run by the first call on a new connection, before it answers: read the recorded ids as the
         server has them now, leave them out of reads, and have them deleted again in the background."""
         with self._lock:
-            self._connections += 1
-            connection = self._connections
+            self._wanted += 1
+            connection = self._wanted
         self._remember_all(self._read(self.server, "Eventually"))
         with self._lock:
             if self._closed:
@@ -165,11 +178,11 @@ class MilvusTombstones:
         server = None
         while True:
             with self._lock:
-                while not self._closed and self._confirmed == self._connections:
+                while not self._closed and self._confirmed == self._wanted:
                     self._wake.wait()
                 if self._closed:
                     break
-                connection = self._connections
+                connection = self._wanted
             try:
                 server = server or self._open_background()
                 self._redelete(server)

@@ -182,3 +182,48 @@ def test_judgments_and_removals_are_read_within_the_deadline_after_a_restart_of_
     # A process started now waits, at its open, for the server's Strong reads (~25-30 s after a restart).
     with closing(GalleryIndex.open(directory)) as reopened:
         assert _state(reopened) == kept
+
+
+def test_a_removal_just_after_a_restart_of_milvus_answers_within_the_deadline(
+    restartable_milvus: MilvusServerProcess, tmp_path: Path
+) -> None:
+    """A removal waited with a Strong read for the server to apply its delete, and a restarted 2.3.5 answers
+    those only ~25-30 s after it answers at all: a DELETE then got 503. While the re-deletion after the
+    reconnection is due, reads leave the recorded ids out anyway: the removal records, deletes, saves and
+    answers within the deadline, and the item and the judgment naming it stay deleted (for the replica,
+    once the server has applied the deletes, and for a process opened afterwards)."""
+    server = restartable_milvus
+    directory = tmp_path / "index"
+    where = MilvusConnection(server.uri, "removed_after")
+    index = GalleryIndex.create(
+        directory, dim=DIM, model_fingerprint="m", gallery_root=None, backend="milvus", milvus=where
+    )
+    index.add(clustered_vectors(COUNT, DIM), entries(COUNT))
+    ids = _state(index)[0]
+    judged = [index.judgments.add(JudgedQuery(item=ids[0]), result, 1, "m", TIME) for result in ids[1:4]]
+    index.save()  # flushes the judgments too
+
+    server.stop()
+    server.start()
+    wait_until(
+        lambda: _lists(server, [where.collection]), RELOAD_TIMEOUT_S, "the server to list its collections"
+    )
+    wait_until(lambda: _readable(index), RELOAD_TIMEOUT_S, "the replica to read again")
+    started = time.monotonic()
+    assert index.remove([ids[2]]) == 1  # as DELETE /v1/items/{id} does, with the save after it
+    index.save()
+    took = time.monotonic() - started
+    assert took < DEADLINE_S, f"the removal took {took:.1f} s"
+    kept = (sorted(set(ids) - {ids[2]}), [judged[0].id, judged[2].id])
+    assert _state(index) == kept
+    wait_until(
+        lambda: index.items.tombstones.exclusion(where.collection) is None,
+        RELOAD_TIMEOUT_S,
+        "the re-deletion to be applied",
+    )
+    assert _state(index) == kept
+    gone = {where.collection: [ids[2]], f"{where.collection}_judgments": [judged[1].id]}
+    wait_until(lambda: _gone_from_server(server, gone), RELOAD_TIMEOUT_S, "the deletes on the server")
+    index.close()
+    with closing(GalleryIndex.open(directory)) as reopened:
+        assert _state(reopened) == kept
