@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from foundation import defaults
-from foundation.deadline import DeadlinePassedError, call_budget, within_deadline
+from foundation.deadline import DeadlinePassedError, call_budget, request_deadline, within_deadline
 from foundation.errors import InvalidInputError, MissingDependencyError
 from index.connection import MilvusConnection
 from index.filters import ItemFilter
@@ -166,6 +166,10 @@ class IdClock:
 
 
 _LOCAL_METHODS = {"create_schema", "prepare_index_params"}  # build request objects: no server involved
+# How often a process asks a server for its version, and how long the answer may take (``_Server.watch``):
+# a restart in a quiet spell is noticed (it takes 10 s or more).
+WATCH_EVERY_S = 2.0
+WATCH_WITHIN_S = 5.0
 # Worker threads that make one server's calls: a caller stops waiting at its deadline and a call still
 # running then is ended by closing its connection. Calls beyond this many wait for a thread, within their
 # deadline too.
@@ -236,6 +240,7 @@ class _Server:
         self._connected_seen = 0  # the last of them after_connect ran for
         self._after_connect_lock = threading.RLock()
         self._in_after_connect = False
+        self._closed = threading.Event()
 
     def failure(self, err: Exception) -> BackendUnavailableError:
         """``err`` (pymilvus's or gRPC's) as the error dmlsearch reports, with what to set where the server
@@ -289,6 +294,23 @@ class _Server:
                 raise
         self._bounded("load_collection", args[:1], {})
         return self._bounded(name, args, kwargs)
+
+    def watch(self) -> None:
+        """Ask the server for its version every ``WATCH_EVERY_S``, each answer due within
+        ``WATCH_WITHIN_S``, in a thread of its own: a server restarted while this process made no call
+        (down ~10 s at least) fails an ask, which drops the connection, and the next ask connects afresh and
+        runs :attr:`after_connect` (the re-deletion of removed ids), where otherwise only a request made
+        during the outage would have. A server merely slow to answer costs one more reconnection."""
+        thread = threading.Thread(target=self._watch_forever, name="milvus-watch", daemon=True)
+        thread.start()
+
+    def _watch_forever(self) -> None:
+        while not self._closed.wait(WATCH_EVERY_S):
+            with request_deadline(WATCH_WITHIN_S):
+                try:
+                    self.get_server_version()
+                except BackendUnavailableError as err:
+                    log.debug("Milvus did not answer the watch: %s", err)
 
     def sibling(self) -> _Server:
         """Another client of the same server, logged in the same way, on a connection of its own."""
@@ -381,6 +403,7 @@ class _Server:
             threading.Thread(target=_close_quietly, args=(client,), daemon=True).start()
 
     def close(self) -> None:
+        self._closed.set()
         self._drop(None)
         self._calls.shutdown(wait=False, cancel_futures=True)
 
@@ -459,6 +482,8 @@ class MilvusBackend:
             client.load_collection(backend.collection)
             backend.judgments.load()
             backend._wait_for_earlier_writes(due)
+            if "://" in client.uri:  # a server of its own, which can restart (Milvus Lite is this process's)
+                client.watch()
         except DeadlinePassedError as err:
             backend.close()
             raise BackendUnavailableError(f"Milvus at {client.where}: {err}") from err

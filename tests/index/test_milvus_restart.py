@@ -227,3 +227,37 @@ def test_a_removal_just_after_a_restart_of_milvus_answers_within_the_deadline(
     index.close()
     with closing(GalleryIndex.open(directory)) as reopened:
         assert _state(reopened) == kept
+
+
+def test_a_replica_that_made_no_call_during_a_restart_notices_it_by_itself(
+    restartable_milvus: MilvusServerProcess, tmp_path: Path
+) -> None:
+    """A replica whose connection saw no failed call kept it across the restart and read what the server
+    brought back until its next failure. It now asks the server for its version every few seconds: the
+    restart fails an ask, and the rows brought back are deleted again on the server with no request."""
+    server = restartable_milvus
+    where = MilvusConnection(server.uri, "quiet")
+    index = GalleryIndex.create(
+        tmp_path / "index", dim=DIM, model_fingerprint="m", gallery_root=None, backend="milvus", milvus=where
+    )
+    index.add(clustered_vectors(COUNT, DIM), entries(COUNT))
+    index.save()
+    ids = _state(index)[0]
+    client = server.client()
+    lost = client.query(where.collection, filter=f"id in {ids[:2]}", output_fields=["*"])
+    client.close()
+    assert index.remove(ids[:2]) == 2
+    index.save()
+
+    server.stop()  # no call of the replica's while it is down
+    server.start()
+    wait_until(
+        lambda: _lists(server, [where.collection]), RELOAD_TIMEOUT_S, "the server to list its collections"
+    )
+    client = server.client()
+    client.insert(where.collection, lost)  # what Milvus 2.3.5 did to deleted rows across a restart
+    client.close()
+    gone = {where.collection: ids[:2]}
+    wait_until(lambda: _gone_from_server(server, gone), RELOAD_TIMEOUT_S, "the replica to delete them again")
+    assert _state(index)[0] == ids[2:]
+    index.close()
