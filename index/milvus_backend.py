@@ -846,17 +846,19 @@ class MilvusBackend:
     # -- persistence -------------------------------------------------------------------------------
 
     def save(self) -> None:
-        """Flush the items' collection and those written to since (``index.milvus_flush``).
+        """Flush the items' collection (the judgments and removed ids are flushed by ``flushes``, soon
+        after their writes).
 
         A server restarted moments ago refuses flushes (``node not found``) until its data node has
         registered again: while the re-deletion after a reconnection is due, a refused flush is left to the
         background, which tries again. Nothing is lost meanwhile: the server keeps what it acknowledged in
         its log, unflushed rows included (they are only read late after another restart)."""
         try:
-            self.flushes.flush([self.collection])
+            self.client.flush(self.collection)
         except BackendUnavailableError as err:
             if not self.tombstones.covering():
                 raise
+            self.flushes.written(self.collection)
             log.info("flush left to the background after a reconnection: %s", err)
 
     def close(self) -> None:

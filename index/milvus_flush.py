@@ -1,5 +1,5 @@
 """Flushes of the Milvus collections written to between saves (the judgments, ``<collection>_removed``),
-made soon after their writes by a thread of their own, and at every save.
+made soon after their writes by a thread of their own.
 
 Why: a restarted Milvus 2.3.5 answers reads of a collection written to since its last flush only once it
 has replayed those writes, about 25-30 s after it answers at all, at every consistency level (``Session``
@@ -9,10 +9,12 @@ bench/results/milvus_restart_reads.md). The items' collection is flushed at ever
 each add and delete); judgments arrive one request at a time and were never saved, and a replica that took
 any waited ~28 s after a restart (bench/operator_walkthrough.py, issue 42).
 
-A flush costs about 3 s however few rows it covers (the same bench), so a request does not wait for one
-here: a collection written to is flushed by the thread once :data:`GATHER_S` has passed, one flush at a
-time, and a flush covers every write made before it began (a burst of judgments costs one or two flushes,
-not one each). :meth:`DeferredFlushes.flush` (the index's save) flushes the ones pending at once.
+A flush of new rows costs about 3 s however few they are (the same bench), so no request waits for one
+here, not even at the index's save (flushing ``_removed`` there made each DELETE of
+bench/operator_walkthrough.py take ~3.5 s instead of ~1 s): a collection written to is flushed by the
+thread once :data:`GATHER_S` has passed, one flush at a time, and a flush covers every write made before it
+began (a burst of judgments costs one or two flushes, not one each). A process flushes what is still
+pending when it closes the index.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import contextvars
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -56,24 +58,6 @@ class DeferredFlushes:
                 self._thread = threading.Thread(target=self._flush_forever, name="milvus-flush", daemon=True)
                 self._thread.start()
             self._wake.notify_all()
-
-    @property
-    def pending(self) -> set[str]:
-        with self._lock:
-            return set(self._pending)
-
-    def flush(self, collections: Iterable[str] = ()) -> None:
-        """Flush ``collections`` and every pending one now, side by side, within the caller's deadline
-        (a flush takes about 3 s, most of it waiting)."""
-        with self._lock:
-            names = sorted(set(collections) | self._pending)
-            self._pending.clear()
-        try:
-            self._flush_side_by_side(self.server, names)
-        except BackendUnavailableError:
-            for name in names:  # the thread tries again
-                self.written(name)
-            raise
 
     def close(self) -> None:
         """Stop the thread; flush what is still pending, if the server answers (a closing process's last

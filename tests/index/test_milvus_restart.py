@@ -201,7 +201,8 @@ def test_a_removal_just_after_a_restart_of_milvus_answers_within_the_deadline(
     index.add(clustered_vectors(COUNT, DIM), entries(COUNT))
     ids = _state(index)[0]
     judged = [index.judgments.add(JudgedQuery(item=ids[0]), result, 1, "m", TIME) for result in ids[1:4]]
-    index.save()  # flushes the judgments too
+    index.save()
+    time.sleep(FLUSHED_WITHIN_S)  # the judgments' flush, in the background
 
     server.stop()
     server.start()
