@@ -4,10 +4,11 @@ made soon after their writes by a thread of their own.
 Why: a restarted Milvus 2.3.5 answers reads of a collection written to since its last flush only once it
 has replayed those writes, about 25-30 s after it answers at all, at every consistency level (``Session``
 and ``Strong`` reads wait; ``Eventually`` ones see none of those rows meanwhile), where a request has 10 s;
-a flushed collection answers all three within about 1.3 s (``python bench/milvus_restart_reads.py``;
-bench/results/milvus_restart_reads.md). The items' collection is flushed at every save (the API saves after
-each add and delete); judgments arrive one request at a time and were never saved, and a replica that took
-any waited ~28 s after a restart (bench/operator_walkthrough.py, issue 42).
+a flushed collection answers ``Session`` and ``Eventually`` reads within 1.3-3.7 s (``Strong`` ones wait
+~27-29 s, flushed or not; ``python bench/milvus_restart_reads.py``, bench/results/milvus_restart_reads.md,
+and the probe it was made from, at load averages 2-6 and 16-20). The items' collection is flushed at every
+save (the API saves after each add and delete); judgments arrive one request at a time and were never
+saved, and a replica that took any waited ~28 s after a restart (bench/operator_walkthrough.py, issue 42).
 
 A flush of new rows costs about 3 s however few they are (the same bench), so no request waits for one
 here, not even at the index's save (flushing ``_removed`` there made each DELETE of
