@@ -79,13 +79,16 @@ def export(
             than = (
                 "the served model on the judgments held out from it"
                 if verdict.on_judgments
-                else "the untrained model on its held-out photos: it learned nothing usable without labels"
+                else "the untrained model on both checks of its held-out photos, as a run without labels "
+                "must be: it learned nothing usable without labels"
                 if verdict.label_free
                 else "the untrained model on validation"
             )
+            label_free = verdict.label_free and not verdict.on_judgments
+            more = "photos" if label_free else "labelled images or judgments"
             raise fail(
                 f"{run_dir} is not better than {than} ({verdict.detail}): "
-                "serving it is not shown to improve search. Train with more labelled images or judgments "
+                f"serving it is not shown to improve search. Train with more {more} "
                 "or another recipe, or export anyway with --force"
             )
         check = ValidationCheck(passed=verdict.passed, detail=verdict.detail)
@@ -344,8 +347,8 @@ def train(
     if not verdict.passed and verdict.label_free and not verdict.on_judgments:
         typer.echo(
             f"run in {out}: it learned nothing usable without labels: NOT better than the untrained backbone "
-            f"on its held-out photos ({verdict.detail}), so `dmlsearch export` refuses it and the untrained "
-            "model stays the one to serve; more photos or another recipe may learn more"
+            f"on both checks of its held-out photos ({verdict.detail}), so `dmlsearch export` refuses it and "
+            "the untrained model stays the one to serve; more photos or another recipe may learn more"
         )
     elif not verdict.passed:
         than = (

@@ -123,6 +123,10 @@ def test_the_gate_refuses_a_checkpoint_whose_label_free_score_is_not_better(
     refused = runner.invoke(app, ["export", str(out)])
     assert refused.exit_code == 2 and "not better than the untrained model" in refused.output
     assert "learned nothing usable without labels" in refused.output
+    # Both checks named, so a first check that found it better does not read as a contradiction, and the
+    # advice fits a run that had no labels.
+    assert "on both checks of its held-out photos" in said and "on both checks" in refused.output
+    assert "Train with more photos" in refused.output and "labelled" not in refused.output
     assert not (out / "model.onnx").exists()
 
 
