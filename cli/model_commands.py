@@ -141,7 +141,8 @@ def train(
         typer.Option(
             help="Index directory whose judgments (👍/👎 on search results) also train the run, as pairs "
             "(a judgment outweighs a label or pseudo-label); whole queries are held out, and the run is "
-            "exported only where it ranks their judgments better than the index's model. Frozen mode."
+            "exported only where it ranks their judgments better than the index's model. Frozen or "
+            "finetune (--mode), chosen on a CPU as for a folder."
         ),
     ] = None,
     recipe: Annotated[
@@ -240,9 +241,8 @@ def train(
     if feedback is not None:
         if not (feedback / "manifest.json").is_file():
             raise fail(f"--feedback {feedback} is not an index directory (no manifest.json)")
-        if mode not in (None, "frozen"):
-            raise fail("training on judgments (--feedback) takes --mode frozen")
-        mode = "frozen"
+        if mode == "partial":
+            raise fail("training on judgments (--feedback) takes --mode frozen or finetune")
         if loss == "auto":  # no race: the judgments' gate, not validation classes, judges these runs
             loss = FEEDBACK_LOSS
             typer.echo(f"--loss auto on judgments trains {loss}, the loss cross-validated on judgments")
@@ -293,9 +293,9 @@ def train(
                 overrides = parse_assignments(loss, hparam or [])
                 if time_budget is not None:
                     fields["time_budget"] = 60 * time_budget
-                if mode is None and not torch.cuda.is_available() and data is not None:
+                if mode is None and not torch.cuda.is_available():
                     plan_on = resolve(loss, recipe_name, overrides, "finetune", label_free=label_free)
-                    fields.update(_plan_cpu_mode(plan_on, loss, data, out, fields, time_budget))
+                    fields.update(_plan_cpu_mode(plan_on, loss, data, feedback, out, fields, time_budget))
                 resolved = resolve(loss, recipe_name, overrides, fields.pop("mode"), label_free=label_free)
                 config = resolved.config(
                     loss,
@@ -363,7 +363,13 @@ def train(
 
 
 def _plan_cpu_mode(
-    resolved: Resolved, loss: str, data: Path, out: Path, fields: dict[str, Any], minutes: float | None
+    resolved: Resolved,
+    loss: str,
+    data: Path | None,
+    feedback: Path | None,
+    out: Path,
+    fields: dict[str, Any],
+    minutes: float | None,
 ) -> dict[str, Any]:
     """The mode (and fine-tuning steps) that fit the time budget on this CPU, said with the reason; a run
     already in ``out`` keeps its own mode."""
@@ -376,7 +382,9 @@ def _plan_cpu_mode(
         return {"mode": saved.mode, "time_budget": saved.time_budget, "max_steps": saved.max_steps}
     budget_s = 60 * (minutes or DEFAULT_TIME_BUDGET_MINUTES)
     typer.echo("no --mode and no GPU: measuring a fine-tuning step on this CPU to choose the mode ...")
-    config = resolved.config(loss, str(data.resolve()), **fields)  # the recipe's mode (finetune) wins
+    folder = str(data.resolve()) if data is not None else None
+    judged = str(feedback.resolve()) if feedback is not None else None
+    config = resolved.config(loss, folder, feedback=judged, **fields)  # the recipe's mode (finetune) wins
     plan = plan_for(config, budget_s)
     typer.echo(plan.reason)
     if plan.mode == "finetune":

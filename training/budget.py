@@ -28,6 +28,7 @@ from foundation.stopping import checkpoint
 from training.backbone import BACKBONES
 from training.config import TrainConfig
 from training.data import load_labelled_images, split_classes
+from training.feedback_data import load_feedback
 from training.label_free_data import label_free_images, plan_label_free
 from training.losses import LOSSES
 from training.model import build_objective
@@ -218,8 +219,30 @@ def split_sizes(config: TrainConfig) -> dict[str, int]:
     held-out photos count twice (as served and as an augmented view), its pseudo-label refreshes embed
     the training photos again, counted as that many more validation images, and its gate's neighbourhood
     check embeds them once more at the end with a strong view of each validation photo, counted with the
-    test images."""
-    assert config.data is not None, "a fine-tuning plan needs a data folder (runs on judgments are frozen)"
+    test images. Judgments (``feedback``) add their photos (:func:`judged_split_sizes`)."""
+    if config.data is None:
+        return judged_split_sizes(config, {"train": 0, "val": 0, "test": 0})
+    sizes = _folder_split_sizes(config)
+    return sizes if config.feedback is None else judged_split_sizes(config, sizes)
+
+
+def judged_split_sizes(config: TrainConfig, sizes: dict[str, int]) -> dict[str, int]:
+    """``sizes`` with the judged photos of ``config.feedback``: its training judgments' photos train (at
+    most: one that is a folder's training photo keeps its row), the validation judgments' validate, and
+    the gate embeds the held-out judgments' photos and the unjudged sample as served and as a view."""
+    assert config.feedback is not None
+    feedback = load_feedback(Path(config.feedback), seed=config.seed, validation=config.data is None)
+    held_out = len(feedback.items(feedback.test))
+    return {
+        "train": sizes["train"] + len(feedback.items(feedback.train)),
+        "val": sizes["val"] + len(feedback.items(feedback.val)),
+        # without a folder the held-out photos are the test split too
+        "test": sizes["test"] + held_out * (1 if config.data is not None else 2) + 2 * len(feedback.unjudged),
+    }
+
+
+def _folder_split_sizes(config: TrainConfig) -> dict[str, int]:
+    assert config.data is not None
     loose = label_free_images(Path(config.data), config.labels)
     if loose is None:
         split = split_classes(

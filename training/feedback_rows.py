@@ -14,10 +14,12 @@ is the split ``unjudged``: each photo as served and as the label-free check's au
 (:data:`~training.label_free_data.EVAL_VIEW`, :data:`~training.label_free_data.EVAL_AUGMENTATION`), two rows
 labelled with its item id, which the gate checks without labels.
 
-Frozen mode only: the inputs are the pooled features. An index served by the pretrained backbone itself
-(its model's fingerprint) already holds those features as its vectors: they are read from it, and no
-judged photo is decoded (unless the run trains on augmented views). Otherwise a judged photo that cannot be
-read is left out with its judgments, with a warning.
+Frozen mode feeds the head the pooled features. An index served by the pretrained backbone itself (its
+model's fingerprint) already holds those features as its vectors: they are read from it, and no judged
+photo is decoded (unless the run trains on augmented views). Otherwise a judged photo that cannot be read
+is left out with its judgments, with a warning. Fine-tuning embeds every row from its photo:
+:meth:`JudgedRows.photos` names the photos of the rows that the folder's images do not hold, and the
+unjudged sample's views are made from the files as the feature cache made them (:attr:`UnjudgedRows.views`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from training.features import FeatureExtractor
 from training.feedback_data import Closure, Feedback
 from training.label_free_data import EVAL_AUGMENTATION, EVAL_VIEW
 from training.losses.pairs import UNLABELLED
+from training.workloads import SeededViews
 
 if TYPE_CHECKING:
     from training.trainer import PreparedData
@@ -53,6 +56,15 @@ class JudgedRows:
     held_out: list[int]  # the held-out judgments' items, the rows of split JUDGED_SPLIT
     unjudged: UnjudgedRows  # the unjudged sample, the rows of split UNJUDGED_SPLIT
 
+    def photos(self, split: str) -> list[Path]:
+        """The photos of ``split``'s rows that are not the folder's (all of JUDGED_SPLIT's and
+        UNJUDGED_SPLIT's; in ``train``, those after the first ``data_rows``), as fine-tuning reads them."""
+        feedback = self.feedback
+        if split == UNJUDGED_SPLIT:
+            return self.unjudged.files * 2  # as served, then as the check's view (UnjudgedRows.views)
+        items = self.held_out if split == JUDGED_SPLIT else self.row_items[self.data_rows :].tolist()
+        return [feedback.root / feedback.paths[item] for item in items]
+
 
 @dataclass(frozen=True)
 class _Extracted:
@@ -66,7 +78,8 @@ def _extract(
 ) -> tuple[Feedback, _Extracted]:
     items = feedback.items((*feedback.train, *feedback.val, *feedback.test))
     extractor = FeatureExtractor(cache_dir, config.backbone, progress=progress)
-    if extractor.embedder.fingerprint == feedback.model_fingerprint and config.views == 0:
+    served_is_backbone = extractor.embedder.fingerprint == feedback.model_fingerprint
+    if served_is_backbone and config.views == 0 and config.mode == "frozen":  # fine-tuning reads every file
         features = np.stack([feedback.served[item] for item in items]).astype(np.float32)
         row = {item: k for k, item in enumerate(items)}
         return feedback, _Extracted(features, features[None], row)
@@ -103,6 +116,8 @@ class UnjudgedRows:
     features: np.ndarray  # (2n, d) backbone features of those rows: the frozen head's inputs
     before: np.ndarray  # (2n, d) the rows embedded by the model the index serves, or by the backbone
     baseline: str  # "served": the index serves the backbone itself; "backbone": it serves another model
+    files: list[Path]  # per photo its file
+    views: SeededViews  # the split's rows as a fine-tuning run shows them: served, then the cached view
 
 
 def _unjudged(config: TrainConfig, feedback: Feedback, cache_dir: Path, progress: bool) -> UnjudgedRows:
@@ -120,11 +135,19 @@ def _unjudged(config: TrainConfig, feedback: Feedback, cache_dir: Path, progress
         extracted = extractor.extract(files)
         base, ok = extracted.features, view.ok & extracted.ok
     features = np.concatenate([base[ok], view.features[ok]]).astype(np.float32)
+    positions = np.flatnonzero(ok)  # a view's seed is its photo's place in the list the cache made it from
     return UnjudgedRows(
         np.array(items, dtype=np.int64)[ok],
         features,
         features,
         "served" if served_is_backbone else "backbone",
+        [files[k] for k in positions],
+        SeededViews(
+            np.concatenate([np.full(len(positions), -1), positions]),
+            EVAL_VIEW,
+            config.seed,
+            EVAL_AUGMENTATION,
+        ),
     )
 
 

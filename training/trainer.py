@@ -159,8 +159,8 @@ def prepare_data(
     """
     if config.feedback is None:
         return _folder_data(config, cache_dir, dist, progress)
-    if config.mode != "frozen":
-        raise DataError("a run on judgments (--feedback) trains in --mode frozen (others are not built yet)")
+    if config.mode == "partial":
+        raise DataError("a run on judgments (--feedback) trains in --mode frozen or finetune, not partial")
     feedback = load_feedback(Path(config.feedback), seed=config.seed, validation=config.data is None)
     if config.data is None:
         return PreparedData(**vars(judged_only(config, feedback, cache_dir, progress)))
@@ -480,6 +480,21 @@ def train(config: TrainConfig, out: Path, *, progress: bool = True) -> RunSummar
         return training.run(last)
 
 
+def finetune_inputs(data: PreparedData) -> tuple[dict[str, list[Path]], dict[str, SeededViews]]:
+    """What a fine-tuning run embeds: the photo of each row of each split, in the rows' order, and the
+    splits with rows shown as a seeded augmented view (the label-free checks', the unjudged sample's)."""
+    splits = ("train", "val", "test", GATE_SPLIT)
+    files = {name: data.files(name) for name in splits if name in data.indices}
+    views = dict(data.held_out_views)
+    if data.gate_views is not None:
+        views[GATE_SPLIT] = data.gate_views
+    if (judged := data.judged) is not None:  # judged photos past the folder's, and the gate's splits
+        files["train"] = files["train"][: judged.data_rows] + judged.photos("train")
+        files.update({name: judged.photos(name) for name in (JUDGED_SPLIT, UNJUDGED_SPLIT)})
+        views[UNJUDGED_SPLIT] = judged.unjudged.views
+    return files, views
+
+
 class _Training:
     """One run's components, built from its prepared data; :meth:`run` restores them from ``last.pt`` or
     initialises them, wraps the objective for DDP, trains and writes the summary."""
@@ -621,11 +636,7 @@ class _Training:
                 self.device,
                 channels_last=self.compute.channels_last,
             )
-        splits = ("train", "val", "test", GATE_SPLIT)
-        files = {name: data.files(name) for name in splits if name in data.indices}
-        views = dict(data.held_out_views)
-        if data.gate_views is not None:
-            views[GATE_SPLIT] = data.gate_views
+        files, views = finetune_inputs(data)
         preprocessing = BACKBONES[self.config.backbone].preprocessing
         return FinetuneWorkload(
             self.objective,

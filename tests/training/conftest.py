@@ -1,4 +1,5 @@
-"""Fixtures for the training tests: tiny labelled image folders and a shared feature cache."""
+"""Fixtures for the training tests: tiny labelled image folders, a shared feature cache, an index with
+judgments."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from bench.lib.images import write_labelled_folder
+from bench.lib.simulated_user import index_gallery, judge_top
+from training.data import load_labelled_images
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +38,16 @@ def flat_folder(labelled_folder: Path, tmp_path_factory: pytest.TempPathFactory)
     for path in sorted(labelled_folder.rglob("*.png")):
         shutil.copy(path, root / f"{path.parent.name}_{path.name}")
     return root
+
+
+@pytest.fixture(scope="session")
+def partly_judged_index(
+    labelled_folder: Path, feature_cache: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The labelled folder indexed, 8 queries' top 5 judged by class: some photos nobody judged."""
+    images = load_labelled_images(labelled_folder)
+    directory = tmp_path_factory.mktemp("partly") / "index"
+    labels = [images.class_names[label] for label in images.labels]
+    index_gallery(labelled_folder, images.files(), labels, directory, feature_cache)
+    assert judge_top(directory, [1, 8, 15, 22, 29, 36, 43, 50], top=5) == 40
+    return directory

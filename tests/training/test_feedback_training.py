@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from bench.lib.simulated_user import index_gallery, judge_top
 from cli.main import app
+from engine.model.embedder import Embedder
 from engine.model.model_card import ModelCard
 from index.gallery import GalleryIndex
 from index.judgments import JudgedQuery
@@ -23,9 +24,11 @@ from training.data import DataError, load_labelled_images
 from training.feedback_advice import judge_more, queries_for_a_clear_gain
 from training.feedback_data import Closure, JudgedPair, load_feedback
 from training.feedback_gate import feedback_gate, rank_judgments, unjudged_check
+from training.feedback_rows import JUDGED_SPLIT, UNJUDGED_SPLIT
 from training.recipes import FEEDBACK_LOSS
 from training.run_dir import RunDirectory
-from training.trainer import train
+from training.trainer import finetune_inputs, prepare_data, train
+from training.workloads import ImageFiles
 
 
 @pytest.fixture(scope="module")
@@ -121,19 +124,6 @@ def test_the_gate_refuses_a_run_that_spoils_the_unjudged_photos() -> None:
     refused = gate(spoiled)
     assert refused.judgments_better and not refused.passed
     assert "unjudged photos (40" in refused.describe() and "worse" in refused.describe()
-
-
-@pytest.fixture(scope="module")
-def partly_judged_index(
-    labelled_folder: Path, feature_cache: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    """The labelled folder indexed, 8 queries' top 5 judged by class: some photos nobody judged."""
-    images = load_labelled_images(labelled_folder)
-    directory = tmp_path_factory.mktemp("partly") / "index"
-    labels = [images.class_names[label] for label in images.labels]
-    index_gallery(labelled_folder, images.files(), labels, directory, feature_cache)
-    assert judge_top(directory, [1, 8, 15, 22, 29, 36, 43, 50], top=5) == 40
-    return directory
 
 
 def test_the_unjudged_sample_leaves_out_every_judged_photo(partly_judged_index: Path) -> None:
@@ -299,9 +289,9 @@ def test_the_cli_refuses_judgments_it_cannot_train_on(judged_index: Path, tmp_pa
     not_an_index = ["train", "--loss", "triplet", "--feedback", str(tmp_path), "--out", str(tmp_path / "b")]
     result = CliRunner().invoke(app, not_an_index)
     assert result.exit_code == 2 and "not an index directory" in result.output
-    finetune = ["train", "--loss", "triplet", "--feedback", str(judged_index), "--mode", "finetune"]
-    result = CliRunner().invoke(app, [*finetune, "--out", str(tmp_path / "c")])
-    assert result.exit_code == 2 and "--mode frozen" in result.output
+    partial = ["train", "--loss", "triplet", "--feedback", str(judged_index), "--mode", "partial"]
+    result = CliRunner().invoke(app, [*partial, "--out", str(tmp_path / "c")])
+    assert result.exit_code == 2 and "--mode frozen or finetune" in result.output
 
 
 def test_without_loss_the_cli_trains_judgments_with_the_cross_validated_loss(
@@ -322,3 +312,58 @@ def test_without_loss_the_cli_trains_judgments_with_the_cross_validated_loss(
     assert summary is not None and summary.feedback is not None
     if summary.best_step == 0:
         assert not summary.feedback.fixed and not summary.feedback.broke
+
+
+@pytest.mark.parametrize("with_folder", [False, True])
+def test_a_fine_tuning_run_embeds_the_judged_and_unjudged_photos_the_gate_was_cached_on(
+    partly_judged_index: Path, labelled_folder: Path, feature_cache: Path, with_folder: bool
+) -> None:
+    """Fine-tuning on judgments embeds every row from its photo: the training rows (the folder's, then the
+    judged photos past them), the held-out judgments' photos and the unjudged sample as served and as the
+    check's view must be the pictures whose cached features the run and its gate's baseline were made of."""
+    if with_folder:
+        config = tiny_train_config(
+            labelled_folder, feature_cache, feedback=str(partly_judged_index), mode="finetune"
+        )
+    else:
+        config = alone(partly_judged_index, feature_cache, mode="finetune")
+    data = prepare_data(config, feature_cache, progress=False)
+    files, views = finetune_inputs(data)
+    assert data.judged is not None and (views[UNJUDGED_SPLIT].positions >= 0).sum() == len(
+        data.judged.unjudged.items
+    )
+    embedder = Embedder(feature_cache / "backbones" / config.backbone / "model.onnx")
+    preprocessing = BACKBONES[config.backbone].preprocessing
+    for split in ("train", "val", "test", JUDGED_SPLIT, UNJUDGED_SPLIT):
+        shown = ImageFiles(files[split], preprocessing, views=views.get(split))
+        pictures = np.stack([shown[row][1].numpy() for row in range(len(shown))])
+        np.testing.assert_allclose(embedder.embed_tensor(pictures), data.features[split], atol=1e-4)
+
+
+@pytest.mark.slow  # measures and runs real fine-tuning steps on the CPU
+def test_without_mode_the_cpu_budget_fine_tunes_on_judgments_and_the_gate_judges_it(
+    partly_judged_index: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    """--feedback was frozen-only: now the CPU's budget picks the mode as for a folder (a fine-tuning step
+    measured here, the judged photos counted), and the fine-tuned run goes through the same gate."""
+    out = tmp_path / "run"
+    command = ["train", "--loss", "triplet", "--feedback", str(partly_judged_index), "--out", str(out)]
+    command += ["--cache-dir", str(feature_cache), "--time-budget", "30", "-p", "embedding_dim=16"]
+    command += ["-p", "max_steps=2", "-p", "eval_every=1", "-p", "workers=0", "-p", "train_size=64"]
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 0, result.output
+    assert "measuring a fine-tuning step" in result.output and "finetune: 2 steps fit" in result.output
+    run = RunDirectory(out)
+    config = run.require_config()
+    assert (config.mode, config.max_steps, config.time_budget) == ("finetune", 2, 1800.0)
+    summary = run.read_summary()
+    assert summary is not None and summary.mode == "finetune" and summary.steps == 2
+    assert summary.frozen_stage is not None  # fine-tuned from a head first trained on the judgments, frozen
+    gate = summary.feedback
+    assert (
+        gate is not None
+        and gate.unjudged is not None
+        and f"trained on {gate.judgments_trained}" in result.output
+    )
+    exported = CliRunner().invoke(app, ["export", str(out), "--out", str(tmp_path / "model.onnx")])
+    assert exported.exit_code == (0 if gate.passed else 2), exported.output
