@@ -264,7 +264,7 @@ def test_the_cli_trains_on_judgments_and_export_follows_the_gate(
     out = tmp_path / "run"
     words = ["train", "--loss", "triplet", "--feedback", str(judged_index), "--out", str(out)]
     words += ["--cache-dir", str(feature_cache), "-p", "max_steps=20", "-p", "eval_every=10"]
-    words += ["-p", "embedding_dim=16", "-p", "head_hidden=32"]
+    words += ["-p", "embedding_dim=16", "-p", "head_hidden=32", "--mode", "frozen"]  # no fine-tuning measured
     result = CliRunner().invoke(app, words)
     assert result.exit_code == 0, result.output
     gate = RunDirectory(out).read_summary().feedback
@@ -299,7 +299,7 @@ def test_without_loss_the_cli_trains_judgments_with_the_cross_validated_loss(
 ) -> None:
     out = tmp_path / "run"
     words = ["train", "--feedback", str(judged_index), "--out", str(out), "--cache-dir", str(feature_cache)]
-    words += ["-p", "max_steps=10", "-p", "eval_every=5", "-p", "head_hidden=32"]
+    words += ["-p", "max_steps=10", "-p", "eval_every=5", "-p", "head_hidden=32", "--mode", "frozen"]
     result = CliRunner().invoke(app, words)
     assert result.exit_code == 0, result.output
     run = RunDirectory(out)
