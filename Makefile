@@ -26,8 +26,11 @@ demo: setup
 test: setup
 	$(BIN)/pytest -q -m "not slow" -n auto --dist loadfile
 
+# Every test: the fast tier as `make test` does, then the slow tier in one process (its tests start servers,
+# clusters, a browser and containers, and time their deadlines).
 test-all: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -m "not slow" -n auto --dist loadfile
+	$(BIN)/pytest -q -m slow
 
 lint: setup typecheck
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
