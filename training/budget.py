@@ -217,9 +217,10 @@ def measure(config: TrainConfig, *, clock: Clock = time.perf_counter, load: Load
 def split_sizes(config: TrainConfig) -> dict[str, int]:
     """Images of each split that a run of ``config`` trains on, validates and tests: a label-free run's
     held-out photos count twice (as served and as an augmented view), its pseudo-label refreshes embed
-    the training photos again, counted as that many more validation images, and its gate's neighbourhood
-    check embeds them once more at the end with a strong view of each validation photo, counted with the
-    test images. Judgments (``feedback``) add their photos (:func:`judged_split_sizes`)."""
+    the training photos again, counted as that many more validation images, its gate's neighbourhood
+    check embeds them once more at the end with a strong view of each validation photo, and the copy
+    finder decodes every photo for its perceptual signature, both counted with the test images. Judgments
+    (``feedback``) add their photos (:func:`judged_split_sizes`)."""
     if config.data is None:
         return judged_split_sizes(config, {"train": 0, "val": 0, "test": 0})
     sizes = _folder_split_sizes(config)
@@ -258,10 +259,14 @@ def _folder_split_sizes(config: TrainConfig) -> dict[str, int]:
     # that many more evaluated images.
     refreshed = math.ceil(len(plan.train) / FINETUNE_REFRESH_EPOCHS)
     gate = len(plan.train) + len(plan.val)  # the trainer's _neighbourhood_check
+    # The copy finder's perceptual signatures decode every photo once more (training.copies), counted as
+    # one evaluated image each: a camera photo's decode costs about a forward pass, a small one's a fifth
+    # (bench/results/build_speed_signatures.md). Counted as the features are, cached or not.
+    signed = len(loose)
     return {
         "train": len(plan.train),
         "val": 2 * len(plan.val) + refreshed,
-        "test": 2 * len(plan.test) + gate,
+        "test": 2 * len(plan.test) + gate + signed,
     }
 
 

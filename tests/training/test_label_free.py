@@ -267,9 +267,10 @@ def test_the_cpu_budget_counts_a_label_free_runs_held_out_views_and_refreshes(
     flat_folder: Path, labelled_folder: Path
 ) -> None:
     sizes = split_sizes(TrainConfig(loss="ms", data=str(flat_folder)))
-    # 60 photos: 6 + 6 held out, each twice; 48 training photos, embedded again every 3 epochs; and at the
-    # end the gate's neighbourhood check: the 48 training photos and a strong view of the 6 validating
-    assert sizes == {"train": 48, "val": 12 + 16, "test": 12 + 48 + 6}
+    # 60 photos: 6 + 6 held out, each twice; 48 training photos, embedded again every 3 epochs; at the
+    # end the gate's neighbourhood check: the 48 training photos and a strong view of the 6 validating; and
+    # before the first step the copy finder's perceptual signatures: one more decode of each of the 60
+    assert sizes == {"train": 48, "val": 12 + 16, "test": 12 + 48 + 6 + 60}
     labelled = split_sizes(TrainConfig(loss="ms", data=str(labelled_folder)))
     assert labelled == {"train": 20, "val": 10, "test": 30}  # 6 training classes (2 validating), 6 test
 
