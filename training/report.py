@@ -344,10 +344,14 @@ def _summary_html(run_path: Path, comparison: Comparison, embedded: RunEmbedding
             "training started from, so it is not compared with the backbone as a trained model: only the "
             "training curves are shown.</p>"
         )
+    scores = "Recall@1"
+    if gate.label_free:  # the gate's verdict leads: the test photos' check alone is not what serves a run
+        verdict = "better" if gate.passed else "not served"
+        scores = "on the held-out test photos' check (neither served nor refused on it), Recall@1"
     return (
         f"<dl>{items}</dl>"
         f"<p class='verdict {verdict.replace(' ', '-')}'>Trained vs the untrained backbone: "
-        f"<b>{html.escape(verdict)}</b>. Recall@1 {100 * comparison.trained['recall@1']:.2f} vs "
+        f"<b>{html.escape(verdict)}</b>. {scores} {100 * comparison.trained['recall@1']:.2f} vs "
         f"{100 * comparison.untrained['recall@1']:.2f}: {100 * interval.difference:+.2f} points, "
         f"{100 * interval.level:.0f}% CI [{100 * interval.low:+.2f}, {100 * interval.high:+.2f}] "
         f"(paired bootstrap, {interval.resamples} resamples of the queries).</p>" + _metrics_table(comparison)
@@ -362,7 +366,8 @@ dt { font-weight: 600; } dd { margin: 0; }
 table { border-collapse: collapse; margin: 1em 0; } td, th { border: 1px solid #ccc; padding: 0.3em 0.7em; }
 td { text-align: right; } th { text-align: left; background: #f6f6f6; }
 .verdict { padding: 0.7em 1em; border-radius: 6px; font-size: 1.1em; }
-.better { background: #e3f4e3; } .worse { background: #f9e0e0; } .not-distinguishable { background: #f2f2f2; }
+.better { background: #e3f4e3; } .worse, .not-served { background: #f9e0e0; }
+.not-distinguishable { background: #f2f2f2; }
 figure { margin: 0; } img { max-width: 100%; } figcaption { color: #555; margin-bottom: 0.6em; }
 """
 

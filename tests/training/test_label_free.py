@@ -17,9 +17,10 @@ from cli.main import app
 from engine.gallery.hashing import file_hash
 from engine.model.embedder import Embedder
 from tests.support.train_config import tiny_train_config
-from training import trainer
+from training import report, trainer
 from training.backbone import BACKBONES
 from training.budget import split_sizes
+from training.comparison import Comparison, ServingCheck
 from training.config import TrainConfig
 from training.data import LOOSE
 from training.features import FeatureExtractor
@@ -78,6 +79,28 @@ def test_a_flat_folder_trains_without_labels_and_its_run_evaluates_reports_and_e
     exported = runner.invoke(app, ["export", str(out), "--force"])
     assert exported.exit_code == 0, exported.output
     assert Embedder(out / "model.onnx").card.embedding_dim == 16
+
+
+def test_the_report_of_a_refused_label_free_run_leads_with_the_gates_verdict(
+    flat_folder: Path, feature_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The held-out test photos' check can find a run better where the gate (both checks, on the validation
+    photos) refused it: the page said "better" beside "served: no". It now leads with the gate's verdict."""
+    out = tmp_path / "run"
+    _train(flat_folder, out, feature_cache, "-p", "max_steps=4", "-p", "eval_every=2")
+    refused = ServingCheck(False, "neighbourhood agreement: not distinguishable", False, label_free=True)
+    monkeypatch.setattr(report, "serving_check", lambda run: refused)
+    monkeypatch.setattr(Comparison, "verdict", property(lambda comparison: "better"))  # the test check's
+    reported = runner.invoke(app, ["report", str(out)])
+    assert reported.exit_code == 0, reported.output
+    page = (out / "report.html").read_text()
+    assert "<dd>no: the run learned nothing usable without labels" in page
+    assert "<b>better</b>" not in page and "class='verdict better'" not in page
+    assert "<b>not served</b>" in page and "on the held-out test photos' check" in page
+    served = ServingCheck(True, "both checks better", False, label_free=True)
+    monkeypatch.setattr(report, "serving_check", lambda run: served)
+    assert runner.invoke(app, ["report", str(out)]).exit_code == 0
+    assert "class='verdict better'" in (out / "report.html").read_text()
 
 
 def test_train_without_loss_on_a_flat_folder_trains_the_label_free_recommended_loss(
