@@ -29,7 +29,7 @@ The checks (each on the held-out photos, against their own untrained score):
 from __future__ import annotations
 
 import csv
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ import torch
 
 from foundation.atomic import atomic_path
 from training.bootstrap import paired_bootstrap
+from training.config import TrainConfig
 from training.data import LabelledImages, load_labelled_images
 from training.features import SHARD_SIZE, Augmentation, FeatureExtractor
 from training.label_free_data import NEIGHBOURS, label_free_images, plan_label_free
@@ -60,9 +61,13 @@ Embed = Callable[[np.ndarray], np.ndarray]
 def subset_table(data: Path, classes: int, per_class: int, out: Path, *, first: int = 0) -> Path:
     """A ``path,label`` table of the first ``per_class`` readable-looking photos (by name) of ``classes``
     classes of the labelled folder ``data``, from its class ``first`` (counted from 0, in name order)."""
-    images = load_labelled_images(data)
+    return class_table(load_labelled_images(data), range(first, first + classes), per_class, out)
+
+
+def class_table(images: LabelledImages, class_ids: Iterable[int], per_class: int, out: Path) -> Path:
+    """A ``path,label`` table of the first ``per_class`` photos of each class of ``class_ids``, in order."""
     rows = []
-    for label in range(first, first + classes):
+    for label in class_ids:
         members = np.flatnonzero(images.labels == label)[:per_class]
         rows += [(str(images.root / images.paths[i]), images.class_names[label]) for i in members]
     return _write(out, rows)
@@ -171,6 +176,19 @@ def class_recall(subset: Subset, embed: Embed, rows: np.ndarray) -> float:
     return float(top_hits(embed(subset.served[rows]), subset.labels[rows]).hit.mean())
 
 
+def objective_embed(config: TrainConfig, weights: dict[str, Any], dimension: int) -> Embed:
+    """Cached backbone features (``dimension`` wide) to embeddings under a run's objective ``weights``."""
+    objective = build_objective(config, dimension)
+    objective.load_state_dict(weights)
+    objective.eval()
+
+    def embed(features: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return objective.embed(torch.from_numpy(np.ascontiguousarray(features))).numpy()
+
+    return embed
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     step: int
@@ -225,15 +243,9 @@ def train_in_chunks(
     for target in range(0, steps + 1, every):
         train(config.model_copy(update={"max_steps": target}), run, progress=False)
         last = RunDirectory(run).require_last()
-        objective = build_objective(config, subset.served.shape[1])
-        objective.load_state_dict(last.objective)
-        objective.eval()
-
-        def embed(features: np.ndarray, objective: Any = objective) -> np.ndarray:
-            with torch.no_grad():
-                return objective.embed(torch.from_numpy(np.ascontiguousarray(features))).numpy()
-
-        checkpoints.append(scored(last.progress.step, embed))
+        checkpoints.append(
+            scored(last.progress.step, objective_embed(config, last.objective, subset.served.shape[1]))
+        )
         if last.progress.stopped:
             break
     return checkpoints, scored(-1, lambda features: features.copy()), len(held)
