@@ -5,10 +5,23 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bench.lib.label_free import markdown, run_setting
-from bench.lib.label_free_gate import Verdict, both, summary_rows
+from bench.lib.label_free_cv import (
+    CVRow,
+    auto_choice,
+    fold_classes,
+    fold_tables,
+    gate_tally,
+    merged,
+    per_loss,
+    run_fold,
+    winners,
+)
+from bench.lib.label_free_cv import markdown as cv_markdown
+from bench.lib.label_free_gate import Subset, Verdict, both, summary_rows
 from training.data import load_labelled_images, split_classes
 from training.features import FeatureExtractor
 from training.metrics import evaluate
@@ -65,3 +78,78 @@ def test_two_checks_gate_together_only_where_both_serve_the_same_checkpoint() ->
         rows["crop+strong-neighbours"]["served"] == 1
         and rows["strong-neighbours"]["served_below_untrained"] == 1
     )
+
+
+def test_class_folds_are_disjoint_and_spread_over_every_class() -> None:
+    folds = fold_classes(196, 3, 32)
+    assert [len(f) for f in folds] == [32, 32, 32]
+    assert not set(folds[0]) & set(folds[1]) and not set(folds[1]) & set(folds[2])
+    assert folds[0][:2] == [0, 6] and folds[2][-1] == 188  # every sixth class, to the end of the classes
+    with pytest.raises(ValueError, match="do not fit"):
+        fold_classes(196, 3, 98)
+
+
+def _row(method: str, fold: int, seed: int, own: float, unseen: float, served: bool = False) -> CVRow:
+    return CVRow(method, fold, seed, 400, 50 + own, 50.0, 40 + unseen, 40.0, served, 200, "-", "-", 1.0)
+
+
+def test_the_cv_tables_say_how_the_choice_moved_and_what_the_gate_served() -> None:
+    rows = [
+        *(_row("ms", k, 0, 1.0, 1.0) for k in range(3)),
+        _row("ms", 0, 1, 2.0, 1.0),
+        # angular: better on average, and on fold 2 below ms by more than the seeds' spread (1 point)
+        _row("angular", 0, 0, 4.0, 3.0, served=True),
+        _row("angular", 1, 0, 4.0, 3.0),
+        _row("angular", 2, 0, -1.0, -2.0, served=True),
+        _row("angular", 0, 1, 3.0, 3.0),
+        # magnet: a little better than ms everywhere
+        *(_row("magnet", k, 0, 1.5, 1.5) for k in range(3)),
+    ]
+    table = per_loss(rows)
+    assert table["angular"]["own-gallery"]["mean"] == 2.5 and table["angular"]["own-gallery"]["sd"] == 2.38
+    assert table["angular"]["own-gallery"]["by_fold"] == {0: 3.5, 1: 4.0, 2: -1.0}
+    assert table["angular"]["unseen"]["served_mean"] == round((3.0 - 2.0) / 4, 2)  # refused runs count 0
+    moved = winners(rows, "own-gallery")
+    assert moved["fold 0 seed 0"].startswith("angular") and moved["fold 2 seed 0"].startswith("magnet")
+    assert "fold 0 seed 1" not in moved  # magnet has no seed 1 there: no winner among all losses
+    assert "seed 1" not in moved and moved["seed 0"].startswith("angular")
+    gate = gate_tally(rows)
+    assert (gate["runs_served"], gate["served_below_untrained"], gate["worst_served"]) == (2, 2, -2.0)
+    assert gate["cases"] == 2 * len(rows) and gate["refused_gained"] == 2 * (len(rows) - 2)
+    choice = auto_choice(rows)
+    assert choice["seed_spread"] == 1.0
+    assert choice["eligible"] == ["ms", "magnet"] and choice["chosen"] == "magnet"
+    assert auto_choice([r for r in rows if r.method != "magnet"])["chosen"] == "ms"  # angular not eligible
+    text = cv_markdown(rows, ["python bench/label_free_cv.py"], fold_classes(196, 3, 32), 16)
+    assert "| angular | 0 | 0 | 400 | 200 | 54.00 | 50.00 | +4.00 |" in text and "'chosen': 'magnet'" in text
+
+
+def test_a_merged_record_keeps_its_own_rows_and_adds_the_others_runs() -> None:
+    mine = {"commands": ["a"], "rows": [_row("ms", 0, 0, 1.0, 1.0).to_dict()]}
+    other = {
+        "commands": ["b"],
+        "rows": [_row("ms", 0, 0, 9.0, 9.0).to_dict(), _row("ms", 1, 0, 2.0, 2.0).to_dict()],
+    }
+    both_records = merged(mine, other)
+    assert both_records["commands"] == ["a", "b"]
+    assert [CVRow.from_dict(r).gain("unseen") for r in both_records["rows"]] == [1.0, 2.0]
+
+
+def test_a_fold_run_trains_without_labels_and_is_scored_on_its_own_and_the_next_folds_classes(
+    labelled_folder: Path, feature_cache: Path, tmp_path: Path
+) -> None:
+    folds = fold_classes(12, 3, 4)  # 12 classes of 5: folds of 4 classes, 20 photos
+    every, tables = fold_tables(labelled_folder, folds, 5, tmp_path)
+    subset = Subset.load(every, feature_cache)
+    rows = [np.arange(20 * k, 20 * (k + 1)) for k in range(3)]
+    tiny = {"embedding_dim": 16, "head_hidden": 32, "copies": "exact"}
+    row = run_fold("contrastive", 2, subset, rows, tables, tmp_path, seed=0, steps=4, every=2, **tiny)
+    config = json.loads((tmp_path / "runs" / "contrastive-fold2-seed0" / "config.json").read_text())
+    assert config["labels"] == "none" and config["data"] == str(tables[2]) and config["max_steps"] == 4
+    images = load_labelled_images(every)
+    assert set(images.labels[rows[2]]) == {2, 5, 8, 11}  # fold 2: every third class from class 2
+    for setting, scored in (("own_gallery", rows[2]), ("unseen", rows[0])):  # the next fold of 2 is 0
+        expected = evaluate(subset.served[scored], images.labels[scored])["recall@1"]
+        assert getattr(row, f"{setting}_untrained") == round(100 * expected, 2)
+    summary = json.loads((tmp_path / "runs" / "contrastive-fold2-seed0" / "summary.json").read_text())
+    assert row.served == bool(summary["beats_backbone"]) and row.steps == 4
