@@ -184,6 +184,13 @@ def build_index(
     decode_workers: Annotated[
         int, typer.Option(min=0, help="Threads decoding images while the model embeds (0 = none).")
     ] = defaults.DECODE_WORKERS,
+    decode_cpu_seconds: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            help="CPU seconds decoding one image may take; a file past it is skipped with the reason.",
+        ),
+    ] = defaults.DECODE_CPU_SECONDS,
     index_type: IndexTypeOption = None,
     memory_budget: BudgetOption = None,
     target_recall: RecallOption = None,
@@ -221,6 +228,7 @@ def build_index(
     """Embed the images under GALLERY into an index; re-running embeds only new or changed files."""
     from engine.build.embedding import LocalRunner
     from engine.build.indexing import build_index as run_build
+    from engine.decode.pool import DecodeLimits
     from engine.model.embedder import Embedder
     from foundation.stopping import StopRequested, stop_on_signals
     from index.sharding import Shard
@@ -229,13 +237,14 @@ def build_index(
         raise fail(f"gallery folder {gallery} does not exist")
     try:
         embedder = Embedder(model_for_index(out, model), threads=threads)
+        limits = DecodeLimits(cpu_seconds=decode_cpu_seconds)
         runner: contextlib.AbstractContextManager[EmbeddingRunner]
         if ray is None:
-            runner = contextlib.nullcontext(LocalRunner(decode_workers))
+            runner = contextlib.nullcontext(LocalRunner(decode_workers, limits))
         else:
             from engine.build.ray_runner import RayRunner
 
-            runner = RayRunner(None if ray == RAY_LOCAL else ray)
+            runner = RayRunner(None if ray == RAY_LOCAL else ray, decode_limits=limits)
         # SIGTERM/SIGINT: stop after the batch being added (handlers set once Ray, which sets its own, is up)
         with runner as chosen, stop_on_signals():
             report = run_build(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -13,7 +13,7 @@ import numpy as np
 
 from engine.build.prefetch import WORKER_NICENESS, DecodedFile, decode_file, prefetch
 from engine.build.report import BuildReport
-from engine.decode.pool import DecodePool
+from engine.decode.pool import DecodeLimits, DecodePool
 from engine.gallery.files import resolves_inside
 from engine.gallery.hashing import GalleryFile, file_hash, label_of
 from engine.model.embedder import Embedder
@@ -96,9 +96,11 @@ class EmbeddingRunner(Protocol):
 
 @dataclass(frozen=True)
 class LocalRunner:
-    """Hashing on threads, decoding in ``decode_workers`` processes, embedding in this process."""
+    """Hashing on threads, decoding in ``decode_workers`` processes (each image within ``decode_limits``),
+    embedding in this process."""
 
     decode_workers: int = DECODE_WORKERS
+    decode_limits: DecodeLimits = field(default_factory=DecodeLimits)
 
     def hash_files(
         self, root: Path, files: Sequence[Path], report: BuildReport, progress: bool
@@ -123,6 +125,7 @@ class LocalRunner:
             batch_size=batch_size,
             progress=progress,
             decode_workers=self.decode_workers,
+            decode_limits=self.decode_limits,
         )
 
 
@@ -135,13 +138,14 @@ def embed_files(
     batch_size: int,
     progress: bool,
     decode_workers: int = DECODE_WORKERS,
+    decode_limits: DecodeLimits | None = None,
 ) -> None:
     """Decode, embed and add ``files`` batch by batch; each batch is durable once added, and a stop signal
     (``foundation.stopping``) ends the work there.
 
-    ``decode_workers`` processes (``engine.decode.pool``: a file over its time or memory limit is skipped,
-    with the reason) decode and preprocess the next batches (and compute their perceptual signatures)
-    while the model embeds this one.
+    ``decode_workers`` processes (``engine.decode.pool``: a file over its time or memory limit, the
+    defaults or ``decode_limits``, is skipped with the reason) decode and preprocess the next batches (and
+    compute their perceptual signatures) while the model embeds this one.
     """
     preprocessing = embedder.card.preprocessing
     batch: list[tuple[GalleryFile, DecodedFile]] = []
@@ -158,7 +162,7 @@ def embed_files(
 
     # Two batches in flight: the next one is complete when the model finishes this one. One thread per
     # decode process waits for it.
-    pool = DecodePool(max(decode_workers, 1), niceness=WORKER_NICENESS)
+    pool = DecodePool(max(decode_workers, 1), decode_limits, niceness=WORKER_NICENESS)
     loaded = prefetch(
         files,
         lambda f: pool.run(decode_file, f.path, preprocessing),

@@ -31,7 +31,7 @@ import numpy as np
 from engine.build.embedding import BatchCommitter, EmbeddingProgress, ItemSink, hash_files
 from engine.build.prefetch import FILE_ERRORS, WORKER_NICENESS, DecodedFile, decode_file, prefetch
 from engine.build.report import BuildReport
-from engine.decode.pool import DecodePool
+from engine.decode.pool import DecodeLimits, DecodePool
 from engine.gallery.hashing import GalleryFile, file_hash
 from engine.model.embedder import Embedder
 from engine.model.model_card import ModelCard
@@ -64,7 +64,8 @@ class RayRunner:
 
     ``actors``: at most this many embedding actors (default: as many as the cluster has CPUs over
     ``cpus_per_actor``); each runs onnxruntime on ``cpus_per_actor`` threads and decodes in
-    ``decode_workers`` processes. Use as a context manager: it connects on entry and disconnects on exit.
+    ``decode_workers`` processes, each image within ``decode_limits`` (default: the decode pool's). Use as
+    a context manager: it connects on entry and disconnects on exit.
     """
 
     def __init__(
@@ -74,11 +75,13 @@ class RayRunner:
         actors: int | None = None,
         cpus_per_actor: int = 1,
         decode_workers: int = 1,
+        decode_limits: DecodeLimits | None = None,
     ) -> None:
         self.address = address
         self.actors = actors
         self.cpus_per_actor = cpus_per_actor
         self.decode_workers = decode_workers
+        self.decode_limits = decode_limits
         self._ray = _ray()
 
     def __enter__(self) -> RayRunner:
@@ -153,6 +156,7 @@ class RayRunner:
                 "fingerprint": embedder.fingerprint,
                 "threads": self.cpus_per_actor,
                 "decode_workers": self.decode_workers,
+                "decode_limits": self.decode_limits,
             },
             # Every actor from the start (an autoscaled pool grows one actor at a time, which a build of a
             # few thousand images spends on one node), and down to one where nodes leave.
@@ -312,7 +316,14 @@ class EmbedActor:
     onnxruntime can open it.
     """
 
-    def __init__(self, model: Any, fingerprint: str, threads: int, decode_workers: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        fingerprint: str,
+        threads: int,
+        decode_workers: int,
+        decode_limits: DecodeLimits | None = None,
+    ) -> None:
         ray = _ray()
         files = ray.get(model) if isinstance(model, ray.ObjectRef) else model
         folder = Path(tempfile.gettempdir()) / "dmlsearch-ray-models" / fingerprint
@@ -325,7 +336,7 @@ class EmbedActor:
                 aside.replace(target)
         self.embedder = Embedder(folder / "model.onnx", threads=threads)
         self.decode_workers = max(decode_workers, 1)
-        self.pool = DecodePool(self.decode_workers, niceness=WORKER_NICENESS)
+        self.pool = DecodePool(self.decode_workers, decode_limits, niceness=WORKER_NICENESS)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         preprocessing = self.embedder.card.preprocessing

@@ -76,6 +76,7 @@ def test_bad_options_are_clear_errors(exported_model: Path, synthetic_gallery: P
     assert "at least 256 vectors" in _fails(*build, "--index-type", "ivfpq")
     assert "too small" in _fails(*build, "--index-type", "flat", "--memory-budget", "1k")
     assert _fails(*build, "--index-type", "lsh")
+    assert "--decode-cpu-seconds" in _fails(*build, "--decode-cpu-seconds", "0")
     assert "not an index directory" in _fails("index", "stats", tmp_path)
 
 
