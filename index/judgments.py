@@ -8,7 +8,8 @@ model's fingerprint. Both backends keep them behind :class:`JudgmentStore`:
   judgments naming an item in the same transaction that deletes the item.
 - Milvus: a collection beside the items' (``<collection>_judgments``, :class:`MilvusJudgments`), so every
   replica serving that collection, and a training run reading it, sees every judgment; ``MilvusBackend``
-  deletes the judgments naming the items it deletes.
+  deletes the judgments naming the items it deletes, and reads leave out a judgment naming an item the
+  items' collection no longer holds (one those deletes missed: ``MilvusJudgments._held``).
 
 Judgments follow their items by id: a move keeps ids (so them), a rebuild copies them under the kept ids,
 a merge under the ids the items' contents get (:func:`carry`). An uploaded query's embedding belongs to the
@@ -252,6 +253,7 @@ _MILVUS_FIELDS = [
     "time",
     "model_fingerprint",
 ]
+_FIELDS = [*_MILVUS_FIELDS, "query_vector"]  # a whole judgment
 _PAGE = 1000
 
 
@@ -277,6 +279,7 @@ class MilvusJudgments:
         # Judgments arrive one request at a time, between saves: flushed soon after, so that a restarted
         # server reads them at once (index.milvus_flush).
         self.flushes = flushes
+        self.items_collection = items_collection
         self.collection = f"{items_collection}_{TABLE}"
         self.dim = dim
         self.new_ids = new_ids
@@ -331,8 +334,8 @@ class MilvusJudgments:
         }
 
     def get(self, judgment_id: int) -> Judgment | None:
-        rows = self._query(f"id == {int(judgment_id)}", limit=1)
-        return rows[0] if rows else None
+        rows = self._held(self._rows(f"id == {int(judgment_id)}", limit=1))
+        return self._judgment(rows[0]) if rows else None
 
     def remove(self, judgment_id: int) -> bool:
         if self.get(judgment_id) is None:
@@ -350,11 +353,8 @@ class MilvusJudgments:
         return list(islice(self.scan(), offset, offset + limit))
 
     def scan(self) -> Iterator[Judgment]:
-        """Pages of ids above the last one seen (Milvus returns a limited query's smallest ids)."""
-        last = -1
-        while rows := self._query(f"id > {last}", limit=_PAGE):
-            yield from rows
-            last = rows[-1].id
+        """Every judgment in id order, less those naming an item that is gone (:meth:`_held`)."""
+        return (self._judgment(row) for row in self._scan(_FIELDS))
 
     def clear(self) -> int:
         count = len(self)
@@ -362,10 +362,38 @@ class MilvusJudgments:
         return count
 
     def __len__(self) -> int:
-        rows = self.server.query(
-            self.collection, filter="", output_fields=["count(*)"], consistency_level=self.consistency
-        )
-        return int(rows[0]["count(*)"])
+        """How many judgments :meth:`scan` reads (counted from their ids and items: the server's count
+        would take in the ones naming an item that is gone)."""
+        return sum(1 for _ in self._scan(["id", "query_item", "result"]))
+
+    def _scan(self, fields: list[str]) -> Iterator[dict]:
+        """Pages of rows above the last id seen (Milvus returns a limited query's smallest ids)."""
+        last = -1
+        while rows := self._rows(f"id > {last}", limit=_PAGE, fields=fields):
+            yield from self._held(rows)
+            last = int(rows[-1]["id"])
+
+    def _held(self, rows: list[dict]) -> list[dict]:
+        """``rows`` less the judgments naming an item (query or result) the items' collection does not hold.
+
+        Such a judgment is one the deletion of its item missed: in the ~30 s after a restart of the server
+        a removal finds the judgments naming its items at the ``Session`` level (:meth:`_delete`), which
+        can miss one another replica made moments before; and a judgment added while its item is being
+        removed elsewhere can land after the removal looked. Left stored, it is not listed, exported or
+        trained on as if its item were still there, and a rebuild does not copy it (:func:`carry`)."""
+        named = sorted({int(row[key]) for row in rows for key in ("result", "query_item")} - {NO_ITEM})
+        held: set[int] = set()
+        for start in range(0, len(named), _PAGE):
+            chunk = named[start : start + _PAGE]
+            found = self.server.query(
+                self.items_collection,
+                filter=id_list(chunk),
+                output_fields=["id"],
+                limit=len(chunk),
+                consistency_level=self.consistency,
+            )
+            held.update(int(row["id"]) for row in found)
+        return [row for row in rows if {int(row["result"]), int(row["query_item"])} - {NO_ITEM} <= held]
 
     def _delete(self, condition: str) -> None:
         """Delete the judgments that meet ``condition``, by their ids, recorded first (``tombstones``).
@@ -395,15 +423,16 @@ class MilvusJudgments:
                 self.collection, filter="id < 0", output_fields=["id"], consistency_level="Strong"
             )
 
-    def _query(self, condition: str, *, limit: int) -> list[Judgment]:
+    def _rows(self, condition: str, *, limit: int, fields: list[str] = _FIELDS) -> list[dict]:
+        """The rows that meet ``condition`` (their ``fields``), in id order."""
         rows = self.server.query(
             self.collection,
             filter=condition,
-            output_fields=[*_MILVUS_FIELDS, "query_vector"],
+            output_fields=fields,
             limit=limit,
             consistency_level=self.consistency,
         )
-        return sorted((self._judgment(row) for row in rows), key=lambda judgment: judgment.id)
+        return sorted(rows, key=lambda row: int(row["id"]))
 
     @staticmethod
     def _judgment(row: dict) -> Judgment:

@@ -176,3 +176,30 @@ def test_a_judgment_made_through_one_opening_of_the_index_is_seen_by_another(ind
         assert index.judgments.get(made.id) is None
     finally:
         other.close()
+
+
+@pytest.mark.parametrize("index", MILVUS_PARAMS, indirect=True)
+def test_a_judgment_that_the_removal_of_its_item_missed_is_not_read(index: GalleryIndex) -> None:
+    """Replicas on one Milvus collection (issue 42): a judgment another replica adds after checking its
+    items, landing after a removal of one of them looked for the judgments to delete (or one that removal
+    missed in the ~30 s after a restart of the server, when it looks at the ``Session`` level), stays
+    stored naming an item that is gone. It is not listed, counted, got or exported (`/v1/feedback`,
+    `dmlsearch feedback list/export` and `train --feedback` read the judgments through these)."""
+    ids = _ids(index)
+    store = index.judgments
+    kept = store.add(JudgedQuery(item=ids[0]), ids[1], 1, "m", TIME)
+    assert index.remove([ids[2], ids[3]]) == 2
+    missed = [
+        store.add(JudgedQuery(item=ids[0]), ids[2], -1, "m", TIME),  # its result is gone
+        store.add(JudgedQuery(item=ids[3]), ids[1], 1, "m", TIME),  # its query is gone
+        store.add(_upload(4), ids[2], 1, "m", TIME),  # an uploaded query's result is gone
+    ]
+    index.save()
+    assert list(store.scan()) == [kept]
+    assert store.page(0, 10) == [kept] and len(store) == 1
+    assert all(store.get(judgment.id) is None for judgment in missed)
+    other = GalleryIndex.open(index.directory, read_only=True)
+    try:
+        assert list(other.judgments.scan()) == [kept] and len(other.judgments) == 1
+    finally:
+        other.close()
