@@ -52,14 +52,23 @@ def post(server: ServerProcess, route: str, files: list, address: str) -> tuple[
     return response, time.perf_counter() - started
 
 
-def normal_search(server: ServerProcess, query: bytes, refused: list[str] | None = None) -> float:
+def normal_search(
+    server: ServerProcess,
+    query: bytes,
+    refused: list[str] | None = None,
+    queued: list[float | None] | None = None,
+) -> float:
     """Seconds a normal search took; one not answered 200 is added to ``refused`` (status and code), or
-    raises where there is none (the usual time)."""
+    raises where there is none (the usual time). ``queued`` gets the seconds it waited for a compute slot
+    (its answer's ``queue`` stage; None where not answered 200)."""
     response, seconds = post(server, "/v1/search", [("image", ("q.jpg", query))], NORMAL_ADDRESS)
     if response.status_code != 200:
         if refused is None:
             raise RuntimeError(f"a normal search got {response.status_code}: {response.text}")
         refused.append(f"{response.status_code} {response.json()['error']['code']} after {seconds:.1f} s")
+    if queued is not None:
+        ok = response.status_code == 200
+        queued.append(round(response.json()["timings_ms"]["queue"] / 1000.0, 3) if ok else None)
     return seconds
 
 

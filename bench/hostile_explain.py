@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 from hostile_budget import NORMAL_ADDRESS, load, normal_search, summary
-from hostile_fairness import Send, attack
+from hostile_fairness import Send, attack, queued_line
 from lib.hostile_images import jpeg_repeated_scan
 from lib.images import image_bytes, make_image, write_labelled_folder
 from lib.options import bench_parser, out_option
@@ -129,8 +129,8 @@ def markdown(result: dict) -> str:
         "",
         f"Beside the attack ({row['normal']['count']} searches): median {row['normal']['median_s']} s, "
         f"slowest {row['normal']['max_s']} s ({row['normal']['max_s'] - usual['max_s']:+.3f} s against the "
-        f"usual slowest); load average {row['load_before']} before, {row['load_after']} after. Not "
-        f"answered 200: {', '.join(row['normal_refused']) or 'none'}; /healthz after: "
+        f"usual slowest; {queued_line(row)}); load average {row['load_before']} before, {row['load_after']} "
+        f"after. Not answered 200: {', '.join(row['normal_refused']) or 'none'}; /healthz after: "
         f"{row['healthz_after']}. Server resident memory {row['rss_before_mb']} MB before, peak "
         f"{row['peak_rss_mb']} MB during the attack.",
         "",

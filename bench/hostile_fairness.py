@@ -111,18 +111,25 @@ def attack(
         thread.start()
     time.sleep(1.0)  # the hostile requests under way
     normal: list[float] = []
+    queued: list[float | None] = []
     refused: list[str] = []
     while any(thread.is_alive() for thread in threads):
-        normal.append(normal_search(server, query, refused))
+        normal.append(normal_search(server, query, refused, queued))
     for thread in threads:
         thread.join()
     return {
         "load_before": before,
         "load_after": load(),
         "normal": summary(normal),
+        "slowest_queued_s": queued[normal.index(max(normal))],  # of it, waiting for a compute slot
         "normal_refused": refused,
         "hostile": tallies,
     }
+
+
+def queued_line(row: dict) -> str:
+    """Where the slowest normal search's time went: how much of it waiting for a compute slot."""
+    return f"{row['slowest_queued_s']} s of it waiting for a compute slot"
 
 
 def markdown(result: dict) -> str:
@@ -140,8 +147,8 @@ def markdown(result: dict) -> str:
         "",
         f"Beside the attack ({row['normal']['count']} searches): median {row['normal']['median_s']} s, "
         f"slowest {row['normal']['max_s']} s ({row['normal']['max_s'] - usual['max_s']:+.3f} s against the "
-        f"usual slowest); load average {row['load_before']} before, {row['load_after']} after. Not "
-        f"answered 200: {', '.join(row['normal_refused']) or 'none'}; /healthz after: "
+        f"usual slowest; {queued_line(row)}); load average {row['load_before']} before, {row['load_after']} "
+        f"after. Not answered 200: {', '.join(row['normal_refused']) or 'none'}; /healthz after: "
         f"{row['healthz_after']}.",
         "",
         "| hostile client | answers | its slowest s |",
