@@ -6,6 +6,8 @@ them, or too few held-out queries to show what it learned. From the numbers the 
 
 - the training judgments, 👍 and 👎, their queries, and how many of the 👎 are ranked above a 👍 of their
   query by the served vectors (:func:`wrong_near_top`);
+- the held-out queries: fewer than :func:`training.bootstrap.fewest_pairs_for` (6) show no gain however
+  they moved, so at least that many are needed whatever else the run saw;
 - the held-out gate's difference ``d`` and the half-width ``h`` of its interval: the interval narrows as
   one over the square root of the held-out queries, so ``(h / d)^2`` times as many judged queries would
   make a gain of ``d`` clear of zero (:func:`queries_for_a_clear_gain`). Where ``d <= 0`` nothing scales:
@@ -20,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from training.bootstrap import Interval
+from training.bootstrap import Interval, fewest_pairs_for
 from training.feedback_data import JudgedPair
 
 
@@ -75,7 +77,16 @@ def judge_more(
             "right ones 👍)"
         )
     needed = queries_for_a_clear_gain(interval, held_out_queries)
-    if needed is not None and needed > held_out_queries:
+    least = fewest_pairs_for(interval.level)
+    if held_out_queries < least:
+        needed = max(needed or 0, least)
+        why = (
+            f"{held_out_queries} held-out {'query' if held_out_queries == 1 else 'queries'} cannot show a "
+            f"gain however they moved: it takes at least {least}, and about {needed} held-out queries would "
+            f"do (the gate holds out {100 * held_out_share:.0f}% of the queries with both a 👍 and a 👎)"
+        )
+        more_queries = math.ceil((needed - held_out_queries) / held_out_share)
+    elif needed is not None and needed > held_out_queries:
         more_queries = math.ceil((needed - held_out_queries) / held_out_share)
         why = (
             f"the held-out judgments gained {100 * interval.difference:+.1f} points, within "

@@ -109,14 +109,11 @@ def test_the_gate_refuses_a_run_that_spoils_the_unjudged_photos() -> None:
     kept = unjudged_check(photos, before, before @ np.eye(16)[::-1], baseline="served", seed=0)  # a rotation
     assert kept.passed and kept.neighbours_kept == 1.0 and kept.recall_after == kept.recall_before
 
-    pairs = [JudgedPair(0, 1, 1), JudgedPair(0, 2, -1), JudgedPair(3, 4, 1), JudgedPair(3, 5, -1)]
-    axis = np.eye(3)
-    judged_before = {0: axis[0], 1: axis[1], 2: axis[0], 3: axis[0], 4: axis[1], 5: axis[0]}
-    judged_after = {**judged_before, 1: axis[0], 2: axis[2], 4: axis[0], 5: axis[2]}  # both queries fixed
+    pairs, judged_before, judged_after = _ranked_queries(6, improved=6)  # every held-out query fixed
 
     def gate(unjudged: object) -> object:
         return feedback_gate(
-            index="i", trained=8, validation=0, held_out=pairs * 4, uploads=0, before=judged_before,
+            index="i", trained=8, validation=0, held_out=pairs, uploads=0, before=judged_before,
             after=judged_after, unjudged=unjudged, seed=0,
         )  # fmt: skip
 
@@ -367,3 +364,51 @@ def test_without_mode_the_cpu_budget_fine_tunes_on_judgments_and_the_gate_judges
     )
     exported = CliRunner().invoke(app, ["export", str(out), "--out", str(tmp_path / "model.onnx")])
     assert exported.exit_code == (0 if gate.passed else 2), exported.output
+
+
+def _ranked_queries(queries: int, improved: int) -> tuple[list[JudgedPair], dict, dict]:
+    """``queries`` held-out queries (a 👍 and a 👎 each) ranked wrong by the served vectors; the trained ones
+    rank the first ``improved`` of them right and leave the others as they were."""
+    axis = np.eye(3)
+    pairs, before, after = [], {}, {}
+    for query in range(queries):
+        q, like, unlike = 3 * query, 3 * query + 1, 3 * query + 2
+        pairs += [JudgedPair(q, like, 1), JudgedPair(q, unlike, -1)]
+        served = {q: axis[0], like: axis[1], unlike: axis[0]}
+        before.update(served)
+        after.update({q: axis[0], like: axis[0], unlike: axis[1]} if query < improved else served)
+    return pairs, before, after
+
+
+@pytest.mark.parametrize("queries", [1, 2, 3, 5])
+def test_too_few_held_out_queries_are_no_proof_however_they_moved(queries: int) -> None:
+    """Each held-out query improved: the bootstrap interval over so few queries is [+1, +1], but a model no
+    better than the served one improves all of 1, 2 or 3 queries by chance in 1 of 2, 4 or 8 runs; no test
+    at 95% can tell a gain from fewer than 6 (2^-6 < 2.5%), so the gate has no verdict and says so."""
+    pairs, before, after = _ranked_queries(queries, improved=queries)
+    gate = feedback_gate(
+        index="i", trained=8, validation=0, held_out=pairs, uploads=0, before=before, after=after,
+        unjudged=None, seed=0,
+    )  # fmt: skip
+    assert gate.interval.low == 1.0  # what the interval alone says
+    assert not gate.judgments_better and not gate.passed
+    assert f"no verdict from {queries} held-out quer" in gate.describe() and "at least 6" in gate.describe()
+    advice = judge_more(pairs, before, interval=gate.interval, held_out_queries=queries, held_out_share=0.2)
+    more = -(-(6 - queries) * 5)  # ceil((6 - queries) / 0.2): to hold out 6
+    assert "cannot show a gain however they moved: it takes at least 6" in advice
+    assert f"the top 2 of about {more} more queries" in advice
+
+
+def test_enough_held_out_queries_that_all_improved_pass_and_a_mixed_few_do_not() -> None:
+    pairs, before, after = _ranked_queries(6, improved=6)
+    gate = feedback_gate(
+        index="i", trained=8, validation=0, held_out=pairs, uploads=0, before=before, after=after,
+        unjudged=None, seed=0,
+    )  # fmt: skip
+    assert gate.judgments_better and gate.p_value == pytest.approx(1 / 64)
+    pairs, before, after = _ranked_queries(8, improved=6)  # two unchanged: ties no sign flip moves
+    gate = feedback_gate(
+        index="i", trained=8, validation=0, held_out=pairs, uploads=0, before=before, after=after,
+        unjudged=None, seed=0,
+    )  # fmt: skip
+    assert gate.interval.low > 0 and gate.p_value == pytest.approx(1 / 64) and gate.judgments_better
