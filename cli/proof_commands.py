@@ -28,7 +28,8 @@ def _percent(value: float) -> str:
     return f"{100 * value:+.2f}"
 
 
-def _comparison_text(comparison: Comparison) -> str:
+def _comparison_text(comparison: Comparison, run: Path | None = None) -> str:
+    """The metrics, the interval and the verdict; for a ``run`` that export refuses, that it is not served."""
     interval = comparison.recall_at_1
     names = [name for name in METRIC_ORDER if name in comparison.trained]
     rows = [f"{'':10}" + "".join(f"{name:>10}" for name in names)]
@@ -52,6 +53,11 @@ def _comparison_text(comparison: Comparison) -> str:
         )
     else:
         rows.append(f"verdict: {comparison.verdict} (trained vs the untrained backbone)")
+    from training.comparison import serving_check
+
+    served = None if run is None else serving_check(run)
+    if served is not None and not served.passed:
+        rows.append(f"not served: `dmlsearch export` refuses it ({served.detail})")
     return "\n".join(rows)
 
 
@@ -84,7 +90,7 @@ def evaluate(
         if as_json:
             typer.echo(json.dumps(comparison.to_dict(), indent=2))
         else:
-            typer.echo(_comparison_text(comparison))
+            typer.echo(_comparison_text(comparison, target))
             typer.echo(f"saved {saved}")
         return
     if not (target.is_file() and target.suffix == ".onnx"):
@@ -118,5 +124,5 @@ def report(
     comparison, embedded = compare_run(run_dir, data, resamples=resamples, seed=seed)
     save_comparison(run_dir, comparison)
     written = write_report(run_dir, comparison, embedded, seed=seed)
-    typer.echo(_comparison_text(comparison))
+    typer.echo(_comparison_text(comparison, run_dir))
     typer.echo(f"wrote {written.html_path} ({len(written.plots)} plots; open it in a browser)")

@@ -348,13 +348,24 @@ def _summary_html(run_path: Path, comparison: Comparison, embedded: RunEmbedding
     if gate.label_free:  # the gate's verdict leads: the test photos' check alone is not what serves a run
         verdict = "better" if gate.passed else "not served"
         scores = "on the held-out test photos' check (neither served nor refused on it), Recall@1"
+    # Nor is a labelled run that export refuses shown as an improvement where its test classes gained (the
+    # trials of issue 39): its banner is neutral and says so.
+    refused = verdict == "better" and not gate.passed
+    shade = "not-distinguishable" if refused else verdict.replace(" ", "-")
+    why = (
+        " This is the test images' verdict, but it is <b>not served</b>: `dmlsearch export` refuses it "
+        "(see <i>served</i> above)."
+        if refused
+        else ""
+    )
     return (
         f"<dl>{items}</dl>"
-        f"<p class='verdict {verdict.replace(' ', '-')}'>Trained vs the untrained backbone: "
+        f"<p class='verdict {shade}'>Trained vs the untrained backbone: "
         f"<b>{html.escape(verdict)}</b>. {scores} {100 * comparison.trained['recall@1']:.2f} vs "
         f"{100 * comparison.untrained['recall@1']:.2f}: {100 * interval.difference:+.2f} points, "
         f"{100 * interval.level:.0f}% CI [{100 * interval.low:+.2f}, {100 * interval.high:+.2f}] "
-        f"(paired bootstrap, {interval.resamples} resamples of the queries).</p>" + _metrics_table(comparison)
+        f"(paired bootstrap, {interval.resamples} resamples of the queries).{why}</p>"
+        + _metrics_table(comparison)
     )
 
 

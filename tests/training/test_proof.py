@@ -7,6 +7,7 @@ import io
 import json
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -201,6 +202,32 @@ def test_report_is_one_self_contained_page_of_plots(magnet_run: Path, report_out
     assert "magnet" in page
     served = serving_check(magnet_run)  # the report says what export would do, whatever the verdict
     assert f"<dt>served</dt><dd>{'yes' if served.passed else 'no'}: `dmlsearch export`" in page
+
+
+def test_a_refused_run_better_on_its_test_images_is_not_shown_as_an_improvement(
+    magnet_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new-user trial of issue 39: a label-free run better on its test photos' first check, refused by
+    the gate, got a green "better" banner under "served: no", and `report` printed "verdict: better". A run
+    export refuses is never presented as an improvement: the banner and the command say it is not served."""
+    import training.comparison
+
+    run = _with_recorded_gain(magnet_run, tmp_path / "run", Interval(0.04, -0.02, 0.10, 0.95, 2000))
+    assert not serving_check(run).passed
+    measured = training.comparison.compare_run
+
+    def better_on_test(*args: object, **kwargs: object) -> object:
+        comparison, embedded = measured(*args, **kwargs)
+        return replace(comparison, recall_at_1=Interval(0.04, 0.01, 0.08, 0.95, 200)), embedded
+
+    monkeypatch.setattr(training.comparison, "compare_run", better_on_test)
+    result = runner.invoke(app, ["report", str(run), "--resamples", "200"])
+    assert result.exit_code == 0, result.output
+    assert "verdict: better (trained vs the untrained backbone)" in result.output
+    assert "not served: `dmlsearch export` refuses it" in result.output
+    page = (run / REPORT_FILE).read_text()
+    assert "class='verdict better'" not in page and "<b>better</b>" in page
+    assert "but it is <b>not served</b>" in page
 
 
 def test_report_of_a_missing_run_exits_2(tmp_path: Path) -> None:
