@@ -347,7 +347,7 @@ def _summary_html(run_path: Path, comparison: Comparison, embedded: RunEmbedding
     scores = "Recall@1"
     if gate.label_free:  # the gate's verdict leads: the test photos' check alone is not what serves a run
         verdict = "better" if gate.passed else "not served"
-        scores = "on the held-out test photos' check (neither served nor refused on it), Recall@1"
+        scores = "On the held-out test photos' check (neither served nor refused on it), Recall@1"
     # Nor is a labelled run that export refuses shown as an improvement where its test classes gained (the
     # trials of issue 39): its banner is neutral and says so.
     refused = verdict == "better" and not gate.passed

@@ -96,7 +96,7 @@ def test_the_report_of_a_refused_label_free_run_leads_with_the_gates_verdict(
     page = (out / "report.html").read_text()
     assert "<dd>no: the run learned nothing usable without labels" in page
     assert "<b>better</b>" not in page and "class='verdict better'" not in page
-    assert "<b>not served</b>" in page and "on the held-out test photos' check" in page
+    assert "<b>not served</b>" in page and "On the held-out test photos' check" in page
     served = ServingCheck(True, "both checks better", False, label_free=True)
     monkeypatch.setattr(report, "serving_check", lambda run: served)
     assert runner.invoke(app, ["report", str(out)]).exit_code == 0
