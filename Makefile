@@ -21,15 +21,18 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/dmlsearch demo
 
-# The fast tier in one process per core (pytest-xdist; a test file stays in one process, with its module
-# fixtures); each process computes on one thread (tests/conftest.py).
+# The fast tier in one process per core (pytest-xdist); each process computes on one thread
+# (tests/conftest.py). --dist worksteal: each process starts on its half of the tests in file order (a file
+# mostly stays in one process, its module fixtures made once), and one that runs out takes half of what the
+# other has left, so neither sits idle at the end (--dist loadfile hands out whole files: the last may run
+# alone).
 test: setup
-	$(BIN)/pytest -q -m "not slow" -n auto --dist loadfile
+	$(BIN)/pytest -q -m "not slow" -n auto --dist worksteal
 
 # Every test: the fast tier as `make test` does, then the slow tier in one process (its tests start servers,
 # clusters, a browser and containers, and time their deadlines).
 test-all: setup
-	$(BIN)/pytest -q -m "not slow" -n auto --dist loadfile
+	$(BIN)/pytest -q -m "not slow" -n auto --dist worksteal
 	$(BIN)/pytest -q -m slow
 
 lint: setup typecheck
