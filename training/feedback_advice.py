@@ -8,6 +8,8 @@ them, or too few held-out queries to show what it learned. From the numbers the 
   query by the served vectors (:func:`wrong_near_top`);
 - the held-out queries: fewer than :func:`training.bootstrap.fewest_pairs_for` (6) show no gain however
   they moved, so at least that many are needed whatever else the run saw;
+- where the interval cleared zero but the sign-flip test did not, the held-out queries that moved: the
+  others are ties no test counts, so about ``6 / moved`` times as many held-out queries are needed;
 - the held-out gate's difference ``d`` and the half-width ``h`` of its interval: the interval narrows as
   one over the square root of the held-out queries, so ``(h / d)^2`` times as many judged queries would
   make a gain of ``d`` clear of zero (:func:`queries_for_a_clear_gain`). Where ``d <= 0`` nothing scales:
@@ -57,9 +59,11 @@ def judge_more(
     interval: Interval,
     held_out_queries: int,
     held_out_share: float,
+    moved_queries: int | None = None,
 ) -> str:
     """The advice, in plain words, for a run trained on ``pairs`` whose held-out judgments (``interval``
-    over ``held_out_queries``, ``held_out_share`` of the judged queries) did not show a gain."""
+    over ``held_out_queries``, ``held_out_share`` of the judged queries, ``moved_queries`` of them ranked
+    otherwise than before) did not show a gain."""
     likes = sum(pair.sign > 0 for pair in pairs)
     queries = len({pair.query for pair in pairs})
     per_query = len(pairs) / max(queries, 1)
@@ -84,6 +88,16 @@ def judge_more(
             f"{held_out_queries} held-out {'query' if held_out_queries == 1 else 'queries'} cannot show a "
             f"gain however they moved: it takes at least {least}, and about {needed} held-out queries would "
             f"do (the gate holds out {100 * held_out_share:.0f}% of the queries with both a 👍 and a 👎)"
+        )
+        more_queries = math.ceil((needed - held_out_queries) / held_out_share)
+    elif interval.low > 0 and moved_queries is not None:  # the interval cleared zero, the sign-flip test not
+        needed = math.ceil(held_out_queries * least / max(moved_queries, 1))
+        why = (
+            f"the held-out judgments gained {100 * interval.difference:+.1f} points, but only "
+            f"{moved_queries} of the {held_out_queries} held-out queries moved (the others ranked as "
+            f"before), and a gain on fewer than {least} moved queries is too often chance: about {needed} "
+            "held-out queries would "
+            f"move {least}"
         )
         more_queries = math.ceil((needed - held_out_queries) / held_out_share)
     elif needed is not None and needed > held_out_queries:

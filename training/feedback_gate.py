@@ -145,6 +145,7 @@ class FeedbackGate(BaseModel):
     judgments_held_out: int  # held out for this gate
     uploads_left_out: int  # judgments of uploaded queries: no photo to train from
     queries_held_out: int  # the held-out queries ranked (each with a 👍 and a 👎)
+    queries_moved: int | None = None  # those whose ranking precision changed (None: an older summary)
     precision_before: float  # mean ranking precision by the index's served vectors
     precision_after: float  # by the trained model
     interval: Interval  # of precision_after - precision_before, queries resampled
@@ -267,6 +268,7 @@ def feedback_gate(
         judgments_held_out=len(held_out),
         uploads_left_out=uploads,
         queries_held_out=len(precision_before),
+        queries_moved=int(np.count_nonzero(precision_after != precision_before)),
         precision_before=float(precision_before.mean()),
         precision_after=float(precision_after.mean()),
         interval=paired_bootstrap(precision_after, precision_before, seed=seed),

@@ -804,6 +804,7 @@ class _Training:
             interval=gate.interval,
             held_out_queries=gate.queries_held_out,
             held_out_share=HELD_OUT_SHARE,
+            moved_queries=gate.queries_moved,
         )
 
     def _validate(self, step: int, train_loss: float | None) -> dict[str, Any]:

@@ -412,3 +412,21 @@ def test_enough_held_out_queries_that_all_improved_pass_and_a_mixed_few_do_not()
         unjudged=None, seed=0,
     )  # fmt: skip
     assert gate.interval.low > 0 and gate.p_value == pytest.approx(1 / 64) and gate.judgments_better
+
+
+def test_a_gain_on_a_few_moved_queries_among_ties_says_how_many_queries_would_show_it() -> None:
+    """The trial of issue 40 with 180 judgments: 6 held-out queries, 3 ranked better, 3 as before. The
+    interval cleared zero, the sign-flip test (p = 2^-3) did not; the advice said "did not improve"."""
+    pairs, before, after = _ranked_queries(6, improved=3)
+    gate = feedback_gate(
+        index="i", trained=8, validation=0, held_out=pairs, uploads=0, before=before, after=after,
+        unjudged=None, seed=0,
+    )  # fmt: skip
+    assert gate.interval.low > 0 and gate.p_value == pytest.approx(1 / 8) and not gate.judgments_better
+    assert gate.queries_moved == 3
+    advice = judge_more(
+        pairs, before, interval=gate.interval, held_out_queries=6, held_out_share=0.2, moved_queries=3
+    )
+    assert "did not improve" not in advice
+    assert "only 3 of the 6 held-out queries moved" in advice and "about 12 held-out queries" in advice
+    assert "the top 2 of about 30 more queries" in advice
