@@ -42,6 +42,12 @@ CHROMIUM = Path("/usr/bin/chromium")
 PAGE = 10  # the results whose precision the table gives
 RESULT_CAPTION = re.compile(r" · (\S+)$")  # a result's caption: "label · path"
 WAIT_MS = 120_000  # a page step on a loaded machine
+# the served model's gate, from GET /v1/model (None: no record, e.g. the pretrained model)
+GATE_WORDS = {
+    None: ".",
+    True: ", which its gate passed.",
+    False: ", exported with --force: its gate refused it.",
+}
 
 
 def catalogue(api: str) -> dict[str, int]:
@@ -177,7 +183,8 @@ def table(state: dict, after: dict) -> str:
         f"{len(state['judged'])} judgments made in the UI (chromium, Playwright) on {len(state['queries'])} "
         f"queries, {sum(j['sign'] > 0 for j in state['judged'])} 👍; the server kept "
         f"{state['kept_by_server']}.",
-        f"Served before: model `{before['model'][:12]}`; after: model `{after['model'][:12]}`.",
+        f"Served before: model `{before['model'][:12]}`; after: model `{after['model'][:12]}`"
+        + GATE_WORDS[after.get("gate")],
         "These searches are the judged ones: the model after has trained on (some of) their judgments.",
         "",
         "| query | precision@10 before | precision@10 after |",
@@ -198,9 +205,11 @@ def score(args: argparse.Namespace) -> None:
     state = json.loads(args.state.read_text())
     classes = load_class_map(Path(state["classes"]))
     after = searches(args.api, catalogue(args.api), state["queries"], classes)
+    check = httpx.get(f"{args.api}/v1/model", timeout=60).json().get("validation_check")
+    after["gate"] = None if check is None else check["passed"]  # False: exported with --force
     if after["model"] == state["before"]["model"]:
         print(f"note: the server still serves the model judged with ({after['model'][:12]})")
-    text = table(state, after)
+    text = table(state, after) + (f"\n{args.note}\n" if args.note else "")
     args.out.write_text(text)
     args.out.with_suffix(".json").write_text(json.dumps({**state, "after": after}, indent=1))
     print(text, end="")
@@ -217,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     judging.set_defaults(run=judge)
     scoring = commands.add_parser("score", help="the same searches again, and the table")
     scoring.add_argument("--out", type=Path, default=RESULTS / "feedback_trial.md")
+    scoring.add_argument("--note", default="", help="a line under the table: which run the model came from")
     scoring.set_defaults(run=score)
     for command in (judging, scoring):
         command.add_argument("--api", required=True, help="the API's address")
