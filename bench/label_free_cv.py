@@ -64,18 +64,18 @@ def main() -> None:
     for other in map(json.loads, (path.read_text() for path in args.merge)):
         record = merged(record, other)
     rows = [CVRow.from_dict(row) for row in record["rows"]]
-    if not args.report:
+    if args.merge or not args.report:  # a report alone changes no row
         command = "python bench/label_free_cv.py " + shlex.join(sys.argv[1:])
         record["commands"] = [*record["commands"], command]
+    if not args.report:
         every_table, tables = fold_tables(data, folds, args.per_class, args.work)
         subset = Subset.load(every_table, args.work / "cache" / "subset")
         sizes = np.cumsum([0] + [len(load_labelled_images(t)) for t in tables])
         fold_rows = [np.arange(sizes[k], sizes[k + 1]) for k in range(len(tables))]
         done = {(r.method, r.fold, r.seed) for r in rows}
+        # Fold by fold: a fold's augmented views are extracted once, by its first run.
         for seed in args.seeds:
-            for fold in range(
-                args.folds
-            ):  # fold by fold: a fold's views are extracted once, by its first run
+            for fold in range(args.folds):
                 for method in args.methods:
                     if (method, fold, seed) in done:
                         continue

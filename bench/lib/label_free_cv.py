@@ -251,10 +251,9 @@ def gate_tally(rows: list[CVRow]) -> dict[str, Any]:
 
 def auto_choice(rows: list[CVRow], baseline: str = BASELINE) -> dict[str, Any]:
     """The rule for the label-free ``--loss auto``: the loss with the best mean gain over both settings,
-    among those that ran on every fold the baseline ran and are on no fold, in either setting, below the
-    baseline by more than the seeds' spread (the largest difference between two seeds of one loss on one
-    fold, over all losses and folds run with several seeds). The baseline stays where no loss beats it."""
-    spread = seed_spread(rows)
+    among those that ran every fold the baseline ran and are on no fold, in either setting, below the
+    baseline (fold means over seeds) by more than the seeds' spread there (the larger of the two losses'
+    max - min gain over their seeds on that fold: 0 with one seed). The baseline stays unless one beats it."""
     table = per_loss(rows)
     base = table[baseline]
     eligible = []
@@ -263,22 +262,23 @@ def auto_choice(rows: list[CVRow], baseline: str = BASELINE) -> dict[str, Any]:
             (s, k)
             for s in SETTINGS
             for k, gain in base[s]["by_fold"].items()
-            if k not in entry[s]["by_fold"] or entry[s]["by_fold"][k] < gain - spread
+            if k not in entry[s]["by_fold"]
+            or entry[s]["by_fold"][k] < gain - seed_spread(rows, (method, baseline), k, s)
         ]
         if not worse:
             eligible.append(method)
     score = {m: round(statistics.fmean(table[m][s]["mean"] for s in SETTINGS), 2) for m in table}
     chosen = max(eligible, key=lambda m: (score[m], m == baseline))
-    return {"seed_spread": spread, "mean_gain_both_settings": score, "eligible": eligible, "chosen": chosen}
+    return {"mean_gain_both_settings": score, "eligible": eligible, "chosen": chosen}
 
 
-def seed_spread(rows: list[CVRow]) -> float:
-    """The largest gain difference between seeds of one loss on one fold, in either setting (0: none)."""
+def seed_spread(rows: list[CVRow], methods: tuple[str, ...], fold: int, setting: str) -> float:
+    """The largest max - min gain in ``setting`` over the seeds of one of ``methods`` on ``fold``."""
     spreads = [0.0]
-    for method, fold in {(r.method, r.fold) for r in rows}:
-        mine = [r for r in rows if (r.method, r.fold) == (method, fold)]
-        if len(mine) > 1:
-            spreads += [max(r.gain(s) for r in mine) - min(r.gain(s) for r in mine) for s in SETTINGS]
+    for method in methods:
+        gains = [r.gain(setting) for r in rows if (r.method, r.fold) == (method, fold)]
+        if gains:
+            spreads.append(max(gains) - min(gains))
     return round(max(spreads), 2)
 
 
@@ -335,7 +335,7 @@ def markdown(rows: list[CVRow], commands: list[str], folds: list[list[int]], per
             "",
             "The loss with the best mean gain over both settings, among those no worse than "
             f"{BASELINE} on any fold (mean over seeds), in either setting, by more than the seeds' spread "
-            f"(the largest gain difference between two seeds of one loss on one fold): {choice}",
+            f"there (the larger max - min gain over seeds of the two losses on that fold): {choice}",
             "",
         ]
     lines += [

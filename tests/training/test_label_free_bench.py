@@ -97,13 +97,14 @@ def test_the_cv_tables_say_how_the_choice_moved_and_what_the_gate_served() -> No
     rows = [
         *(_row("ms", k, 0, 1.0, 1.0) for k in range(3)),
         _row("ms", 0, 1, 2.0, 1.0),
-        # angular: better on average, and on fold 2 below ms by more than the seeds' spread (1 point)
+        # angular: better on average, and on fold 2 (one seed each: no spread) 2 and 3 points below ms
         _row("angular", 0, 0, 4.0, 3.0, served=True),
         _row("angular", 1, 0, 4.0, 3.0),
         _row("angular", 2, 0, -1.0, -2.0, served=True),
         _row("angular", 0, 1, 3.0, 3.0),
-        # magnet: a little better than ms everywhere
-        *(_row("magnet", k, 0, 1.5, 1.5) for k in range(3)),
+        # magnet: better than ms on average; on fold 0 below ms's 1.5 own-gallery gain, within its seeds' 1.0
+        _row("magnet", 0, 0, 1.0, 1.5),
+        *(_row("magnet", k, 0, 1.5, 1.5) for k in (1, 2)),
     ]
     table = per_loss(rows)
     assert table["angular"]["own-gallery"]["mean"] == 2.5 and table["angular"]["own-gallery"]["sd"] == 2.38
@@ -117,7 +118,6 @@ def test_the_cv_tables_say_how_the_choice_moved_and_what_the_gate_served() -> No
     assert (gate["runs_served"], gate["served_below_untrained"], gate["worst_served"]) == (2, 2, -2.0)
     assert gate["cases"] == 2 * len(rows) and gate["refused_gained"] == 2 * (len(rows) - 2)
     choice = auto_choice(rows)
-    assert choice["seed_spread"] == 1.0
     assert choice["eligible"] == ["ms", "magnet"] and choice["chosen"] == "magnet"
     assert auto_choice([r for r in rows if r.method != "magnet"])["chosen"] == "ms"  # angular not eligible
     text = cv_markdown(rows, ["python bench/label_free_cv.py"], fold_classes(196, 3, 32), 16)
