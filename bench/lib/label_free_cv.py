@@ -364,7 +364,8 @@ def _by_fold(by_fold: dict[int, float]) -> str:
 
 
 def plot(rows: list[CVRow], path: Path) -> None:
-    """The gain per loss across folds (one marker per fold-and-seed run), one panel per setting."""
+    """The gain per loss across folds (one marker per fold-and-seed run, edged where the gate served the
+    run), one panel per setting."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -377,16 +378,15 @@ def plot(rows: list[CVRow], path: Path) -> None:
     for axis, setting in zip(axes, SETTINGS, strict=True):
         for fold in sorted({r.fold for r in rows}):
             for seed in sorted({r.seed for r in rows}):
-                points = [
-                    (order.index(r.method), r.gain(setting)) for r in rows if (r.fold, r.seed) == (fold, seed)
-                ]
-                if points:
-                    x, y = zip(*points, strict=True)
+                mine = [r for r in rows if (r.fold, r.seed) == (fold, seed)]
+                if mine:
                     axis.scatter(
-                        np.array(x) + 0.12 * (fold - 1),
-                        y,
+                        np.array([order.index(r.method) for r in mine]) + 0.12 * (fold - 1),
+                        [r.gain(setting) for r in mine],
                         marker=markers[seed % len(markers)],
                         color=f"C{fold}",
+                        edgecolors=["black" if r.served else "none" for r in mine],
+                        linewidths=1.5,
                         label=f"fold {fold} seed {seed}",
                         s=28,
                     )
@@ -395,6 +395,7 @@ def plot(rows: list[CVRow], path: Path) -> None:
         axis.set_title(f"{setting}: class Recall@1 gain over untrained")
         axis.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("points")
+    figure.suptitle("Losses trained without labels, per class fold (black edge: the gate served the run)")
     axes[-1].legend(fontsize=7)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
