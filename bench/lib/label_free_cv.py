@@ -158,12 +158,18 @@ def _interval(interval: Any) -> str:
 
 
 def merged(record: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
-    """``record`` with ``other``'s commands and the rows of runs it lacks (a run: loss, fold, seed)."""
-    key = ("method", "fold", "seed")
-    have = {tuple(row[k] for k in key) for row in record["rows"]}
-    rows = [*record["rows"], *(row for row in other["rows"] if tuple(row[k] for k in key) not in have)]
+    """``record`` with ``other``'s commands and runs (a run: loss, fold, seed). A run in both keeps the row
+    that trained it: the other grid found the run finished and only scored it again (0 minutes)."""
+    rows = {_key(row): row for row in record["rows"]}
+    for row in other["rows"]:
+        if _key(row) not in rows or row["minutes"] > rows[_key(row)]["minutes"]:
+            rows[_key(row)] = row
     commands = [*record["commands"], *(c for c in other["commands"] if c not in record["commands"])]
-    return {**record, "commands": commands, "rows": rows}
+    return {**record, "commands": commands, "rows": list(rows.values())}
+
+
+def _key(row: dict[str, Any]) -> tuple[str, int, int]:
+    return row["method"], row["fold"], row["seed"]
 
 
 def per_loss(rows: list[CVRow]) -> dict[str, dict[str, Any]]:

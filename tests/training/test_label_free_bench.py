@@ -133,6 +133,9 @@ def test_a_merged_record_keeps_its_own_rows_and_adds_the_others_runs() -> None:
     both_records = merged(mine, other)
     assert both_records["commands"] == ["a", "b"]
     assert [CVRow.from_dict(r).gain("unseen") for r in both_records["rows"]] == [1.0, 2.0]
+    scored_again = {"commands": [], "rows": [{**_row("ms", 1, 0, 2.0, 2.0).to_dict(), "minutes": 0.0}]}
+    trained = {"commands": [], "rows": [{**_row("ms", 1, 0, 2.0, 2.0).to_dict(), "minutes": 0.4}]}
+    assert merged(scored_again, trained)["rows"][0]["minutes"] == 0.4  # the row of the grid that trained it
 
 
 def test_a_fold_run_trains_without_labels_and_is_scored_on_its_own_and_the_next_folds_classes(
@@ -153,3 +156,4 @@ def test_a_fold_run_trains_without_labels_and_is_scored_on_its_own_and_the_next_
         assert getattr(row, f"{setting}_untrained") == round(100 * expected, 2)
     summary = json.loads((tmp_path / "runs" / "contrastive-fold2-seed0" / "summary.json").read_text())
     assert row.served == bool(summary["beats_backbone"]) and row.steps == 4
+
