@@ -24,7 +24,9 @@ from bench.lib.label_free_cv import markdown as cv_markdown
 from bench.lib.label_free_gate import Subset, Verdict, both, summary_rows
 from training.data import load_labelled_images, split_classes
 from training.features import FeatureExtractor
+from training.losses import LOSSES
 from training.metrics import evaluate
+from training.recipes import LABEL_FREE_AUTO_LOSS
 
 
 @pytest.mark.parametrize("setting", ["unseen", "own-gallery"])
@@ -157,3 +159,11 @@ def test_a_fold_run_trains_without_labels_and_is_scored_on_its_own_and_the_next_
     summary = json.loads((tmp_path / "runs" / "contrastive-fold2-seed0" / "summary.json").read_text())
     assert row.served == bool(summary["beats_backbone"]) and row.steps == 4
 
+
+def test_the_label_free_auto_loss_is_the_class_fold_cvs_choice() -> None:
+    """`--loss auto` without labels trains what bench/results/label_free_cv.json's rule chooses: changing
+    either alone fails here."""
+    record = json.loads((Path(__file__).parents[2] / "bench/results/label_free_cv.json").read_text())
+    rows = [CVRow.from_dict(row) for row in record["rows"]]
+    assert {r.method for r in rows} == set(LOSSES)  # every registered loss ran
+    assert len({(r.fold, r.seed) for r in rows}) >= 6 and auto_choice(rows)["chosen"] == LABEL_FREE_AUTO_LOSS
