@@ -43,23 +43,52 @@ def folder_mark(root: Path, *, create: bool) -> str | None:
     written (None: nothing can be uploaded into it either)."""
     path = root / GALLERY_MARK
     try:
-        return read_regular(path, MARK_BYTES).decode().strip() or None
+        return _read_mark(path)
     except FileNotFoundError:
         if not create:
             return None
     mark = secrets.token_hex(16)
+    # Written aside, then linked in: the link is exclusive and the file whole, so a process marking the
+    # folder at the same moment never reads a mark file created but not yet written (an empty mark).
+    staged = root / f".{GALLERY_MARK}.{mark}"
     try:
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:  # another process marked it meanwhile: its mark
-        return read_regular(path, MARK_BYTES).decode().strip() or None
+        _write_synced(staged, mark)
     except OSError:  # a read-only folder (or share): its writes fail on their own, with nothing written
         return None
+    try:
+        os.link(staged, path)
+    except FileExistsError:  # another process marked it meanwhile: its mark
+        return _read_mark(path)
+    except OSError:  # a file system without hard links (an object-store mount): created in place
+        return _mark_in_place(path, mark)
+    finally:
+        staged.unlink(missing_ok=True)
+    return mark
+
+
+def _mark_in_place(path: Path, mark: str) -> str | None:
+    """``mark`` written straight into ``path`` unless it exists; a process marking the folder at the same
+    moment may read it empty (no mark) and finds the mark at its next check."""
+    try:
+        _write_synced(path, mark)
+    except FileExistsError:
+        return _read_mark(path)
+    except OSError:
+        return None
+    return mark
+
+
+def _read_mark(path: Path) -> str | None:
+    return read_regular(path, MARK_BYTES).decode().strip() or None
+
+
+def _write_synced(path: Path, mark: str) -> None:
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.write(descriptor, f"{mark}\n".encode())
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
-    return mark
 
 
 def require_shared_gallery(index: GalleryIndex) -> None:

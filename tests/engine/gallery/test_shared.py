@@ -3,6 +3,7 @@ FAISS: what the replica tests (tests/app/test_milvus_replicas.py) check on the r
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -81,3 +82,29 @@ def test_an_index_that_lives_in_its_folder_shares_nothing(tmp_path: Path) -> Non
 def _marked(folder: Path) -> Path:
     folder_mark(folder, create=True)
     return folder
+
+
+def test_a_folder_marked_while_another_process_writes_its_mark_gets_that_mark(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The moment between a mark file's creation and its content: a second marker there took it for no mark
+    (an empty file), where it must find the one mark."""
+    real_write = os.write
+    second: list[str | None] = []
+
+    def write_with_a_second_marker_first(descriptor: int, data: bytes) -> int:
+        if not second:  # the first marker's write: another marks the folder before it lands
+            second.append(None)
+
+            def mark() -> None:
+                second[0] = folder_mark(tmp_path, create=True)
+
+            thread = threading.Thread(target=mark)
+            thread.start()
+            thread.join()
+        return real_write(descriptor, data)
+
+    monkeypatch.setattr(os, "write", write_with_a_second_marker_first)
+    first = folder_mark(tmp_path, create=True)
+    monkeypatch.undo()
+    assert second[0] is not None and second[0] == first == folder_mark(tmp_path, create=False)
