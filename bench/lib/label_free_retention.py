@@ -19,7 +19,9 @@ or photos (training/bootstrap.py). A rule adds one candidate to the trainer's ga
 (``served and candidate >= floor``); the floor is chosen by leave-one-fold-out: on the other folds' runs,
 either the lowest floor under which no served case is below untrained (``strict``: the goal), or the
 floor with the most served cases that gained less those below untrained (``net``), then counted on the
-held-out fold.
+held-out fold. A *band* (:data:`BAND`: a floor on ``retention@1`` and a ceiling on ``overlap@10``, a run
+that kept its mutual pairs yet moved its neighbourhoods) is chosen the same way; its form was picked after
+looking at every run's scores, so its held-out figures are weaker evidence than the single floors'.
 """
 
 from __future__ import annotations
@@ -108,12 +110,16 @@ def score_run(row: CVRow, untrained: np.ndarray, trained: np.ndarray, labels: np
     )
 
 
-def tally(runs: list[Scored], candidate: str | None, floor: float) -> dict[str, Any]:
-    """The trainer's gate with ``candidate >= floor`` added (``None``: the gate as it is), case by case."""
+def tally(
+    runs: list[Scored], candidate: str | None, floor: float, ceiling: tuple[str, float] | None = None
+) -> dict[str, Any]:
+    """The trainer's gate with ``candidate >= floor`` added (``None``: the gate as it is), and, given a
+    ``ceiling`` (another candidate, its highest value), that candidate at most that value; case by case."""
     cases = [(run, setting) for run in runs for setting in SETTINGS]
 
     def served(run: Scored) -> bool:
-        return run.row.served and (candidate is None or run.scores[candidate] >= floor)
+        above = candidate is None or run.scores[candidate] >= floor
+        return run.row.served and above and (ceiling is None or run.scores[ceiling[0]] <= ceiling[1])
 
     below = [run.row.gain(s) for run, s in cases if served(run) and run.row.gain(s) < 0]
     return {
@@ -163,6 +169,51 @@ def leave_one_fold_out(runs: list[Scored], candidate: str, objective: str) -> li
                 "floor": floor,
                 "gate_now": tally(held, None, 0.0),
                 "with_floor": tally(held, candidate, floor),
+            }
+        )
+    return results
+
+
+BAND = ("retention@1", "overlap@10")  # kept its mutual pairs, yet moved its neighbourhoods
+
+
+BAND_TIES = ("loose", "tight")
+
+
+def choose_band(runs: list[Scored], ties: str) -> tuple[float, float]:
+    """The floor on :data:`BAND`'s first candidate and the ceiling on its second (among the runs' own
+    scores) with no served case of ``runs`` below untrained and the most served cases that gained; of
+    equally good bands, ``loose``: the lowest floor, then the highest ceiling; ``tight``: the highest
+    floor, then the lowest ceiling."""
+    kept, moved = BAND
+    floors = [*sorted({run.scores[kept] for run in runs}), np.inf]
+    ceilings = sorted({run.scores[moved] for run in runs}, reverse=True)
+    if ties == "tight":
+        floors, ceilings = floors[::-1], ceilings[::-1]
+    best: tuple[int, float, float] = (-1, np.inf, ceilings[0])
+    for floor in floors:
+        for ceiling in ceilings:
+            found = tally(runs, kept, floor, (moved, ceiling))
+            if found["served_below_untrained"] == 0 and found["served_gained"] > best[0]:
+                best = (found["served_gained"], floor, ceiling)
+    return float(best[1]), float(best[2])
+
+
+def band_leave_one_fold_out(runs: list[Scored], ties: str) -> list[dict[str, Any]]:
+    """Per held-out fold: :func:`choose_band` on the other folds, and the gate's tally on the held-out
+    fold as it is and with the band."""
+    results = []
+    for fold in sorted({run.row.fold for run in runs}):
+        floor, ceiling = choose_band([run for run in runs if run.row.fold != fold], ties)
+        held = [run for run in runs if run.row.fold == fold]
+        results.append(
+            {
+                "ties": ties,
+                "held_out_fold": fold,
+                "floor": floor,
+                "ceiling": ceiling,
+                "gate_now": tally(held, None, 0.0),
+                "with_band": tally(held, BAND[0], floor, (BAND[1], ceiling)),
             }
         )
     return results

@@ -7,6 +7,7 @@ import numpy as np
 from bench.lib.label_free_cv import CVRow
 from bench.lib.label_free_retention import (
     Scored,
+    choose_band,
     choose_floor,
     confident_pairs,
     leave_one_fold_out,
@@ -75,3 +76,34 @@ def test_the_floor_refuses_the_collapsed_runs_and_is_counted_on_the_held_out_fol
     runs[0] = _run(0, 0, 0.91, -5, -8)
     held = leave_one_fold_out(runs, "kept", "strict")[0]
     assert held["with_floor"]["served_below_untrained"] == 2 and held["with_floor"]["worst_served"] == -8
+
+
+def _moved(run: Scored, moved: float) -> Scored:
+    return Scored(
+        row=run.row,
+        scores={"retention@1": run.scores["kept"], "overlap@10": moved},
+        intervals={},
+        pairs=1,
+        pairs_one_class=1,
+    )
+
+
+def test_the_band_refuses_a_run_that_kept_its_pairs_but_barely_moved() -> None:
+    runs = [
+        _moved(_run(0, 0, 0.6, -5, -8), 0.6),  # collapsed
+        _moved(_run(0, 1, 0.9, 2, 1), 0.65),  # kept its pairs and moved: gained in both settings
+        _moved(_run(1, 0, 0.92, 1, -3), 0.85),  # kept its pairs, barely moved: lost on unseen classes
+        _moved(_run(1, 1, 0.88, 1, 2), 0.7),
+    ]
+    assert choose_floor([_moved_back(r) for r in runs], "kept", "strict") == np.inf  # no floor alone
+    for ties in ("loose", "tight"):
+        floor, ceiling = choose_band(runs, ties)
+        found = tally(runs, "retention@1", floor, ("overlap@10", ceiling))
+        assert found["served_below_untrained"] == 0 and found["served_gained"] == 4
+    assert choose_band(runs, "loose") == choose_band(runs, "tight") == (0.88, 0.7)
+
+
+def _moved_back(run: Scored) -> Scored:
+    return Scored(
+        row=run.row, scores={"kept": run.scores["retention@1"]}, intervals={}, pairs=1, pairs_one_class=1
+    )
