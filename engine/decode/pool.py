@@ -21,9 +21,11 @@ A decode started in ``foundation.priority.lowered_by`` an event runs at the lowe
 19) once the event is set, even midway: the caller that shares out the CPU (``app.compute``) lowers a
 request that has held its slot long while other clients wait, so that their decodes get the cores first
 and its own goes on with what is left. A worker that was lowered, was ended, ran out of its memory or grew
-large is replaced by a fresh one (an unprivileged process cannot raise its priority again). A SIGTERM or
-SIGINT to the whole process group ends neither the workers nor their forkserver: the decodes under way
-finish for the owner that is stopping (``foundation.stopping``, ``engine.decode.forkserver``). The caller gets
+large is replaced by a fresh one (an unprivileged process cannot raise its priority again). An ended
+worker's memory is freed by the thread that ended it, at that thread's priority (``foundation.reaping``),
+not by the worker at niceness 19. A SIGTERM or SIGINT to the whole process group ends neither the workers
+nor their forkserver: the decodes under way finish for the owner that is stopping (``foundation.stopping``,
+``engine.decode.forkserver``). The caller gets
 ``ImageDecodeError("image_too_costly")`` for an image over its limits (:class:`DecodeMemoryError` for
 memory), ``ImageDecodeError("request_too_costly")`` for a task over its budget,
 :class:`DecodeCancelledError` when its client went away, and ``MemoryError`` when something else ended
@@ -63,6 +65,7 @@ from engine.decode.images import ImageDecodeError, ImageSource
 from foundation import defaults
 from foundation.errors import DmlsearchError, ErrorKind
 from foundation.priority import LOWERED_NICENESS, lowering
+from foundation.reaping import kill_and_release
 from foundation.stopping import obey_stop_signals_from_owner
 
 T = TypeVar("T")
@@ -275,7 +278,11 @@ class _Worker:
             if self._ended:
                 return
             self._ended = True
-        self.process.kill()
+        # Freed here, at this thread's priority: a lowered worker freeing its hundreds of MB itself at
+        # niceness 19 kept the request that ended it (and its compute slot) in the join for seconds. Not
+        # once it has been reaped: its number may be another process's.
+        if self.process.pid is not None and self.process.exitcode is None:
+            kill_and_release(self.process.pid)
         self.process.join()
         self.tasks.close()
         self.results.close()
